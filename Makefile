@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PROTOS  := $(shell find protos -name '*.proto' 2>/dev/null)
+
+.PHONY: run test unit lint protos protos-check bench faults soak clean
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/gateway dev
+
+test: $(STAMP) lint
+	$(BIN)/pytest -q
+
+unit: $(STAMP)
+	$(BIN)/pytest -q tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check gateway tests benchmarks
+	$(BIN)/mypy gateway
+
+protos: $(STAMP)
+	$(BIN)/python -m gateway.protos_build
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_authz.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

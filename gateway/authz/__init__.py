@@ -1,0 +1,1 @@
+"""The decision core: identity → body → model ACL → admission. No gRPC, no Redis here."""

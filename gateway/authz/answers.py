@@ -1,0 +1,116 @@
+"""The HTTP answers a client sees (DESIGN §4): OpenAI-shaped errors and rate-limit headers."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+
+from gateway.authz.decision import Deny
+from gateway.limits.types import CONCURRENCY, RPS, TPD, TPM, TPMO, RateInfo, Verdict
+
+# error.type per error.code, as OpenAI uses them, so SDKs map them to their usual exceptions.
+ERROR_TYPES = {
+    "invalid_api_key": "invalid_request_error",
+    "model_not_found": "invalid_request_error",
+    "model_not_allowed": "invalid_request_error",
+    "invalid_request_error": "invalid_request_error",
+    "rate_limit_exceeded": "requests",
+    "insufficient_quota": "insufficient_quota",
+    "service_unavailable": "server_error",
+}
+
+
+def error_body(deny: Deny, request_id: str) -> bytes:
+    err = {
+        "message": deny.message,
+        "type": ERROR_TYPES.get(deny.code, "invalid_request_error"),
+        "param": None,
+        "code": deny.code,
+    }
+    return orjson.dumps({"error": err, "request_id": request_id})
+
+
+def duration(seconds: float) -> str:
+    """OpenAI's reset format: '1s', '6m0s', '250ms'."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    s = math.ceil(seconds)
+    if s < 60:
+        return f"{s}s"
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m}m{sec}s" if h else f"{m}m{sec}s"
+
+
+def rate_headers(rate: RateInfo) -> dict[str, str]:
+    out = {}
+    if rate.req_limit is not None:
+        out["x-ratelimit-limit-requests"] = str(rate.req_limit)
+        out["x-ratelimit-remaining-requests"] = str(rate.req_remaining or 0)
+        out["x-ratelimit-reset-requests"] = duration(rate.req_reset or 0.0)
+    if rate.tok_limit is not None:
+        out["x-ratelimit-limit-tokens"] = str(rate.tok_limit)
+        out["x-ratelimit-remaining-tokens"] = str(rate.tok_remaining or 0)
+        out["x-ratelimit-reset-tokens"] = duration(rate.tok_reset or 0.0)
+    return out
+
+
+_LIMIT_WORDS = {
+    RPS: "requests per second",
+    CONCURRENCY: "concurrent requests",
+    TPM: "tokens per minute",
+    TPD: "tokens per day",
+    TPMO: "tokens per month",
+}
+
+
+def limit_denial(v: Verdict) -> Deny:
+    """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers."""
+    assert v.tier is not None and v.limit is not None
+    quota = v.limit in (TPD, TPMO)
+    retry = max(1, math.ceil(v.retry_after))
+    value = v.limit_value
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    message = (
+        f"{'Quota exhausted' if quota else 'Rate limit exceeded'}: {v.tier} tier limit "
+        f"{v.limit}={shown} ({_LIMIT_WORDS[v.limit]}). Retry after {retry}s."
+    )
+    headers = {"retry-after": str(retry), "x-gateway-limit-tier": v.tier}
+    headers.update(rate_headers(v.rate))
+    if v.limit == CONCURRENCY and "x-ratelimit-limit-requests" not in headers:
+        headers["x-ratelimit-limit-requests"] = shown
+        headers["x-ratelimit-remaining-requests"] = "0"
+        headers["x-ratelimit-reset-requests"] = duration(v.retry_after)
+    return Deny(
+        status=429,
+        code="insufficient_quota" if quota else "rate_limit_exceeded",
+        message=message,
+        reason=v.limit,
+        tier=v.tier,
+        retry_after=retry,
+        rate=v.rate,
+        headers=headers,
+    )
+
+
+def unauthorized(message: str = "Invalid API key.") -> Deny:
+    return Deny(401, "invalid_api_key", message, "invalid_api_key")
+
+
+def bad_request(message: str) -> Deny:
+    return Deny(400, "invalid_request_error", message, "invalid_request")
+
+
+def model_not_found(model: str) -> Deny:
+    return Deny(404, "model_not_found", f"The model '{model}' does not exist.", "model_not_found")
+
+
+def model_not_allowed(model: str) -> Deny:
+    return Deny(403, "model_not_allowed",
+                f"This API key is not allowed to use the model '{model}'.", "model_not_allowed")
+
+
+def unavailable(message: str) -> Deny:
+    return Deny(503, "service_unavailable", message, "store_unavailable",
+                headers={"retry-after": "1"})

@@ -1,0 +1,41 @@
+"""A decision is a value: Allow (with the verified context) or Deny (with the HTTP answer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.limits.types import RateInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Verified facts about an allowed request; sent to the engine and to ext_proc."""
+
+    request_id: str
+    key_id: str
+    team: str
+    model: str
+    stream: bool
+    reserved: int
+    leased: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Allow:
+    context: Context
+    rate: RateInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Deny:
+    status: int
+    code: str  # OpenAI error.code
+    message: str
+    reason: str  # metrics label: e.g. 'invalid_api_key', 'rps', 'store_unavailable'
+    tier: str | None = None
+    retry_after: float | None = None
+    rate: RateInfo | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Decision = Allow | Deny

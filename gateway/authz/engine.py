@@ -1,0 +1,80 @@
+"""The authorization pipeline: identity → body → model → ACL → admission, first failure wins.
+
+Cheap checks come first, so an unknown key costs no JSON parse and no Redis call.
+The limiter store failing is the only way to a 503: fail closed, never allow unmetered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.authz import answers
+from gateway.authz.decision import Allow, Context, Decision
+from gateway.authz.request import AuthzRequest, api_key, parse_body
+from gateway.clock import Clock
+from gateway.errors import BodyError, StoreUnavailable
+from gateway.limits.types import AdmitRequest, Limiter, Verdict
+from gateway.policy import secrets
+from gateway.policy.model import Policy
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    deadline: float = 0.25  # seconds for the limiter store; well under Envoy's authz timeout
+    default_completion_tokens: int = 1024  # reserved when the request names no max_tokens
+    reserve_cap: int = 32768
+
+
+class Authorizer:
+    def __init__(
+        self,
+        policy: Callable[[], Policy | None],
+        limiter: Limiter,
+        clock: Clock,
+        settings: AdmissionSettings = AdmissionSettings(),
+    ) -> None:
+        self._policy = policy
+        self._limiter = limiter
+        self._clock = clock
+        self._settings = settings
+
+    async def check(self, req: AuthzRequest) -> Decision:
+        policy = self._policy()
+        if policy is None:
+            return answers.unavailable("No policy loaded yet; the gateway denies everything.")
+        secret = api_key(req.headers)
+        if secret is None:
+            return answers.unauthorized("Missing or malformed API key.")
+        key = policy.keys_by_digest.get(secrets.digest(secret))
+        now = self._clock.now()
+        if key is None or key.disabled or (key.expires_at is not None and key.expires_at <= now):
+            return answers.unauthorized()
+        try:
+            facts = parse_body(req.path, req.method, req.body)
+        except BodyError as exc:
+            return answers.bad_request(str(exc))
+        if facts.model is not None:
+            if facts.model not in policy.models:
+                return answers.model_not_found(facts.model)
+            if not key.may_use(facts.model):
+                return answers.model_not_allowed(facts.model)
+        s = self._settings
+        reserve = facts.reserve(s.default_completion_tokens, s.reserve_cap,
+                                req.path == "/v1/embeddings")
+        tiers = tuple(policy.tiers_for(facts.model, key))
+        verdict = Verdict(True)
+        if tiers:
+            try:
+                async with asyncio.timeout(s.deadline):
+                    verdict = await self._limiter.admit(
+                        AdmitRequest(req.request_id, tiers, reserve, now))
+            except (StoreUnavailable, TimeoutError) as exc:
+                reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+                return answers.unavailable(f"Rate limiter unavailable ({reason}); failing closed.")
+        if not verdict.allowed:
+            return answers.limit_denial(verdict)
+        ctx = Context(req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
+                      reserve if verdict.leased else 0, verdict.leased)
+        return Allow(ctx, verdict.rate)

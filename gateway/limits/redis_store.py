@@ -1,0 +1,137 @@
+"""Redis limiter: one Lua call decides a whole batch of admissions.
+
+Admissions that arrive while a call is in flight queue up and go together in the next
+call, so under load many Checks share one round trip (and one Lua invocation), while a
+lone request never waits. Every Redis failure becomes StoreUnavailable here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+from typing import Any
+
+from redis import exceptions as redis_errors
+from redis.asyncio import Redis
+
+from gateway.errors import StoreUnavailable
+from gateway.limits import maths
+from gateway.limits.types import LIMIT_CODES, AdmitRequest, RateInfo, Verdict
+
+REDIS_ERRORS = (redis_errors.RedisError, OSError, asyncio.TimeoutError)
+MAX_BATCH = 256
+
+
+def _lua(name: str) -> str:
+    return resources.files("gateway.limits").joinpath(name).read_text()
+
+
+def _opt(v: float | int | None) -> str | float | int:
+    return "" if v is None else v
+
+
+def _none(v: int) -> int | None:
+    return None if v < 0 else v
+
+
+class RedisLimiter:
+    def __init__(self, redis: Redis, lease_ttl: float = 60.0) -> None:
+        self.redis = redis
+        self.lease_ttl_ms = int(lease_ttl * 1000)
+        self.record_ttl_ms = self.lease_ttl_ms * 3
+        self._admit = redis.register_script(_lua("admit.lua"))
+        self._settle = redis.register_script(_lua("settle.lua"))
+        self._renew = redis.register_script(_lua("renew.lua"))
+        self._queue: list[tuple[AdmitRequest, asyncio.Future[Verdict]]] = []
+        self._pump: asyncio.Task[None] | None = None
+
+    async def admit(self, req: AdmitRequest) -> Verdict:
+        fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._queue.append((req, fut))
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        """Send queued admissions, one Lua call per batch, until the queue is empty."""
+        await asyncio.sleep(0)  # let this loop tick's other Checks join the first batch
+        while self._queue:
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            live = [(r, f) for r, f in batch if not f.done()]  # skip callers that timed out
+            if not live:
+                continue
+            try:
+                rows = await self._admit(args=self._args([r for r, _ in live]))
+            except REDIS_ERRORS as exc:
+                err = StoreUnavailable(f"redis: {exc.__class__.__name__}: {exc}")
+                for _, f in live:
+                    if not f.done():
+                        f.set_exception(err)
+                continue
+            for (req, f), row in zip(live, rows, strict=True):
+                if not f.done():
+                    f.set_result(self._verdict(req, row))
+
+    def _args(self, reqs: list[AdmitRequest]) -> list[Any]:
+        now = reqs[0].now
+        args: list[Any] = [
+            int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
+            maths.day_id(now), maths.month_id(now),
+            int(maths.seconds_to_day_end(now) * 1000),
+            int(maths.seconds_to_month_end(now) * 1000),
+            len(reqs),
+        ]
+        for r in reqs:
+            args += [r.request_id, r.reserve, len(r.tiers)]
+            for t in r.tiers:
+                s = t.spec
+                args += [f"{t.tier}:{t.name}", _opt(s.rps), _opt(s.burst), _opt(s.concurrency),
+                         _opt(s.tokens_per_minute), _opt(s.tokens_per_day),
+                         _opt(s.tokens_per_month)]
+        return args
+
+    @staticmethod
+    def _verdict(req: AdmitRequest, row: list[int]) -> Verdict:
+        code, at, retry_ms, rl, rr, rreset, tl, tr, treset, leased = (int(v) for v in row)
+        rate = RateInfo(
+            _none(rl), _none(rr), rreset / 1000 if rreset >= 0 else None,
+            _none(tl), _none(tr), treset / 1000 if treset >= 0 else None,
+        )
+        if code == 0:
+            return Verdict(True, rate=rate, leased=bool(leased))
+        tier = req.tiers[at - 1]
+        limit = LIMIT_CODES[code]
+        value = getattr(tier.spec, limit) if limit else None
+        return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate)
+
+    async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
+        await self.settle_many([(request_id, actual_tokens)])
+
+    async def settle_many(self, items: list[tuple[str, int | None]]) -> None:
+        args: list[Any] = [len(items)]
+        for rid, actual in items:
+            args += [rid, -1 if actual is None else actual]
+        try:
+            await self._settle(args=args)
+        except REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def renew(self, request_ids: list[str], now: float) -> None:
+        if not request_ids:
+            return
+        try:
+            await self._renew(args=[int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
+                                    *request_ids])
+        except REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.redis.ping())
+        except REDIS_ERRORS:
+            return False
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+        await self.redis.aclose()

@@ -1,0 +1,74 @@
+"""What the limiter is asked and what it answers; the `Limiter` protocol both stores implement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.policy.model import TierLimit
+
+# Which limit tripped, in the order they are checked within a tier.
+RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "tokens_per_day", \
+    "tokens_per_month"
+LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    request_id: str
+    tiers: tuple[TierLimit, ...]
+    reserve: int  # tokens reserved at admission, replaced by the actual count at settlement
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class RateInfo:
+    """The tightest tier's numbers, for the OpenAI-style x-ratelimit-* headers (None = no limit)."""
+
+    req_limit: int | None = None
+    req_remaining: int | None = None
+    req_reset: float | None = None
+    tok_limit: int | None = None
+    tok_remaining: int | None = None
+    tok_reset: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    allowed: bool
+    tier: str | None = None  # 'model' | 'team' | 'key' that denied
+    limit: str | None = None  # which limit of that tier
+    limit_value: float | None = None
+    retry_after: float = 0.0
+    rate: RateInfo = RateInfo()
+    leased: bool = False  # a settlement is owed (concurrency lease or token reservation)
+
+
+ALLOW_UNLIMITED = Verdict(True)
+
+
+class Limiter(Protocol):
+    """Admission store. Redis for a spoke, in-process for the embedded mode.
+
+    `admit` checks every tier and commits all of them or none: a request denied at one
+    tier consumes nothing at another. Raises StoreUnavailable if the store cannot answer.
+    """
+
+    async def admit(self, req: AdmitRequest) -> Verdict: ...
+
+    async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
+        """Release the request's leases; replace its reservation with `actual_tokens`
+        (None = unknown: keep the reservation). Idempotent: a second call does nothing."""
+        ...
+
+    async def settle_many(self, items: list[tuple[str, int | None]]) -> None:
+        """`settle` for several requests in one store call."""
+        ...
+
+    async def renew(self, request_ids: list[str], now: float) -> None:
+        """Extend the leases of requests still streaming."""
+        ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,26 @@
+"""structlog JSON logs. Never log a secret or prompt text: only ids, codes and counts."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+log = structlog.get_logger("gateway")
+
+
+def configure(level: str = "info") -> None:
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,87 @@
+"""Leases of admitted requests: renewed while they stream, settled exactly once when they end.
+
+ext_proc handlers call `begin` and `end`; they never await the store themselves (a stream
+that Envoy reset must not wait on Redis in its `finally`). Settlements are queued and sent
+in batches by one background task, retried while the store is down; leases that are never
+settled still expire on their own (crash safety).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from gateway.clock import Clock
+from gateway.errors import StoreUnavailable
+from gateway.limits.types import Limiter
+from gateway.log import log
+from gateway.server import metrics
+
+
+class Lifecycle:
+    def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float) -> None:
+        self.limiter = limiter
+        self.clock = clock
+        self.renew_every = max(lease_ttl / 3, 0.05)
+        self.active: set[str] = set()
+        self._pending: list[tuple[str, int | None]] = []
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._settle_loop()),
+                       asyncio.create_task(self._renew_loop())]
+
+    async def stop(self) -> None:
+        """Flush what is pending (best effort), then stop the background tasks."""
+        with contextlib.suppress(StoreUnavailable, TimeoutError):
+            async with asyncio.timeout(2):
+                await self._flush()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def begin(self, request_id: str) -> None:
+        self.active.add(request_id)
+
+    def end(self, request_id: str, actual_tokens: int | None) -> None:
+        """Queue the one settlement of this request (idempotent at the store as well)."""
+        if request_id in self.active:
+            self.active.discard(request_id)
+            self._pending.append((request_id, actual_tokens))
+            self._wake.set()
+
+    async def _flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            await self.limiter.settle_many(batch)
+        except StoreUnavailable:
+            self._pending = batch + self._pending
+            raise
+
+    async def _settle_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._flush()
+                backoff = 0.05
+            except StoreUnavailable as exc:
+                metrics.SETTLE_ERRORS.inc()
+                log.warning("settle_deferred", pending=len(self._pending), error=str(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                self._wake.set()
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_every)
+            if not self.active:
+                continue
+            try:
+                await self.limiter.renew(list(self.active), self.clock.now())
+            except StoreUnavailable as exc:
+                log.warning("lease_renew_failed", active=len(self.active), error=str(exc))

@@ -1,0 +1,130 @@
+"""Operator actions on the policy (apply, show, keys create/list/revoke), for Redis or a file.
+
+Each edit is read-modify-write of a whole document with a compare-and-set on the revision,
+so two operators editing at once cannot silently lose one another's change.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+from gateway.policy import secrets
+from gateway.policy.loader import dump_yaml, parse_doc, to_data
+from gateway.policy.schema import PolicyDoc
+
+
+class Backend(Protocol):
+    async def read(self) -> tuple[int, PolicyDoc]: ...
+
+    async def write(self, doc: PolicyDoc, expect: int | None) -> int: ...
+
+
+class FileBackend:
+    """Embedded mode: the file is the policy; the running sidecar reloads it on change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def read(self) -> tuple[int, PolicyDoc]:
+        if not self.path.exists():
+            return 0, PolicyDoc()
+        doc = parse_doc(self.path.read_bytes(), str(self.path))
+        return doc.revision or 0, doc
+
+    async def write(self, doc: PolicyDoc, expect: int | None) -> int:
+        cur, _ = await self.read()
+        new = doc.revision if doc.revision and doc.revision > cur else cur + 1
+        text = dump_yaml(doc, new)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".policy-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, self.path)  # atomic: the sidecar never reads half a file
+        return new
+
+
+class RedisBackend:
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    async def read(self) -> tuple[int, PolicyDoc]:
+        loaded = await self.store.load_doc()
+        return loaded if loaded is not None else (0, PolicyDoc())
+
+    async def write(self, doc: PolicyDoc, expect: int | None) -> int:
+        return int(await self.store.publish(doc, expect))
+
+
+def parse_duration(text: str) -> timedelta:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    try:
+        return timedelta(seconds=float(text[:-1]) * units[text[-1]])
+    except (KeyError, ValueError, IndexError):
+        raise ValueError(f"bad duration {text!r}: use e.g. 30d, 12h, 90m") from None
+
+
+@dataclass
+class NewKey:
+    key_id: str
+    secret: str
+    revision: int
+
+
+async def apply(backend: Backend, text: bytes, source: str) -> int:
+    doc = parse_doc(text, source)  # raises PolicyError naming the path; nothing published
+    return await backend.write(doc, None)
+
+
+async def create_key(
+    backend: Backend,
+    team: str,
+    *,
+    key_id: str | None = None,
+    models: list[str] | None = None,
+    expires_in: str | None = None,
+    limits: dict[str, Any] | None = None,
+) -> NewKey:
+    rev, doc = await backend.read()
+    key_id = key_id or secrets.new_key_id()
+    secret = secrets.new_secret(key_id)
+    data = to_data(doc)
+    keys = data.setdefault("keys", {})
+    if key_id in keys:
+        raise ValueError(f"key {key_id} already exists")
+    entry: dict[str, Any] = {"team": team, "sha256": secrets.digest(secret).hex()}
+    if models:
+        entry["models"] = models
+    if limits:
+        entry["limits"] = {k: v for k, v in limits.items() if v is not None}
+    if expires_in:
+        entry["expires_at"] = (datetime.now(UTC) + parse_duration(expires_in)).isoformat()
+    keys[key_id] = entry
+    new = await backend.write(PolicyDoc.model_validate(data), rev)
+    return NewKey(key_id, secret, new)
+
+
+async def revoke_key(backend: Backend, key_id: str) -> int:
+    rev, doc = await backend.read()
+    data = to_data(doc)
+    if key_id not in data.get("keys", {}):
+        raise KeyError(key_id)
+    data["keys"][key_id]["disabled"] = True
+    return await backend.write(PolicyDoc.model_validate(data), rev)
+
+
+def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]]:
+    now = now or datetime.now(UTC)
+    rows = []
+    for key_id, k in doc.keys.items():
+        state = "disabled" if k.disabled else (
+            "expired" if k.expires_at and k.expires_at <= now else "active")
+        rows.append({
+            "key_id": key_id, "team": k.team, "state": state,
+            "models": ",".join(k.models) if k.models is not None else "(team)",
+            "expires_at": k.expires_at.isoformat() if k.expires_at else "",
+        })
+    return rows

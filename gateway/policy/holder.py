@@ -1,0 +1,146 @@
+"""The policy an instance serves, kept current from Redis or from a file.
+
+Redis mode: load at start, then on every announcement and every `recheck` seconds (a missed
+announcement heals itself). Each attempt at a new revision is ACKed or NACKed; a NACKed
+revision leaves the previous one serving. Redis down: keep serving what we hold.
+File mode (embedded): reload when the file changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from redis import exceptions as redis_errors
+
+from gateway.errors import PolicyError
+from gateway.log import log
+from gateway.policy import loader
+from gateway.policy.model import Policy
+from gateway.policy.store import ANNOUNCE, PolicyStore
+from gateway.server import metrics
+
+_REDIS_DOWN = (redis_errors.RedisError, OSError, TimeoutError)
+
+
+class PolicyHolder:
+    def __init__(self) -> None:
+        self.policy: Policy | None = None
+        self.rejected: dict[int, str] = {}  # revision → error, so a bad one is NACKed once
+
+    def get(self) -> Policy | None:
+        return self.policy
+
+    def swap(self, policy: Policy) -> None:
+        self.policy = policy
+        metrics.POLICY_REVISION.set(policy.revision)
+        metrics.READY.set(1)
+        metrics.POLICY_LOADS.labels("ack").inc()
+        log.info("policy_loaded", revision=policy.revision, keys=len(policy.keys))
+
+
+class RedisPolicySync:
+    def __init__(self, holder: PolicyHolder, store: PolicyStore, instance_id: str,
+                 recheck: float) -> None:
+        self.holder = holder
+        self.store = store
+        self.instance_id = instance_id
+        self.recheck = recheck
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def refresh(self) -> None:
+        """Load the current revision if it is new; ACK or NACK it. Never raises for Redis."""
+        try:
+            stored = await self.store.current()
+            if stored is None:
+                return
+            if stored.revision != self.held and stored.revision not in self.holder.rejected:
+                try:
+                    policy = loader.load(stored.text, stored.revision,
+                                         f"revision {stored.revision}")
+                    self.holder.swap(policy)
+                except PolicyError as err:
+                    self.holder.rejected[stored.revision] = str(err)
+                    metrics.POLICY_LOADS.labels("nack").inc()
+                    log.error("policy_rejected", revision=stored.revision, error=str(err))
+            error = self.holder.rejected.get(stored.revision)
+            await self.store.report(self.instance_id, self.held, stored.revision, error)
+        except _REDIS_DOWN as exc:
+            log.warning("policy_refresh_failed", error=str(exc))
+
+    @property
+    def held(self) -> int:
+        return self.holder.policy.revision if self.holder.policy else 0
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._poll()), asyncio.create_task(self._listen())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.recheck)
+            await self.refresh()
+
+    async def _listen(self) -> None:
+        """Announcements make a new revision take effect in milliseconds, not `recheck`."""
+        while True:
+            try:
+                async with self.store.redis.pubsub() as ps:
+                    await ps.subscribe(ANNOUNCE)
+                    await self.refresh()  # anything published while we were not listening
+                    async for msg in ps.listen():
+                        if msg.get("type") == "message":
+                            await self.refresh()
+            except _REDIS_DOWN as exc:
+                log.warning("policy_announce_lost", error=str(exc))
+                await asyncio.sleep(1.0)
+
+
+class FilePolicySync:
+    """Embedded mode: the YAML file is the policy; its mtime is the revision clock."""
+
+    def __init__(self, holder: PolicyHolder, path: Path, interval: float = 0.5) -> None:
+        self.holder = holder
+        self.path = path
+        self.interval = interval
+        self._stamp: tuple[float, int] | None = None
+        self._revision = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def refresh(self) -> None:
+        try:
+            st = self.path.stat()
+        except OSError as exc:
+            log.error("policy_file_unreadable", path=str(self.path), error=str(exc))
+            return
+        stamp = (st.st_mtime, st.st_size)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            doc = loader.parse_doc(self.path.read_bytes(), str(self.path))
+        except PolicyError as err:
+            metrics.POLICY_LOADS.labels("nack").inc()
+            log.error("policy_rejected", path=str(self.path), error=str(err))
+            return
+        self._revision = max(self._revision + 1, doc.revision or 0)
+        self.holder.swap(Policy.compile(doc, self._revision))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.refresh()

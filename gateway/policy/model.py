@@ -1,0 +1,152 @@
+"""Runtime policy: the schema compiled into frozen lookups the request path can read in O(1).
+
+A `Policy` is immutable; a new revision is a new object swapped in atomically
+(one attribute assignment), so a request never sees half of two revisions.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+from gateway.policy.schema import Limits, PolicyDoc
+
+TIERS = ("model", "team", "key")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSpec:
+    """One tier's limits; None = unlimited."""
+
+    rps: float | None = None
+    burst: int | None = None
+    concurrency: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    tokens_per_month: int | None = None
+
+    @classmethod
+    def of(cls, limits: Limits) -> LimitSpec:
+        return cls(
+            rps=limits.rps,
+            burst=limits.effective_burst,
+            concurrency=limits.concurrency,
+            tokens_per_minute=limits.tokens_per_minute,
+            tokens_per_day=limits.tokens_per_day,
+            tokens_per_month=limits.tokens_per_month,
+        )
+
+    @property
+    def empty(self) -> bool:
+        return (
+            self.rps is None
+            and self.concurrency is None
+            and self.tokens_per_minute is None
+            and self.tokens_per_day is None
+            and self.tokens_per_month is None
+        )
+
+    @property
+    def has_tokens(self) -> bool:
+        return not (
+            self.tokens_per_minute is None
+            and self.tokens_per_day is None
+            and self.tokens_per_month is None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierLimit:
+    """A tier that names at least one limit: ('team', 'team-a', spec)."""
+
+    tier: str
+    name: str
+    spec: LimitSpec
+
+
+class ModelAcl:
+    """Glob patterns compiled once into one regex; answers cached per model name."""
+
+    __slots__ = ("_cache", "_rx", "patterns")
+
+    def __init__(self, patterns: list[str]) -> None:
+        self.patterns = tuple(patterns)
+        rx = "|".join(f"(?:{fnmatch.translate(p)})" for p in patterns) or r"(?!)"
+        self._rx = re.compile(rx)
+        self._cache: dict[str, bool] = {}
+
+    def allows(self, model: str) -> bool:
+        hit = self._cache.get(model)
+        if hit is None:
+            hit = self._rx.fullmatch(model) is not None
+            if len(self._cache) < 4096:
+                self._cache[model] = hit
+        return hit
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    key_id: str
+    team: str
+    team_acl: ModelAcl
+    key_acl: ModelAcl | None
+    limits: LimitSpec
+    expires_at: float | None
+    disabled: bool
+
+    def may_use(self, model: str) -> bool:
+        """The key narrows the team's ACL, never widens it: both must allow."""
+        if not self.team_acl.allows(model):
+            return False
+        return self.key_acl is None or self.key_acl.allows(model)
+
+
+@dataclass(frozen=True)
+class Policy:
+    revision: int
+    doc: PolicyDoc
+    models: dict[str, LimitSpec]
+    teams: dict[str, LimitSpec]
+    keys_by_digest: dict[bytes, KeyRecord]
+    keys: dict[str, KeyRecord] = field(default_factory=dict)
+
+    @classmethod
+    def compile(cls, doc: PolicyDoc, revision: int) -> Policy:
+        teams = {name: LimitSpec.of(t.limits) for name, t in doc.teams.items()}
+        team_acls = {name: ModelAcl(t.models) for name, t in doc.teams.items()}
+        keys: dict[str, KeyRecord] = {}
+        by_digest: dict[bytes, KeyRecord] = {}
+        for key_id, k in doc.keys.items():
+            rec = KeyRecord(
+                key_id=key_id,
+                team=k.team,
+                team_acl=team_acls[k.team],
+                key_acl=ModelAcl(k.models) if k.models is not None else None,
+                limits=LimitSpec.of(k.limits),
+                expires_at=k.expires_at.timestamp() if k.expires_at else None,
+                disabled=k.disabled,
+            )
+            keys[key_id] = rec
+            by_digest[bytes.fromhex(k.sha256)] = rec
+        return cls(
+            revision=revision,
+            doc=doc,
+            models={name: LimitSpec.of(m.limits) for name, m in doc.models.items()},
+            teams=teams,
+            keys_by_digest=by_digest,
+            keys=keys,
+        )
+
+    def tiers_for(self, model: str | None, key: KeyRecord) -> list[TierLimit]:
+        """The tiers with limits that apply to one request, in the order platform, team, key."""
+        out = []
+        model_spec = self.models.get(model) if model else None
+        if model_spec is not None and not model_spec.empty:
+            out.append(TierLimit("model", model or "", model_spec))
+        team_spec = self.teams.get(key.team)
+        if team_spec is not None and not team_spec.empty:
+            out.append(TierLimit("team", key.team, team_spec))
+        if not key.limits.empty:
+            out.append(TierLimit("key", key.key_id, key.limits))
+        return out

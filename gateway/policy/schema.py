@@ -1,0 +1,99 @@
+"""Pydantic schema of the policy document (DESIGN §2). Unknown keys are errors.
+
+This is the contract with operators and the hub; `model.py` compiles it into the
+runtime form the request path reads.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    model_validator,
+)
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]{1,64}$")]
+Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", to_lower=True)]
+Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Strict):
+    """Absent limit = unlimited at this tier. Tokens count prompt + completion."""
+
+    rps: PositiveFloat | None = None
+    burst: PositiveInt | None = None
+    concurrency: NonNegativeInt | None = None
+    tokens_per_minute: NonNegativeInt | None = None
+    tokens_per_day: NonNegativeInt | None = None
+    tokens_per_month: NonNegativeInt | None = None
+
+    @model_validator(mode="after")
+    def _burst_needs_rps(self) -> Limits:
+        if self.burst is not None and self.rps is None:
+            raise ValueError("burst is set but rps is not")
+        return self
+
+    @property
+    def effective_burst(self) -> int | None:
+        if self.rps is None:
+            return None
+        return self.burst if self.burst is not None else max(1, math.ceil(self.rps))
+
+    def is_empty(self) -> bool:
+        return all(v is None for v in self.model_dump().values())
+
+
+class ModelPolicy(_Strict):
+    limits: Limits = Limits()
+
+
+class TeamPolicy(_Strict):
+    models: list[Glob] = Field(default_factory=list)
+    limits: Limits = Limits()
+
+
+class KeyPolicy(_Strict):
+    team: Name
+    sha256: Sha256Hex
+    models: list[Glob] | None = None
+    limits: Limits = Limits()
+    expires_at: AwareDatetime | None = None
+    disabled: bool = False
+
+
+class PolicyDoc(_Strict):
+    revision: PositiveInt | None = None
+    models: dict[Name, ModelPolicy] = Field(default_factory=dict)
+    teams: dict[Name, TeamPolicy] = Field(default_factory=dict)
+    keys: dict[KeyId, KeyPolicy] = Field(default_factory=dict)
+
+    def cross_problems(self) -> list[str]:
+        """Checks that span sections: pydantic reports per-field problems, these relate fields."""
+        problems = []
+        seen: dict[str, str] = {}
+        for key_id, key in self.keys.items():
+            if key.team not in self.teams:
+                problems.append(f"keys.{key_id}.team: unknown team {key.team!r}")
+            if key.sha256 in seen:
+                problems.append(f"keys.{key_id}.sha256: same digest as keys.{seen[key.sha256]}")
+            seen.setdefault(key.sha256, key_id)
+        return problems
+
+
+def utc_text(ts: datetime) -> str:
+    return ts.isoformat().replace("+00:00", "Z")

@@ -1,0 +1,24 @@
+"""API-key secrets: `sk-gw-<key_id>-<43 base64url chars>` (256 bits); only SHA-256 is stored."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+
+PREFIX = "sk-gw-"
+
+
+def new_secret(key_id: str) -> str:
+    token = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode()
+    return f"{PREFIX}{key_id}-{token}"
+
+
+def digest(secret: str | bytes) -> bytes:
+    """The lookup key. The secret is hashed whole, so keys the hub minted in other formats work."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hashlib.sha256(raw).digest()
+
+
+def new_key_id() -> str:
+    return "key_" + secrets.token_hex(4)

@@ -1,0 +1,159 @@
+"""Composition root: settings → stores → decision/metering core → gRPC + HTTP servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import prometheus_client
+from envoy.service.auth.v3 import external_auth_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from redis.asyncio import Redis
+
+from gateway.authz.engine import AdmissionSettings, Authorizer
+from gateway.clock import SystemClock
+from gateway.limits.memory import MemoryLimiter
+from gateway.limits.redis_store import RedisLimiter
+from gateway.limits.types import Limiter
+from gateway.log import log
+from gateway.metering.lifecycle import Lifecycle
+from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
+from gateway.policy.store import PolicyStore
+from gateway.server.authz_service import AuthorizationService
+from gateway.server.extproc_service import ExternalProcessorService
+from gateway.server.http import serve_http
+from gateway.settings import Settings
+
+
+def host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def redis_client(url: str, deadline: float) -> Redis:
+    # Socket timeouts bound a stalled Redis; the admission deadline is enforced above this.
+    return Redis.from_url(url, socket_timeout=max(deadline * 4, 1.0),
+                          socket_connect_timeout=max(deadline * 2, 0.5),
+                          health_check_interval=0)
+
+
+@dataclass
+class App:
+    settings: Settings
+    instance_id: str
+    holder: PolicyHolder = field(default_factory=PolicyHolder)
+    limiter: Limiter | None = None
+    sync: RedisPolicySync | FilePolicySync | None = None
+    lifecycle: Lifecycle | None = None
+    server: grpc.aio.Server | None = None
+    http: asyncio.Server | None = None
+    health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
+
+    async def start(self, serve_http_endpoints: bool = True) -> None:
+        s = self.settings
+        clock = SystemClock()
+        if s.embedded:
+            if s.policy_file is None:
+                raise SystemExit("embedded mode needs GATEWAY_POLICY_FILE (or GATEWAY_REDIS_URL)")
+            self.limiter = MemoryLimiter(lease_ttl=s.lease_ttl_s)
+            self.sync = FilePolicySync(self.holder, s.policy_file)
+            self.sync.refresh()
+        else:
+            assert s.redis_url
+            deadline = s.redis_deadline_ms / 1000
+            self.limiter = RedisLimiter(redis_client(s.redis_url, deadline), s.lease_ttl_s)
+            store = PolicyStore(redis_client(s.redis_url, deadline))
+            self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
+            await self.sync.refresh()
+        self.sync.start()
+        self.lifecycle = Lifecycle(self.limiter, clock, s.lease_ttl_s)
+        self.lifecycle.start()
+        authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
+            deadline=s.redis_deadline_ms / 1000,
+            default_completion_tokens=s.default_completion_tokens,
+            reserve_cap=s.reserve_cap_tokens,
+        ))
+        opts = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        self.server = grpc.aio.server(options=opts)
+        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(
+            AuthorizationService(authorizer), self.server)
+        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessorService(self.lifecycle), self.server)
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_insecure_port(s.listen)
+        await self.server.start()
+        await self._set_health()
+        if serve_http_endpoints:
+            host, port = host_port(s.metrics_listen)
+            self.http = await serve_http(host, port, {
+                "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
+        log.info("serving", listen=s.listen, metrics=s.metrics_listen, instance=self.instance_id,
+                 mode="embedded" if s.embedded else "redis",
+                 revision=self.holder.policy.revision if self.holder.policy else None)
+
+    async def _set_health(self) -> None:
+        assert self.health is not None
+        ok = self.holder.policy is not None
+        status = health_pb2.HealthCheckResponse.SERVING if ok else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+
+    async def readyz(self) -> tuple[int, str, bytes]:
+        """Ready = a policy is held and the limiter store answers."""
+        await self._set_health()
+        if self.holder.policy is None:
+            return 503, "text/plain", b"no policy loaded\n"
+        assert self.limiter is not None
+        if not await self.limiter.ping():
+            return 503, "text/plain", b"limiter store unreachable\n"
+        return 200, "text/plain", f"ready revision={self.holder.policy.revision}\n".encode()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.http:
+            self.http.close()
+        if self.server:
+            await self.server.stop(grace)
+        if self.lifecycle:
+            await self.lifecycle.stop()
+        if self.sync:
+            await self.sync.stop()
+        if self.limiter:
+            await self.limiter.close()
+
+
+async def metrics_handler() -> tuple[int, str, bytes]:
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest(registry)
+    return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest()
+
+
+async def healthz() -> tuple[int, str, bytes]:
+    return 200, "text/plain", b"ok\n"
+
+
+async def run(settings: Settings, serve_http_endpoints: bool = True) -> None:
+    """Run one instance until SIGTERM/SIGINT."""
+    app = App(settings, settings.resolved_instance_id())
+    await app.start(serve_http_endpoints)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping", instance=app.instance_id)
+    with contextlib.suppress(Exception):
+        await app.stop()

@@ -1,0 +1,39 @@
+"""A tiny HTTP/1.1 server for /metrics, /healthz and /readyz (no framework on this path)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]
+
+_REASONS = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}
+
+
+async def serve_http(host: str, port: int, routes: dict[str, Handler]) -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                line = await reader.readline()
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass
+            parts = line.decode("latin-1").split()
+            path = parts[1].partition("?")[0] if len(parts) >= 2 else ""
+            handler = routes.get(path)
+            if handler is None:
+                status, ctype, body = 404, "text/plain", b"not found\n"
+            else:
+                status, ctype, body = await handler()
+            writer.write(
+                f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\ncontent-type: {ctype}\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    return await asyncio.start_server(handle, host, port, reuse_address=True)

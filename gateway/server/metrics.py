@@ -1,0 +1,28 @@
+"""Prometheus metrics of one instance (or, with several workers, of all of them, merged)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from gateway.authz.decision import Decision, Deny
+
+DECISIONS = Counter(
+    "gateway_authz_decisions_total", "ext_authz decisions", ["outcome", "reason", "tier"])
+CHECK_SECONDS = Histogram(
+    "gateway_authz_check_seconds", "Check latency inside the sidecar",
+    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5))
+POLICY_REVISION = Gauge(
+    "gateway_policy_revision", "Policy revision held", multiprocess_mode="livemax")
+POLICY_LOADS = Counter("gateway_policy_loads_total", "Policy load attempts", ["result"])
+STREAMS_ACTIVE = Gauge(
+    "gateway_extproc_streams_active", "ext_proc streams open", multiprocess_mode="livesum")
+SETTLE_ERRORS = Counter("gateway_settle_errors_total", "Settlements the store refused")
+READY = Gauge("gateway_ready", "1 when this worker has a policy", multiprocess_mode="livemin")
+
+
+def observe_decision(decision: Decision, seconds: float) -> None:
+    CHECK_SECONDS.observe(seconds)
+    if isinstance(decision, Deny):
+        DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
+    else:
+        DECISIONS.labels("allowed", "", "").inc()

@@ -1,0 +1,40 @@
+"""Settings from env (GATEWAY_*) or flags (DESIGN §7)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+
+    listen: str = "127.0.0.1:9001"
+    metrics_listen: str = "127.0.0.1:9102"
+    redis_url: str | None = None  # unset → embedded mode (policy file, in-process counters)
+    policy_file: Path | None = None
+    kafka_bootstrap: str | None = None  # unset → JSONL file sink
+    usage_topic: str = "llm.usage.v1"
+    spool_dir: Path = Path(".gateway-spool")
+    spoke: str = "local"
+    instance_id: str = ""  # default hostname-pid, resolved per worker process
+    workers: int = 1
+    log_level: str = "info"
+
+    # Admission
+    redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
+    lease_ttl_s: float = 60.0  # concurrency leases; streams renew at a third of it
+    default_completion_tokens: int = 1024
+    reserve_cap_tokens: int = 32768
+    policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals
+    max_message_bytes: int = 64 * 1024 * 1024  # gRPC: a CheckRequest carries the whole body
+
+    def resolved_instance_id(self) -> str:
+        return self.instance_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def embedded(self) -> bool:
+        return not self.redis_url

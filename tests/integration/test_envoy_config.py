@@ -1,0 +1,136 @@
+"""The Envoy bootstrap: the committed file is the builder's output, real Envoy accepts it,
+and nothing in it lets a request reach the engine without ext_authz."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.dev.procs import envoy_binary, envoy_service, free_port
+from gateway.envoy_config import EXT_AUTHZ, HCM, EnvoyPorts, render
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def random_ports() -> EnvoyPorts:
+    """Free ports for everything; sidecar and engine are never started (nothing listens)."""
+    return EnvoyPorts(*(f"127.0.0.1:{free_port()}" for _ in range(4)))
+
+
+def port_of(hostport: str) -> int:
+    return int(hostport.rsplit(":", 1)[1])
+
+
+def hcms(config: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every HttpConnectionManager typed_config in every listener's filter chains."""
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                assert network_filter["name"] == HCM, f"non-HTTP side door: {network_filter}"
+                yield network_filter["typed_config"]
+
+
+def per_filter_configs(hcm: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
+    """(where, filter name, config) for each typed_per_filter_config at every route level."""
+    route_config = hcm["route_config"]
+    for name, cfg in route_config.get("typed_per_filter_config", {}).items():
+        yield "route_config", name, cfg
+    for vhost in route_config["virtual_hosts"]:
+        for name, cfg in vhost.get("typed_per_filter_config", {}).items():
+            yield f"virtual host {vhost['name']}", name, cfg
+        for route in vhost["routes"]:
+            for name, cfg in route.get("typed_per_filter_config", {}).items():
+                yield f"route {route['match']}", name, cfg
+
+
+def test_committed_envoy_yaml_is_render_output() -> None:
+    committed = (REPO / "envoy" / "envoy.yaml").read_text()
+    assert committed == render(), "envoy/envoy.yaml is stale: regenerate with `gateway envoy-config`"
+
+
+def test_real_envoy_validates_rendered_config(tmp_path: Path) -> None:
+    config = tmp_path / "envoy.yaml"
+    config.write_text(render(random_ports()))
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_every_route_goes_through_ext_authz_failing_closed() -> None:
+    config = yaml.safe_load(render(random_ports()))
+    found = list(hcms(config))
+    assert found, "no HTTP listener"
+    for hcm in found:
+        filters = hcm["http_filters"]
+        assert filters[0]["name"] == EXT_AUTHZ, "ext_authz must run before any other filter"
+        assert filters[0]["typed_config"]["failure_mode_allow"] is False
+        for f in filters:
+            assert not f.get("disabled") and not f.get("is_optional"), f
+        assert "rds" not in hcm and "scoped_routes" not in hcm, "routes must be inspectable here"
+        for where, name, cfg in per_filter_configs(hcm):
+            assert not (name == EXT_AUTHZ and cfg.get("disabled")), f"{where} disables ext_authz"
+
+
+def test_admin_interface_is_loopback_only() -> None:
+    """The admin port can drain or quit Envoy: never reachable from outside the host."""
+    config = yaml.safe_load(render(random_ports()))
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_bad_address_names_the_flag() -> None:
+    with pytest.raises(ValueError, match="listen"):
+        render(EnvoyPorts(listen="localhost:10000"))
+    with pytest.raises(ValueError, match="engine"):
+        render(EnvoyPorts(engine="127.0.0.1"))
+
+
+def test_client_cannot_choose_x_request_id(tmp_path: Path) -> None:
+    """x-request-id is the billing idempotency key: a loopback client's value is replaced.
+
+    The sidecar is down, so the answer is ext_authz's fail-closed 503; the access log still
+    records the request id Envoy settled on.
+    """
+    ports = random_ports()
+    admin, listen = port_of(ports.admin), port_of(ports.listen)
+    chosen = f"client-chosen-{uuid.uuid4()}"
+    with envoy_service(render(ports), admin, listen, tmp_path) as envoy:
+        request = urllib.request.Request(
+            f"http://{ports.listen}/v1/chat/completions",
+            data=b'{"model": "m"}',
+            headers={"x-request-id": chosen, "content-type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=10)
+        assert answer.value.code == 503
+        entry = wait_for_access_log_line(envoy.log_path, "/v1/chat/completions")
+    assert entry["request_id"] != chosen
+    assert uuid.UUID(entry["request_id"])  # Envoy generated a fresh one
+    assert chosen not in envoy.log_path.read_text()
+
+
+def wait_for_access_log_line(log: Path, path: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The first JSON access-log entry for `path` (Envoy's own log lines are not JSON)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("{"):
+                entry: dict[str, Any] = json.loads(line)
+                if entry.get("path") == path:
+                    return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no access log entry for {path} in {log}:\n{log.read_text()[-2000:]}")
