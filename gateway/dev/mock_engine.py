@@ -18,19 +18,17 @@ import secrets
 import socket
 import struct
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.dev import mock_tokens as mt
-from gateway.dev.mock_tokens import Job, Pace, RequestError, StreamOpts
+from gateway.dev.mock_tokens import Job, MockStats, Pace, RequestError, StreamOpts
 
 DEFAULT_MODEL = "mock-model"
-HEADER_HISTORY = 50
 
 
 @dataclass
@@ -38,55 +36,6 @@ class MockConfig:
     ttft_ms: float = 20.0
     tokens_per_s: float = 500.0  # 0 means no delay between tokens
     default_max_tokens: int = 16
-
-
-def _history() -> deque[dict[str, str]]:
-    return deque(maxlen=HEADER_HISTORY)
-
-
-@dataclass
-class MockStats:
-    """Engine-side observations, so tests can assert what actually reached the engine."""
-
-    in_flight: int = 0
-    max_in_flight: int = 0
-    requests: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    last_headers: deque[dict[str, str]] = field(default_factory=_history)
-    models: set[str] = field(default_factory=set)
-
-    def enter(self, headers: Mapping[str, str]) -> None:
-        self.requests += 1
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        seen: dict[str, str] = {}
-        for name, value in headers.items():
-            key = name.lower()
-            seen[key] = f"{seen[key]},{value}" if key in seen else value
-        self.last_headers.append(seen)
-
-    def leave(self, usage: Mapping[str, Any] | None) -> None:
-        self.in_flight -= 1
-        if usage:
-            self.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
-            self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
-
-    def reset(self) -> None:
-        """Zero the counters; in_flight is a live gauge, so it only seeds the high-water mark."""
-        self.requests = self.prompt_tokens = self.completion_tokens = 0
-        self.max_in_flight = self.in_flight
-        self.last_headers.clear()
-
-    def snapshot(self) -> dict[str, Any]:
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
-        return {
-            "in_flight": self.in_flight,
-            "max_in_flight": self.max_in_flight,
-            "requests": self.requests,
-            "usage_reported": usage,
-            "last_headers": list(self.last_headers),
-        }
 
 
 CONFIG = web.AppKey("config", MockConfig)

@@ -1,4 +1,4 @@
-"""Deterministic token accounting and the OpenAI wire shapes of the mock engine.
+"""The mock engine's accounting: deterministic tokens, OpenAI wire shapes, and its ledger.
 
 A "token" is a whitespace-separated word, so a test can compute the expected usage of any
 request by hand and check that the gateway metered exactly what the engine reported.
@@ -10,12 +10,14 @@ import base64
 import hashlib
 import math
 import struct
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 EMBEDDING_DIM = 8
 FINGERPRINT = "fp_mock"
+HEADER_HISTORY = 50
 
 
 class RequestError(ValueError):
@@ -263,3 +265,52 @@ def response_object(job: Job, output: list[Any], usage: Any) -> dict[str, Any]:
         "tools": [],
         "usage": usage,
     }
+
+
+def _history() -> deque[dict[str, str]]:
+    return deque(maxlen=HEADER_HISTORY)
+
+
+@dataclass
+class MockStats:
+    """Engine-side observations, so tests can assert what actually reached the engine."""
+
+    in_flight: int = 0
+    max_in_flight: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    last_headers: deque[dict[str, str]] = field(default_factory=_history)
+    models: set[str] = field(default_factory=set)
+
+    def enter(self, headers: Mapping[str, str]) -> None:
+        self.requests += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        seen: dict[str, str] = {}
+        for name, value in headers.items():
+            key = name.lower()
+            seen[key] = f"{seen[key]},{value}" if key in seen else value
+        self.last_headers.append(seen)
+
+    def leave(self, usage: Mapping[str, Any] | None) -> None:
+        self.in_flight -= 1
+        if usage:
+            self.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
+            self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
+
+    def reset(self) -> None:
+        """Zero the counters; in_flight is a live gauge, so it only seeds the high-water mark."""
+        self.requests = self.prompt_tokens = self.completion_tokens = 0
+        self.max_in_flight = self.in_flight
+        self.last_headers.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        return {
+            "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight,
+            "requests": self.requests,
+            "usage_reported": usage,
+            "last_headers": list(self.last_headers),
+        }

@@ -72,7 +72,7 @@ for r = 1, n do
         break
       end
       x.new_tat = new_tat
-      offer(rq, x.burst, (now - allow_at) / interval + 1e-9, new_tat - now)
+      offer(rq, x.burst, (now - allow_at) / interval + 1e-4, new_tat - now)
     end
     if x.conc then
       local zk = 'gw:conc:' .. x.key

@@ -31,7 +31,7 @@ def gcra(tat: float, now: float, rps: float, burst: int) -> Gcra:
     allow_at = new_tat - burst * interval
     if now < allow_at:
         return Gcra(False, tat, allow_at - now, 0, tat - now)
-    remaining = math.floor((now - allow_at) / interval + 1e-9)
+    remaining = math.floor((now - allow_at) / interval + 1e-4)  # float slack
     return Gcra(True, new_tat, 0.0, remaining, new_tat - now)
 
 

@@ -55,7 +55,7 @@ def per_filter_configs(hcm: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
 
 def test_committed_envoy_yaml_is_render_output() -> None:
     committed = (REPO / "envoy" / "envoy.yaml").read_text()
-    assert committed == render(), "envoy/envoy.yaml is stale: regenerate with `gateway envoy-config`"
+    assert committed == render(), "stale: run `gateway envoy-config > envoy/envoy.yaml`"
 
 
 def test_real_envoy_validates_rendered_config(tmp_path: Path) -> None:

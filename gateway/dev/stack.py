@@ -1,0 +1,89 @@
+"""A whole local spoke: Redis, the mock engine, the sidecar and Envoy, each a real process.
+
+`gateway dev` runs one for people; the end-to-end tests run one per session and kill its
+parts to prove the failure modes. Every port is free-picked except Envoy's when asked.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.dev.procs import Service, envoy_service, free_port, redis_service
+from gateway.envoy_config import EnvoyPorts, render
+
+LOOP = "127.0.0.1"
+
+
+def sidecar_service(port: int, metrics_port: int, workdir: Path, env: dict[str, str]) -> Service:
+    argv = [sys.executable, "-m", "gateway", "serve"]
+    full_env = {
+        "GATEWAY_LISTEN": f"{LOOP}:{port}",
+        "GATEWAY_METRICS_LISTEN": f"{LOOP}:{metrics_port}",
+        **env,
+    }
+    return Service("sidecar", argv, port, workdir, env=full_env)
+
+
+def engine_service(port: int, workdir: Path, ttft_ms: float = 20, tokens_per_s: float = 500,
+                   ) -> Service:
+    argv = [sys.executable, "-m", "gateway.dev.mock_engine", "--host", LOOP, "--port", str(port),
+            "--ttft-ms", str(ttft_ms), "--tokens-per-s", str(tokens_per_s)]
+    return Service("engine", argv, port, workdir)
+
+
+@dataclass
+class Spoke:
+    workdir: Path
+    listen_port: int
+    sidecar_env: dict[str, str] = field(default_factory=dict)
+    engine_ttft_ms: float = 20
+    engine_tokens_per_s: float = 500
+    services: dict[str, Service] = field(default_factory=dict)
+    metrics_port: int = 0
+
+    def start(self) -> Spoke:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.metrics_port = free_port()
+        redis = redis_service(free_port(), self.workdir)
+        engine = engine_service(free_port(), self.workdir, self.engine_ttft_ms,
+                                self.engine_tokens_per_s)
+        env = {"GATEWAY_REDIS_URL": f"redis://{redis.address}/0", "GATEWAY_SPOKE": "dev",
+               "GATEWAY_POLICY_RECHECK_S": "2", **self.sidecar_env}
+        sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
+        ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
+                           engine=engine.address, admin=f"{LOOP}:{free_port()}")
+        envoy = envoy_service(render(ports), int(ports.admin.rsplit(":", 1)[1]),
+                              self.listen_port, self.workdir)
+        self.services = {"redis": redis, "engine": engine, "sidecar": sidecar, "envoy": envoy}
+        try:
+            for svc in self.services.values():
+                svc.start()
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for svc in reversed(list(self.services.values())):
+            svc.stop()
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.services['redis'].address}/0"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOP}:{self.listen_port}/v1"
+
+    @property
+    def engine_url(self) -> str:
+        return f"http://{self.services['engine'].address}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{LOOP}:{self.metrics_port}"
+
+    def __getitem__(self, name: str) -> Service:
+        return self.services[name]

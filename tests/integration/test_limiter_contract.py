@@ -1,0 +1,134 @@
+"""One suite, two stores: the Redis Lua limiter and the in-process one must agree.
+
+Time is passed in (`now`), so lease expiry and windows are tested without sleeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from gateway.limits.memory import MemoryLimiter
+from gateway.limits.redis_store import RedisLimiter
+from gateway.limits.types import AdmitRequest, Limiter
+from gateway.policy.model import LimitSpec, TierLimit
+
+T0 = 1_800_000_000.0  # a fixed wall-clock instant (2027-01-15)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[Limiter]:
+    if request.param == "memory":
+        yield MemoryLimiter(lease_ttl=60)
+        return
+    url = request.getfixturevalue("redis_url")
+    lim = RedisLimiter(Redis.from_url(url), lease_ttl=60)
+    yield lim
+    await lim.close()
+
+
+def tier(kind: str, name: str, **limits: float) -> TierLimit:
+    spec = LimitSpec(**limits)  # type: ignore[arg-type]
+    if spec.rps is not None and spec.burst is None:
+        spec = LimitSpec(**{**limits, "burst": max(1, int(-(-spec.rps // 1)))})  # type: ignore[arg-type]
+    return TierLimit(kind, name, spec)
+
+
+def req(rid: str, tiers: list[TierLimit], now: float = T0, reserve: int = 0) -> AdmitRequest:
+    return AdmitRequest(rid, tuple(tiers), reserve, now)
+
+
+async def test_team_denial_does_not_consume_key_rps(limiter: Limiter) -> None:
+    team = tier("team", "team-a", concurrency=1)
+    key = tier("key", "k1", rps=1)
+    assert (await limiter.admit(req("r1", [team], T0))).allowed  # fills the team's one slot
+    denied = await limiter.admit(req("r2", [team, key], T0))
+    assert not denied.allowed and denied.tier == "team" and denied.limit == "concurrency"
+    # The key's single RPS cell was not spent by the denied request:
+    await limiter.settle("r1", None, T0)
+    ok = await limiter.admit(req("r3", [team, key], T0))
+    assert ok.allowed
+
+
+async def test_rps_burst_then_retry_after(limiter: Limiter) -> None:
+    key = tier("key", "k1", rps=2, burst=2)
+    assert (await limiter.admit(req("a", [key]))).allowed
+    assert (await limiter.admit(req("b", [key]))).allowed
+    v = await limiter.admit(req("c", [key]))
+    assert not v.allowed and v.tier == "key" and v.limit == "rps"
+    assert 0.4 <= v.retry_after <= 0.5
+    assert (await limiter.admit(req("d", [key], T0 + 0.5))).allowed
+
+
+async def test_lease_released_on_settle_and_expires_after_crash(limiter: Limiter) -> None:
+    key = tier("key", "k1", concurrency=2)
+    for rid in ("a", "b"):
+        assert (await limiter.admit(req(rid, [key]))).allowed
+    assert not (await limiter.admit(req("c", [key]))).allowed
+    await limiter.settle("a", None, T0)
+    assert (await limiter.admit(req("c", [key]))).allowed
+    # 'b' and 'c' are never settled (a crashed sidecar): slots come back after the lease TTL.
+    assert not (await limiter.admit(req("d", [key], T0 + 59))).allowed
+    assert (await limiter.admit(req("d", [key], T0 + 61))).allowed
+
+
+async def test_renew_keeps_long_streams_leased(limiter: Limiter) -> None:
+    key = tier("key", "k1", concurrency=1)
+    assert (await limiter.admit(req("long", [key]))).allowed
+    await limiter.renew(["long"], T0 + 50)  # lease now ends at T0 + 110
+    assert not (await limiter.admit(req("x", [key], T0 + 100))).allowed
+    assert (await limiter.admit(req("x", [key], T0 + 111))).allowed
+
+
+async def test_reservation_then_settlement(limiter: Limiter) -> None:
+    key = tier("key", "k1", tokens_per_day=1000)
+    assert (await limiter.admit(req("a", [key], reserve=600))).allowed
+    v = await limiter.admit(req("b", [key], reserve=600))  # 600 + 600 > 1000: reserved
+    assert not v.allowed and v.limit == "tokens_per_day"
+    await limiter.settle("a", 100, T0)  # actual 100 replaces the 600 reserved
+    assert (await limiter.admit(req("b", [key], reserve=600))).allowed
+    await limiter.settle("b", 850, T0)  # 100 + 850 = 950 used
+    v = await limiter.admit(req("c", [key], reserve=100))
+    assert not v.allowed
+    await limiter.settle("b", 850, T0)  # a second settlement changes nothing
+    assert (await limiter.admit(req("c", [key], reserve=50))).allowed
+
+
+async def test_unknown_usage_keeps_the_reservation(limiter: Limiter) -> None:
+    key = tier("key", "k1", tokens_per_minute=100)
+    assert (await limiter.admit(req("a", [key], reserve=80))).allowed
+    await limiter.settle("a", None, T0)
+    assert not (await limiter.admit(req("b", [key], reserve=30))).allowed
+
+
+async def test_minute_window_slides(limiter: Limiter) -> None:
+    key = tier("key", "k1", tokens_per_minute=100)
+    start = T0 - (T0 % 60)  # the start of a minute
+    assert (await limiter.admit(req("a", [key], start + 1, reserve=100))).allowed
+    assert not (await limiter.admit(req("b", [key], start + 59, reserve=10))).allowed
+    # 30 s into the next minute, half of the previous minute's 100 still counts.
+    assert not (await limiter.admit(req("b", [key], start + 60 + 29, reserve=60))).allowed
+    assert (await limiter.admit(req("b", [key], start + 60 + 31, reserve=45))).allowed
+
+
+async def test_day_quota_is_insufficient_quota_until_midnight(limiter: Limiter) -> None:
+    key = tier("key", "k1", tokens_per_day=10)
+    assert (await limiter.admit(req("a", [key], reserve=10))).allowed
+    v = await limiter.admit(req("b", [key], reserve=1))
+    assert not v.allowed and v.limit == "tokens_per_day"
+    midnight = T0 - (T0 % 86400) + 86400
+    assert abs(v.retry_after - (midnight - T0)) < 2
+    assert (await limiter.admit(req("b", [key], midnight + 1, reserve=1))).allowed
+
+
+async def test_three_tiers_report_the_tightest(limiter: Limiter) -> None:
+    tiers = [tier("model", "m", rps=100), tier("team", "t", rps=10), tier("key", "k", rps=5)]
+    v = await limiter.admit(req("a", tiers))
+    assert v.allowed and v.rate.req_limit == 5 and v.rate.req_remaining == 4
+    model_only = [tier("model", "m", rps=1, burst=1), tier("key", "k2", rps=5)]
+    denied = await limiter.admit(req("b", model_only, T0 + 1))
+    assert denied.allowed
+    denied = await limiter.admit(req("c", model_only, T0 + 1))
+    assert not denied.allowed and denied.tier == "model"

@@ -1,0 +1,416 @@
+"""The mock engine speaks the OpenAI wire format and reports honest, deterministic usage.
+
+The end-to-end tests trust its numbers and its fault injection, so both are pinned here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.dev.mock_engine import MockConfig, main, serve
+
+CHAT = "/v1/chat/completions"
+Event = tuple[str | None, str]  # (event name, data)
+
+
+@pytest.fixture
+async def base_url() -> AsyncIterator[str]:
+    runner = await serve("127.0.0.1", 0, MockConfig(ttft_ms=0, tokens_per_s=0))
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=10, trust_env=False) as c:
+        yield c
+
+
+async def sse(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> tuple[list[Event], bool]:
+    """POST and read the event stream; also say whether the body ended cleanly."""
+    events: list[Event] = []
+    name: str | None = None
+    try:
+        async with client.stream("POST", path, json=body, headers=headers) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            assert "content-length" not in resp.headers
+            async for line in resp.aiter_lines():
+                if line.startswith("event: "):
+                    name = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    events.append((name, line.removeprefix("data: ")))
+                    name = None
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return events, False
+    return events, True
+
+
+def chunks(events: list[Event]) -> list[dict[str, Any]]:
+    return [json.loads(data) for _, data in events if data != "[DONE]"]
+
+
+async def stats(client: httpx.AsyncClient) -> dict[str, Any]:
+    resp = await client.get("/mock/stats")
+    return resp.json()  # type: ignore[no-any-return]
+
+
+async def settled(client: httpx.AsyncClient) -> dict[str, Any]:
+    """Stats once the engine has finished with every request (a cut lands asynchronously)."""
+    for _ in range(100):
+        current = await stats(client)
+        if current["in_flight"] == 0:
+            return current
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"requests still in flight: {current}")
+
+
+def usage(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": "three word prompt"}]},
+]  # 5 words
+
+
+async def test_chat_completion_reports_word_counts(client: httpx.AsyncClient) -> None:
+    resp = await client.post(CHAT, json={"model": "m", "messages": MESSAGES, "max_tokens": 4})
+    body = resp.json()
+    assert resp.status_code == 200
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "m"
+    assert isinstance(body["created"], int)
+    choice = body["choices"][0]
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "tok0 tok1 tok2 tok3",
+        "refusal": None,
+    }
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == usage(5, 4)
+
+
+async def test_default_budget_stops_naturally(client: httpx.AsyncClient) -> None:
+    resp = await client.post(CHAT, json={"model": "m", "messages": []})
+    body = resp.json()
+    assert body["usage"]["prompt_tokens"] == 1  # never zero
+    assert body["usage"]["completion_tokens"] == 16
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_max_completion_tokens_wins(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 2}
+    resp = await client.post(CHAT, json=body)
+    assert resp.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_text_completion(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "prompt": ["one two", "three"], "max_tokens": 3}
+    resp = await client.post("/v1/completions", json=body)
+    out = resp.json()
+    assert out["object"] == "text_completion"
+    assert out["id"].startswith("cmpl-")
+    assert out["choices"][0]["text"] == "tok0 tok1 tok2"
+    assert out["usage"] == usage(3, 3)
+
+
+async def test_embeddings_accept_a_string_or_a_list(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/embeddings", json={"model": "e", "input": ["a b", "c d e"]})
+    out = resp.json()
+    assert out["object"] == "list"
+    assert [d["index"] for d in out["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" and len(d["embedding"]) == 8 for d in out["data"])
+    assert out["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    single = (await client.post("/v1/embeddings", json={"model": "e", "input": "a b"})).json()
+    assert single["data"][0]["embedding"] == out["data"][0]["embedding"]  # deterministic
+    assert single["usage"]["prompt_tokens"] == 2
+
+
+async def test_responses_non_stream(client: httpx.AsyncClient) -> None:
+    body = {
+        "model": "m",
+        "instructions": "be kind",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi there"}]}],
+        "max_output_tokens": 3,
+    }
+    out = (await client.post("/v1/responses", json=body)).json()
+    assert out["id"].startswith("resp_")
+    assert (out["object"], out["status"]) == ("response", "completed")
+    message = out["output"][0]
+    assert (message["type"], message["role"]) == ("message", "assistant")
+    assert message["content"][0]["type"] == "output_text"
+    assert message["content"][0]["text"] == "tok0 tok1 tok2"
+    assert out["usage"] == {
+        "input_tokens": 4,
+        "output_tokens": 3,
+        "total_tokens": 7,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+async def test_chat_stream_without_usage_has_no_usage_keys(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "stream": True}
+    events, clean = await sse(client, CHAT, body)
+    assert clean
+    assert events[-1] == (None, "[DONE]")
+    parsed = chunks(events)
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in parsed)
+    assert parsed[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in parsed)
+    assert text == "tok0 tok1 tok2"
+    assert parsed[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert len(parsed) == 5  # role, 3 tokens, finish
+    assert (await settled(client))["usage_reported"] == {"prompt_tokens": 0, "completion_tokens": 0}
+
+
+async def test_chat_stream_include_usage(client: httpx.AsyncClient) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events, clean = await sse(client, CHAT, body)
+    assert clean and events[-1][1] == "[DONE]"
+    *streamed, last = chunks(events)
+    assert all(c["usage"] is None and c["choices"] for c in streamed)
+    assert last["choices"] == []
+    assert last["usage"] == usage(5, 3)
+    reported = (await settled(client))["usage_reported"]
+    assert reported == {"prompt_tokens": 5, "completion_tokens": 3}
+
+
+async def test_continuous_usage_stats_carry_running_counts(client: httpx.AsyncClient) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "stream": True}
+    events, _ = await sse(client, CHAT, body | {"stream_options": options})
+    running = [c["usage"]["completion_tokens"] for c in chunks(events)]
+    assert running == [0, 1, 2, 2, 2]  # role, tok0, tok1, finish, final usage chunk
+    assert all(c["usage"]["prompt_tokens"] == 5 for c in chunks(events))
+    # Like vLLM, continuous stats are only honoured together with include_usage.
+    events, _ = await sse(client, CHAT, body | {"stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in chunks(events))
+
+
+async def test_completions_stream_include_usage(client: httpx.AsyncClient) -> None:
+    body = {
+        "model": "m",
+        "prompt": "a b c",
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events, clean = await sse(client, "/v1/completions", body)
+    parsed = chunks(events)
+    assert clean and events[-1][1] == "[DONE]"
+    assert all(c["object"] == "text_completion" for c in parsed)
+    assert "".join(c["choices"][0]["text"] for c in parsed[:-1]) == "tok0 tok1"
+    assert parsed[-2]["choices"][0]["finish_reason"] == "length"
+    assert parsed[-1]["choices"] == [] and parsed[-1]["usage"] == usage(3, 2)
+
+
+@pytest.mark.parametrize("header", ["x-mock-cut-after", "x-mock-fail-after"])
+async def test_dying_engine_truncates_the_stream(client: httpx.AsyncClient, header: str) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 10, "stream": True}
+    events, clean = await sse(client, CHAT, body | {"stream_options": options}, {header: "3"})
+    assert not clean
+    assert (None, "[DONE]") not in events
+    parsed = chunks(events)
+    assert [c["choices"][0]["delta"].get("content") for c in parsed[1:]] == [
+        "tok0",
+        " tok1",
+        " tok2",
+    ]
+    assert all(c["choices"][0]["finish_reason"] is None for c in parsed)
+    after = await settled(client)
+    assert after["usage_reported"] == {"prompt_tokens": 5, "completion_tokens": 3}
+
+
+async def test_cut_after_the_last_token_still_withholds_the_end(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "stream": True}
+    events, clean = await sse(client, CHAT, body, {"x-mock-cut-after": "5"})
+    assert not clean
+    assert len(chunks(events)) == 3  # role + 2 tokens, no finish chunk
+    assert (await settled(client))["in_flight"] == 0
+
+
+async def test_cut_non_stream_gets_no_response(client: httpx.AsyncClient) -> None:
+    with pytest.raises(httpx.TransportError):
+        await client.post(CHAT, json={"model": "m"}, headers={"x-mock-cut-after": "1"})
+    after = await settled(client)
+    assert after["usage_reported"] == {"prompt_tokens": 0, "completion_tokens": 0}
+
+
+async def test_forced_status(client: httpx.AsyncClient) -> None:
+    resp = await client.post(CHAT, json={"model": "m"}, headers={"x-mock-status": "503"})
+    assert resp.status_code == 503
+    error = resp.json()["error"]
+    assert error["type"] == "server_error"
+    assert error["code"] is None
+    assert isinstance(error["message"], str)
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [(b"{not json", "invalid JSON"), (b'{"messages": []}', "model"), (b"[1]", "object")],
+)
+async def test_bad_bodies_are_400(client: httpx.AsyncClient, content: bytes, fragment: str) -> None:
+    resp = await client.post(CHAT, content=content)
+    assert resp.status_code == 400
+    assert fragment in resp.json()["error"]["message"]
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "frobnicate": {"x": 1}}
+    assert (await client.post(CHAT, json=body)).status_code == 200
+
+
+async def test_responses_stream_events(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "input": "hello world", "max_output_tokens": 3, "stream": True}
+    events, clean = await sse(client, "/v1/responses", body)
+    assert clean
+    names = [name for name, _ in events]
+    assert names[0] == "response.created"
+    assert names[-1] == "response.completed"
+    assert names.count("response.output_text.delta") == 3
+    assert "[DONE]" not in [data for _, data in events]
+    parsed = chunks(events)
+    assert [p["type"] for p in parsed] == names
+    assert [p["sequence_number"] for p in parsed] == list(range(len(parsed)))
+    deltas = [p["delta"] for p in parsed if p["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == "tok0 tok1 tok2"
+    final = parsed[-1]["response"]
+    assert final["status"] == "completed"
+    assert (final["usage"]["input_tokens"], final["usage"]["output_tokens"]) == (2, 3)
+    assert parsed[0]["response"]["usage"] is None
+
+
+async def test_ttft_and_pace_headers(client: httpx.AsyncClient) -> None:
+    headers = {"x-mock-ttft-ms": "150", "x-mock-tokens-per-s": "50"}
+    start = time.monotonic()
+    await client.post(CHAT, json={"model": "m", "max_tokens": 3}, headers=headers)
+    assert time.monotonic() - start >= 0.15 + 2 / 50 - 0.01
+    bad = await client.post(CHAT, json={"model": "m"}, headers={"x-mock-ttft-ms": "soon"})
+    assert bad.status_code == 400
+
+
+async def test_stats_track_concurrency_headers_and_reset(client: httpx.AsyncClient) -> None:
+    slow = {"x-mock-ttft-ms": "200", "X-Trace": "abc"}
+    body = {"model": "m", "max_tokens": 1}
+    await asyncio.gather(*(client.post(CHAT, json=body, headers=slow) for _ in range(3)))
+    seen = await settled(client)
+    assert (seen["requests"], seen["max_in_flight"]) == (3, 3)
+    assert seen["usage_reported"] == {"prompt_tokens": 3, "completion_tokens": 3}
+    assert all(h["x-trace"] == "abc" for h in seen["last_headers"])
+    assert all(name == name.lower() for h in seen["last_headers"] for name in h)
+    await client.post("/mock/reset")
+    assert await stats(client) == {
+        "in_flight": 0,
+        "max_in_flight": 0,
+        "requests": 0,
+        "usage_reported": {"prompt_tokens": 0, "completion_tokens": 0},
+        "last_headers": [],
+    }
+
+
+async def test_header_history_is_bounded(client: httpx.AsyncClient) -> None:
+    for i in range(55):
+        await client.get("/v1/models", headers={"x-n": str(i)})
+    history = (await stats(client))["last_headers"]
+    assert [h["x-n"] for h in history] == [str(i) for i in range(5, 55)]
+
+
+async def test_abandoned_stream_leaves_flight(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "max_tokens": 1000, "stream": True}
+    async with client.stream("POST", CHAT, json=body, headers={"x-mock-tokens-per-s": "100"}) as r:
+        async for _ in r.aiter_lines():
+            break
+    assert (await settled(client))["in_flight"] == 0
+
+
+async def test_models_lists_seen_names(client: httpx.AsyncClient) -> None:
+    await client.post(CHAT, json={"model": "llama", "max_tokens": 1})
+    out = (await client.get("/v1/models")).json()
+    assert out["object"] == "list"
+    assert {m["id"] for m in out["data"]} == {"llama", "mock-model"}
+    assert all(m["object"] == "model" for m in out["data"])
+
+
+async def test_openai_sdk_consumes_the_streams(base_url: str, client: httpx.AsyncClient) -> None:
+    sdk = AsyncOpenAI(api_key="sk-test", base_url=f"{base_url}/v1", max_retries=0)
+    stream = await sdk.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "one two three"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, last_usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        last_usage = chunk.usage or last_usage
+    assert text == "tok0 tok1 tok2 tok3"
+    assert last_usage is not None
+    assert (last_usage.prompt_tokens, last_usage.completion_tokens) == (3, 4)
+
+    vectors = await sdk.embeddings.create(model="e", input=["a b", "c"])
+    assert [len(d.embedding) for d in vectors.data] == [8, 8]
+    assert vectors.usage.prompt_tokens == 3
+
+    events = await sdk.responses.create(model="m", input="hi", max_output_tokens=2, stream=True)
+    kinds = [event.type async for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    headers = (await stats(client))["last_headers"]
+    assert headers[0]["authorization"] == "Bearer sk-test"
+    await sdk.close()
+
+
+def test_base64_embeddings_decode_to_the_float_vector() -> None:
+    from gateway.dev.mock_tokens import embedding
+
+    packed = embedding("a b", "base64")
+    floats = embedding("a b", "float")
+    assert isinstance(packed, str) and isinstance(floats, list)
+    decoded = struct.unpack("<8f", base64.b64decode(packed))
+    assert decoded == pytest.approx(floats, abs=1e-6)
+
+
+def test_main_rejects_bad_arguments() -> None:
+    with pytest.raises(SystemExit):
+        main(["--port", "not-a-port"])
