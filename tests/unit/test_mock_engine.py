@@ -69,7 +69,7 @@ def chunks(events: list[Event]) -> list[dict[str, Any]]:
 
 async def stats(client: httpx.AsyncClient) -> dict[str, Any]:
     resp = await client.get("/mock/stats")
-    return resp.json()  # type: ignore[no-any-return]
+    return resp.json()
 
 
 async def settled(client: httpx.AsyncClient) -> dict[str, Any]:

@@ -1,0 +1,119 @@
+"""One real spoke per session (Redis, mock engine, sidecar, Envoy), and a policy with a key
+per case. Tests that kill parts of the spoke start their own (`fresh_spoke`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+from redis.asyncio import Redis
+
+from gateway.dev.procs import free_port
+from gateway.dev.stack import Spoke
+from gateway.policy import secrets
+from gateway.policy.admin import RedisBackend, apply
+from gateway.policy.store import PolicyStore
+
+KEY_LIMITS: dict[str, dict[str, Any]] = {
+    "good": {},
+    "narrow": {"models": ["mock-model"]},
+    "expired": {"expires_at": "2020-01-01T00:00:00Z"},
+    "disabled": {"disabled": True},
+    "rps1": {"limits": {"rps": 1, "burst": 1}},
+    "conc4": {"limits": {"concurrency": 4}},
+    "tpm": {"limits": {"tokens_per_minute": 400}},
+    "tpd": {"limits": {"tokens_per_day": 400}},
+    "revokeme": {},
+    "teamrps": {"team": "tiny"},
+}
+
+
+def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
+    """keys: key id → secret."""
+    doc: dict[str, Any] = {
+        "models": {"mock-model": {}, "mock-other": {}, "other-model": {}},
+        "teams": {
+            "t1": {"models": ["mock-*"]},
+            "tiny": {"models": ["*"], "limits": {"rps": 1, "burst": 1}},
+        },
+        "keys": {},
+    }
+    for key_id, extra in KEY_LIMITS.items():
+        entry = {"team": "t1", "sha256": secrets.digest(keys[key_id]).hex()}
+        entry.update(extra)
+        doc["keys"][key_id] = entry
+    return doc
+
+
+def publish(redis_url: str, doc: dict[str, Any]) -> int:
+    async def go() -> int:
+        client = Redis.from_url(redis_url)
+        try:
+            return await apply(RedisBackend(PolicyStore(client)), yaml.safe_dump(doc).encode(), "t")
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def wait_ready(spoke: Spoke, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{spoke.metrics_url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError("sidecar never became ready")
+
+
+def start_spoke(workdir: Path, **kw: Any) -> tuple[Spoke, dict[str, str]]:
+    spoke = Spoke(workdir=workdir, listen_port=free_port(), **kw).start()
+    keys = {k: secrets.new_secret(k) for k in KEY_LIMITS}
+    publish(spoke.redis_url, policy_doc(keys))
+    wait_ready(spoke)
+    return spoke, keys
+
+
+@pytest.fixture(scope="session")
+def spoke_and_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Spoke, dict]]:
+    spoke, keys = start_spoke(tmp_path_factory.mktemp("spoke"))
+    yield spoke, keys
+    spoke.stop()
+
+
+@pytest.fixture
+def spoke(spoke_and_keys: tuple[Spoke, dict[str, str]]) -> Spoke:
+    s = spoke_and_keys[0]
+    httpx.post(f"{s.engine_url}/mock/reset")
+    return s
+
+
+@pytest.fixture
+def keys(spoke_and_keys: tuple[Spoke, dict[str, str]]) -> dict[str, str]:
+    return spoke_and_keys[1]
+
+
+@pytest.fixture
+def fresh_spoke(tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
+    spoke, keys = start_spoke(tmp_path / "spoke")
+    yield spoke, keys
+    spoke.stop()
+
+
+def client(spoke: Spoke, key: str | None, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=spoke.base_url, api_key=key or "", max_retries=0, **kw)
+
+
+def chat(c: openai.OpenAI, model: str = "mock-model", **kw: Any) -> Any:
+    return c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=kw.pop("max_tokens", 4), **kw)

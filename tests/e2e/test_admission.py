@@ -1,0 +1,102 @@
+"""Admission through real Envoy: concurrency leases, policy propagation, failing closed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+from conftest import KEY_LIMITS, chat, client, policy_doc, publish
+
+from gateway.dev.stack import Spoke
+
+
+async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 10), timeout=30)
+    c = openai.AsyncOpenAI(base_url=spoke.base_url, api_key=key, max_retries=0, http_client=http,
+                           default_headers={"x-mock-tokens-per-s": "40"})
+
+    async def one() -> int:
+        try:
+            stream = await c.chat.completions.create(
+                model="mock-model", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=6, stream=True)
+            async for _ in stream:
+                pass
+            return 200
+        except openai.RateLimitError:
+            return 429
+
+    try:
+        return await asyncio.gather(*(one() for _ in range(n)))
+    finally:
+        await http.aclose()
+
+
+def test_200_streams_never_exceed_concurrency_4(spoke: Spoke, keys: dict[str, str]) -> None:
+    codes = asyncio.run(_stream_all(spoke, keys["conc4"], 200))
+    stats = httpx.get(f"{spoke.engine_url}/mock/stats").json()
+    assert codes.count(200) >= 4
+    assert codes.count(200) + codes.count(429) == 200
+    assert 1 <= stats["max_in_flight"] <= 4
+    # Every lease is released at the end of its stream, not merely left to expire.
+    r = redis.Redis.from_url(spoke.redis_url)
+    deadline = time.monotonic() + 2
+    while r.zcard("gw:conc:key:conc4") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.zcard("gw:conc:key:conc4") == 0
+    assert httpx.get(f"{spoke.engine_url}/mock/stats").json()["in_flight"] == 0
+
+
+def _until(predicate: object, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if predicate():  # type: ignore[operator]
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def _status(spoke: Spoke, key: str, model: str = "mock-model") -> int:
+    r = httpx.post(f"{spoke.base_url}/chat/completions", headers={"x-api-key": key},
+                   json={"model": model, "messages": [], "max_tokens": 1})
+    return r.status_code
+
+
+def test_policy_apply_and_revoke_take_effect_within_1s(
+        fresh_spoke: tuple[Spoke, dict[str, str]]) -> None:
+    spoke, keys = fresh_spoke
+    assert _status(spoke, keys["revokeme"]) == 200
+    from gateway.cli import main
+    assert main(["keys", "revoke", "revokeme", "--redis-url", spoke.redis_url]) == 0
+    assert _until(lambda: _status(spoke, keys["revokeme"]) == 401, 1.0) < 1.0
+    # A new revision that allows other-model for team t1 is live within a second too.
+    doc = policy_doc(keys)
+    doc["teams"]["t1"]["models"] = ["*"]
+    publish(spoke.redis_url, doc)
+    assert _until(lambda: _status(spoke, keys["good"], "other-model") == 200, 1.0) < 1.0
+
+
+def test_redis_killed_fails_closed_then_recovers(
+        fresh_spoke: tuple[Spoke, dict[str, str]]) -> None:
+    spoke, keys = fresh_spoke
+    pid = spoke["sidecar"].pid
+    c = client(spoke, keys["conc4"])
+    chat(c)
+    spoke["redis"].kill()
+    with pytest.raises(openai.InternalServerError) as exc:
+        chat(c)
+    assert exc.value.status_code == 503
+    assert exc.value.code == "service_unavailable"
+    # Authentication still works from the snapshot held: a bad key is 401, not 503.
+    with pytest.raises(openai.AuthenticationError):
+        chat(client(spoke, "sk-gw-nobody-" + "B" * 43))
+    spoke["redis"].restart()  # empty: no persistence; the sidecar keeps its policy snapshot
+    _until(lambda: _status(spoke, keys["conc4"]) == 200, 10.0)
+    chat(c)
+    assert spoke["sidecar"].pid == pid  # same sidecar process, no restart needed
+    publish(spoke.redis_url, policy_doc(keys))  # the hub re-publishes; instances ACK again
+    assert set(KEY_LIMITS) <= set(policy_doc(keys)["keys"])
