@@ -89,16 +89,25 @@ def _owns_listener(pid: int, port: int) -> bool:
     inodes = _listening_inodes(port)
     if inodes is None:
         return True
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return True
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                return True
+    for proc in (pid, *_children(pid)):  # a supervisor's workers hold the socket for it
+        try:
+            fds = os.listdir(f"/proc/{proc}/fd")
+        except OSError:
+            return True
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{proc}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return True
     return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
 
 
 class Service:

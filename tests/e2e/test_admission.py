@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import redis
-from conftest import KEY_LIMITS, chat, client, policy_doc, publish
+from conftest import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
 
 from gateway.dev.stack import Spoke
 
@@ -100,3 +101,36 @@ def test_redis_killed_fails_closed_then_recovers(
     assert spoke["sidecar"].pid == pid  # same sidecar process, no restart needed
     publish(spoke.redis_url, policy_doc(keys))  # the hub re-publishes; instances ACK again
     assert set(KEY_LIMITS) <= set(policy_doc(keys)["keys"])
+
+
+def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke", sidecar_env={"GATEWAY_LEASE_TTL_S": "1"})
+    r = redis.Redis.from_url(spoke.redis_url)
+    leases = "gw:conc:key:conc4"
+    try:
+        c = client(spoke, keys["conc4"], default_headers={"x-mock-tokens-per-s": "10"})
+        stream = c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
+                                           messages=[{"role": "user", "content": "hi"}])
+        t0 = time.monotonic()
+        for _ in stream:
+            if time.monotonic() - t0 > 2.5:  # well past the 1 s lease: renewed meanwhile
+                assert _live(r, leases) == 1
+                break
+        stream.close()
+        _until(lambda: r.zcard(leases) == 0, 2.0)
+
+        # A stream whose sidecar dies: nobody settles it, the lease expires on its own.
+        stream = c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
+                                           messages=[{"role": "user", "content": "hi"}])
+        next(iter(stream))
+        assert r.zcard(leases) == 1
+        spoke["sidecar"].kill()
+        spoke["sidecar"].restart()
+        _until(lambda: _live(r, leases) == 0, 3.0)
+        assert _status(spoke, keys["conc4"]) == 200
+    finally:
+        spoke.stop()
+
+
+def _live(r: redis.Redis, key: str) -> int:
+    return int(r.zcount(key, time.time() * 1000, "+inf"))

@@ -1,0 +1,77 @@
+"""Policy distribution on a real Redis: revisions, announcements, ACK/NACK, healing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from redis.asyncio import Redis
+
+from gateway.policy.holder import PolicyHolder, RedisPolicySync
+from gateway.policy.loader import parse_doc
+from gateway.policy.store import PolicyStore, RevisionConflict
+
+GOOD = b"models: {m: {}}\nteams: {t: {models: ['*']}}\n"
+
+
+async def _wait(cond: object, timeout: float = 2.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if cond():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def test_ack_then_nack_keeps_previous_revision(redis_url: str) -> None:
+    store = PolicyStore(Redis.from_url(redis_url))
+    holder = PolicyHolder()
+    sync = RedisPolicySync(holder, store, "inst-1", recheck=60)
+    sync.start()
+    try:
+        rev = await store.publish(parse_doc(GOOD))
+        await _wait(lambda: holder.policy is not None and holder.policy.revision == rev)
+        await asyncio.sleep(0.05)
+        status = (await store.statuses())["inst-1"]
+        assert status["state"] == "ACK" and status["revision"] == rev
+
+        # A corrupt revision, as a buggy hub could write it straight into Redis.
+        bad = orjson.dumps({"models": {"m": {"limits": {"rps": -3, "bogus": 1}}}})
+        await store.publish_raw(rev + 1, bad)
+        await _wait(lambda: (rev + 1) in holder.rejected)
+        assert holder.policy is not None and holder.policy.revision == rev  # old one serves
+        await asyncio.sleep(0.05)
+        status = (await store.statuses())["inst-1"]
+        assert status["state"] == "NACK" and status["revision"] == rev
+        assert status["latest"] == rev + 1
+        assert "models.m.limits.rps" in status["error"]
+
+        # The next valid revision is accepted and ACKed again.
+        rev3 = await store.publish(parse_doc(GOOD))
+        await _wait(lambda: holder.policy is not None and holder.policy.revision == rev3)
+        await asyncio.sleep(0.05)
+        assert (await store.statuses())["inst-1"]["state"] == "ACK"
+    finally:
+        await sync.stop()
+
+
+async def test_missed_announcement_heals_on_recheck(redis_url: str) -> None:
+    store = PolicyStore(Redis.from_url(redis_url))
+    holder = PolicyHolder()
+    sync = RedisPolicySync(holder, store, "inst-2", recheck=0.1)
+    sync._tasks = [asyncio.create_task(sync._poll())]  # polling only: no pub/sub listener
+    try:
+        rev = await store.publish(parse_doc(GOOD))
+        await _wait(lambda: holder.policy is not None and holder.policy.revision == rev)
+    finally:
+        await sync.stop()
+
+
+async def test_publish_rejects_stale_or_conflicting_revisions(redis_url: str) -> None:
+    store = PolicyStore(Redis.from_url(redis_url))
+    r1 = await store.publish(parse_doc(GOOD))
+    doc = parse_doc(GOOD + b"revision: 1\n")
+    with pytest.raises(RevisionConflict, match="not newer"):
+        await store.publish(doc)
+    with pytest.raises(RevisionConflict, match="moved"):
+        await store.publish(parse_doc(GOOD), expect=r1 - 1)

@@ -1,0 +1,99 @@
+"""`gateway serve` as its own process: gRPC health, Check, /metrics, /readyz, file reload,
+and several workers on one port."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import yaml
+from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.dev.checks import check_request
+from gateway.dev.procs import Service, free_port
+from gateway.policy import secrets
+
+SECRET = secrets.new_secret("k1")
+
+
+def _policy(disabled: bool = False) -> str:
+    return yaml.safe_dump({
+        "models": {"mock-model": {}},
+        "teams": {"t": {"models": ["*"], "limits": {"rps": 1000}}},
+        "keys": {"k1": {"team": "t", "sha256": secrets.digest(SECRET).hex(),
+                        "disabled": disabled}},
+    })
+
+
+def _sidecar(tmp: Path, env: dict[str, str]) -> tuple[Service, int]:
+    port, mport = free_port(), free_port()
+    svc = Service("sidecar", [sys.executable, "-m", "gateway", "serve"], port, tmp, env={
+        "GATEWAY_LISTEN": f"127.0.0.1:{port}", "GATEWAY_METRICS_LISTEN": f"127.0.0.1:{mport}",
+        **env})
+    return svc.start(), mport
+
+
+def _check_code(port: int, key: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        resp = pb_grpc.AuthorizationStub(ch).Check(check_request(key), timeout=5)
+    return resp.denied_response.status.code if resp.status.code else 200
+
+
+def _until(cond: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def test_embedded_mode_serves_health_metrics_and_reloads(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy())
+    svc, mport = _sidecar(tmp_path, {"GATEWAY_POLICY_FILE": str(policy)})
+    try:
+        with grpc.insecure_channel(svc.address) as ch:
+            h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+        assert _check_code(svc.port, SECRET) == 200
+        assert _check_code(svc.port, "sk-wrong") == 401
+        assert httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200
+        assert httpx.get(f"http://127.0.0.1:{mport}/healthz").status_code == 200
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+        assert 'gateway_authz_decisions_total{outcome="allowed"' in text
+        assert 'reason="invalid_api_key"' in text
+        assert "gateway_authz_check_seconds_bucket" in text
+        assert "gateway_policy_revision 1.0" in text
+        policy.write_text(_policy(disabled=True))  # the operator edits the file
+        _until(lambda: _check_code(svc.port, SECRET) == 401, 3.0)
+        policy.write_text("keys: {k1: {team: nobody}}\n")  # invalid: the old one keeps serving
+        time.sleep(1.0)
+        assert _check_code(svc.port, "sk-wrong") == 401
+        assert "policy_rejected" in svc.log_path.read_text()
+    finally:
+        svc.stop()
+    assert SECRET not in svc.log_path.read_text()
+
+
+def test_two_workers_share_one_port(tmp_path: Path, redis_url: str) -> None:
+    from gateway.cli import main
+    (tmp_path / "p.yaml").write_text(_policy())
+    assert main(["policy", "apply", str(tmp_path / "p.yaml"), "--redis-url", redis_url]) == 0
+    svc, mport = _sidecar(tmp_path, {"GATEWAY_REDIS_URL": redis_url, "GATEWAY_WORKERS": "2",
+                                     "GATEWAY_INSTANCE_ID": "box"})
+    try:
+        _until(lambda: httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200, 10)
+        codes = [_check_code(svc.port, SECRET) for _ in range(40)]
+        assert codes == [200] * 40
+        import redis
+        statuses = redis.Redis.from_url(redis_url).hkeys("gw:policy:status")
+        assert sorted(statuses) == [b"box-w0", b"box-w1"]
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+        assert 'gateway_authz_decisions_total{outcome="allowed",reason="",tier=""} 40.0' in text
+    finally:
+        svc.stop()

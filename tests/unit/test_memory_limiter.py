@@ -1,0 +1,334 @@
+"""MemoryLimiter (embedded mode): three tiers committed all-or-nothing, leases, token reservations."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from gateway.clock import FakeClock
+from gateway.limits.memory import MemoryLimiter
+from gateway.limits.types import AdmitRequest, Verdict
+from gateway.policy.model import LimitSpec, TierLimit
+
+
+def spec(**kw: float) -> LimitSpec:
+    if "rps" in kw and "burst" not in kw:
+        kw["burst"] = 1
+    return LimitSpec(**kw)  # type: ignore[arg-type]
+
+
+def team(**kw: float) -> TierLimit:
+    return TierLimit("team", "team-a", spec(**kw))
+
+
+def key(name: str = "k1", **kw: float) -> TierLimit:
+    return TierLimit("key", name, spec(**kw))
+
+
+def model(**kw: float) -> TierLimit:
+    return TierLimit("model", "qwen3-coder", spec(**kw))
+
+
+class Harness:
+    def __init__(self, lease_ttl: float = 60.0, start: float = 1_800_000_000.0) -> None:
+        self.lim = MemoryLimiter(lease_ttl=lease_ttl)
+        self.clock = FakeClock(start)
+        self.n = 0
+
+    async def admit(self, *tiers: TierLimit, reserve: int = 0, rid: str | None = None) -> Verdict:
+        self.n += 1
+        req = AdmitRequest(rid or f"r{self.n}", tuple(tiers), reserve, self.clock.now())
+        return await self.lim.admit(req)
+
+    async def settle(self, rid: str, actual: int | None) -> None:
+        await self.lim.settle(rid, actual, self.clock.now())
+
+    async def used(self, tier: TierLimit) -> int:
+        """Tokens counted in the tier's (single) token window, observed with a 0-token probe."""
+        v = await self.admit(tier, reserve=0)
+        assert v.allowed and v.rate.tok_limit is not None and v.rate.tok_remaining is not None
+        return v.rate.tok_limit - v.rate.tok_remaining
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+# --- atomicity across tiers ----------------------------------------------------------------
+
+
+async def test_denial_at_team_tier_consumes_nothing_at_key_tier(h: Harness) -> None:
+    t, k1 = team(rps=1), key("k1", rps=1)
+    assert (await h.admit(t, key("k2", rps=1))).allowed  # k2 takes the team's one request
+
+    denied = await h.admit(t, k1)
+    assert not denied.allowed and denied.tier == "team" and denied.limit == "rps"
+
+    # k1's own bucket was not touched by the denied request: its one request is still there
+    assert (await h.admit(k1)).allowed
+    assert not (await h.admit(k1)).allowed
+
+
+async def test_denial_at_key_tier_consumes_nothing_at_earlier_tiers(h: Harness) -> None:
+    m, t = model(rps=1, concurrency=1), team(rps=1, tokens_per_day=1000)
+    k1 = key("k1", rps=1)
+    assert (await h.admit(k1)).allowed  # k1's only request, spent outside the team
+
+    denied = await h.admit(m, t, k1, reserve=100)
+    assert not denied.allowed and denied.tier == "key" and denied.limit == "rps"
+
+    # model and team checked first and passed, but committed nothing: no rps spent,
+    # no lease held, no tokens reserved
+    assert h.lim.in_flight("model", "qwen3-coder", h.clock.now()) == 0
+    assert await h.used(TierLimit("team", "team-a", spec(tokens_per_day=1000))) == 0
+    assert (await h.admit(m, t, key("k2"), reserve=100)).allowed
+
+
+async def test_token_denial_takes_no_lease_and_no_rps(h: Harness) -> None:
+    t = team(rps=1, concurrency=1)
+    k1 = key("k1", tokens_per_day=100)
+    assert (await h.admit(k1, reserve=100)).allowed  # k1's day budget now used
+    denied = await h.admit(t, k1, reserve=10)
+    assert (denied.tier, denied.limit) == ("key", "tokens_per_day")
+    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 0
+    assert (await h.admit(t)).allowed  # the team's one rps cell and its slot are still free
+
+
+async def test_no_tiers_allows_and_owes_nothing(h: Harness) -> None:
+    v = await h.admit()
+    assert v.allowed and not v.leased
+    assert h.lim.held == {}
+
+
+# --- denials carry tier, limit and retry_after -----------------------------------------------
+
+
+async def test_rps_denial_verdict(h: Harness) -> None:
+    k = key(rps=2.0, burst=1)
+    assert (await h.admit(k)).allowed
+    v = await h.admit(k)
+    assert not v.allowed
+    assert (v.tier, v.limit, v.limit_value) == ("key", "rps", 2.0)
+    assert v.retry_after == pytest.approx(0.5)
+    assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
+    h.clock.advance(0.5)
+    assert (await h.admit(k)).allowed
+
+
+async def test_first_failing_tier_is_reported(h: Harness) -> None:
+    m, t, k = model(concurrency=0), team(concurrency=0), key(concurrency=0)
+    assert (await h.admit(m, t, k)).tier == "model"
+    assert (await h.admit(t, k)).tier == "team"
+    assert (await h.admit(k)).tier == "key"
+
+
+async def test_tokens_per_minute_slides(h: Harness) -> None:
+    start = (h.clock.now() // 60) * 60
+    h.clock.t = start
+    tpm = team(tokens_per_minute=1000)
+    assert (await h.admit(tpm, reserve=600)).allowed
+    v = await h.admit(tpm, reserve=401)
+    assert (v.allowed, v.limit, v.tier) == (False, "tokens_per_minute", "team")
+    assert v.retry_after == pytest.approx(60.0)  # until the minute ends
+    h.clock.t = start + 90  # half-way through the next minute: 600 * 0.5 still counts
+    assert not (await h.admit(tpm, reserve=701)).allowed
+    assert (await h.admit(tpm, reserve=700)).allowed
+
+
+async def test_tokens_per_day_resets_at_utc_midnight() -> None:
+    h = Harness(start=datetime(2027, 1, 15, 23, 59, tzinfo=UTC).timestamp())
+    k = key(tokens_per_day=1000)
+    assert (await h.admit(k, reserve=1000)).allowed
+    v = await h.admit(k, reserve=1)
+    assert (v.allowed, v.limit, v.limit_value) == (False, "tokens_per_day", 1000)
+    assert v.retry_after == pytest.approx(60.0)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 0)
+    h.clock.advance(59.5)
+    assert not (await h.admit(k, reserve=1)).allowed
+    h.clock.advance(0.5)  # 00:00:00 UTC
+    assert (await h.admit(k, reserve=1000)).allowed
+
+
+async def test_tokens_per_month_resets_at_month_start() -> None:
+    h = Harness(start=datetime(2028, 2, 29, 12, tzinfo=UTC).timestamp())
+    k = key(tokens_per_month=500)
+    assert (await h.admit(k, reserve=500)).allowed
+    v = await h.admit(k, reserve=1)
+    assert (v.limit, v.retry_after) == ("tokens_per_month", pytest.approx(12 * 3600))
+    h.clock.advance(12 * 3600)
+    assert (await h.admit(k, reserve=500)).allowed
+
+
+async def test_request_larger_than_window_runs_only_when_window_empty(h: Harness) -> None:
+    k = key(tokens_per_day=100)
+    assert (await h.admit(k, reserve=5000)).allowed
+    assert not (await h.admit(k, reserve=1)).allowed
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: a token limit of 0 (allowed by the schema, NonNegativeInt) still admits a request "
+    "whenever its window is empty: maths.fits(0, reserve, 0) is True because "
+    "min(reserve, limit) == 0, unlike concurrency: 0 which denies everything"))
+async def test_zero_token_limit_admits_nothing(h: Harness) -> None:
+    v = await h.admit(team(tokens_per_day=0), reserve=10)
+    assert not v.allowed
+    assert (v.tier, v.limit) == ("team", "tokens_per_day")
+
+
+# --- concurrency leases ----------------------------------------------------------------------
+
+
+async def test_concurrency_limit_and_release_on_settle(h: Harness) -> None:
+    t = team(concurrency=2)
+    a, b = await h.admit(t, rid="a"), await h.admit(t, rid="b")
+    assert a.allowed and b.allowed and a.leased and b.leased
+    c = await h.admit(t, rid="c")
+    assert not c.allowed
+    assert (c.tier, c.limit, c.limit_value) == ("team", "concurrency", 2)
+    assert c.retry_after > 0
+
+    await h.settle("a", None)
+    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 1
+    assert (await h.admit(t, rid="d")).allowed
+    assert not (await h.admit(t, rid="e")).allowed
+
+
+async def test_lease_expires_without_settle() -> None:
+    h = Harness(lease_ttl=10.0)
+    t = team(concurrency=2)
+    assert (await h.admit(t)).allowed and (await h.admit(t)).allowed
+    h.clock.advance(9.9)
+    assert not (await h.admit(t)).allowed
+    h.clock.advance(0.1)  # both leases are now lease_ttl old: the slots come back
+    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 0
+    assert (await h.admit(t)).allowed and (await h.admit(t)).allowed
+
+
+async def test_renew_extends_a_lease() -> None:
+    h = Harness(lease_ttl=10.0)
+    t = team(concurrency=2)
+    assert (await h.admit(t, rid="long")).allowed
+    assert (await h.admit(t, rid="short")).allowed
+    h.clock.advance(5)
+    await h.lim.renew(["long"], h.clock.now())  # still streaming: good until t+15
+    h.clock.advance(5)
+    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 1  # "short" expired
+    assert (await h.admit(t)).allowed
+    assert not (await h.admit(t)).allowed
+    h.clock.advance(5)
+    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 1  # "long" ran out too
+
+
+async def test_renew_of_settled_or_unknown_request_does_nothing(h: Harness) -> None:
+    t = team(concurrency=1)
+    assert (await h.admit(t, rid="a")).allowed
+    await h.settle("a", None)
+    await h.lim.renew(["a", "never-seen"], h.clock.now())
+    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 0
+    assert (await h.admit(t, rid="b")).allowed
+
+
+async def test_lease_held_at_every_tier_with_concurrency(h: Harness) -> None:
+    tiers = (model(concurrency=5), team(concurrency=5), key(concurrency=1))
+    assert (await h.admit(*tiers, rid="a")).allowed
+    now = h.clock.now()
+    assert [h.lim.in_flight(*tn, now) for tn in
+            (("model", "qwen3-coder"), ("team", "team-a"), ("key", "k1"))] == [1, 1, 1]
+    await h.settle("a", 10)
+    assert [h.lim.in_flight(*tn, now) for tn in
+            (("model", "qwen3-coder"), ("team", "team-a"), ("key", "k1"))] == [0, 0, 0]
+
+
+# --- token reservations ------------------------------------------------------------------------
+
+
+async def test_reservation_is_counted_at_admission(h: Harness) -> None:
+    k = key(tokens_per_day=1000)
+    v = await h.admit(k, reserve=400, rid="a")
+    assert v.allowed and v.leased
+    assert v.rate.tok_remaining == 600
+    assert await h.used(k) == 400
+    assert (await h.admit(k, reserve=600)).allowed
+    assert not (await h.admit(k, reserve=1)).allowed
+
+
+@pytest.mark.parametrize(("actual", "used"), [(700, 700), (100, 100), (0, 0), (None, 400)])
+async def test_settle_replaces_reservation_with_actual(
+    h: Harness, actual: int | None, used: int
+) -> None:
+    k = key(tokens_per_day=1000)
+    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    await h.settle("a", actual)
+    assert await h.used(k) == used
+
+
+async def test_settle_applies_to_every_token_window_and_tier(h: Harness) -> None:
+    t = team(tokens_per_minute=10_000, tokens_per_day=10_000)
+    k = key(tokens_per_month=10_000)
+    assert (await h.admit(t, k, reserve=400, rid="a")).allowed
+    await h.settle("a", 1500)
+    assert h.lim.tokens == {
+        next(w for w in h.lim.tokens if w.startswith("tpm:team:")): 1500,
+        next(w for w in h.lim.tokens if w.startswith("tpd:team:")): 1500,
+        next(w for w in h.lim.tokens if w.startswith("tpmo:key:")): 1500,
+    }
+
+
+async def test_settle_twice_is_idempotent(h: Harness) -> None:
+    k = key(tokens_per_day=1000, concurrency=1)
+    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    await h.settle("a", 100)
+    await h.settle("a", 900)  # a second settlement (retry, duplicate end) changes nothing
+    assert await h.used(key(tokens_per_day=1000)) == 100
+    assert (await h.admit(key("k1", concurrency=1), rid="b")).allowed
+    await h.settle("a", None)
+    assert not (await h.admit(key("k1", concurrency=1), rid="c")).allowed  # b still holds it
+
+
+async def test_settle_after_lease_expiry_still_settles_tokens() -> None:
+    h = Harness(lease_ttl=5.0)
+    k = key(tokens_per_day=1000, concurrency=1)
+    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    h.clock.advance(30)
+    await h.settle("a", 50)
+    assert await h.used(key(tokens_per_day=1000)) == 50
+
+
+async def test_settle_many_settles_each(h: Harness) -> None:
+    k = key(tokens_per_day=1000, concurrency=3)
+    for rid in "abc":
+        assert (await h.admit(k, reserve=100, rid=rid)).allowed
+    await h.lim.settle_many([("a", 10), ("b", None), ("a", 999)])
+    assert h.lim.in_flight("key", "k1", h.clock.now()) == 1  # only c still holds a slot
+    assert await h.used(key(tokens_per_day=1000)) == 10 + 100 + 100
+
+
+async def test_actual_below_zero_never_drives_counter_negative(h: Harness) -> None:
+    k = key(tokens_per_day=1000)
+    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    h.lim.tokens.clear()  # e.g. the day window rolled over between admission and settlement
+    await h.settle("a", 0)
+    assert all(v >= 0 for v in h.lim.tokens.values())
+
+
+# --- x-ratelimit numbers: the tightest tier --------------------------------------------------
+
+
+async def test_rate_info_picks_the_tightest_tier(h: Harness) -> None:
+    t = team(rps=10, burst=10, tokens_per_day=1000)
+    k = key(rps=2, burst=2, tokens_per_day=10_000)
+    v = await h.admit(t, k, reserve=400)
+    assert v.allowed
+    # requests: team 9/10 left, key 1/2 left -> key; tokens: team 600/1000, key 9600/10000 -> team
+    assert (v.rate.req_limit, v.rate.req_remaining) == (2, 1)
+    assert v.rate.req_reset == pytest.approx(0.5)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 600)
+    assert v.rate.tok_reset is not None and 0 < v.rate.tok_reset <= 86400
+
+
+async def test_rate_info_without_limits_is_empty(h: Harness) -> None:
+    v = await h.admit(team(concurrency=3))
+    assert v.allowed
+    assert v.rate.req_limit is None and v.rate.tok_limit is None
