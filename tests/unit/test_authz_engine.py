@@ -1,0 +1,404 @@
+"""Authorizer: every row of DESIGN §4, with a compiled policy, MemoryLimiter and FakeClock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.authz import answers
+from gateway.authz.decision import Allow, Decision, Deny
+from gateway.authz.engine import AdmissionSettings, Authorizer
+from gateway.authz.request import AuthzRequest
+from gateway.clock import FakeClock
+from gateway.errors import StoreUnavailable
+from gateway.limits.memory import MemoryLimiter
+from gateway.limits.types import AdmitRequest, RateInfo, Verdict
+from gateway.policy import secrets
+from gateway.policy.loader import load
+from gateway.policy.model import Policy
+
+NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+SECRETS = {name: f"sk-gw-{name}-{name * 8}" for name in ("alice", "bob", "old", "gone", "soon")}
+
+
+def sha(name: str) -> str:
+    return secrets.digest(SECRETS[name]).hex()
+
+
+def policy(team_limits: str = "{}", key_limits: str = "{}", model_limits: str = "{}") -> Policy:
+    return load(f"""
+models:
+  qwen3-coder: {{limits: {model_limits}}}
+  llama-3: {{}}
+  mistral: {{}}
+teams:
+  team-a:
+    models: ["qwen3-coder", "llama-*"]
+    limits: {team_limits}
+keys:
+  alice: {{team: team-a, sha256: "{sha("alice")}", limits: {key_limits}}}
+  bob: {{team: team-a, sha256: "{sha("bob")}", models: ["llama-*"]}}
+  old: {{team: team-a, sha256: "{sha("old")}", expires_at: "2027-01-15T07:59:59Z"}}
+  soon: {{team: team-a, sha256: "{sha("soon")}", expires_at: "2027-01-15T08:00:01Z"}}
+  gone: {{team: team-a, sha256: "{sha("gone")}", disabled: true}}
+""", revision=1)
+
+
+class CountingLimiter(MemoryLimiter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    async def admit(self, req: AdmitRequest) -> Verdict:
+        self.calls += 1
+        return await super().admit(req)
+
+
+class BrokenLimiter(CountingLimiter):
+    async def admit(self, req: AdmitRequest) -> Verdict:
+        self.calls += 1
+        raise StoreUnavailable("redis: ConnectionError: connection refused")
+
+
+class HangingLimiter(CountingLimiter):
+    async def admit(self, req: AdmitRequest) -> Verdict:
+        self.calls += 1
+        await asyncio.sleep(10)
+        return Verdict(True)
+
+
+class Gate:
+    def __init__(self, pol: Policy | None, limiter: Any = None, deadline: float = 0.25) -> None:
+        self.clock = FakeClock(NOW)
+        self.limiter = limiter if limiter is not None else CountingLimiter()
+        self.authz = Authorizer(lambda: pol, self.limiter, self.clock,
+                                AdmissionSettings(deadline=deadline))
+        self.n = 0
+
+    async def check(
+        self,
+        body: Any = None,
+        *,
+        who: str | None = "alice",
+        headers: dict[str, str] | None = None,
+        path: str = "/v1/chat/completions",
+        method: str = "POST",
+    ) -> Decision:
+        self.n += 1
+        h = dict(headers or {})
+        if who is not None and headers is None:
+            h["authorization"] = f"Bearer {SECRETS.get(who, who)}"
+        if body is None:
+            raw = b""
+        elif isinstance(body, bytes):
+            raw = body
+        else:
+            raw = json.dumps(body).encode()
+        return await self.authz.check(AuthzRequest(f"req-{self.n}", method, path, h, raw))
+
+
+def chat(model: str = "qwen3-coder", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def denied(d: Decision, status: int, code: str) -> Deny:
+    assert isinstance(d, Deny), d
+    assert (d.status, d.code) == (status, code), d
+    return d
+
+
+# --- allowed ------------------------------------------------------------------------------------
+
+
+async def test_allowed_request_carries_verified_context() -> None:
+    gate = Gate(policy(key_limits="{rps: 5}"))
+    d = await gate.check(chat(stream=True, max_tokens=100))
+    assert isinstance(d, Allow), d
+    c = d.context
+    assert (c.request_id, c.key_id, c.team, c.model, c.stream) == (
+        "req-1", "alice", "team-a", "qwen3-coder", True)
+    assert d.rate.req_limit == 5 and d.rate.req_remaining == 4
+
+
+async def test_allowed_with_x_api_key_header() -> None:
+    gate = Gate(policy())
+    d = await gate.check(chat("llama-3"), headers={"x-api-key": SECRETS["bob"]})
+    assert isinstance(d, Allow) and d.context.key_id == "bob"
+
+
+async def test_allowed_without_limits_never_calls_the_limiter() -> None:
+    gate = Gate(policy(), BrokenLimiter())
+    d = await gate.check(chat())
+    assert isinstance(d, Allow)
+    assert not d.context.leased and d.context.reserved == 0
+    assert gate.limiter.calls == 0
+
+
+async def test_reservation_is_recorded_in_context() -> None:
+    gate = Gate(policy(team_limits="{tokens_per_day: 100000}"))
+    d = await gate.check(chat(max_tokens=500))
+    assert isinstance(d, Allow) and d.context.leased
+    assert 500 < d.context.reserved < 600  # max_tokens + a small prompt estimate
+
+
+async def test_key_expiring_later_is_valid() -> None:
+    gate = Gate(policy())
+    assert isinstance(await gate.check(chat(), who="soon"), Allow)
+    gate.clock.advance(1)  # now == expires_at: expired
+    denied(await gate.check(chat(), who="soon"), 401, "invalid_api_key")
+
+
+async def test_models_listing_needs_no_body() -> None:
+    gate = Gate(policy(team_limits="{rps: 10}"))
+    d = await gate.check(path="/v1/models", method="GET")
+    assert isinstance(d, Allow), d
+    assert (d.context.key_id, d.context.team, d.context.model) == ("alice", "team-a", "")
+    denied(await gate.check(path="/v1/models", method="GET", who="nobody"),
+           401, "invalid_api_key")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: engine reserves tokens for non-inference requests: BodyFacts.reserve() adds "
+    "default_completion_tokens (1024) even when facts.model is None, so each GET /v1/models "
+    "reserves ~1025 tokens that settlement (actual=None) keeps; two listings exhaust a "
+    "2000-token tokens_per_day budget and the third gets 429 insufficient_quota"))
+async def test_models_listing_consumes_no_token_budget() -> None:
+    gate = Gate(policy(team_limits="{tokens_per_day: 2000}"))
+    for _ in range(3):
+        d = await gate.check(path="/v1/models", method="GET")
+        assert isinstance(d, Allow), d
+        assert d.context.reserved == 0
+
+
+# --- 401 / 404 / 403 / 400 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("headers", "who"), [
+    ({}, None),  # no key
+    ({"authorization": "Bearer sk-gw-nobody-xxxxxxxx"}, None),  # unknown
+    ({"authorization": "Basic YWxpY2U6cHc="}, None),  # wrong scheme
+    (None, "old"),  # expired
+    (None, "gone"),  # disabled
+])
+async def test_invalid_api_key(headers: dict[str, str] | None, who: str | None) -> None:
+    gate = Gate(policy(key_limits="{rps: 1}"))
+    d = denied(await gate.check(chat(), who=who, headers=headers), 401, "invalid_api_key")
+    assert d.reason == "invalid_api_key"
+    assert gate.limiter.calls == 0
+
+
+async def test_unknown_key_is_rejected_before_the_body_is_read() -> None:
+    gate = Gate(policy(), BrokenLimiter())
+    denied(await gate.check(b"{not json", who="nobody"), 401, "invalid_api_key")
+
+
+async def test_model_not_in_policy() -> None:
+    gate = Gate(policy(team_limits="{rps: 1}"))
+    d = denied(await gate.check(chat("gpt-4o")), 404, "model_not_found")
+    assert "gpt-4o" in d.message
+    assert gate.limiter.calls == 0
+
+
+@pytest.mark.parametrize(("who", "model"), [
+    ("alice", "mistral"),  # in the policy, not in the team's ACL
+    ("bob", "qwen3-coder"),  # team allows it, the key narrows to llama-*
+])
+async def test_model_not_allowed(who: str, model: str) -> None:
+    gate = Gate(policy(team_limits="{rps: 1}"))
+    d = denied(await gate.check(chat(model), who=who), 403, "model_not_allowed")
+    assert model in d.message
+    assert gate.limiter.calls == 0
+    # the denied request consumed nothing: the team's single rps cell is still free
+    assert isinstance(await gate.check(chat("llama-3"), who=who), Allow)
+
+
+@pytest.mark.parametrize("body", [
+    b"",
+    b"{not json",
+    b"\xff\xfe",
+    b'{"messages": []}',  # no model
+    b'{"model": null}',
+    b'{"model": ""}',
+    b'{"model": 42}',  # model not a string
+    b'{"model": ["qwen3-coder"]}',
+    b'[{"model": "qwen3-coder"}]',  # a JSON array, not an object
+    b'"qwen3-coder"',
+])
+async def test_bad_body(body: bytes) -> None:
+    gate = Gate(policy(team_limits="{rps: 1}"))
+    d = denied(await gate.check(body), 400, "invalid_request_error")
+    assert d.message
+    assert gate.limiter.calls == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings", "/v1/responses"])
+async def test_every_inference_endpoint_needs_a_model(path: str) -> None:
+    gate = Gate(policy())
+    denied(await gate.check({"input": "x"}, path=path), 400, "invalid_request_error")
+    assert isinstance(await gate.check({"model": "llama-3", "input": "x"}, path=path), Allow)
+
+
+# --- 429 ---------------------------------------------------------------------------------------
+
+
+def assert_429_headers(d: Deny, tier: str, *, requests: bool, tokens: bool) -> None:
+    h = d.headers
+    assert int(h["retry-after"]) >= 1
+    assert h["retry-after"] == str(d.retry_after)
+    assert h["x-gateway-limit-tier"] == tier == d.tier
+    req = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+           "x-ratelimit-reset-requests")
+    tok = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+           "x-ratelimit-reset-tokens")
+    if requests:
+        assert all(name in h for name in req), h
+        assert h["x-ratelimit-remaining-requests"] == "0"
+    if tokens:
+        assert all(name in h for name in tok), h
+
+
+async def test_rps_exceeded() -> None:
+    gate = Gate(policy(key_limits="{rps: 2}"))
+    assert isinstance(await gate.check(chat()), Allow)
+    assert isinstance(await gate.check(chat()), Allow)
+    d = denied(await gate.check(chat()), 429, "rate_limit_exceeded")
+    assert d.reason == "rps"
+    assert "key tier" in d.message and "rps=2" in d.message
+    assert_429_headers(d, "key", requests=True, tokens=False)
+    assert d.headers["x-ratelimit-limit-requests"] == "2"
+    assert d.headers["retry-after"] == "1"  # 0.5 s, rounded up to whole seconds
+    gate.clock.advance(0.5)
+    assert isinstance(await gate.check(chat()), Allow)
+
+
+async def test_concurrency_exceeded_at_model_tier() -> None:
+    gate = Gate(policy(model_limits="{concurrency: 1}"))
+    assert isinstance(await gate.check(chat()), Allow)
+    d = denied(await gate.check(chat()), 429, "rate_limit_exceeded")
+    assert d.reason == "concurrency"
+    assert "model tier" in d.message and "concurrency=1" in d.message
+    assert_429_headers(d, "model", requests=True, tokens=False)
+    assert d.headers["x-ratelimit-limit-requests"] == "1"
+    # another model does not share the qwen3-coder slot
+    assert isinstance(await gate.check(chat("llama-3")), Allow)
+
+
+async def test_tokens_per_minute_exceeded() -> None:
+    gate = Gate(policy(team_limits="{tokens_per_minute: 1000}"))
+    assert isinstance(await gate.check(chat(max_tokens=900)), Allow)
+    d = denied(await gate.check(chat(max_tokens=900)), 429, "rate_limit_exceeded")
+    assert d.reason == "tokens_per_minute"
+    assert "team tier" in d.message and "tokens_per_minute=1000" in d.message
+    assert_429_headers(d, "team", requests=False, tokens=True)
+    assert d.headers["x-ratelimit-limit-tokens"] == "1000"
+
+
+@pytest.mark.parametrize("limit", ["tokens_per_day", "tokens_per_month"])
+async def test_token_quota_exhausted(limit: str) -> None:
+    gate = Gate(policy(key_limits=f"{{{limit}: 1000}}"))
+    assert isinstance(await gate.check(chat(max_tokens=900)), Allow)
+    d = denied(await gate.check(chat(max_tokens=900)), 429, "insufficient_quota")
+    assert d.reason == limit
+    assert "key tier" in d.message and f"{limit}=1000" in d.message
+    assert d.message.startswith("Quota exhausted")
+    assert_429_headers(d, "key", requests=False, tokens=True)
+
+
+async def test_team_denial_leaves_key_budget_untouched() -> None:
+    gate = Gate(policy(team_limits="{rps: 1}", key_limits="{rps: 1}"))
+    assert isinstance(await gate.check(chat("llama-3"), who="bob"), Allow)  # team cell used
+    d = denied(await gate.check(chat()), 429, "rate_limit_exceeded")
+    assert d.tier == "team"
+    gate.clock.advance(1.0)  # the team refills; alice's key cell was never taken
+    assert isinstance(await gate.check(chat()), Allow)
+
+
+# --- 503: fail closed ----------------------------------------------------------------------------
+
+
+async def test_store_unavailable_fails_closed() -> None:
+    gate = Gate(policy(key_limits="{rps: 100}"), BrokenLimiter())
+    d = denied(await gate.check(chat()), 503, "service_unavailable")
+    assert gate.limiter.calls == 1
+    assert "connection refused" in d.message
+    assert d.headers.get("retry-after") == "1"
+
+
+async def test_store_past_the_deadline_fails_closed() -> None:
+    gate = Gate(policy(key_limits="{rps: 100}"), HangingLimiter(), deadline=0.02)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    d = denied(await gate.check(chat()), 503, "service_unavailable")
+    assert loop.time() - started < 1.0
+    assert "timed out" in d.message
+
+
+async def test_no_policy_denies_everything() -> None:
+    gate = Gate(None)
+    denied(await gate.check(chat()), 503, "service_unavailable")
+    denied(await gate.check(chat(), who=None, headers={}), 503, "service_unavailable")
+    assert gate.limiter.calls == 0
+
+
+# --- answers: bodies and formats -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("deny", "etype"), [
+    (answers.unauthorized(), "invalid_request_error"),
+    (answers.model_not_found("m"), "invalid_request_error"),
+    (answers.model_not_allowed("m"), "invalid_request_error"),
+    (answers.bad_request("bad"), "invalid_request_error"),
+    (answers.unavailable("down"), "server_error"),
+    (answers.limit_denial(Verdict(False, "key", "rps", 2.0, 0.5)), "requests"),
+    (answers.limit_denial(Verdict(False, "team", "tokens_per_day", 10, 60)),
+     "insufficient_quota"),
+])
+def test_error_body_is_openai_shaped(deny: Deny, etype: str) -> None:
+    data = orjson.loads(answers.error_body(deny, "req-9"))
+    err = data["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err == {"message": deny.message, "type": etype, "param": None, "code": deny.code}
+    assert isinstance(err["message"], str) and err["message"]
+
+
+def test_limit_denial_rounds_retry_after_up() -> None:
+    d = answers.limit_denial(Verdict(False, "team", "tokens_per_minute", 1000, 12.2))
+    assert d.retry_after == 13 and d.headers["retry-after"] == "13"
+    assert "Retry after 13s" in d.message
+    tiny = answers.limit_denial(Verdict(False, "key", "rps", 100.0, 0.001))
+    assert tiny.headers["retry-after"] == "1"  # never 0: a client would retry at once
+
+
+def test_rate_headers_of_allowed_responses() -> None:
+    h = answers.rate_headers(RateInfo(10, 7, 0.25, 5000, 4000, 360.0))
+    assert h == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "7",
+        "x-ratelimit-reset-requests": "250ms",
+        "x-ratelimit-limit-tokens": "5000",
+        "x-ratelimit-remaining-tokens": "4000",
+        "x-ratelimit-reset-tokens": "6m0s",
+    }
+    assert answers.rate_headers(RateInfo()) == {}
+
+
+@pytest.mark.parametrize(("seconds", "text"), [
+    (0.0, "0ms"),
+    (0.25, "250ms"),
+    (0.0004, "1ms"),
+    (1.0, "1s"),
+    (1.2, "2s"),
+    (59.0, "59s"),
+    (60.0, "1m0s"),
+    (360.0, "6m0s"),
+    (361.5, "6m2s"),
+    (3600.0, "1h0m0s"),
+    (86399.0, "23h59m59s"),
+    (-3.0, "0ms"),
+])
+def test_duration_format(seconds: float, text: str) -> None:
+    assert answers.duration(seconds) == text
