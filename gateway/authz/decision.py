@@ -18,6 +18,11 @@ class Context:
     stream: bool
     reserved: int
     leased: bool
+    endpoint: str = ""
+    prompt_estimate: int = 0
+    stream_options: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +41,9 @@ class Deny:
     retry_after: float | None = None
     rate: RateInfo | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    key_id: str = ""  # who was denied, when known (a 401 knows no one)
+    team: str = ""
+    model: str = ""
 
 
 Decision = Allow | Deny

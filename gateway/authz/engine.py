@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.authz import answers
-from gateway.authz.decision import Allow, Context, Decision
+from gateway.authz.decision import Allow, Context, Decision, Deny
 from gateway.authz.request import AuthzRequest, api_key, parse_body
 from gateway.clock import Clock
 from gateway.errors import BodyError, StoreUnavailable
 from gateway.limits.types import AdmitRequest, Limiter, Verdict
 from gateway.policy import secrets
-from gateway.policy.model import Policy
+from gateway.policy.model import KeyRecord, Policy
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,15 @@ class Authorizer:
         try:
             facts = parse_body(req.path, req.method, req.body)
         except BodyError as exc:
-            return answers.bad_request(str(exc))
+            return _who(answers.bad_request(str(exc)), key)
         if facts.model is not None:
             if facts.model not in policy.models:
-                return answers.model_not_found(facts.model)
+                return _who(answers.model_not_found(facts.model), key)
             if not key.may_use(facts.model):
-                return answers.model_not_allowed(facts.model)
+                return _who(answers.model_not_allowed(facts.model), key, facts.model)
         s = self._settings
-        reserve = facts.reserve(s.default_completion_tokens, s.reserve_cap,
-                                req.path == "/v1/embeddings")
+        reserve = 0 if facts.model is None else facts.reserve(  # listing models costs nothing
+            s.default_completion_tokens, s.reserve_cap, req.path == "/v1/embeddings")
         tiers = tuple(policy.tiers_for(facts.model, key))
         verdict = Verdict(True)
         if tiers:
@@ -72,9 +72,20 @@ class Authorizer:
                         AdmitRequest(req.request_id, tiers, reserve, now))
             except (StoreUnavailable, TimeoutError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
-                return answers.unavailable(f"Rate limiter unavailable ({reason}); failing closed.")
+                return _who(answers.unavailable(
+                    f"Rate limiter unavailable ({reason}); failing closed."), key, facts.model)
         if not verdict.allowed:
-            return answers.limit_denial(verdict)
-        ctx = Context(req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
-                      reserve if verdict.leased else 0, verdict.leased)
+            return _who(answers.limit_denial(verdict), key, facts.model)
+        ctx = Context(
+            req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
+            reserve if verdict.leased else 0, verdict.leased, endpoint=req.path,
+            prompt_estimate=facts.body_bytes // 4 + 1 if facts.model else 0,
+            stream_options=facts.stream_options, include_usage=facts.include_usage,
+            continuous_usage=facts.continuous_usage,
+        )
         return Allow(ctx, verdict.rate)
+
+
+def _who(deny: Deny, key: KeyRecord, model: str | None = None) -> Deny:
+    """Name the (authenticated) caller on a denial, for its usage event and logs."""
+    return replace(deny, key_id=key.key_id, team=key.team, model=model or "")

@@ -30,6 +30,9 @@ class BodyFacts:
     stream: bool = False
     max_tokens: int | None = None
     body_bytes: int = 0
+    stream_options: bool = False  # the client sent a stream_options object
+    include_usage: bool = False  # ... asking for the usage chunk
+    continuous_usage: bool = False  # ... asking for vLLM's continuous usage stats
 
     def reserve(self, default_completion: int, cap: int, embeddings: bool) -> int:
         """Tokens to reserve: a prompt estimate (~4 bytes a token) plus the completion bound."""
@@ -90,4 +93,12 @@ def parse_body(path: str, method: str, body: bytes) -> BodyFacts:
         or _int(data.get("max_tokens"))
         or _int(data.get("max_output_tokens"))
     )
-    return BodyFacts(model, data.get("stream") is True, max_tokens, len(body))
+    opts = data.get("stream_options")
+    if not isinstance(opts, dict):
+        return BodyFacts(model, data.get("stream") is True, max_tokens, len(body))
+    return BodyFacts(
+        model, data.get("stream") is True, max_tokens, len(body),
+        stream_options=True,
+        include_usage=opts.get("include_usage") is True,
+        continuous_usage=opts.get("continuous_usage_stats") is True,
+    )

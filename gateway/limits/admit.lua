@@ -26,7 +26,9 @@ local function num(key)
 end
 
 local function fits(used, reserve, limit)
-  return used + math.min(reserve, limit) <= limit
+  local need = reserve
+  if limit > 0 then need = math.min(reserve, limit) end  -- a zero limit admits nothing
+  return used + need <= limit
 end
 
 local function offer(best, limit, remaining, reset)

@@ -48,7 +48,8 @@ def sliding_minute(prev: float, cur: float, now: float) -> float:
 def fits(used: float, reserve: int, limit: int) -> bool:
     """A request fits if its reservation fits what is left; one larger than the whole window
     still runs when the window is empty, rather than being refused forever."""
-    return used + min(reserve, limit) <= limit
+    need = min(reserve, limit) if limit > 0 else reserve  # a zero limit admits nothing
+    return used + need <= limit
 
 
 def day_id(now: float) -> str:

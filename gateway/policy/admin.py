@@ -13,9 +13,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
+
 from gateway.policy import secrets
 from gateway.policy.loader import dump_yaml, parse_doc, to_data
 from gateway.policy.schema import PolicyDoc
+from gateway.policy.store import RevisionConflict
 
 
 class Backend(Protocol):
@@ -38,6 +41,8 @@ class FileBackend:
 
     async def write(self, doc: PolicyDoc, expect: int | None) -> int:
         cur, _ = await self.read()
+        if expect is not None and cur != expect:
+            raise RevisionConflict(f"revision moved to {cur} while editing; try again")
         new = doc.revision if doc.revision and doc.revision > cur else cur + 1
         text = dump_yaml(doc, new)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".policy-")
@@ -62,9 +67,17 @@ class RedisBackend:
 def parse_duration(text: str) -> timedelta:
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
     try:
-        return timedelta(seconds=float(text[:-1]) * units[text[-1]])
-    except (KeyError, ValueError, IndexError):
+        seconds = float(text[:-1]) * units[text[-1]]
+        if not 0 < seconds < 100 * 365 * 86400:
+            raise ValueError
+        return timedelta(seconds=seconds)
+    except (KeyError, ValueError, IndexError, OverflowError):
         raise ValueError(f"bad duration {text!r}: use e.g. 30d, 12h, 90m") from None
+
+
+def _validated(data: dict[str, Any]) -> PolicyDoc:
+    """The same checks as `policy apply`, so an edit cannot publish what apply would refuse."""
+    return parse_doc(orjson.dumps(data), "edited policy")
 
 
 @dataclass
@@ -103,7 +116,7 @@ async def create_key(
     if expires_in:
         entry["expires_at"] = (datetime.now(UTC) + parse_duration(expires_in)).isoformat()
     keys[key_id] = entry
-    new = await backend.write(PolicyDoc.model_validate(data), rev)
+    new = await backend.write(_validated(data), rev)
     return NewKey(key_id, secret, new)
 
 
@@ -113,7 +126,7 @@ async def revoke_key(backend: Backend, key_id: str) -> int:
     if key_id not in data.get("keys", {}):
         raise KeyError(key_id)
     data["keys"][key_id]["disabled"] = True
-    return await backend.write(PolicyDoc.model_validate(data), rev)
+    return await backend.write(_validated(data), rev)
 
 
 def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]]:

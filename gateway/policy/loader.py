@@ -21,7 +21,7 @@ def parse_doc(text: str | bytes, source: str = "policy") -> PolicyDoc:
     """Parse and validate; raise PolicyError listing every problem with its path."""
     try:
         data: Any = yaml.safe_load(text)  # JSON is YAML, so one parser serves both
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. a timestamp of Feb 30
         raise PolicyError([f"(document): not valid YAML/JSON: {exc}"], source) from exc
     if data is None:
         data = {}

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Annotated
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -24,7 +25,8 @@ from pydantic import (
 
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]{1,64}$")]
-Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$", to_lower=True)]
+Sha256Hex = Annotated[
+    str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(str.lower)]
 Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 

@@ -66,6 +66,9 @@ def _allowed(allow: Allow, req: AuthzRequest) -> pb.CheckResponse:
     md.update({
         "request_id": c.request_id, "key_id": c.key_id, "team": c.team, "model": c.model,
         "stream": c.stream, "reserved": c.reserved, "leased": c.leased,
+        "endpoint": c.endpoint, "prompt_estimate": c.prompt_estimate,
+        "stream_options": c.stream_options, "include_usage": c.include_usage,
+        "continuous_usage": c.continuous_usage,
     })
     return pb.CheckResponse(
         status=_OK,
@@ -82,7 +85,9 @@ def _denied(deny: Deny, req: AuthzRequest) -> pb.CheckResponse:
     headers = [hdr("content-type", "application/json")]
     headers += [hdr(k, v) for k, v in deny.headers.items()]
     md = struct_pb2.Struct()
-    md.update({"request_id": req.request_id, "denied": deny.reason, "status": deny.status})
+    md.update({"request_id": req.request_id, "denied": deny.reason, "status": deny.status,
+               "key_id": deny.key_id, "team": deny.team, "model": deny.model,
+               "endpoint": req.path})
     return pb.CheckResponse(
         status=_DENIED,
         denied_response=pb.DeniedHttpResponse(

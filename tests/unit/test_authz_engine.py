@@ -161,11 +161,7 @@ async def test_models_listing_needs_no_body() -> None:
            401, "invalid_api_key")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: engine reserves tokens for non-inference requests: BodyFacts.reserve() adds "
-    "default_completion_tokens (1024) even when facts.model is None, so each GET /v1/models "
-    "reserves ~1025 tokens that settlement (actual=None) keeps; two listings exhaust a "
-    "2000-token tokens_per_day budget and the third gets 429 insufficient_quota"))
+
 async def test_models_listing_consumes_no_token_budget() -> None:
     gate = Gate(policy(team_limits="{tokens_per_day: 2000}"))
     for _ in range(3):

@@ -14,8 +14,8 @@ T0 = 1_800_000_000.0  # a fixed "now" (2027-01-15T08:00:00Z)
 EPS = 1e-6
 
 
-def ts(*args: int) -> float:
-    return datetime(*args, tzinfo=UTC).timestamp()
+def ts(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0) -> float:
+    return datetime(year, month, day, hour, minute, second, tzinfo=UTC).timestamp()
 
 
 def run_gcra(

@@ -96,10 +96,7 @@ def test_every_bad_fixture_is_covered() -> None:
     assert on_disk == covered
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: loader.parse_doc only catches yaml.YAMLError; a YAML timestamp with an "
-    "impossible date (month 13, Feb 30) makes yaml.safe_load raise a bare ValueError, so "
-    "no PolicyError, no path, and PolicyHolder (which catches PolicyError) cannot NACK it"))
+
 def test_impossible_yaml_timestamp_is_a_policy_error() -> None:
     with pytest.raises(PolicyError) as info:
         parse_doc(fixture("bad_expires_at_impossible_date.yaml"))
@@ -127,9 +124,7 @@ keys: {{k1: {{team: t, sha256: "{DIGEST}", expires_at: 2027-01-01T00:00:00}}}}
     assert problem_paths(info.value) == ["keys.k1.expires_at"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: schema.Sha256Hex declares to_lower=True but pydantic checks the ^[0-9a-f]{64}$ "
-    "pattern before lowering, so an upper-case hex digest is rejected instead of normalised"))
+
 def test_upper_case_sha256_is_normalised() -> None:
     text = f"""
 teams: {{t: {{}}}}

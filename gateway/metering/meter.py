@@ -1,0 +1,163 @@
+"""One request's response, observed chunk by chunk, turned into its usage facts.
+
+Sans-I/O: the ext_proc handler feeds it response headers and body chunks; it answers with
+the bytes to forward when it had to change them (to hide a usage chunk the gateway asked
+for on the client's behalf), and at the end it says what was used and how it ended.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.metering import usage as usage_mod
+from gateway.metering.sse import SseDecoder, SseEvent
+from gateway.metering.usage import Usage
+
+MAX_JSON_BODY = 16 << 20  # a non-stream body larger than this is not parsed for usage
+
+
+@dataclass(frozen=True, slots=True)
+class Injected:
+    """What the gateway added to the request, and so must hide from the response."""
+
+    include_usage: bool = False
+    continuous: bool = False
+
+
+@dataclass
+class Result:
+    usage: Usage
+    source: str  # 'reported' | 'estimated'
+    served_model: str
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass
+class Meter:
+    endpoint: str
+    stream: bool
+    injected: Injected = Injected()
+    prompt_estimate: int = 0
+    started: float = field(default_factory=time.monotonic)
+    status: int = 0
+    sse: bool = False
+    reported: Usage | None = None
+    served_model: str = ""
+    content_events: int = 0
+    content_chars: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+    malformed: int = 0
+    _decoder: SseDecoder = field(default_factory=SseDecoder)
+    _body: list[bytes] = field(default_factory=list)
+    _body_len: int = 0
+
+    @property
+    def rewrites(self) -> bool:
+        """Only a stream we injected into is ever changed; everything else passes untouched."""
+        return self.sse and (self.injected.include_usage or self.injected.continuous)
+
+    def response_headers(self, status: int, content_type: str) -> None:
+        self.status = status
+        self.sse = content_type.startswith("text/event-stream")
+
+    def chunk(self, data: bytes, end: bool) -> bytes | None:
+        """Observe a body chunk; return replacement bytes, or None to forward it unchanged."""
+        if not self.sse:
+            if self._body_len <= MAX_JSON_BODY:
+                self._body.append(data)
+                self._body_len += len(data)
+            return None
+        events = self._decoder.feed(data)
+        if end:
+            events += self._decoder.flush()
+        if not self.rewrites:
+            for ev in events:
+                self._observe(ev)
+            return None
+        out = [self._rewrite(ev) for ev in events]
+        return b"".join(out)
+
+    def _rewrite(self, ev: SseEvent) -> bytes:
+        obj = self._observe(ev)
+        if not isinstance(obj, dict) or "usage" not in obj:
+            return ev.raw
+        choices = obj.get("choices")
+        if choices == [] and self.injected.include_usage:
+            return b""  # the usage-only chunk the client did not ask for
+        if self.injected.continuous or obj["usage"] is None:
+            del obj["usage"]
+            return b"data: " + orjson.dumps(obj) + b"\n\n"
+        return ev.raw
+
+    def _observe(self, ev: SseEvent) -> Any:
+        if not ev.data or ev.done:
+            return None
+        try:
+            obj = orjson.loads(ev.data)
+        except orjson.JSONDecodeError:
+            self.malformed += 1
+            return None
+        if not isinstance(obj, dict):
+            return obj
+        if self.endpoint == "/v1/responses":
+            kind = obj.get("type", "")
+            if kind == "response.output_text.delta":
+                self._token(obj.get("delta"))
+            elif kind in ("response.completed", "response.incomplete", "response.failed"):
+                self._usage(obj)
+            return obj
+        for choice in obj.get("choices") or ():
+            if isinstance(choice, dict):
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    self._token(delta.get("content") or delta.get("reasoning_content"))
+                else:
+                    self._token(choice.get("text"))
+        if obj.get("usage") is not None:
+            self._usage(obj)
+        return obj
+
+    def _token(self, text: Any) -> None:
+        if isinstance(text, str) and text:
+            now = time.monotonic()
+            if self.first_token is None:
+                self.first_token = now
+            self.last_token = now
+            self.content_events += 1
+            self.content_chars += len(text)
+
+    def _usage(self, obj: Any) -> None:
+        u, model = usage_mod.from_body(self.endpoint, obj)
+        if u is not None:
+            self.reported = u
+        if model:
+            self.served_model = model
+
+    def result(self) -> Result:
+        """What was used: as reported if the engine said so, else estimated from what streamed."""
+        if not self.sse and self._body and self._body_len <= MAX_JSON_BODY:
+            try:
+                self._usage(orjson.loads(b"".join(self._body)))
+            except orjson.JSONDecodeError:
+                self.malformed += 1
+        completion = max(self.content_events, math.ceil(self.content_chars / 4))
+        if self.reported is not None:
+            u, source = self.reported, "reported"
+        elif self.status and self.status >= 400 and not completion:
+            u, source = Usage(), "reported"  # an error answer: nothing was generated
+        else:
+            prompt = self.prompt_estimate if self.status or completion else 0
+            u = Usage(prompt, completion, prompt + completion)
+            source = "estimated"
+        ttft = (self.first_token - self.started) * 1000 if self.first_token else 0.0
+        tpot = 0.0
+        if self.first_token and self.last_token and u.completion_tokens > 1:
+            tpot = (self.last_token - self.first_token) * 1000 / (u.completion_tokens - 1)
+        return Result(u, source, self.served_model, ttft, tpot)

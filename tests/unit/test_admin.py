@@ -1,0 +1,201 @@
+"""Operator actions on a policy file: apply, keys create / revoke / list, durations."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.errors import PolicyError
+from gateway.policy import admin, secrets
+from gateway.policy.loader import load, parse_doc
+from gateway.policy.store import RevisionConflict
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "policies"
+VALID = (FIXTURES / "valid.yaml").read_bytes()
+SECRET_DIGEST = secrets.digest("test").hex()
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> admin.FileBackend:
+    return admin.FileBackend(tmp_path / "policy.yaml")
+
+
+async def test_read_of_missing_file_is_empty_revision_zero(backend: admin.FileBackend) -> None:
+    rev, doc = await backend.read()
+    assert rev == 0 and doc.keys == {} and doc.teams == {}
+
+
+async def test_apply_writes_a_revision(backend: admin.FileBackend) -> None:
+    assert await admin.apply(backend, VALID, "valid.yaml") == 1
+    rev, doc = await backend.read()
+    assert rev == 1
+    assert doc.model_copy(update={"revision": None}) == parse_doc(VALID)
+    assert yaml.safe_load(backend.path.read_text())["revision"] == 1
+    # the file itself is a valid, loadable policy at that revision
+    assert load(backend.path.read_bytes()).revision == 1
+
+    assert await admin.apply(backend, VALID, "valid.yaml") == 2
+    assert (await backend.read())[0] == 2
+
+
+async def test_apply_keeps_a_newer_revision_from_the_document(
+    backend: admin.FileBackend,
+) -> None:
+    assert await admin.apply(backend, VALID + b"revision: 40\n", "x") == 40
+    # an older revision number in the document cannot move the file backwards
+    assert await admin.apply(backend, VALID + b"revision: 3\n", "x") == 41
+
+
+async def test_apply_invalid_publishes_nothing(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    before = backend.path.read_bytes()
+    bad = (FIXTURES / "bad_negative_rps.yaml").read_bytes()
+    with pytest.raises(PolicyError) as info:
+        await admin.apply(backend, bad, "bad.yaml")
+    assert info.value.problems[0].startswith("keys.key_7Hq2.limits.rps:")
+    assert backend.path.read_bytes() == before
+    assert [p.name for p in backend.path.parent.iterdir()] == ["policy.yaml"]  # no temp left
+
+
+async def test_create_key(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    new = await admin.create_key(backend, "team-a", models=["llama-*"],
+                                 limits={"rps": 3, "concurrency": None, "tokens_per_day": 10})
+
+    assert new.revision == 2
+    assert re.fullmatch(rf"sk-gw-{new.key_id}-[A-Za-z0-9_-]{{43}}", new.secret)
+    rev, doc = await backend.read()
+    assert rev == 2
+    entry = doc.keys[new.key_id]
+    assert entry.sha256 == secrets.digest(new.secret).hex()
+    assert (entry.team, entry.models, entry.expires_at) == ("team-a", ["llama-*"], None)
+    assert (entry.limits.rps, entry.limits.tokens_per_day) == (3.0, 10)
+    assert entry.limits.concurrency is None
+    assert new.secret not in backend.path.read_text()  # only the digest is stored
+    assert "key_7Hq2" in doc.keys  # the existing key is kept
+
+    policy = load(backend.path.read_bytes())
+    rec = policy.keys_by_digest[secrets.digest(new.secret)]
+    assert rec.key_id == new.key_id
+    assert rec.may_use("llama-3") and not rec.may_use("qwen3-coder")
+
+
+async def test_create_key_with_id_and_expiry(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    before = datetime.now(UTC)
+    new = await admin.create_key(backend, "team-a", key_id="ci_bot", expires_in="30d")
+    assert new.key_id == "ci_bot" and new.secret.startswith("sk-gw-ci_bot-")
+    expires = (await backend.read())[1].keys["ci_bot"].expires_at
+    assert expires is not None
+    assert before + timedelta(days=30) <= expires <= datetime.now(UTC) + timedelta(days=30)
+
+
+async def test_create_key_twice_with_same_id_fails(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    with pytest.raises(ValueError, match="key_7Hq2 already exists"):
+        await admin.create_key(backend, "team-a", key_id="key_7Hq2")
+    assert (await backend.read())[0] == 1
+
+
+
+async def test_create_key_for_unknown_team_is_refused(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    before = backend.path.read_bytes()
+    with pytest.raises((PolicyError, ValueError)):
+        await admin.create_key(backend, "no-such-team")
+    assert backend.path.read_bytes() == before
+    await backend.read()  # still readable
+
+
+async def test_revoke_key_disables_and_bumps_revision(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    assert await admin.revoke_key(backend, "key_7Hq2") == 2
+    rev, doc = await backend.read()
+    assert rev == 2 and doc.keys["key_7Hq2"].disabled is True
+    assert doc.keys["key_7Hq2"].sha256 == SECRET_DIGEST  # the entry stays, disabled
+    assert load(backend.path.read_bytes()).keys["key_7Hq2"].disabled
+
+
+async def test_revoke_unknown_key(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    with pytest.raises(KeyError):
+        await admin.revoke_key(backend, "key_nope")
+    assert (await backend.read())[0] == 1
+
+
+
+async def test_file_write_from_stale_read_is_a_conflict(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    rev, doc = await backend.read()  # operator 1 reads revision 1
+    await admin.create_key(backend, "team-a", key_id="other_op")  # operator 2 -> revision 2
+    with pytest.raises(RevisionConflict):
+        await backend.write(doc, rev)  # operator 1 writes what it read: would drop other_op
+
+
+def test_key_rows_never_show_secrets_or_digests() -> None:
+    other = "1" * 64
+    doc = parse_doc(VALID + f"""\
+  key_off:
+    team: team-a
+    sha256: "{other}"
+    disabled: true
+  key_new:
+    team: team-a
+    sha256: "{"2" * 64}"
+    expires_at: 2030-01-01T00:00:00Z
+""".encode())
+    rows = admin.key_rows(doc, now=datetime(2028, 1, 1, tzinfo=UTC))
+
+    by_id = {r["key_id"]: r for r in rows}
+    assert set(by_id) == {"key_7Hq2", "key_off", "key_new"}
+    assert by_id["key_7Hq2"]["state"] == "expired"  # expired 2027-01-01
+    assert by_id["key_off"]["state"] == "disabled"
+    assert by_id["key_new"]["state"] == "active"
+    assert by_id["key_7Hq2"]["models"] == "qwen3-coder"
+    assert by_id["key_new"]["models"] == "(team)"
+    assert by_id["key_new"]["expires_at"].startswith("2030-01-01T00:00:00")
+    for row in rows:
+        assert "sha256" not in row and "secret" not in row
+        text = repr(row)
+        for digest in (SECRET_DIGEST, other, "2" * 64):
+            assert digest not in text and digest[:16] not in text
+
+
+async def test_key_rows_after_create_never_show_the_secret(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    new = await admin.create_key(backend, "team-a")
+    rows = admin.key_rows((await backend.read())[1])
+    text = repr(rows)
+    assert new.key_id in text
+    assert new.secret not in text
+    assert new.secret.rsplit("-", 1)[-1][:12] not in text
+    assert secrets.digest(new.secret).hex() not in text
+
+
+@pytest.mark.parametrize(("text", "delta"), [
+    ("30d", timedelta(days=30)),
+    ("12h", timedelta(hours=12)),
+    ("90m", timedelta(minutes=90)),
+    ("45s", timedelta(seconds=45)),
+    ("2w", timedelta(weeks=2)),
+    ("1.5h", timedelta(minutes=90)),
+])
+def test_parse_duration(text: str, delta: timedelta) -> None:
+    assert admin.parse_duration(text) == delta
+
+
+@pytest.mark.parametrize("text", ["", "30", "d", "30x", "thirty days", "3 0d", "nand"])
+def test_parse_duration_rejects_garbage(text: str) -> None:
+    with pytest.raises(ValueError, match="bad duration"):
+        admin.parse_duration(text)
+
+
+
+@pytest.mark.parametrize("text", ["-1d", "infd", "1e12d"])
+def test_parse_duration_rejects_negative_and_unbounded(text: str) -> None:
+    with pytest.raises(ValueError, match="bad duration"):
+        admin.parse_duration(text)
