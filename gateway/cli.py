@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import time
@@ -162,6 +163,62 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bootstrap(args: argparse.Namespace) -> tuple[str, str]:
+    s = _settings(args)
+    if not s.kafka_bootstrap:
+        raise SystemExit("set GATEWAY_KAFKA_BOOTSTRAP or --kafka")
+    return s.kafka_bootstrap, s.usage_topic
+
+
+def cmd_usage_tail(args: argparse.Namespace) -> int:
+    from gateway.billing.consumer import tail
+    bootstrap, topic = _bootstrap(args)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(tail(bootstrap, topic, args.limit))
+    return 0
+
+
+def cmd_usage_consume(args: argparse.Namespace) -> int:
+    from gateway.billing.consumer import consume
+    from gateway.log import configure
+    configure("info")
+    bootstrap, topic = _bootstrap(args)
+    stop = (lambda n: n >= args.count) if args.count else None
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(consume(bootstrap, topic, args.db, args.group, stop))
+    return 0
+
+
+def cmd_usage_report(args: argparse.Namespace) -> int:
+    from gateway.billing.db import UsageDb
+    db = UsageDb(args.db)
+    rows = db.report(args.by, args.since or "")
+    print(f"{args.by.upper():24} {'REQUESTS':>9} {'PROMPT':>12} {'COMPLETION':>12} {'TOTAL':>12}")
+    for name, n, p, c, t in rows:
+        print(f"{name or '-':24} {n:>9} {p:>12} {c:>12} {t:>12}")
+    return 0
+
+
+def cmd_usage_reconcile(args: argparse.Namespace) -> int:
+    from gateway.billing.db import UsageDb, gaps
+    from gateway.sinks.spool import spooled
+    db = UsageDb(args.db)
+    seqs, dups = db.seqs(), db.duplicates()
+    pending = spooled(_settings(args).spool_dir)
+    bad = 0
+    print(f"{'INSTANCE':32} {'EVENTS':>7} {'MAX SEQ':>8} {'DUPLICATES':>10} {'SPOOLED':>8}  GAPS")
+    for inst in sorted(set(seqs) | set(dups) | set(pending)):
+        got = seqs.get(inst, [])
+        spooled_from = pending.get(inst, (0, 0))
+        # A gap at the tail that the instance still holds in its spool is not missing.
+        holes = [(a, b) for a, b in gaps(got) if not (spooled_from[1] and a >= spooled_from[0])]
+        bad += len(holes)
+        text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in holes) or "none"
+        print(f"{inst:32} {len(got):>7} {max(got, default=0):>8} {dups.get(inst, 0):>10} "
+              f"{spooled_from[1]:>8}  {text}")
+    return 1 if bad else 0
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
     from gateway.dev.spoke import run_spoke
     return run_spoke(port=args.port, workdir=Path(args.workdir))
@@ -225,6 +282,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("key_id")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_revoke)
+
+    usage = sub.add_parser("usage", help="tail / consume / report / reconcile").add_subparsers(
+        dest="sub", required=True)
+    p = usage.add_parser("tail", help="print usage events from the topic as they arrive")
+    p.add_argument("--kafka", dest="kafka_bootstrap", default=None)
+    p.add_argument("-n", "--limit", type=int, default=None, help="stop after N events")
+    p.set_defaults(fn=cmd_usage_tail)
+    p = usage.add_parser("consume", help="reference billing consumer (exactly-once totals)")
+    p.add_argument("--kafka", dest="kafka_bootstrap", default=None)
+    p.add_argument("--db", default="sqlite:///usage.db", help="sqlite:///FILE or postgresql://")
+    p.add_argument("--group", default="gateway-billing")
+    p.add_argument("--count", type=int, default=0, help="stop after N new events")
+    p.set_defaults(fn=cmd_usage_consume)
+    p = usage.add_parser("report", help="totals from the billing database")
+    p.add_argument("--db", default="sqlite:///usage.db")
+    p.add_argument("--by", choices=["team", "key", "model"], default="team")
+    p.add_argument("--since", default=None, help="YYYY-MM-DD")
+    p.set_defaults(fn=cmd_usage_report)
+    p = usage.add_parser("reconcile", help="per instance: seq gaps, duplicates, still spooled")
+    p.add_argument("--db", default="sqlite:///usage.db")
+    p.add_argument("--spool-dir", dest="spool_dir", default=None)
+    p.set_defaults(fn=cmd_usage_reconcile)
 
     p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
     p.add_argument("--listen", default="127.0.0.1:10000")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -20,8 +18,12 @@ class Settings(BaseSettings):
     usage_topic: str = "llm.usage.v1"
     spool_dir: Path = Path(".gateway-spool")
     spoke: str = "local"
-    instance_id: str = ""  # default hostname-pid, resolved per worker process
+    instance_id: str = ""  # default: the spool this host left behind, else hostname-pid
     workers: int = 1
+    kafka_idempotence: bool = True  # off against Tansu (docs/kafka-broker.md)
+    usage_jsonl: Path = Path("usage.jsonl")  # embedded mode's sink
+    # Models served by vLLM/SGLang: also ask for continuous usage, so a cut stream is exact.
+    continuous_usage_models: str = ""  # comma-separated globs, e.g. "*" or "qwen*,llama*"
     log_level: str = "info"
 
     # Admission
@@ -32,8 +34,9 @@ class Settings(BaseSettings):
     policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals
     max_message_bytes: int = 64 * 1024 * 1024  # gRPC: a CheckRequest carries the whole body
 
-    def resolved_instance_id(self) -> str:
-        return self.instance_id or f"{socket.gethostname()}-{os.getpid()}"
+    @property
+    def continuous_models(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.continuous_usage_models.split(",") if p.strip())
 
     @property
     def embedded(self) -> bool:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.dev.procs import Service, envoy_service, free_port, redis_service
+from gateway.dev.procs import Service, envoy_service, free_port, redis_service, tansu_service
 from gateway.envoy_config import EnvoyPorts, render
 
 LOOP = "127.0.0.1"
@@ -40,6 +40,7 @@ class Spoke:
     sidecar_env: dict[str, str] = field(default_factory=dict)
     engine_ttft_ms: float = 20
     engine_tokens_per_s: float = 500
+    kafka: bool = True
     services: dict[str, Service] = field(default_factory=dict)
     metrics_port: int = 0
 
@@ -50,13 +51,20 @@ class Spoke:
         engine = engine_service(free_port(), self.workdir, self.engine_ttft_ms,
                                 self.engine_tokens_per_s)
         env = {"GATEWAY_REDIS_URL": f"redis://{redis.address}/0", "GATEWAY_SPOKE": "dev",
-               "GATEWAY_POLICY_RECHECK_S": "2", **self.sidecar_env}
+               "GATEWAY_POLICY_RECHECK_S": "2", "GATEWAY_SPOOL_DIR": str(self.workdir / "spool"),
+               "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl")}
+        pre: dict[str, Service] = {"redis": redis}
+        if self.kafka:
+            pre["kafka"] = tansu_service(free_port(), self.workdir)
+            env["GATEWAY_KAFKA_BOOTSTRAP"] = pre["kafka"].address
+            env["GATEWAY_KAFKA_IDEMPOTENCE"] = "false"  # Tansu: see docs/kafka-broker.md
+        env.update(self.sidecar_env)
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
                            engine=engine.address, admin=f"{LOOP}:{free_port()}")
         envoy = envoy_service(render(ports), int(ports.admin.rsplit(":", 1)[1]),
                               self.listen_port, self.workdir)
-        self.services = {"redis": redis, "engine": engine, "sidecar": sidecar, "envoy": envoy}
+        self.services = {**pre, "engine": engine, "sidecar": sidecar, "envoy": envoy}
         try:
             for svc in self.services.values():
                 svc.start()
@@ -72,6 +80,10 @@ class Spoke:
     @property
     def redis_url(self) -> str:
         return f"redis://{self.services['redis'].address}/0"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return self.services["kafka"].address
 
     @property
     def base_url(self) -> str:

@@ -34,7 +34,7 @@ end
 local function offer(best, limit, remaining, reset)
   if remaining < 0 then remaining = 0 end
   remaining = math.floor(remaining)
-  if best[1] < 0 or remaining * best[1] < best[2] * limit then
+  if best[1] < 0 or remaining < best[2] or (remaining == best[2] and limit < best[1]) then
     best[1], best[2], best[3] = limit, remaining, math.ceil(reset)
   end
 end

@@ -70,6 +70,8 @@ class Meter:
     def chunk(self, data: bytes, end: bool) -> bytes | None:
         """Observe a body chunk; return replacement bytes, or None to forward it unchanged."""
         if not self.sse:
+            if self.first_token is None and data:
+                self.first_token = time.monotonic()  # non-stream: the time to first byte
             if self._body_len <= MAX_JSON_BODY:
                 self._body.append(data)
                 self._body_len += len(data)

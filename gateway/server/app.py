@@ -23,12 +23,17 @@ from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.types import Limiter
 from gateway.log import log
 from gateway.metering.lifecycle import Lifecycle
+from gateway.metering.recorder import Recorder
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.store import PolicyStore
+from gateway.server import metrics
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.http import serve_http
 from gateway.settings import Settings
+from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
+from gateway.sinks.shipper import Shipper
+from gateway.sinks.spool import Spool, choose_instance, orphans
 
 
 def host_port(addr: str) -> tuple[str, int]:
@@ -54,10 +59,14 @@ class App:
     server: grpc.aio.Server | None = None
     http: asyncio.Server | None = None
     health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
+    spool: Spool | None = None
+    producer: Producer | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
         s = self.settings
         clock = SystemClock()
+        self.instance_id = choose_instance(s.spool_dir, self.instance_id)
         if s.embedded:
             if s.policy_file is None:
                 raise SystemExit("embedded mode needs GATEWAY_POLICY_FILE (or GATEWAY_REDIS_URL)")
@@ -74,6 +83,7 @@ class App:
         self.sync.start()
         self.lifecycle = Lifecycle(self.limiter, clock, s.lease_ttl_s)
         self.lifecycle.start()
+        recorder = self._start_usage_pipeline(self.lifecycle)
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
             deadline=s.redis_deadline_ms / 1000,
             default_completion_tokens=s.default_completion_tokens,
@@ -89,7 +99,7 @@ class App:
         external_auth_pb2_grpc.add_AuthorizationServicer_to_server(
             AuthorizationService(authorizer), self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(self.lifecycle), self.server)
+            ExternalProcessorService(recorder, s.continuous_models), self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
@@ -102,6 +112,29 @@ class App:
         log.info("serving", listen=s.listen, metrics=s.metrics_listen, instance=self.instance_id,
                  mode="embedded" if s.embedded else "redis",
                  revision=self.holder.policy.revision if self.holder.policy else None)
+
+    def _start_usage_pipeline(self, lifecycle: Lifecycle) -> Recorder:
+        """Spool (ours, plus any a dead instance left behind) → shipper → Kafka or JSONL."""
+        s = self.settings
+        self.spool = Spool(s.spool_dir, self.instance_id).open()
+        spools = [self.spool, *orphans(s.spool_dir, self.instance_id)]
+        self.producer = (
+            KafkaProducer(s.kafka_bootstrap, s.usage_topic, s.kafka_idempotence)
+            if s.kafka_bootstrap else JsonlProducer(s.usage_jsonl))
+        self.tasks.append(asyncio.create_task(self.spool.run_writer()))
+        for sp in spools:
+            self.tasks.append(asyncio.create_task(
+                Shipper(sp, self.producer).run(until_empty=sp is not self.spool)))
+        self.tasks.append(asyncio.create_task(self._watch_spool(spools)))
+        if len(spools) > 1:
+            log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
+                        events=sum(sp.depth for sp in spools[1:]))
+        return Recorder(self.spool, s.spoke, lifecycle)
+
+    async def _watch_spool(self, spools: list[Spool]) -> None:
+        while True:
+            metrics.SPOOL_DEPTH.set(sum(sp.depth for sp in spools))
+            await asyncio.sleep(1.0)
 
     async def _set_health(self) -> None:
         assert self.health is not None
@@ -127,6 +160,16 @@ class App:
             await self.server.stop(grace)
         if self.lifecycle:
             await self.lifecycle.stop()
+        if self.spool:
+            await self.spool.commit()  # what is queued reaches the disk before we go
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.producer:
+            with contextlib.suppress(Exception):
+                await self.producer.close()
+        if self.spool:
+            self.spool.close()
         if self.sync:
             await self.sync.stop()
         if self.limiter:
@@ -147,7 +190,7 @@ async def healthz() -> tuple[int, str, bytes]:
 
 async def run(settings: Settings, serve_http_endpoints: bool = True) -> None:
     """Run one instance until SIGTERM/SIGINT."""
-    app = App(settings, settings.resolved_instance_id())
+    app = App(settings, settings.instance_id)
     await app.start(serve_http_endpoints)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

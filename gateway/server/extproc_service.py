@@ -1,59 +1,157 @@
-"""ext_proc Process: follows each request to its end and settles it exactly once.
+"""ext_proc Process: one gRPC stream per HTTP request, turned into exactly one usage event.
 
-Envoy sends the ext_authz context as forwarded metadata on every message (trusted; the
-request headers are not). The end of a request is certain only from end_of_stream; a
-client disconnect or upstream reset just ends the gRPC stream, so settlement is in
-`finally` and never awaits (envoy-protocol §0.5).
+Modes (envoy/envoy.yaml): request body BUFFERED (one message, where `stream_options` is
+injected), response headers SEND, response body FULL_DUPLEX_STREAMED: every chunk is
+echoed, so no per-message timeout can ever reset a client's stream because the sidecar was
+slow (STREAMED resets it after `message_timeout`; observability mode loses streams).
+
+Envoy forwards ext_authz's decision as metadata on every message; only that is trusted.
+The end of a request is certain only from end_of_stream; a client disconnect or upstream
+reset just ends the gRPC stream, so the event is emitted in `finally`, without awaiting
+(envoy-protocol §0.5).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import json_format
 
-from gateway.metering.lifecycle import Lifecycle
+from gateway.metering.inject import STREAMING_USAGE_ENDPOINTS, splice_stream_options
+from gateway.metering.meter import Injected, Meter
+from gateway.metering.recorder import Recorder, RequestFacts
 from gateway.server import metrics
 
 AUTHZ_NS = "envoy.filters.http.ext_authz"
 ATTR_NS = "envoy.filters.http.ext_proc"
+HVO = base_pb2.HeaderValueOption
 
 _CONTINUE = {
     "request_headers": ep.ProcessingResponse(request_headers=ep.HeadersResponse()),
     "request_body": ep.ProcessingResponse(request_body=ep.BodyResponse()),
     "request_trailers": ep.ProcessingResponse(request_trailers=ep.TrailersResponse()),
     "response_headers": ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
-    "response_body": ep.ProcessingResponse(response_body=ep.BodyResponse()),
     "response_trailers": ep.ProcessingResponse(response_trailers=ep.TrailersResponse()),
 }
 
 
+def _echo(body: bytes, end: bool) -> ep.ProcessingResponse:
+    mutation = ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+        body=body, end_of_stream=end))
+    return ep.ProcessingResponse(response_body=ep.BodyResponse(
+        response=ep.CommonResponse(body_mutation=mutation)))
+
+
+class RequestStream:
+    """The protocol state of one ext_proc stream (request facts, meter, how it ended)."""
+
+    def __init__(self, continuous_models: tuple[str, ...]) -> None:
+        self.continuous_models = continuous_models
+        self.started = time.time()
+        self.facts: RequestFacts | None = None
+        self.meter = Meter(endpoint="", stream=False)
+        self.ended = False  # end_of_stream seen on the response
+
+    def handle(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
+        if self.facts is None:
+            self._learn(msg)
+        kind = msg.WhichOneof("request")
+        if kind == "response_body":
+            b = msg.response_body
+            out = self.meter.chunk(b.body, b.end_of_stream)
+            self.ended = self.ended or b.end_of_stream
+            return _echo(b.body if out is None else out, b.end_of_stream)
+        if kind == "request_body":
+            return self._request_body(msg.request_body.body)
+        if kind == "response_headers":
+            self._response_headers(msg.response_headers)
+        elif kind == "response_trailers":
+            self.ended = True
+        return _CONTINUE[kind]
+
+    def _learn(self, msg: ep.ProcessingRequest) -> None:
+        md = msg.metadata_context.filter_metadata.get(AUTHZ_NS)
+        facts = RequestFacts.from_metadata(json_format.MessageToDict(md) if md else {})
+        attrs = msg.attributes.get(ATTR_NS)
+        if attrs is not None:
+            if not facts.request_id:
+                facts.request_id = attrs.fields["request.id"].string_value
+            if not facts.endpoint:
+                facts.endpoint = attrs.fields["request.path"].string_value.partition("?")[0]
+        self.facts = facts
+        self.meter = Meter(endpoint=facts.endpoint, stream=facts.stream,
+                           prompt_estimate=facts.prompt_estimate)
+
+    def _request_body(self, body: bytes) -> ep.ProcessingResponse:
+        f = self.facts
+        if f is None or not f.stream or f.endpoint not in STREAMING_USAGE_ENDPOINTS:
+            return _CONTINUE["request_body"]
+        want = Injected(
+            include_usage=not f.include_usage,
+            continuous=not f.continuous_usage and any(
+                fnmatch.fnmatchcase(f.model, p) for p in self.continuous_models))
+        options = {k: True for k, on in (("include_usage", True),
+                                         ("continuous_usage_stats", want.continuous)) if on}
+        if not (want.include_usage or want.continuous):
+            return _CONTINUE["request_body"]
+        new = splice_stream_options(body, options, f.stream_options)
+        if new is None:
+            return _CONTINUE["request_body"]
+        self.meter.injected = want
+        length = HVO(header=base_pb2.HeaderValue(key="content-length",
+                                                 raw_value=str(len(new)).encode()),
+                     append_action=HVO.OVERWRITE_IF_EXISTS_OR_ADD)
+        common = ep.CommonResponse(body_mutation=ep.BodyMutation(body=new),
+                                   header_mutation=ep.HeaderMutation(set_headers=[length]))
+        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+    def _response_headers(self, h: ep.HttpHeaders) -> None:
+        status, ctype = 0, ""
+        for hv in h.headers.headers:
+            if hv.key == ":status":
+                status = int(hv.raw_value or hv.value or 0)
+            elif hv.key == "content-type":
+                ctype = (hv.raw_value or hv.value.encode()).decode("latin-1")
+        self.meter.response_headers(status, ctype)
+        self.ended = self.ended or h.end_of_stream
+
+    def outcome(self) -> str:
+        f = self.facts
+        if f is not None and f.denied_status:
+            return "denied"
+        if f is None or not f.key_id:
+            return "denied"  # an Envoy local reply (e.g. 413) that no key was admitted for
+        if self.meter.status >= 500:
+            return "upstream_error"
+        return "completed" if self.ended else "client_cancelled"
+
+
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, lifecycle: Lifecycle) -> None:
-        self.lifecycle = lifecycle
+    def __init__(self, recorder: Recorder, continuous_models: tuple[str, ...] = ()) -> None:
+        self.recorder = recorder
+        self.continuous_models = continuous_models
 
     async def Process(
         self,
         request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        request_id = ""
-        leased = False
+        stream = RequestStream(self.continuous_models)
         metrics.STREAMS_ACTIVE.inc()
         try:
             async for msg in request_iterator:
-                kind = msg.WhichOneof("request")
-                if not request_id:
-                    authz = msg.metadata_context.filter_metadata.get(AUTHZ_NS)
-                    if authz is not None and authz.fields["leased"].bool_value:
-                        request_id = authz.fields["request_id"].string_value
-                        leased = bool(request_id)
-                        if leased:
-                            self.lifecycle.begin(request_id)
-                yield _CONTINUE[kind]
+                first = stream.facts is None
+                response = stream.handle(msg)
+                if first and stream.facts and stream.facts.leased:
+                    self.recorder.lifecycle.begin(stream.facts.request_id)
+                yield response
         finally:
             metrics.STREAMS_ACTIVE.dec()
-            if leased:
-                self.lifecycle.end(request_id, None)
+            if stream.facts is not None:
+                self.recorder.finish(stream.facts, stream.meter, stream.outcome(), stream.started)

@@ -26,3 +26,13 @@ def observe_decision(decision: Decision, seconds: float) -> None:
         DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
     else:
         DECISIONS.labels("allowed", "", "").inc()
+SINK_ERRORS = Counter("gateway_usage_sink_errors_total", "Failed deliveries to Kafka/JSONL")
+EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
+EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])
+SPOOL_DEPTH = Gauge("gateway_usage_spool_depth", "Events not yet delivered",
+                    multiprocess_mode="livesum")
+TOKENS = Counter("gateway_tokens_total", "Tokens metered", ["model", "team", "kind"])
+TTFT = Histogram("gateway_ttft_seconds", "Time to first token", ["model"],
+                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
+TPOT = Histogram("gateway_tpot_seconds", "Mean time per output token", ["model"],
+                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))

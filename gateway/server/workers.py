@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import tempfile
 from multiprocessing.synchronize import Event as MpEvent
 
@@ -26,7 +27,8 @@ def _worker(settings: Settings, index: int, ready: MpEvent) -> None:
     configure(settings.log_level)
 
     async def main() -> None:
-        app = App(settings, f"{settings.resolved_instance_id()}-w{index}")
+        base = settings.instance_id or socket.gethostname()
+        app = App(settings, f"{base}-w{index}")  # stable: a restarted worker keeps its seq
         await app.start(serve_http_endpoints=False)
         if app.holder.policy is not None:
             ready.set()

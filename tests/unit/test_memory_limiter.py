@@ -322,6 +322,29 @@ async def test_rate_info_picks_the_tightest_tier(h: Harness) -> None:
     assert v.rate.tok_reset is not None and 0 < v.rate.tok_reset <= 86400
 
 
+async def test_remaining_requests_never_overstate_what_is_admitted(h: Harness) -> None:
+    t, k = team(rps=1, burst=4), key(rps=1, burst=100)
+    for _ in range(80):  # the key alone spends 80 of its 100 cells (e.g. via another team)
+        assert (await h.admit(k)).allowed
+    v = await h.admit(t, k)
+    assert v.allowed and v.rate.req_remaining is not None
+    admitted = 0
+    while (await h.admit(t, k)).allowed:
+        admitted += 1
+    assert admitted == 3  # the team's cells bind
+    assert v.rate.req_remaining == admitted
+
+
+async def test_remaining_tokens_never_overstate_what_is_admitted(h: Harness) -> None:
+    t, k = team(tokens_per_day=1000), key(tokens_per_day=10_000)
+    assert (await h.admit(k, reserve=5000)).allowed  # the key spent 5000 elsewhere
+    v = await h.admit(t, k, reserve=400)
+    assert v.allowed
+    assert (await h.admit(t, k, reserve=600)).allowed
+    assert not (await h.admit(t, k, reserve=1)).allowed  # 600 was all that was left
+    assert v.rate.tok_remaining == 600
+
+
 async def test_rate_info_without_limits_is_empty(h: Harness) -> None:
     v = await h.admit(team(concurrency=3))
     assert v.allowed

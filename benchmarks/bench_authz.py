@@ -1,0 +1,768 @@
+"""What the sidecar costs: direct ext_authz Checks, and a chat request through Envoy with and
+without the sidecar, all measured in one run so the ratios are comparable on a noisy machine.
+
+    .venv/bin/python benchmarks/bench_authz.py [--quick] [--out benchmarks/results/authz.json]
+
+A) Direct gRPC Check against one sidecar process (Redis admission: model, team and key tiers
+   with huge rps and tokens_per_day limits, so the Lua script runs for all three tiers on
+   every Check), at 1 and 64 calls in flight, with a ~70 B and a ~16 KB chat body; and the
+   same against a sidecar in embedded mode (policy file, in-process counters) as baseline.
+B) POST /v1/chat/completions (non-stream, max_tokens 1) through plain Envoy -> mock engine
+   and through Envoy + sidecar (ext_authz + ext_proc, Redis) -> mock engine, at 1 and 64
+   connections, the two paths alternated in rounds; medians are reported.
+
+The load generators are separate processes (benchmarks/loadgen.py for gRPC, `wrk` for HTTP
+when installed, else loadgen.py's raw-socket client). With two or more CPUs, the servers are
+pinned to the first CPU and the load generator to the second (in A, Redis shares the load
+generator's CPU so the sidecar has its core to itself). Everything listens on 127.0.0.1,
+and every process is stopped at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import platform
+import resource
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+from redis import Redis as SyncRedis
+from redis.asyncio import Redis
+
+from gateway.dev.checks import check_request
+from gateway.dev.procs import Service, envoy_service, free_port, redis_service
+from gateway.dev.stack import Spoke, sidecar_service
+from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+from gateway.policy import secrets
+from gateway.policy.admin import RedisBackend, apply
+from gateway.policy.store import PolicyStore
+
+HERE = Path(__file__).resolve().parent
+LOOP = "127.0.0.1"
+MODEL = "mock-model"
+KEY_ID = "bench"
+TEAM = "bench"
+HUGE_RPS = 1_000_000  # never binds: each Check still runs the GCRA step in Lua
+HUGE_TOKENS = 10**15  # never binds: each Check still reserves tokens in Lua
+KEY_CONCURRENCY = 10_000  # through Envoy only: ext_proc releases the leases
+CONCURRENCIES = (1, 64)
+SMALL_BODY = b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}'
+CHAT_BODY = (b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}],'
+             b'"max_tokens":1,"stream":false}')
+WRK_MAX_REQUESTS = 2_000_000  # per wrk thread: a count bound on top of wrk's time bound
+
+
+def big_body(size: int = 16 * 1024) -> bytes:
+    head = b'{"model":"mock-model","messages":[{"role":"user","content":"'
+    tail = b'"}]}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    rounds: int
+    warmup_s: float  # gRPC warm-up per run
+    duration_s: float  # gRPC measured phase per run (bounded by max_calls too)
+    max_calls: int
+    http_warmup_s: int  # wrk takes whole seconds
+    http_duration_s: int
+
+
+QUICK = Mode("quick", rounds=1, warmup_s=0.5, duration_s=1.5, max_calls=20_000,
+             http_warmup_s=1, http_duration_s=1)
+FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
+            http_warmup_s=1, http_duration_s=4)
+
+
+@dataclass(frozen=True)
+class Direct:
+    name: str
+    backend: str  # "redis" | "embedded"
+    body: bytes
+
+
+DIRECT = (
+    Direct("direct redis 70B", "redis", SMALL_BODY),
+    Direct("direct embedded 70B", "embedded", SMALL_BODY),
+    Direct("direct redis 16KB", "redis", big_body()),
+)
+PLAIN, FULL_PATH = "envoy plain", "envoy+sidecar"
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def limits(concurrency: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"rps": HUGE_RPS, "tokens_per_day": HUGE_TOKENS}
+    if concurrency is not None:
+        out["concurrency"] = concurrency
+    return out
+
+
+def policy_doc(secret: str, key_concurrency: int | None) -> dict[str, Any]:
+    """Limits on the model, team and key tiers, none of which ever binds."""
+    return {
+        "models": {MODEL: {"limits": limits()}},
+        "teams": {TEAM: {"models": ["*"], "limits": limits()}},
+        "keys": {KEY_ID: {"team": TEAM, "sha256": secrets.digest(secret).hex(),
+                          "limits": limits(key_concurrency)}},
+    }
+
+
+def publish(redis_url: str, doc: dict[str, Any]) -> int:
+    async def go() -> int:
+        client = Redis.from_url(redis_url)
+        try:
+            return await apply(RedisBackend(PolicyStore(client)),
+                               yaml.safe_dump(doc).encode(), "bench")
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+class RedisProbe:
+    """Reads what the sidecar did to Redis: Lua calls (batching) and held concurrency leases."""
+
+    def __init__(self, url: str) -> None:
+        self.client = SyncRedis.from_url(url, socket_timeout=5)
+
+    def lua_calls(self) -> int:
+        stats = self.client.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0))
+                   for c in ("evalsha", "eval"))
+
+    def live_leases(self) -> int:
+        """Unexpired leases of the bench key, once the count has stopped moving (max 2 s)."""
+        last, stable = -1, 0
+        for _ in range(20):
+            now_ms = int(time.time() * 1000)
+            n = int(self.client.zcount(f"gw:conc:key:{KEY_ID}", now_ms, "+inf"))
+            stable = stable + 1 if n == last else 0
+            if stable >= 2 or n == 0:
+                return n
+            last = n
+            time.sleep(0.1)
+        return last
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def pin(pid: int | None, cpus: set[int] | None) -> None:
+    """Pin every thread of `pid` (threads started later inherit it)."""
+    if pid is None or not cpus:
+        return
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cpus)
+
+
+def wait_ready(metrics_port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{LOOP}:{metrics_port}/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"{exc.code} {exc.read().decode(errors='replace').strip()}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.05)
+    raise TimeoutError(f"sidecar on metrics port {metrics_port} never became ready: {last}")
+
+
+def post(port: int, body: bytes, secret: str) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        f"http://{LOOP}:{port}/v1/chat/completions", data=body, method="POST",
+        headers={"content-type": "application/json", "authorization": f"Bearer {secret}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+class LoadGen:
+    """benchmarks/loadgen.py as a long-lived worker: one JSON job line in, one result out."""
+
+    def __init__(self, cpus: set[int] | None, log_path: Path) -> None:
+        argv = [sys.executable, str(HERE / "loadgen.py")]
+        if cpus:
+            argv += ["--cpus", ",".join(map(str, sorted(cpus)))]
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, start_new_session=True)
+
+    def run(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError(f"load generator gave no answer within {timeout:.0f}s "
+                               f"(see {self._log.name})")
+        result: dict[str, Any] = json.loads(line)
+        if "fatal" in result:
+            raise RuntimeError(f"load generator failed: {result['fatal']}")
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"kind": "quit"}\n')
+                self.proc.stdin.flush()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+WRK_SCRIPT = """\
+wrk.method = "POST"
+wrk.body = [==[{body}]==]
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {secret}"
+local n = 0
+response = function(status, headers, body)
+  n = n + 1
+  if n >= {max_requests} then wrk.thread:stop() end
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'WRKJSON {{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,' ..
+    '"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"max_us":%d,' ..
+    '"mean_us":%f,"min_us":%d}}\\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
+    latency.mean, latency.min))
+end
+"""
+
+
+def proc_cpu_s(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        text = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = text[text.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_wrk(script: Path, port: int, conc: int, duration_s: int, cpus: set[int] | None,
+            cpu_pids: dict[str, int | None]) -> dict[str, Any]:
+    argv = ["wrk", "-t1", f"-c{conc}", f"-d{duration_s}s", "--timeout", "5s", "-s", str(script),
+            f"http://{LOOP}:{port}/v1/chat/completions"]
+    if cpus and shutil.which("taskset"):
+        argv = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *argv]
+    before = {k: proc_cpu_s(p) for k, p in cpu_pids.items()}
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 30,
+                          start_new_session=True)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after = {k: proc_cpu_s(p) for k, p in cpu_pids.items()}
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
+    if done.returncode != 0 or line is None:
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stdout}\n{done.stderr}")
+    w = json.loads(line.removeprefix("WRKJSON "))
+    elapsed = w["duration_us"] / 1e6
+    kinds = {k: w[k] for k in ("connect", "read", "write", "status", "timeout") if w[k]}
+    return {
+        "calls": w["requests"], "elapsed_s": elapsed, "rps": w["requests"] / elapsed,
+        "errors": sum(kinds.values()), "error_kinds": kinds,
+        "first_error": "non-2xx responses" if w["status"] else "",
+        "latency": {"p50_ms": w["p50_us"] / 1e3, "p90_ms": w["p90_us"] / 1e3,
+                    "p99_ms": w["p99_us"] / 1e3, "max_ms": w["max_us"] / 1e3,
+                    "mean_ms": w["mean_us"] / 1e3, "min_ms": w["min_us"] / 1e3},
+        "cpu_s": {k: after[k] - b for k, b in before.items()  # type: ignore[operator]
+                  if b is not None and after[k] is not None},
+        "loadgen_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
+        "capped": w["requests"] >= WRK_MAX_REQUESTS,
+    }
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class Scenario:
+    name: str
+    concurrency: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def _median(self, get: Any) -> float | None:
+        values = [v for v in (get(r) for r in self.runs) if v is not None]
+        return statistics.median(values) if values else None
+
+    def summary(self) -> dict[str, Any]:
+        procs = sorted({p for r in self.runs for p in r.get("cpu_s", {})})
+        cpu_us = {p: self._median(lambda r, p=p: _per_call_us(r, p)) for p in procs}
+        return {
+            "scenario": self.name,
+            "concurrency": self.concurrency,
+            "rounds": len(self.runs),
+            "calls": sum(r["calls"] for r in self.runs),
+            "errors": sum(r["errors"] for r in self.runs),
+            "error_kinds": _merge(r.get("error_kinds", {}) for r in self.runs),
+            "first_error": next((r["first_error"] for r in self.runs if r.get("first_error")),
+                                ""),
+            "p50_ms": self._median(lambda r: r["latency"].get("p50_ms")),
+            "p99_ms": self._median(lambda r: r["latency"].get("p99_ms")),
+            "rps": self._median(lambda r: r["rps"]),
+            "cpu_us_per_call": cpu_us,
+            "lua_calls_per_call": self._median(lambda r: r.get("lua_calls_per_call")),
+            "leases_leaked": sum(r.get("leases_leaked", 0) for r in self.runs),
+            "loadgen_cpu_pct": self._median(
+                lambda r: 100 * r["loadgen_cpu_s"] / r["elapsed_s"] if r["elapsed_s"] else None),
+            "per_round": [{"p50_ms": r["latency"].get("p50_ms"),
+                           "p99_ms": r["latency"].get("p99_ms"),
+                           "rps": r["rps"], "calls": r["calls"], "errors": r["errors"]}
+                          for r in self.runs],
+        }
+
+
+def _per_call_us(run: dict[str, Any], proc: str) -> float | None:
+    cpu = run.get("cpu_s", {}).get(proc)
+    return None if cpu is None or not run["calls"] else cpu / run["calls"] * 1e6
+
+
+def _merge(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'scenario':<20} {'c':>3} {'calls':>6} {'err':>3} {'p50 ms':>7} {'p99 ms':>7} "
+            f"{'req/s':>6} {'sidecar µs/req':>14}  {'other cpu µs/req':<27} {'lua/req':>7} "
+            f"{'lg cpu%':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cpu = r["cpu_us_per_call"]
+        other = " ".join(f"{p} {cpu[p]:.0f}" for p in ("envoy", "engine", "redis")
+                         if cpu.get(p) is not None)
+        lines.append(
+            f"{r['scenario']:<20} {r['concurrency']:>3} {r['calls']:>6} {r['errors']:>3} "
+            f"{_fmt(r['p50_ms'], '.3f'):>7} {_fmt(r['p99_ms'], '.3f'):>7} "
+            f"{_fmt(r['rps'], '.0f'):>6} {_fmt(cpu.get('sidecar'), '.0f'):>14}  {other:<27} "
+            f"{_fmt(r['lua_calls_per_call'], '.2f'):>7} {_fmt(r['loadgen_cpu_pct'], '.0f'):>7}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Bench:
+    def __init__(self, mode: Mode, workdir: Path, http_client: str, pin_cpus: bool) -> None:
+        self.mode = mode
+        self.workdir = workdir
+        self.services: list[Service] = []
+        self.spoke: Spoke | None = None
+        self.loadgen: LoadGen | None = None
+        self.secret = secrets.new_secret(KEY_ID)
+        self.scenarios: dict[tuple[str, int], Scenario] = {}
+        self.notes: list[str] = []
+        self.leases_leaked = 0
+        avail = sorted(os.sched_getaffinity(0))
+        if pin_cpus and len(avail) >= 2:
+            self.server_cpus: set[int] | None = {avail[0]}
+            self.load_cpus: set[int] | None = {avail[1]}
+        else:
+            self.server_cpus = self.load_cpus = None
+        if http_client == "auto":
+            http_client = "wrk" if shutil.which("wrk") else "python"
+        if http_client == "wrk" and not shutil.which("wrk"):
+            raise SystemExit("--http-client wrk: wrk is not on PATH (apt-get install wrk)")
+        self.http_client = http_client
+
+    # -- helpers
+
+    def scenario(self, name: str, conc: int) -> Scenario:
+        return self.scenarios.setdefault((name, conc), Scenario(name, conc))
+
+    def start(self, svc: Service, cpus: set[int] | None) -> Service:
+        self.services.append(svc)
+        svc.start()
+        pin(svc.pid, cpus)
+        return svc
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        print(f"  ! {text}", flush=True)
+
+    def record(self, name: str, conc: int, result: dict[str, Any]) -> None:
+        self.scenario(name, conc).runs.append(result)
+        lat = result["latency"]
+        print(f"  {name:<22} c={conc:<3} {result['calls']:>7} calls  "
+              f"p50 {lat.get('p50_ms', 0):7.3f} ms  p99 {lat.get('p99_ms', 0):7.3f} ms  "
+              f"{result['rps']:8.0f}/s  errors {result['errors']}", flush=True)
+        if result.get("warmup_errors"):
+            self.note(f"{name} c={conc}: {result['warmup_errors']} errors in warm-up, first: "
+                      f"{result['warmup_first_error']}")
+        if result["errors"]:
+            self.note(f"{name} c={conc}: {result['errors']} errors {result['error_kinds']}, "
+                      f"first: {result['first_error']}")
+        if result.get("capped"):
+            self.note(f"{name} c={conc}: stopped by the call-count cap, not the time bound")
+
+    # -- A: direct Check
+
+    def direct(self) -> None:
+        mode = self.mode
+        print("A) direct gRPC Check", flush=True)
+        redis = self.start(redis_service(free_port(), self.workdir), self.load_cpus)
+        redis_url = f"redis://{redis.address}/0"
+        doc = policy_doc(self.secret, key_concurrency=None)  # no ext_proc here to free leases
+        publish(redis_url, doc)
+        policy_file = self.workdir / "policy-embedded.yaml"
+        policy_file.write_text(yaml.safe_dump(doc))
+        common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1",
+                  "GATEWAY_SPOOL_DIR": str(self.workdir / "spool")}
+        sidecars: dict[str, tuple[Service, int]] = {}
+        for backend, env in (
+            ("redis", {"GATEWAY_REDIS_URL": redis_url}),
+            ("embedded", {"GATEWAY_REDIS_URL": "", "GATEWAY_POLICY_FILE": str(policy_file)}),
+        ):
+            metrics_port = free_port()
+            svc = sidecar_service(free_port(), metrics_port, self.workdir, {**common, **env})
+            svc.name = f"sidecar-{backend}"
+            self.start(svc, self.server_cpus)
+            sidecars[backend] = (svc, metrics_port)
+        for _, metrics_port in sidecars.values():
+            wait_ready(metrics_port)
+
+        marker = str(uuid.uuid4())
+        templates = {d.name: base64.b64encode(
+            check_request(self.secret, body=d.body, request_id=marker).SerializeToString()
+        ).decode() for d in DIRECT}
+        assert self.loadgen is not None
+        probe = RedisProbe(redis_url)
+        for rnd in range(mode.rounds):
+            order = DIRECT if rnd % 2 == 0 else DIRECT[::-1]
+            for conc in CONCURRENCIES:
+                for d in order:
+                    svc, _ = sidecars[d.backend]
+                    pids = {"sidecar": svc.pid}
+                    if d.backend == "redis":
+                        pids["redis"] = redis.pid
+                    job = {"kind": "grpc", "target": svc.address, "marker": marker,
+                           "template_b64": templates[d.name], "concurrency": conc,
+                           "warmup_s": mode.warmup_s, "duration_s": mode.duration_s,
+                           "max_calls": mode.max_calls, "cpu_pids": pids}
+                    timeout = mode.warmup_s + mode.duration_s + 60
+                    lua0 = probe.lua_calls()
+                    result = self.loadgen.run(job, timeout)
+                    if d.backend == "redis":  # warm-up included: batches span both phases
+                        checks = result["calls"] + result["warmup_calls"]
+                        result["lua_calls_per_call"] = (probe.lua_calls() - lua0) / max(checks, 1)
+                    self.record(d.name, conc, result)
+        probe.close()
+        for svc, _ in sidecars.values():
+            svc.stop()
+        redis.stop()
+
+    # -- B: through Envoy
+
+    def through_envoy(self) -> None:
+        mode = self.mode
+        print(f"B) through Envoy (HTTP client: {self.http_client})", flush=True)
+        self.spoke = Spoke(workdir=self.workdir / "spoke", listen_port=free_port(),
+                           engine_ttft_ms=0, engine_tokens_per_s=0,
+                           sidecar_env={"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1",
+                                        "GATEWAY_SPOOL_DIR": str(self.workdir / "spool")})
+        self.spoke.start()
+        for svc in self.spoke.services.values():
+            pin(svc.pid, self.server_cpus)
+        publish(self.spoke.redis_url, policy_doc(self.secret, key_concurrency=KEY_CONCURRENCY))
+        wait_ready(self.spoke.metrics_port)
+
+        engine, sidecar = self.spoke["engine"], self.spoke["sidecar"]
+        plain_port, plain_admin = free_port(), free_port()
+        config = yaml.safe_load(render(EnvoyPorts(
+            listen=f"{LOOP}:{plain_port}", sidecar=sidecar.address, engine=engine.address,
+            admin=f"{LOOP}:{plain_admin}")))
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        filters = hcm["typed_config"]["http_filters"]
+        hcm["typed_config"]["http_filters"] = [
+            f for f in filters if f["name"] not in (EXT_AUTHZ, EXT_PROC)]
+        assert len(hcm["typed_config"]["http_filters"]) == len(filters) - 2
+        plain = envoy_service(yaml.safe_dump(config, sort_keys=False), plain_admin, plain_port,
+                              self.workdir)
+        plain.name = "envoy-plain"
+        self.start(plain, self.server_cpus)
+
+        ports = {PLAIN: plain_port, FULL_PATH: self.spoke.listen_port}
+        envoys = {PLAIN: plain, FULL_PATH: self.spoke["envoy"]}
+        for path, port in ports.items():  # one request each, checked before any load
+            status, headers, body = post(port, CHAT_BODY, self.secret)
+            if status != 200:
+                raise RuntimeError(f"{path}: sanity request got {status}: {body[:500]!r}")
+            via_sidecar = any(h.startswith("x-ratelimit") for h in headers)
+            if via_sidecar != (path == FULL_PATH):
+                raise RuntimeError(f"{path}: rate-limit headers {'' if via_sidecar else 'not '}"
+                                   f"present; the path is not what it claims: {headers}")
+
+        script = self.workdir / "bench.lua"
+        script.write_text(WRK_SCRIPT.format(body=CHAT_BODY.decode(), secret=self.secret,
+                                            max_requests=WRK_MAX_REQUESTS))
+        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {LOOP}\r\n"
+                   f"Content-Type: application/json\r\nAuthorization: Bearer {self.secret}\r\n"
+                   f"Content-Length: {len(CHAT_BODY)}\r\n\r\n").encode() + CHAT_BODY
+        paths = (PLAIN, FULL_PATH)
+        probe = RedisProbe(self.spoke.redis_url)
+        try:
+            for rnd in range(mode.rounds):
+                for conc in CONCURRENCIES:
+                    for path in paths if rnd % 2 == 0 else paths[::-1]:
+                        pids = {"envoy": envoys[path].pid, "engine": engine.pid}
+                        if path == FULL_PATH:
+                            pids |= {"sidecar": sidecar.pid, "redis": self.spoke["redis"].pid}
+                        result = self._http(script, request, ports[path], conc, pids,
+                                            probe if path == FULL_PATH else None)
+                        self.record(path, conc, result)
+        finally:
+            probe.close()
+
+    def _http(self, script: Path, request: bytes, port: int, conc: int,
+              pids: dict[str, int | None], probe: RedisProbe | None) -> dict[str, Any]:
+        """Warm-up, then the measured run; with `probe`, count Lua calls and leaked leases."""
+        mode = self.mode
+        if self.http_client == "wrk":
+            run_wrk(script, port, conc, mode.http_warmup_s, self.load_cpus, {})
+            leases0 = probe.live_leases() if probe else 0
+            lua0 = probe.lua_calls() if probe else 0
+            result = run_wrk(script, port, conc, mode.http_duration_s, self.load_cpus, pids)
+            requests = result["calls"]
+        else:
+            assert self.loadgen is not None
+            job = {"kind": "http", "host": LOOP, "port": port,
+                   "request_b64": base64.b64encode(request).decode(), "concurrency": conc,
+                   "warmup_s": mode.http_warmup_s, "duration_s": mode.http_duration_s,
+                   "max_calls": mode.max_calls,
+                   "cpu_pids": {k: v for k, v in pids.items() if v}}
+            leases0 = probe.live_leases() if probe else 0
+            lua0 = probe.lua_calls() if probe else 0
+            result = self.loadgen.run(job, mode.http_warmup_s + mode.http_duration_s + 60)
+            requests = result["calls"] + result["warmup_calls"]
+        if probe is not None:
+            result["lua_calls_per_call"] = (probe.lua_calls() - lua0) / max(requests, 1)
+            result["leases_leaked"] = max(0, probe.live_leases() - leases0)
+            self.leases_leaked += result["leases_leaked"]
+        return result
+
+    # -- lifecycle
+
+    def run(self) -> None:
+        self.loadgen = LoadGen(self.load_cpus, self.workdir / "loadgen.log")
+        self.direct()
+        self.through_envoy()
+
+    def stop(self) -> None:
+        if self.loadgen is not None:
+            self.loadgen.close()
+        if self.spoke is not None:
+            self.spoke.stop()
+        for svc in reversed(self.services):
+            with contextlib.suppress(Exception):
+                svc.stop()
+
+    # -- report
+
+    def report(self) -> dict[str, Any]:
+        rows = [s.summary() for s in self.scenarios.values()]
+        by = {(r["scenario"], r["concurrency"]): r for r in rows}
+
+        def get(name: str, conc: int, what: str) -> float | None:
+            row = by.get((name, conc))
+            return None if row is None else row.get(what)
+
+        def diff(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else a - b
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return None if a is None or not b else a / b
+
+        derived: dict[str, Any] = {}
+        for c in CONCURRENCIES:
+            derived[f"envoy_added_p50_ms_c{c}"] = diff(get(FULL_PATH, c, "p50_ms"),
+                                                       get(PLAIN, c, "p50_ms"))
+            derived[f"envoy_added_p99_ms_c{c}"] = diff(get(FULL_PATH, c, "p99_ms"),
+                                                       get(PLAIN, c, "p99_ms"))
+            derived[f"envoy_rps_ratio_c{c}"] = ratio(get(FULL_PATH, c, "rps"),
+                                                     get(PLAIN, c, "rps"))
+            derived[f"redis_admission_added_p50_ms_c{c}"] = diff(
+                get("direct redis 70B", c, "p50_ms"), get("direct embedded 70B", c, "p50_ms"))
+        red64 = by.get(("direct redis 70B", 64))
+        derived["redis_checks_per_s_per_process_c64"] = red64["rps"] if red64 else None
+        cpu64 = red64["cpu_us_per_call"].get("sidecar") if red64 else None
+        derived["redis_sidecar_cpu_us_per_check_c64"] = cpu64
+        derived["redis_checks_per_s_per_core_from_cpu_c64"] = 1e6 / cpu64 if cpu64 else None
+        derived["leases_leaked_through_envoy"] = self.leases_leaked
+        return {"rows": rows, "derived": derived}
+
+
+def derived_lines(d: dict[str, Any]) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:+.3f} ms"
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}x"
+
+    def n(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    return "\n".join([
+        f"added by the sidecar through Envoy, c=1:  p50 {ms(d['envoy_added_p50_ms_c1'])}, "
+        f"p99 {ms(d['envoy_added_p99_ms_c1'])}",
+        f"added by the sidecar through Envoy, c=64: p50 {ms(d['envoy_added_p50_ms_c64'])}, "
+        f"p99 {ms(d['envoy_added_p99_ms_c64'])}",
+        f"req/s ratio envoy+sidecar / envoy plain:  c=1 {x(d['envoy_rps_ratio_c1'])}, "
+        f"c=64 {x(d['envoy_rps_ratio_c64'])}",
+        f"checks/s per sidecar process at c=64 with Redis: "
+        f"{n(d['redis_checks_per_s_per_process_c64'])} measured; "
+        f"{n(d['redis_checks_per_s_per_core_from_cpu_c64'])} per fully-busy core "
+        f"(from {n(d['redis_sidecar_cpu_us_per_check_c64'])} µs CPU/check)",
+        f"Redis admission vs embedded, direct p50: c=1 "
+        f"{ms(d['redis_admission_added_p50_ms_c1'])}, "
+        f"c=64 {ms(d['redis_admission_added_p50_ms_c64'])}",
+        f"concurrency leases never released (held until their TTL) after the measured "
+        f"Envoy runs: {d['leases_leaked_through_envoy']}",
+    ])
+
+
+def machine_info(bench: Bench) -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    wrk_version = ""
+    if shutil.which("wrk"):
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["wrk", "--version"], capture_output=True, text=True, timeout=5)
+            wrk_version = (out.stdout or out.stderr).splitlines()[0]
+    return {
+        "nproc": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "loadavg": os.getloadavg(),
+        "server_cpus": sorted(bench.server_cpus) if bench.server_cpus else None,
+        "load_cpus": sorted(bench.load_cpus) if bench.load_cpus else None,
+        "http_client": bench.http_client,
+        "wrk": wrk_version,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test, under a minute")
+    parser.add_argument("--out", default=str(HERE / "results" / "authz.json"))
+    parser.add_argument("--http-client", choices=["auto", "wrk", "python"], default="auto",
+                        help="load generator for the Envoy scenarios (auto: wrk if installed)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    parser.add_argument("--keep-workdir", action="store_true",
+                        help="keep the logs and configs (always kept on failure)")
+    args = parser.parse_args()
+    mode = QUICK if args.quick else FULL
+
+    def interrupted(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGHUP, interrupted)
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-authz-"))
+    bench = Bench(mode, workdir, args.http_client, pin_cpus=not args.no_pin)
+    started = datetime.now(UTC)
+    t0 = time.monotonic()
+    print(f"bench_authz: {mode.name} mode, {mode.rounds} round(s), workdir {workdir}", flush=True)
+    ok = False
+    try:
+        bench.run()
+        ok = True
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process", file=sys.stderr)
+    finally:
+        bench.stop()
+        if ok and not args.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"logs and configs kept in {workdir}", file=sys.stderr)
+    if not ok:
+        return 130
+
+    report = bench.report()
+    print()
+    print(table(report["rows"]))
+    print()
+    print(derived_lines(report["derived"]))
+    for text in bench.notes:
+        print(f"note: {text}")
+    doc = {
+        "benchmark": "bench_authz",
+        "mode": mode.name,
+        "timestamp": started.isoformat(),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "machine": machine_info(bench),
+        "config": {**mode.__dict__, "concurrencies": CONCURRENCIES,
+                   "direct_bodies": {d.name: len(d.body) for d in DIRECT},
+                   "chat_body_bytes": len(CHAT_BODY),
+                   "limits": {"rps": HUGE_RPS, "tokens_per_day": HUGE_TOKENS,
+                              "key_concurrency_through_envoy": KEY_CONCURRENCY}},
+        "scenarios": report["rows"],
+        "derived": report["derived"],
+        "notes": bench.notes,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\nwrote {out} ({doc['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

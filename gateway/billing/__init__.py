@@ -1,0 +1,1 @@
+"""The billing side of the usage topic: the reference consumer, reports and reconciliation."""

@@ -1,0 +1,135 @@
+"""Exactly-once aggregation: an event's dedup mark and its aggregate change commit together.
+
+SQLite (default, stdlib) or PostgreSQL (psycopg). The consumer commits Kafka offsets only
+after this transaction, so a crash in between re-delivers events that the dedup marks then
+drop: at-least-once delivery, exactly-once totals.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from typing import Any
+
+from gateway._proto.gateway.usage.v1 import usage_pb2
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS usage_events (
+        event_id TEXT PRIMARY KEY, instance_id TEXT NOT NULL, seq BIGINT NOT NULL,
+        ended_at TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
+        outcome TEXT NOT NULL, prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
+        total_tokens BIGINT NOT NULL, usage_source TEXT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS usage_events_instance ON usage_events (instance_id, seq)",
+    """CREATE TABLE IF NOT EXISTS usage_totals (
+        day TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
+        requests BIGINT NOT NULL, prompt_tokens BIGINT NOT NULL,
+        completion_tokens BIGINT NOT NULL, total_tokens BIGINT NOT NULL,
+        PRIMARY KEY (day, team, key_id, model))""",
+    """CREATE TABLE IF NOT EXISTS ingest_stats (
+        instance_id TEXT PRIMARY KEY, duplicates BIGINT NOT NULL)""",
+]
+
+_INSERT = """INSERT INTO usage_events VALUES ({p},{p},{p},{p},{p},{p},{p},{p},{p},{p},{p},{p})
+             ON CONFLICT (event_id) DO NOTHING"""
+_TOTAL = """INSERT INTO usage_totals VALUES ({p},{p},{p},{p},1,{p},{p},{p})
+            ON CONFLICT (day, team, key_id, model) DO UPDATE SET
+              requests = usage_totals.requests + 1,
+              prompt_tokens = usage_totals.prompt_tokens + excluded.prompt_tokens,
+              completion_tokens = usage_totals.completion_tokens + excluded.completion_tokens,
+              total_tokens = usage_totals.total_tokens + excluded.total_tokens"""
+_DUP = """INSERT INTO ingest_stats VALUES ({p}, 1) ON CONFLICT (instance_id)
+          DO UPDATE SET duplicates = ingest_stats.duplicates + 1"""
+
+
+@dataclass
+class Ingested:
+    new: int
+    duplicates: int
+
+
+class UsageDb:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        if url.startswith(("postgresql://", "postgres://")):
+            import psycopg
+
+            self.conn: Any = psycopg.connect(url)
+            self.p = "%s"
+        else:
+            path = url.removeprefix("sqlite:///").removeprefix("sqlite://") or "usage.db"
+            self.conn = sqlite3.connect(path, isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.p = "?"
+        for stmt in SCHEMA:
+            self._exec(stmt)
+        self._commit()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
+        return self.conn.execute(sql.format(p=self.p), args)
+
+    def _commit(self) -> None:
+        if isinstance(self.conn, sqlite3.Connection):
+            return
+        self.conn.commit()
+
+    def ingest(self, events: list[usage_pb2.UsageEvent]) -> Ingested:
+        """One transaction: dedup marks + aggregates for the whole batch."""
+        new = dup = 0
+        sqlite = isinstance(self.conn, sqlite3.Connection)
+        if sqlite:
+            self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            for e in events:
+                u = e.usage
+                cur = self._exec(_INSERT, (
+                    e.event_id, e.instance_id, e.seq, e.ended_at, e.team, e.key_id, e.model,
+                    e.outcome, u.prompt_tokens, u.completion_tokens, u.total_tokens,
+                    e.usage_source))
+                if cur.rowcount == 1:
+                    new += 1
+                    self._exec(_TOTAL, (e.ended_at[:10], e.team, e.key_id, e.model,
+                                        u.prompt_tokens, u.completion_tokens, u.total_tokens))
+                else:
+                    dup += 1
+                    self._exec(_DUP, (e.instance_id,))
+        except BaseException:
+            self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
+            raise
+        if sqlite:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.commit()
+        return Ingested(new, dup)
+
+    def report(self, by: str, since: str = "") -> list[tuple[Any, ...]]:
+        column = {"team": "team", "key": "key_id", "model": "model"}[by]
+        rows = self._exec(
+            f"""SELECT {column}, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),
+                       SUM(total_tokens)
+                FROM usage_totals WHERE day >= {{p}} GROUP BY {column} ORDER BY {column}""",
+            (since[:10],)).fetchall()
+        return [tuple(r) for r in rows]
+
+    def seqs(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for inst, seq in self._exec(
+                "SELECT instance_id, seq FROM usage_events ORDER BY instance_id, seq").fetchall():
+            out.setdefault(inst, []).append(int(seq))
+        return out
+
+    def duplicates(self) -> dict[str, int]:
+        rows = self._exec("SELECT instance_id, duplicates FROM ingest_stats").fetchall()
+        return {r[0]: int(r[1]) for r in rows}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def gaps(seqs: list[int]) -> list[tuple[int, int]]:
+    """Missing seq ranges (inclusive) from 1 up to the highest seen."""
+    out, expect = [], 1
+    for s in seqs:
+        if s > expect:
+            out.append((expect, s - 1))
+        expect = max(expect, s + 1)
+    return out

@@ -1,0 +1,1 @@
+"""Where usage events go: a durable local spool first, then Kafka (or a JSONL file)."""

@@ -1,0 +1,237 @@
+"""A durable, append-only spool of usage events: the only place an event is ever "sent" to.
+
+Layout: `<root>/<instance_id>/` holds segment files named by their first seq
+(`00000000000000000001.log`, JSON lines in seq order), `delivered` (the highest seq Kafka
+acknowledged) and `LOCK` (held with flock by the live owner). An instance *is* its spool:
+seq continues from the spool after a restart, so it is gap-free per instance.
+
+`append` never blocks the request path: it assigns the seq and queues the line; a writer
+task writes and fsyncs queued lines together (group commit), then wakes the shipper,
+which reads lines back from the files (page cache) in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+import orjson
+
+SEGMENT_BYTES = 64 << 20
+
+
+def _seg_name(first_seq: int) -> str:
+    return f"{first_seq:020d}.log"
+
+
+class SpoolLocked(Exception):
+    pass
+
+
+class Spool:
+    def __init__(self, root: Path, instance_id: str, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.dir = root / instance_id
+        self.instance_id = instance_id
+        self.segment_bytes = segment_bytes
+        self.last_seq = 0  # assigned
+        self.durable_seq = 0  # written and fsynced
+        self.delivered = 0  # acknowledged by the sink
+        self._queue: list[bytes] = []
+        self._wake_writer = asyncio.Event()
+        self.durable = asyncio.Event()  # set when durable_seq moves
+        self._segments: list[int] = []  # first seq of each segment, ascending
+        self._write_size = 0
+        self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
+        self._lock_fd: int | None = None
+
+    # -- opening and recovery ---------------------------------------------------------
+
+    def open(self) -> Spool:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolLocked(f"{self.dir} is in use by a live instance") from None
+        self._lock_fd = fd
+        self._recover()
+        return self
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def _recover(self) -> None:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            self.delivered = int((self.dir / "delivered").read_text() or 0)
+        self._segments = sorted(int(p.stem) for p in self.dir.glob("*.log"))
+        last = self.delivered
+        if self._segments:
+            path = self.dir / _seg_name(self._segments[-1])
+            data = path.read_bytes()
+            good = data[: data.rfind(b"\n") + 1]  # a torn last line (crash mid-write) is cut
+            lines = good.splitlines()
+            while lines:
+                try:
+                    last = max(last, int(orjson.loads(lines[-1])["seq"]))
+                    break
+                except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+                    good = good[: len(good) - len(lines.pop()) - 1]
+            if len(good) != len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(len(good))
+            self._write_size = len(good)
+            if not lines and self._segments[-1] > last:
+                last = self._segments[-1] - 1
+        self.last_seq = self.durable_seq = last
+
+    # -- writing ------------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        self.last_seq += 1
+        return self.last_seq
+
+    def put(self, seq: int, line: bytes) -> None:
+        """Queue one JSON line whose seq is `seq` (from `next_seq`, in order)."""
+        assert seq == self.durable_seq + len(self._queue) + 1, "seq out of order"
+        self._queue.append(line if line.endswith(b"\n") else line + b"\n")
+        self._wake_writer.set()
+
+    async def run_writer(self) -> None:
+        while True:
+            await self._wake_writer.wait()
+            self._wake_writer.clear()
+            await self.commit()
+
+    async def commit(self) -> None:
+        """Write and fsync everything queued, as one group."""
+        if not self._queue:
+            return
+        batch, self._queue = self._queue, []
+        first = self.durable_seq + 1
+        await asyncio.to_thread(self._write, first, batch)
+        self.durable_seq = first + len(batch) - 1
+        self.durable.set()
+
+    def _write(self, first: int, lines: list[bytes]) -> None:
+        if not self._segments or self._write_size >= self.segment_bytes:
+            self._segments.append(first)
+            self._write_size = 0
+        path = self.dir / _seg_name(self._segments[-1])
+        data = b"".join(lines)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._write_size += len(data)
+
+    # -- reading back and delivery marks -----------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """Events assigned but not yet delivered (queued, on disk, or in flight)."""
+        return self.last_seq - self.delivered
+
+    def read_batch(self, limit: int = 500) -> list[tuple[int, bytes]]:
+        """Up to `limit` durable, undelivered lines, in seq order."""
+        out: list[tuple[int, bytes]] = []
+        if self.delivered + 1 > self.durable_seq:
+            return out
+        seg, offset, seq = self._seek(self.delivered + 1)
+        while len(out) < limit and seq <= self.durable_seq:
+            with open(self.dir / _seg_name(seg), "rb") as f:
+                f.seek(offset)
+                data = f.read(1 << 20)
+            progressed = False
+            for line in data.splitlines(keepends=True):
+                if not line.endswith(b"\n") or seq > self.durable_seq or len(out) >= limit:
+                    break
+                out.append((seq, line[:-1]))
+                offset += len(line)
+                seq += 1
+                progressed = True
+            if not progressed:  # the end of this segment: the next one starts at `seq`
+                nxt = next((s for s in self._segments if s > seg), None)
+                if nxt != seq:
+                    break
+                seg, offset = nxt, 0
+        self._cursor = (seg, offset, seq)
+        return out
+
+    def _seek(self, want: int) -> tuple[int, int, int]:
+        if self._cursor and self._cursor[2] == want:
+            return self._cursor
+        seg = max(s for s in self._segments if s <= want)
+        offset, seq = 0, seg
+        with open(self.dir / _seg_name(seg), "rb") as f:
+            for line in f:
+                if seq == want:
+                    break
+                offset += len(line)
+                seq += 1
+        return seg, offset, seq
+
+    def mark_delivered(self, seq: int) -> None:
+        self.delivered = seq
+        tmp = self.dir / "delivered.tmp"
+        tmp.write_text(str(seq))
+        os.replace(tmp, self.dir / "delivered")
+        # Segments wholly delivered (the next one starts at or below seq + 1) are removed.
+        while len(self._segments) > 1 and self._segments[1] <= seq + 1:
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / _seg_name(self._segments[0])).unlink()
+            self._segments.pop(0)
+
+
+def choose_instance(root: Path, configured: str) -> str:
+    """The configured id, else a spool left by this host's previous run (its seq continues),
+    else hostname-pid."""
+    if configured:
+        return configured
+    host = socket.gethostname()
+    for d in sorted(root.glob(f"{host}-*")) if root.exists() else []:
+        probe = Spool(root, d.name)
+        try:
+            probe.open()
+        except SpoolLocked:
+            continue
+        probe.close()
+        return d.name
+    return f"{host}-{os.getpid()}"
+
+
+def orphans(root: Path, own: str) -> list[Spool]:
+    """Other instances' spools with undelivered events whose owner is gone, opened (locked)."""
+    found = []
+    for d in sorted(root.iterdir()) if root.exists() else []:
+        if not d.is_dir() or d.name == own:
+            continue
+        spool = Spool(root, d.name)
+        try:
+            spool.open()
+        except SpoolLocked:
+            continue
+        if spool.depth > 0:
+            found.append(spool)
+        else:
+            spool.close()
+    return found
+
+
+def spooled(root: Path) -> dict[str, tuple[int, int]]:
+    """Per instance spool under `root`: (first undelivered seq, how many), read-only."""
+    out = {}
+    for d in sorted(root.iterdir()) if root.exists() else []:
+        if d.is_dir():
+            probe = Spool(root, d.name)
+            probe._recover()  # no lock: a live instance may own it; we only read the marks
+            out[d.name] = (probe.delivered + 1, probe.depth)
+    return out
