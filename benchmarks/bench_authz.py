@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -379,7 +380,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         cpu = r["cpu_us_per_call"]
-        other = " ".join(f"{p} {cpu[p]:.0f}" for p in ("envoy", "engine", "redis")
+        other = " ".join(f"{p} {cpu[p]:.0f}" for p in ("envoy", "engine", "redis", "kafka")
                          if cpu.get(p) is not None)
         lines.append(
             f"{r['scenario']:<20} {r['concurrency']:>3} {r['calls']:>6} {r['errors']:>3} "
@@ -393,8 +394,10 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 class Bench:
-    def __init__(self, mode: Mode, workdir: Path, http_client: str, pin_cpus: bool) -> None:
+    def __init__(self, mode: Mode, workdir: Path, http_client: str, pin_cpus: bool,
+                 kafka: bool = False) -> None:
         self.mode = mode
+        self.kafka = kafka
         self.workdir = workdir
         self.services: list[Service] = []
         self.spoke: Spoke | None = None
@@ -426,6 +429,11 @@ class Bench:
         pin(svc.pid, cpus)
         return svc
 
+    def sink_env(self, name: str) -> dict[str, str]:
+        """Usage spool and JSONL sink inside the workdir (their defaults are relative to cwd)."""
+        return {"GATEWAY_SPOOL_DIR": str(self.workdir / f"spool-{name}"),
+                "GATEWAY_USAGE_JSONL": str(self.workdir / f"usage-{name}.jsonl")}
+
     def note(self, text: str) -> None:
         self.notes.append(text)
         print(f"  ! {text}", flush=True)
@@ -456,14 +464,14 @@ class Bench:
         publish(redis_url, doc)
         policy_file = self.workdir / "policy-embedded.yaml"
         policy_file.write_text(yaml.safe_dump(doc))
-        common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1",
-                  "GATEWAY_SPOOL_DIR": str(self.workdir / "spool")}
+        common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1"}
         sidecars: dict[str, tuple[Service, int]] = {}
         for backend, env in (
             ("redis", {"GATEWAY_REDIS_URL": redis_url}),
             ("embedded", {"GATEWAY_REDIS_URL": "", "GATEWAY_POLICY_FILE": str(policy_file)}),
         ):
             metrics_port = free_port()
+            env |= self.sink_env(backend)
             svc = sidecar_service(free_port(), metrics_port, self.workdir, {**common, **env})
             svc.name = f"sidecar-{backend}"
             self.start(svc, self.server_cpus)
@@ -506,10 +514,16 @@ class Bench:
     def through_envoy(self) -> None:
         mode = self.mode
         print(f"B) through Envoy (HTTP client: {self.http_client})", flush=True)
+        extra: dict[str, Any] = {}
+        if "kafka" in {f.name for f in dataclasses.fields(Spoke)}:
+            extra["kafka"] = self.kafka  # newer Spokes start a Kafka broker unless told not to
+        elif self.kafka:
+            self.note("--kafka ignored: this Spoke has no Kafka broker")
         self.spoke = Spoke(workdir=self.workdir / "spoke", listen_port=free_port(),
                            engine_ttft_ms=0, engine_tokens_per_s=0,
                            sidecar_env={"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1",
-                                        "GATEWAY_SPOOL_DIR": str(self.workdir / "spool")})
+                                        **self.sink_env("spoke")},
+                           **extra)
         self.spoke.start()
         for svc in self.spoke.services.values():
             pin(svc.pid, self.server_cpus)
@@ -556,7 +570,8 @@ class Bench:
                     for path in paths if rnd % 2 == 0 else paths[::-1]:
                         pids = {"envoy": envoys[path].pid, "engine": engine.pid}
                         if path == FULL_PATH:
-                            pids |= {"sidecar": sidecar.pid, "redis": self.spoke["redis"].pid}
+                            pids |= {name: svc.pid for name, svc in self.spoke.services.items()
+                                     if name in ("sidecar", "redis", "kafka")}
                         result = self._http(script, request, ports[path], conc, pids,
                                             probe if path == FULL_PATH else None)
                         self.record(path, conc, result)
@@ -696,6 +711,21 @@ def machine_info(bench: Bench) -> dict[str, Any]:
     }
 
 
+def git_state() -> dict[str, Any]:
+    """The commit measured, and the files that differed from it (others edit in parallel)."""
+    def git(*argv: str) -> str:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
+                                 text=True, timeout=10)
+            if out.returncode == 0:
+                return out.stdout
+        return ""
+
+    return {"commit": git("rev-parse", "HEAD").strip(),
+            "modified": [ln[3:] for ln in git("status", "--porcelain").splitlines()
+                         if not ln[3:].startswith("benchmarks/")]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -704,6 +734,8 @@ def main() -> int:
     parser.add_argument("--http-client", choices=["auto", "wrk", "python"], default="auto",
                         help="load generator for the Envoy scenarios (auto: wrk if installed)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    parser.add_argument("--kafka", action="store_true",
+                        help="B: let the Spoke run its Kafka broker (default: JSONL usage sink)")
     parser.add_argument("--keep-workdir", action="store_true",
                         help="keep the logs and configs (always kept on failure)")
     args = parser.parse_args()
@@ -716,7 +748,7 @@ def main() -> int:
     signal.signal(signal.SIGHUP, interrupted)
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-authz-"))
-    bench = Bench(mode, workdir, args.http_client, pin_cpus=not args.no_pin)
+    bench = Bench(mode, workdir, args.http_client, pin_cpus=not args.no_pin, kafka=args.kafka)
     started = datetime.now(UTC)
     t0 = time.monotonic()
     print(f"bench_authz: {mode.name} mode, {mode.rounds} round(s), workdir {workdir}", flush=True)
@@ -748,6 +780,7 @@ def main() -> int:
         "timestamp": started.isoformat(),
         "wall_s": round(time.monotonic() - t0, 1),
         "machine": machine_info(bench),
+        "git": git_state(),
         "config": {**mode.__dict__, "concurrencies": CONCURRENCIES,
                    "direct_bodies": {d.name: len(d.body) for d in DIRECT},
                    "chat_body_bytes": len(CHAT_BODY),

@@ -23,12 +23,15 @@ Why each setting that differs from Envoy's default:
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
   rides on the body message: attributes and forwarded ext_authz metadata), request body
   BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
-  response headers SEND (status code and attributes), response body STREAMED (every SSE
-  chunk is seen, blocking, because `observability_mode` silently drops streams under
-  load and billing must not lose them), trailers SKIP.
-* **ext_proc `message_timeout` 2 s** (default 200 ms): it applies to every streamed
-  chunk, and a timeout after the 200 has been sent resets the client mid-generation, so
-  it must never fire because of the sidecar. `max_message_timeout` 10 s lets the
+  response headers SEND (status code and content type), response body
+  FULL_DUPLEX_STREAMED (every chunk is seen and echoed: blocking, because
+  `observability_mode` silently drops streams under load and billing must not lose them;
+  full duplex, because it has no per-message timeout, so a slow sidecar can slow a stream
+  but never reset it, whereas STREAMED resets the client after `message_timeout`), and
+  response trailers SEND (full duplex requires it).
+* **ext_proc `message_timeout` 2 s** (default 200 ms): it applies to the request body
+  and the response headers (full-duplex body chunks have none); a timeout there answers
+  504 before the response started, never mid-generation. `max_message_timeout` 10 s lets the
   sidecar extend it per message with `override_message_timeout` if it ever needs to.
 * **Attributes and metadata**: `request.id` (= x-request-id, the billing key) and
   `request.path` with the request, `request.id`/`response.code` with the response;
@@ -45,6 +48,8 @@ Why each setting that differs from Envoy's default:
   `client-chosen`, as with `cidr_ranges: [127.0.0.1/32]`, `use_remote_address: false` or
   `preserve_external_request_id: true`. So leave `internal_address_config` unset; a test
   sends a chosen id through the rendered config and checks Envoy's access log.
+  `always_set_request_id_in_response` hands the id back to the client: it is the
+  `event_id` of the request's usage event, so support and billing speak of one id.
 * **Route `timeout: 0s`** (default 15 s): long generations stream for minutes.
   `stream_idle_timeout` (5 min) still cuts a stream that goes silent.
 * **Clusters**: gRPC to the sidecar needs HTTP/2, set through
@@ -252,6 +257,7 @@ def _http_connection_manager(limits: _Limits) -> HttpConnectionManager:
         access_log=[_stdout_access_log()],
         use_remote_address=True,
         preserve_external_request_id=False,
+        always_set_request_id_in_response=True,
     )
 
 

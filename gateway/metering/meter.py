@@ -90,9 +90,8 @@ class Meter:
         obj = self._observe(ev)
         if not isinstance(obj, dict) or "usage" not in obj:
             return ev.raw
-        choices = obj.get("choices")
-        if choices == [] and self.injected.include_usage:
-            return b""  # the usage-only chunk the client did not ask for
+        if obj.get("choices") == []:  # the final usage-only chunk
+            return b"" if self.injected.include_usage else ev.raw
         if self.injected.continuous or obj["usage"] is None:
             del obj["usage"]
             return b"data: " + orjson.dumps(obj) + b"\n\n"

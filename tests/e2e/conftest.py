@@ -76,6 +76,7 @@ def wait_ready(spoke: Spoke, timeout: float = 10.0) -> None:
 
 
 def start_spoke(workdir: Path, **kw: Any) -> tuple[Spoke, dict[str, str]]:
+    kw.setdefault("sidecar_env", {}).setdefault("GATEWAY_CONTINUOUS_USAGE_MODELS", "mock-other")
     spoke = Spoke(workdir=workdir, listen_port=free_port(), **kw).start()
     keys = {k: secrets.new_secret(k) for k in KEY_LIMITS}
     publish(spoke.redis_url, policy_doc(keys))
@@ -117,3 +118,39 @@ def chat(c: openai.OpenAI, model: str = "mock-model", **kw: Any) -> Any:
     return c.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hello there"}],
         max_tokens=kw.pop("max_tokens", 4), **kw)
+
+
+def read_events(bootstrap: str, want: set[str] | None = None, timeout: float = 15.0,
+                settle: float = 0.5) -> list[dict[str, Any]]:
+    """All events on the topic (those in `want`, if given), read from the beginning.
+
+    Returns once every wanted id has been seen and `settle` more seconds brought nothing
+    new (so a duplicate would show), or at `timeout`.
+    """
+    import orjson
+    from aiokafka import AIOKafkaConsumer
+
+    async def go() -> list[dict[str, Any]]:
+        c = AIOKafkaConsumer("llm.usage.v1", bootstrap_servers=bootstrap, group_id=None,
+                             auto_offset_reset="earliest", enable_auto_commit=False)
+        await c.start()
+        out: list[dict[str, Any]] = []
+        quiet_since = None
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                batch = await c.getmany(timeout_ms=200)
+                got = [orjson.loads(m.value) for ms in batch.values() for m in ms if m.value]
+                got = [e for e in got if want is None or e["event_id"] in want]
+                out += got
+                seen = {e["event_id"] for e in out}
+                if want is not None and want <= seen:
+                    if got or quiet_since is None:
+                        quiet_since = time.monotonic()
+                    elif time.monotonic() - quiet_since >= settle:
+                        break
+        finally:
+            await c.stop()
+        return out
+
+    return asyncio.run(go())

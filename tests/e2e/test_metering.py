@@ -1,0 +1,141 @@
+"""Exactly one usage event per request, through real Envoy + Tansu + Redis, openai SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import client, read_events
+
+from gateway.dev.stack import Spoke
+
+MSG = [{"role": "user", "content": "count these five words"}]
+
+
+def _rid(raw: Any) -> str:
+    return str(raw.headers["x-request-id"])
+
+
+def _drain(stream: Any) -> list[Any]:
+    return list(stream)
+
+
+def test_mixed_requests_yield_exactly_one_event_each(spoke: Spoke, keys: dict[str, str]) -> None:
+    c = client(spoke, keys["good"])
+    rids: dict[str, str] = {}
+    chat = c.chat.completions.with_raw_response
+    comp = c.completions.with_raw_response
+    r = chat.create(model="mock-model", messages=MSG, max_tokens=5)
+    rids["chat"] = _rid(r)
+    r = chat.create(model="mock-model", messages=MSG, max_tokens=6, stream=True)
+    _drain(r.parse())
+    rids["chat-stream"] = _rid(r)
+    r = chat.create(model="mock-model", messages=MSG, max_tokens=7, stream=True,
+                    stream_options={"include_usage": True})
+    _drain(r.parse())
+    rids["chat-stream-usage"] = _rid(r)
+    r = comp.create(model="mock-model", prompt="one two three", max_tokens=4)
+    rids["completion"] = _rid(r)
+    r = comp.create(model="mock-model", prompt="one two three", max_tokens=3, stream=True)
+    _drain(r.parse())
+    rids["completion-stream"] = _rid(r)
+    r = c.embeddings.with_raw_response.create(model="mock-model", input=["a b", "c d e"])
+    rids["embeddings"] = _rid(r)
+    r = c.responses.with_raw_response.create(model="mock-model", input="hi there", max_output_tokens=5)
+    rids["responses"] = _rid(r)
+    r = c.responses.with_raw_response.create(model="mock-model", input="hi there you",
+                                             max_output_tokens=4, stream=True)
+    _drain(r.parse())
+    rids["responses-stream"] = _rid(r)
+    r = chat.create(model="mock-other", messages=MSG, max_tokens=3, stream=True)  # continuous
+    _drain(r.parse())
+    rids["chat-continuous"] = _rid(r)
+
+    events = read_events(spoke.kafka_bootstrap, set(rids.values()))
+    by_id = {e["event_id"]: e for e in events}
+    assert len(events) == len(rids) == len(by_id), "exactly one event per request"
+    engine = httpx.get(f"{spoke.engine_url}/mock/stats").json()["usage_reported"]
+    assert sum(int(e["usage"]["prompt_tokens"]) for e in events) == engine["prompt_tokens"]
+    assert sum(int(e["usage"]["completion_tokens"]) for e in events) == \
+        engine["completion_tokens"]
+    for name, rid in rids.items():
+        e = by_id[rid]
+        assert e["outcome"] == "completed", name
+        assert e["usage_source"] == "reported", name
+        assert e["key_id"] == "good" and e["team"] == "t1", name
+        assert e["status_code"] == 200
+        assert e["served_model"] in ("mock-model", "mock-other"), name
+    assert by_id[rids["chat-stream"]]["usage"]["completion_tokens"] == "6"
+    assert by_id[rids["embeddings"]]["endpoint"] == "/v1/embeddings"
+    assert by_id[rids["responses-stream"]]["usage"]["completion_tokens"] == "4"
+    assert float(by_id[rids["chat-stream"]]["timing"]["ttft_ms"]) > 0
+    seqs = sorted(int(e["seq"]) for e in events)
+    assert len(set(seqs)) == len(seqs)
+
+
+def test_usage_chunk_only_for_clients_that_asked(spoke: Spoke, keys: dict[str, str]) -> None:
+    c = client(spoke, keys["good"])
+    plain = list(c.chat.completions.create(model="mock-model", messages=MSG, max_tokens=3,
+                                           stream=True))
+    assert all(ch.usage is None and ch.choices for ch in plain)
+    raw = httpx.post(f"{spoke.base_url}/chat/completions",
+                     headers={"authorization": f"Bearer {keys['good']}"},
+                     json={"model": "mock-model", "messages": MSG, "max_tokens": 3,
+                           "stream": True})
+    assert b'"usage"' not in raw.content  # not even the `"usage": null` OpenAI would add
+    assert raw.content.rstrip().endswith(b"data: [DONE]")
+    asked = list(c.chat.completions.create(model="mock-model", messages=MSG, max_tokens=3,
+                                           stream=True, stream_options={"include_usage": True}))
+    assert asked[-1].choices == [] and asked[-1].usage.completion_tokens == 3
+    # continuous usage injected for mock-other is hidden from a client that asked only for
+    # the final usage chunk
+    cont = list(c.chat.completions.create(model="mock-other", messages=MSG, max_tokens=3,
+                                          stream=True, stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in cont[:-1]) and cont[-1].usage.total_tokens > 0
+
+
+@pytest.mark.parametrize(("model", "source"), [("mock-model", "estimated"),
+                                               ("mock-other", "reported")])
+def test_client_cancel_mid_stream(spoke: Spoke, keys: dict[str, str], model: str,
+                                  source: str) -> None:
+    c = client(spoke, keys["good"], default_headers={"x-mock-tokens-per-s": "50"})
+    raw = c.chat.completions.with_raw_response.create(model=model, messages=MSG,
+                                                      max_tokens=40, stream=True)
+    stream = raw.parse()
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()  # the client walks away
+    [event] = read_events(spoke.kafka_bootstrap, {_rid(raw)})
+    assert event["outcome"] == "client_cancelled"
+    assert event["usage_source"] == source
+    got = int(event["usage"]["completion_tokens"])
+    assert 4 <= got < 40
+    if source == "reported":  # exact up to the cut, thanks to continuous usage stats
+        sent = httpx.get(f"{spoke.engine_url}/mock/stats").json()["usage_reported"]
+        assert got == sent["completion_tokens"]
+
+
+def test_engine_5xx_is_upstream_error(spoke: Spoke, keys: dict[str, str]) -> None:
+    c = client(spoke, keys["good"], default_headers={"x-mock-status": "503"})
+    with pytest.raises(openai.InternalServerError) as exc:
+        c.chat.completions.create(model="mock-model", messages=MSG, max_tokens=3)
+    rid = exc.value.response.headers["x-request-id"]
+    [event] = read_events(spoke.kafka_bootstrap, {rid})
+    assert event["outcome"] == "upstream_error" and event["status_code"] == 503
+    assert event["usage"]["total_tokens"] == "0"
+
+
+def test_denied_request_has_its_event(spoke: Spoke, keys: dict[str, str]) -> None:
+    r = httpx.post(f"{spoke.base_url}/chat/completions", json={"model": "mock-model"},
+                   headers={"authorization": "Bearer sk-nobody"})
+    assert r.status_code == 401
+    with pytest.raises(openai.PermissionDeniedError) as exc:
+        client(spoke, keys["good"]).chat.completions.create(model="other-model", messages=MSG)
+    ids = {r.headers["x-request-id"], exc.value.response.headers["x-request-id"]}
+    events = read_events(spoke.kafka_bootstrap, ids)
+    assert sorted(e["status_code"] for e in events) == [401, 403]
+    assert all(e["outcome"] == "denied" for e in events)
+    assert {e["key_id"] for e in events} == {"", "good"}
