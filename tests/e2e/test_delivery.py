@@ -1,0 +1,121 @@
+"""Usage delivery under faults: Kafka down, the sidecar killed, events delivered twice."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+from aiokafka import AIOKafkaProducer
+from conftest import client, read_events, start_spoke
+
+from gateway.cli import main as gateway
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def _requests(spoke, key: str, n: int) -> set[str]:  # type: ignore[no-untyped-def]
+    c = client(spoke, key)
+    ids = set()
+    for i in range(n):
+        if i % 2:
+            raw = c.chat.completions.with_raw_response.create(
+                model="mock-model", messages=MSG, max_tokens=3, stream=True)
+            list(raw.parse())
+        else:
+            raw = c.chat.completions.with_raw_response.create(
+                model="mock-model", messages=MSG, max_tokens=3)
+        assert raw.status_code == 200  # the client never waits for Kafka
+        ids.add(raw.headers["x-request-id"])
+    return ids
+
+
+def _spool_depth(spoke) -> float:  # type: ignore[no-untyped-def]
+    text = httpx.get(f"{spoke.metrics_url}/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("gateway_usage_spool_depth"))
+    return float(line.split()[-1])
+
+
+def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke")
+    try:
+        spoke["kafka"].stop()
+        t0 = time.monotonic()
+        ids = _requests(spoke, keys["good"], 20)
+        assert time.monotonic() - t0 < 10  # responses did not wait on the dead broker
+        deadline = time.monotonic() + 5
+        while _spool_depth(spoke) < 20 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _spool_depth(spoke) >= 20  # held in the spool, visible in /metrics
+        spoke["kafka"].restart()  # memory storage: a fresh, empty broker
+        events = read_events(spoke.kafka_bootstrap, ids, timeout=30)
+        assert {e["event_id"] for e in events} == ids
+        assert len(events) == len(ids)
+        seqs = sorted(int(e["seq"]) for e in events)
+        assert seqs == list(range(seqs[0], seqs[0] + 20))  # in order, no gap
+    finally:
+        spoke.stop()
+
+
+def test_sidecar_killed_spool_survives_and_reconciles(tmp_path: Path) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke")
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    try:
+        before = _requests(spoke, keys["good"], 5)
+        read_events(spoke.kafka_bootstrap, before)
+        spoke["kafka"].pause()  # Kafka unreachable: what follows stays in the spool
+        during = _requests(spoke, keys["good"], 10)
+        time.sleep(0.3)  # past the group commit: on disk
+        spoke["sidecar"].kill()  # SIGKILL: no shutdown, no flush
+        spoke["kafka"].resume()
+        spoke["sidecar"].restart()  # same spool dir: the instance and its seq continue
+        events = read_events(spoke.kafka_bootstrap, before | during, timeout=30)
+        assert {e["event_id"] for e in events} == before | during
+        assert len({e["instance_id"] for e in events}) == 1
+        total = len(before | during)
+        assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", db,
+                        "--count", str(total)]) == 0
+        assert gateway(["usage", "reconcile", "--db", db,
+                        "--spool-dir", str(spoke.workdir / "spool")]) == 0  # no gaps
+    finally:
+        spoke.stop()
+
+
+def test_events_delivered_twice_are_counted_once(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    spoke, keys = start_spoke(tmp_path / "spoke")
+    db = f"sqlite:///{tmp_path / 'usage.db'}"
+    try:
+        ids = _requests(spoke, keys["good"], 6)
+        events = read_events(spoke.kafka_bootstrap, ids)
+        assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", db,
+                        "--count", "6"]) == 0
+        capsys.readouterr()
+        assert gateway(["usage", "report", "--db", db, "--by", "key"]) == 0
+        first = capsys.readouterr().out
+
+        async def redeliver() -> None:  # what a producer retry after a lost ack would do
+            import orjson
+            p = AIOKafkaProducer(bootstrap_servers=spoke.kafka_bootstrap, acks="all")
+            await p.start()
+            for e in events:
+                await p.send_and_wait("llm.usage.v1", orjson.dumps(e),
+                                      key=e["event_id"].encode())
+            await p.stop()
+
+        asyncio.run(redeliver())
+        n = _requests(spoke, keys["good"], 1)  # one genuinely new event after the duplicates
+        read_events(spoke.kafka_bootstrap, n)
+        assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", db,
+                        "--count", "1"]) == 0
+        capsys.readouterr()
+        assert gateway(["usage", "report", "--db", db, "--by", "key"]) == 0
+        second = capsys.readouterr().out
+        req_first = int(first.splitlines()[1].split()[1])
+        req_second = int(second.splitlines()[1].split()[1])
+        assert req_second == req_first + 1  # the 6 duplicates changed nothing
+        gateway(["usage", "reconcile", "--db", db, "--spool-dir", str(spoke.workdir / "spool")])
+        out = capsys.readouterr().out
+        assert " 6 " in out.splitlines()[1]  # six duplicates seen and dropped
+    finally:
+        spoke.stop()
