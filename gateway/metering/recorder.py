@@ -59,6 +59,9 @@ class Recorder:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         r = meter.result()
         ended = time.time()
+        if facts.leased:  # first, so nothing below can keep a lease from being released
+            self.lifecycle.end(facts.request_id, r.usage.total_tokens if outcome != "denied"
+                               else 0)
         seq = self.spool.next_seq()
         event = usage_pb2.UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,
@@ -76,9 +79,6 @@ class Recorder:
                                     duration_ms=round((ended - started) * 1000, 3)),
         )
         self.spool.put(seq, to_json(event))
-        if facts.leased:
-            self.lifecycle.end(facts.request_id, r.usage.total_tokens if outcome != "denied"
-                               else 0)
         metrics.EVENTS.labels(outcome).inc()
         if r.usage.total_tokens:
             metrics.TOKENS.labels(facts.model, facts.team, "prompt").inc(r.usage.prompt_tokens)

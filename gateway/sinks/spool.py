@@ -41,6 +41,7 @@ class Spool:
         self.durable_seq = 0  # written and fsynced
         self.delivered = 0  # acknowledged by the sink
         self._queue: list[bytes] = []
+        self._queued_seq = 0
         self._wake_writer = asyncio.Event()
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
@@ -89,7 +90,7 @@ class Spool:
             self._write_size = len(good)
             if not lines and self._segments[-1] > last:
                 last = self._segments[-1] - 1
-        self.last_seq = self.durable_seq = last
+        self.last_seq = self.durable_seq = self._queued_seq = last
 
     # -- writing ------------------------------------------------------------------------
 
@@ -98,9 +99,9 @@ class Spool:
         return self.last_seq
 
     def put(self, seq: int, line: bytes) -> None:
-        """Queue one JSON line whose seq is `seq` (from `next_seq`, in order)."""
-        assert seq == self.durable_seq + len(self._queue) + 1, "seq out of order"
+        """Queue one JSON line whose seq is `seq` (from `next_seq`, put in the same order)."""
         self._queue.append(line if line.endswith(b"\n") else line + b"\n")
+        self._queued_seq = seq
         self._wake_writer.set()
 
     async def run_writer(self) -> None:
@@ -113,10 +114,10 @@ class Spool:
         """Write and fsync everything queued, as one group."""
         if not self._queue:
             return
-        batch, self._queue = self._queue, []
-        first = self.durable_seq + 1
-        await asyncio.to_thread(self._write, first, batch)
-        self.durable_seq = first + len(batch) - 1
+        # Lines put while this group is being written wait for the next one.
+        batch, last, self._queue = self._queue, self._queued_seq, []
+        await asyncio.to_thread(self._write, last - len(batch) + 1, batch)
+        self.durable_seq = last
         self.durable.set()
 
     def _write(self, first: int, lines: list[bytes]) -> None:
