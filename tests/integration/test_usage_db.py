@@ -1,0 +1,74 @@
+"""The billing database: dedup mark and aggregate in one transaction, SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway._proto.gateway.usage.v1 import usage_pb2
+from gateway.billing.db import UsageDb, gaps
+
+PG = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _pg_available() -> bool:
+    try:
+        import psycopg
+        psycopg.connect(PG, connect_timeout=2).close()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UsageDb]:
+    if request.param == "sqlite":
+        d = UsageDb(f"sqlite:///{tmp_path / 'u.db'}")
+        yield d
+        d.close()
+        return
+    if not _pg_available():
+        pytest.skip("no PostgreSQL on 127.0.0.1:5432 (the python-svc machines run one)")
+    import psycopg
+    schema = f"t_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    d = UsageDb(f"{PG}?options=-csearch_path%3D{schema}")
+    yield d
+    d.close()
+    with psycopg.connect(PG, autocommit=True) as c:
+        c.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+def ev(i: int, team: str = "t", tokens: int = 10, inst: str = "i1") -> usage_pb2.UsageEvent:
+    return usage_pb2.UsageEvent(
+        event_id=f"e{i}", instance_id=inst, seq=i, ended_at="2026-11-29T10:00:00.000Z",
+        team=team, key_id="k", model="m", outcome="completed", usage_source="reported",
+        usage=usage_pb2.Usage(prompt_tokens=tokens, completion_tokens=1,
+                              total_tokens=tokens + 1))
+
+
+def test_duplicates_change_no_total(db: UsageDb) -> None:
+    assert db.ingest([ev(1), ev(2), ev(3, team="u")]).new == 3
+    got = db.ingest([ev(2), ev(3, team="u"), ev(4)])
+    assert (got.new, got.duplicates) == (1, 2)
+    assert db.report("team") == [("t", 3, 30, 3, 33), ("u", 1, 10, 1, 11)]
+    assert db.duplicates() == {"i1": 2}
+    assert db.seqs() == {"i1": [1, 2, 3, 4]}
+
+
+def test_a_failed_batch_leaves_nothing_behind(db: UsageDb) -> None:
+    db.ingest([ev(1)])
+    with pytest.raises(AttributeError):  # the consumer dies mid-batch
+        db.ingest([ev(5), ev(6), None])  # type: ignore[list-item]
+    assert db.report("team") == [("t", 1, 10, 1, 11)]  # nor the dedup mark of e5/e6
+    assert db.ingest([ev(5), ev(6)]).new == 2
+
+
+def test_gaps() -> None:
+    assert gaps([1, 2, 3]) == []
+    assert gaps([2, 3, 7]) == [(1, 1), (4, 6)]
+    assert gaps([]) == []
