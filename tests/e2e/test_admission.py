@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
+from spokekit import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
 
 from gateway.dev.stack import Spoke
 

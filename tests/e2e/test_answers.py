@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import chat, client
+from spokekit import chat, client
 
 from gateway.dev.stack import Spoke
 

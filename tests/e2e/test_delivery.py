@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 from aiokafka import AIOKafkaProducer
-from conftest import client, read_events, start_spoke
+from spokekit import client, read_events, start_spoke
 
 from gateway.cli import main as gateway
 

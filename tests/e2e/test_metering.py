@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import client, read_events
+from spokekit import client, read_events
 
 from gateway.dev.stack import Spoke
 
@@ -43,7 +43,8 @@ def test_mixed_requests_yield_exactly_one_event_each(spoke: Spoke, keys: dict[st
     rids["completion-stream"] = _rid(r)
     r = c.embeddings.with_raw_response.create(model="mock-model", input=["a b", "c d e"])
     rids["embeddings"] = _rid(r)
-    r = c.responses.with_raw_response.create(model="mock-model", input="hi there", max_output_tokens=5)
+    r = c.responses.with_raw_response.create(model="mock-model", input="hi there",
+                                             max_output_tokens=5)
     rids["responses"] = _rid(r)
     r = c.responses.with_raw_response.create(model="mock-model", input="hi there you",
                                              max_output_tokens=4, stream=True)
