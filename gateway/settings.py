@@ -28,7 +28,7 @@ class Settings(BaseSettings):
 
     # Admission
     redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
-    lease_ttl_s: float = 60.0  # concurrency leases; streams renew at a third of it
+    lease_ttl_s: float = 30.0  # concurrency leases; streams renew at a third of it
     default_completion_tokens: int = 1024
     reserve_cap_tokens: int = 32768
     policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals

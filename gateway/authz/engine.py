@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import orjson
+
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Context, Decision, Deny
 from gateway.authz.request import AuthzRequest, api_key, parse_body
@@ -68,8 +70,10 @@ class Authorizer:
         if tiers:
             try:
                 async with asyncio.timeout(s.deadline):
-                    verdict = await self._limiter.admit(
-                        AdmitRequest(req.request_id, tiers, reserve, now))
+                    verdict = await self._limiter.admit(AdmitRequest(
+                        req.request_id, tiers, reserve, now,
+                        meta=orjson.dumps([key.key_id, key.team, facts.model or "", req.path,
+                                           facts.stream]).decode()))
             except (StoreUnavailable, TimeoutError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
                 return _who(answers.unavailable(

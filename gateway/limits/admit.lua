@@ -4,7 +4,8 @@
 --
 -- ARGV[1] now_ms   ARGV[2] lease_ttl_ms   ARGV[3] record_ttl_ms
 -- ARGV[4] day_id   ARGV[5] month_id       ARGV[6] ms_to_day_end   ARGV[7] ms_to_month_end
--- ARGV[8] n requests, then per request: rid, reserve, ntiers,
+-- ARGV[8] n requests, then per request: rid, reserve, meta (opaque: who/what, kept for the
+--         orphan sweep), ntiers,
 --         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo ('' = no limit)
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
@@ -42,8 +43,9 @@ end
 local out = {}
 local i = 9
 for r = 1, n do
-  local rid, reserve, nt = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  i = i + 3
+  local rid, reserve, meta = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  local nt = tonumber(ARGV[i + 3])
+  i = i + 4
   local tiers = {}
   for t = 1, nt do
     tiers[t] = {
@@ -129,8 +131,9 @@ for r = 1, n do
     if #leases > 0 or #toks > 0 then
       local rk = 'gw:req:' .. rid
       redis.call('HSET', rk, 'r', reserve, 'c', table.concat(leases, '\n'),
-                 't', table.concat(toks, '\n'))
+                 't', table.concat(toks, '\n'), 'm', meta)
       redis.call('PEXPIRE', rk, rec_ttl)
+      redis.call('ZADD', 'gw:reqs', now + lease_ttl, rid)  -- live until settled or orphaned
       leased = 1
     end
   end

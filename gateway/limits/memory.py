@@ -13,6 +13,7 @@ from gateway.limits.types import (
     TPM,
     TPMO,
     AdmitRequest,
+    Orphan,
     RateInfo,
     Verdict,
 )
@@ -141,6 +142,9 @@ class MemoryLimiter:
 
     def in_flight(self, tier: str, name: str, now: float) -> int:
         return len(self._live(f"{tier}:{name}", now))
+
+    async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
+        return []  # one process: a crash takes these counters with it
 
     async def ping(self) -> bool:
         return True

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from gateway.errors import StoreUnavailable
 from gateway.limits import maths
-from gateway.limits.types import LIMIT_CODES, AdmitRequest, RateInfo, Verdict
+from gateway.limits.types import LIMIT_CODES, AdmitRequest, Orphan, RateInfo, Verdict
 
 REDIS_ERRORS = (redis_errors.RedisError, OSError, asyncio.TimeoutError)
 MAX_BATCH = 256
@@ -42,6 +42,7 @@ class RedisLimiter:
         self._admit = redis.register_script(_lua("admit.lua"))
         self._settle = redis.register_script(_lua("settle.lua"))
         self._renew = redis.register_script(_lua("renew.lua"))
+        self._sweep = redis.register_script(_lua("sweep.lua"))
         self._queue: list[tuple[AdmitRequest, asyncio.Future[Verdict]]] = []
         self._pump: asyncio.Task[None] | None = None
 
@@ -82,7 +83,7 @@ class RedisLimiter:
             len(reqs),
         ]
         for r in reqs:
-            args += [r.request_id, r.reserve, len(r.tiers)]
+            args += [r.request_id, r.reserve, r.meta, len(r.tiers)]
             for t in r.tiers:
                 s = t.spec
                 args += [f"{t.tier}:{t.name}", _opt(s.rps), _opt(s.burst), _opt(s.concurrency),
@@ -124,6 +125,15 @@ class RedisLimiter:
                                     *request_ids])
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
+
+    async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
+        try:
+            flat = await self._sweep(args=[int(now * 1000), limit])
+        except REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
+        return [Orphan(str(dec[i]), str(dec[i + 1]), int(dec[i + 2]))
+                for i in range(0, len(dec), 3)]
 
     async def ping(self) -> bool:
         try:

@@ -13,6 +13,7 @@ for i = 4, #ARGV do
       redis.call('PEXPIRE', zk, ttl * 2)
     end
     redis.call('PEXPIRE', rk, rec_ttl)
+    redis.call('ZADD', 'gw:reqs', 'XX', now + ttl, rid)
   end
 end
 return renewed

@@ -25,6 +25,7 @@ for r = 0, n - 1 do
       end
     end
     redis.call('DEL', rk)
+    redis.call('ZREM', 'gw:reqs', rid)
     settled = settled + 1
   end
 end

@@ -19,6 +19,17 @@ class AdmitRequest:
     tiers: tuple[TierLimit, ...]
     reserve: int  # tokens reserved at admission, replaced by the actual count at settlement
     now: float
+    meta: str = ""  # who and what (opaque to the store), for an orphaned request's event
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """An admitted request nobody settled: its sidecar died, or its client left before
+    ext_proc saw it. Its reservation is cancelled (`charged` is 0)."""
+
+    request_id: str
+    meta: str
+    charged: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,10 @@ class Limiter(Protocol):
 
     async def renew(self, request_ids: list[str], now: float) -> None:
         """Extend the leases of requests still streaming."""
+        ...
+
+    async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
+        """Claim (once, across instances) requests whose lease expired unsettled."""
         ...
 
     async def ping(self) -> bool: ...

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from gateway._proto.gateway.usage.v1 import usage_pb2
+from gateway.errors import StoreUnavailable
+from gateway.limits.types import Orphan
+from gateway.log import log
 from gateway.metering.events import rfc3339, to_json
 from gateway.metering.lifecycle import Lifecycle
 from gateway.metering.meter import Meter
+from gateway.metering.usage import Usage
 from gateway.server import metrics
 from gateway.sinks.spool import Spool
 
@@ -55,7 +62,33 @@ class Recorder:
         self.spoke = spoke
         self.lifecycle = lifecycle
 
-    def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float) -> int:
+    async def run_sweeper(self, interval: float) -> None:
+        """Give every orphaned request (its sidecar died mid-request) its one event."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                orphans = await self.lifecycle.limiter.sweep(time.time())
+            except StoreUnavailable:
+                continue
+            for o in orphans:
+                self.orphan(o)
+
+    def orphan(self, o: Orphan) -> int:
+        try:
+            key_id, team, model, endpoint, stream = orjson.loads(o.meta)
+        except (orjson.JSONDecodeError, ValueError, TypeError):
+            key_id = team = model = endpoint = ""
+            stream = False
+        facts = RequestFacts(request_id=o.request_id, key_id=key_id, team=team, model=model,
+                             endpoint=endpoint, stream=bool(stream))
+        meter = Meter(endpoint=endpoint, stream=bool(stream))
+        meter.reported = Usage(prompt_tokens=o.charged, total_tokens=o.charged)
+        log.warning("orphaned_request", request_id=o.request_id, key_id=key_id,
+                    charged=o.charged)
+        return self.finish(facts, meter, "upstream_error", time.time(), source="estimated")
+
+    def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float,
+               source: str | None = None) -> int:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         r = meter.result()
         ended = time.time()
@@ -74,7 +107,7 @@ class Recorder:
                 prompt_tokens=r.usage.prompt_tokens, completion_tokens=r.usage.completion_tokens,
                 total_tokens=r.usage.total_tokens, cached_tokens=r.usage.cached_tokens,
                 reasoning_tokens=r.usage.reasoning_tokens),
-            usage_source=r.source,
+            usage_source=source or r.source,
             timing=usage_pb2.Timing(ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
                                     duration_ms=round((ended - started) * 1000, 3)),
         )

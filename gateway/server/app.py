@@ -129,7 +129,9 @@ class App:
         if len(spools) > 1:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
-        return Recorder(self.spool, s.spoke, lifecycle)
+        recorder = Recorder(self.spool, s.spoke, lifecycle)
+        self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3)))
+        return recorder
 
     async def _watch_spool(self, spools: list[Spool]) -> None:
         while True:

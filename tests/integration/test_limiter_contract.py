@@ -132,3 +132,21 @@ async def test_three_tiers_report_the_tightest(limiter: Limiter) -> None:
     assert denied.allowed
     denied = await limiter.admit(req("c", model_only, T0 + 1))
     assert not denied.allowed and denied.tier == "model"
+
+
+async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url: str) -> None:
+    lim = RedisLimiter(Redis.from_url(redis_url), lease_ttl=60)
+    key = tier("key", "k1", concurrency=1, tokens_per_day=1000)
+    admit = AdmitRequest("lost", (key,), 600, T0, meta='["k1","t","m","/v1/chat/completions",true]')
+    assert (await lim.admit(admit)).allowed
+    await lim.admit(req("settled", [key], T0))  # denied: the slot is held by 'lost'
+    assert await lim.sweep(T0 + 59) == []  # its lease is still live
+    [orphan] = await lim.sweep(T0 + 61)
+    assert (orphan.request_id, orphan.charged) == ("lost", 0)
+    assert orphan.meta.startswith('["k1"')
+    assert await lim.sweep(T0 + 62) == []  # claimed exactly once
+    v = await lim.admit(req("next", [key], T0 + 62, reserve=1000))
+    assert v.allowed  # the slot is free and the 600 reserved were given back
+    await lim.settle("lost", 500, T0 + 63)  # a late settlement finds nothing to change
+    assert not (await lim.admit(req("more", [key], T0 + 64, reserve=1))).allowed
+    await lim.close()
