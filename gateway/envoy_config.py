@@ -23,7 +23,9 @@ Why each setting that differs from Envoy's default:
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
   rides on the body message: attributes and forwarded ext_authz metadata), request body
   BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
-  response headers SEND (status code and content type), response body
+  response headers SKIP (one message fewer per request: the status rides as the
+  `response.code` attribute on the first body message, and SSE is recognised by its first
+  bytes), response body
   FULL_DUPLEX_STREAMED (every chunk is seen and echoed: blocking, because
   `observability_mode` silently drops streams under load and billing must not lose them;
   full duplex, because it has no per-message timeout, so a slow sidecar can slow a stream
@@ -306,7 +308,7 @@ def _ext_proc(limits: _Limits) -> ExternalProcessor:
             request_header_mode=ProcessingModeHeaderSendMode.SKIP,
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
-            response_header_mode=ProcessingModeHeaderSendMode.SEND,
+            response_header_mode=ProcessingModeHeaderSendMode.SKIP,
             response_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
             response_trailer_mode=ProcessingModeHeaderSendMode.SEND,
         ),

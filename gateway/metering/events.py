@@ -1,18 +1,21 @@
-"""The usage event (protos/gateway/usage/v1/usage.proto) and its Kafka framing.
+"""The usage event (protos/gateway/usage/v1/usage.proto) and its JSON.
 
-The value is the proto3 JSON mapping with the proto's field names (64-bit integers are
-therefore JSON strings, as the mapping says; every field is present, zeros included).
-Headers follow CloudEvents 1.0 binary mode.
+The value on the topic is the proto3 JSON mapping with the proto's field names: 64-bit
+integers are JSON strings, and every field is present, zeros included. `event_json` writes
+that mapping directly with orjson (json_format costs ~100 µs an event, on every request);
+a test keeps it equal to json_format's output for the same message.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
+import orjson
 from google.protobuf import json_format
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
+from gateway.metering.usage import Usage
 
 CE_TYPE = "gateway.usage.v1"
 OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
@@ -23,7 +26,65 @@ def rfc3339(ts: float) -> str:
         "+00:00", "Z")
 
 
-def to_json(event: usage_pb2.UsageEvent) -> bytes:
+@dataclass(frozen=True, slots=True)
+class UsageEvent:
+    event_id: str
+    spoke: str
+    instance_id: str
+    seq: int
+    started_at: str
+    ended_at: str
+    key_id: str
+    team: str
+    model: str
+    served_model: str
+    endpoint: str
+    stream: bool
+    status_code: int
+    outcome: str
+    usage: Usage
+    usage_source: str
+    ttft_ms: float
+    tpot_ms: float
+    duration_ms: float
+
+
+def event_json(e: UsageEvent) -> bytes:
+    u = e.usage
+    return orjson.dumps({
+        "event_id": e.event_id, "spoke": e.spoke, "instance_id": e.instance_id,
+        "seq": str(e.seq), "started_at": e.started_at, "ended_at": e.ended_at,
+        "key_id": e.key_id, "team": e.team, "model": e.model, "served_model": e.served_model,
+        "endpoint": e.endpoint, "stream": e.stream, "status_code": e.status_code,
+        "outcome": e.outcome,
+        "usage": {
+            "prompt_tokens": str(u.prompt_tokens), "completion_tokens": str(u.completion_tokens),
+            "total_tokens": str(u.total_tokens), "cached_tokens": str(u.cached_tokens),
+            "reasoning_tokens": str(u.reasoning_tokens),
+        },
+        "usage_source": e.usage_source,
+        "timing": {"ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms, "duration_ms": e.duration_ms},
+    })
+
+
+def to_proto(e: UsageEvent) -> usage_pb2.UsageEvent:
+    u = e.usage
+    return usage_pb2.UsageEvent(
+        event_id=e.event_id, spoke=e.spoke, instance_id=e.instance_id, seq=e.seq,
+        started_at=e.started_at, ended_at=e.ended_at, key_id=e.key_id, team=e.team,
+        model=e.model, served_model=e.served_model, endpoint=e.endpoint, stream=e.stream,
+        status_code=e.status_code, outcome=e.outcome,
+        usage=usage_pb2.Usage(
+            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+            total_tokens=u.total_tokens, cached_tokens=u.cached_tokens,
+            reasoning_tokens=u.reasoning_tokens),
+        usage_source=e.usage_source,
+        timing=usage_pb2.Timing(ttft_ms=e.ttft_ms, tpot_ms=e.tpot_ms, duration_ms=e.duration_ms),
+    )
+
+
+def proto_json(event: usage_pb2.UsageEvent) -> bytes:
+    """The reference mapping, by json_format (slow; used to check `event_json`)."""
     return json_format.MessageToJson(
         event, preserving_proto_field_name=True, always_print_fields_with_no_presence=True,
         indent=None).encode()
@@ -31,7 +92,3 @@ def to_json(event: usage_pb2.UsageEvent) -> bytes:
 
 def from_json(data: bytes | str) -> usage_pb2.UsageEvent:
     return json_format.Parse(data, usage_pb2.UsageEvent(), ignore_unknown_fields=True)
-
-
-def new_event(**fields: Any) -> usage_pb2.UsageEvent:
-    return usage_pb2.UsageEvent(**fields)

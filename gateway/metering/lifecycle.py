@@ -64,7 +64,7 @@ class Lifecycle:
     async def _settle_loop(self) -> None:
         backoff = 0.05
         while True:
-            await self._wake.wait()
+            await self._wake.wait()  # no linger: a freed slot is wanted at once
             self._wake.clear()
             try:
                 await self._flush()

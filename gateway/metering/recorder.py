@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
+from google.protobuf.struct_pb2 import Struct
 
-from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.errors import StoreUnavailable
 from gateway.limits.types import Orphan
 from gateway.log import log
-from gateway.metering.events import rfc3339, to_json
+from gateway.metering.events import UsageEvent, event_json, rfc3339
 from gateway.metering.lifecycle import Lifecycle
 from gateway.metering.meter import Meter
 from gateway.metering.usage import Usage
@@ -39,20 +38,28 @@ class RequestFacts:
     denied_status: int = 0
 
     @classmethod
-    def from_metadata(cls, md: dict[str, Any]) -> RequestFacts:
+    def from_struct(cls, md: Struct | None) -> RequestFacts:
+        """From ext_authz's metadata Struct (read field by field: no dict conversion)."""
+        if md is None:
+            return cls()
+        f = md.fields
+
+        def text(k: str) -> str:
+            return f[k].string_value if k in f else ""
+
+        def flag(k: str) -> bool:
+            return f[k].bool_value if k in f else False
+
+        def num(k: str) -> int:
+            return int(f[k].number_value) if k in f else 0
+
         return cls(
-            request_id=str(md.get("request_id", "")),
-            key_id=str(md.get("key_id", "")),
-            team=str(md.get("team", "")),
-            model=str(md.get("model", "")),
-            endpoint=str(md.get("endpoint", "")),
-            stream=bool(md.get("stream", False)),
-            leased=bool(md.get("leased", False)),
-            prompt_estimate=int(md.get("prompt_estimate", 0) or 0),
-            stream_options=bool(md.get("stream_options", False)),
-            include_usage=bool(md.get("include_usage", False)),
-            continuous_usage=bool(md.get("continuous_usage", False)),
-            denied_status=int(md.get("status", 0) or 0) if "denied" in md else 0,
+            request_id=text("request_id"), key_id=text("key_id"), team=text("team"),
+            model=text("model"), endpoint=text("endpoint"), stream=flag("stream"),
+            leased=flag("leased"), prompt_estimate=num("prompt_estimate"),
+            stream_options=flag("stream_options"), include_usage=flag("include_usage"),
+            continuous_usage=flag("continuous_usage"),
+            denied_status=num("status") if "denied" in f else 0,
         )
 
 
@@ -96,22 +103,15 @@ class Recorder:
             self.lifecycle.end(facts.request_id, r.usage.total_tokens if outcome != "denied"
                                else 0)
         seq = self.spool.next_seq()
-        event = usage_pb2.UsageEvent(
+        self.spool.put(seq, event_json(UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,
             seq=seq, started_at=rfc3339(started), ended_at=rfc3339(ended),
             key_id=facts.key_id, team=facts.team, model=facts.model,
             served_model=r.served_model, endpoint=facts.endpoint or meter.endpoint,
             stream=facts.stream, status_code=meter.status or facts.denied_status,
-            outcome=outcome,
-            usage=usage_pb2.Usage(
-                prompt_tokens=r.usage.prompt_tokens, completion_tokens=r.usage.completion_tokens,
-                total_tokens=r.usage.total_tokens, cached_tokens=r.usage.cached_tokens,
-                reasoning_tokens=r.usage.reasoning_tokens),
-            usage_source=source or r.source,
-            timing=usage_pb2.Timing(ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
-                                    duration_ms=round((ended - started) * 1000, 3)),
-        )
-        self.spool.put(seq, to_json(event))
+            outcome=outcome, usage=r.usage, usage_source=source or r.source,
+            ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
+            duration_ms=round((ended - started) * 1000, 3))))
         metrics.EVENTS.labels(outcome).inc()
         if r.usage.total_tokens:
             metrics.TOKENS.labels(facts.model, facts.team, "prompt").inc(r.usage.prompt_tokens)

@@ -1,9 +1,11 @@
 """ext_proc Process: one gRPC stream per HTTP request, turned into exactly one usage event.
 
 Modes (envoy/envoy.yaml): request body BUFFERED (one message, where `stream_options` is
-injected), response headers SEND, response body FULL_DUPLEX_STREAMED: every chunk is
-echoed, so no per-message timeout can ever reset a client's stream because the sidecar was
-slow (STREAMED resets it after `message_timeout`; observability mode loses streams).
+injected), response headers SKIP (the status rides as an attribute; SSE is recognised by
+its first bytes), response body FULL_DUPLEX_STREAMED: every chunk is echoed, so no
+per-message timeout can ever reset a client's stream because the sidecar was slow
+(STREAMED resets it after `message_timeout`; observability mode loses streams). Response
+headers are still handled if a config sends them.
 
 Envoy forwards ext_authz's decision as metadata on every message; only that is trusted.
 The end of a request is certain only from end_of_stream; a client disconnect or upstream
@@ -21,7 +23,6 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from google.protobuf import json_format
 
 from gateway.metering.inject import STREAMING_USAGE_ENDPOINTS, splice_stream_options
 from gateway.metering.meter import Injected, Meter
@@ -41,6 +42,10 @@ _CONTINUE = {
 }
 
 
+_COUNT = {kind: metrics.EXTPROC_MESSAGES.labels(kind) for kind in _CONTINUE.keys() | {
+    "response_body"}}
+
+
 def _echo(body: bytes, end: bool) -> ep.ProcessingResponse:
     mutation = ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
         body=body, end_of_stream=end))
@@ -57,13 +62,17 @@ class RequestStream:
         self.facts: RequestFacts | None = None
         self.meter = Meter(endpoint="", stream=False)
         self.ended = False  # end_of_stream seen on the response
+        self.sniffed = False  # the response's kind (SSE or not) is known
 
     def handle(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
         if self.facts is None:
             self._learn(msg)
         kind = msg.WhichOneof("request")
+        _COUNT[kind].inc()
         if kind == "response_body":
             b = msg.response_body
+            if not self.sniffed:
+                self._response_start(msg, b.body)
             out = self.meter.chunk(b.body, b.end_of_stream)
             self.ended = self.ended or b.end_of_stream
             return _echo(b.body if out is None else out, b.end_of_stream)
@@ -76,8 +85,7 @@ class RequestStream:
         return _CONTINUE[kind]
 
     def _learn(self, msg: ep.ProcessingRequest) -> None:
-        md = msg.metadata_context.filter_metadata.get(AUTHZ_NS)
-        facts = RequestFacts.from_metadata(json_format.MessageToDict(md) if md else {})
+        facts = RequestFacts.from_struct(msg.metadata_context.filter_metadata.get(AUTHZ_NS))
         attrs = msg.attributes.get(ATTR_NS)
         if attrs is not None:
             if not facts.request_id:
@@ -111,6 +119,18 @@ class RequestStream:
                                    header_mutation=ep.HeaderMutation(set_headers=[length]))
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
+    def _response_start(self, msg: ep.ProcessingRequest, first: bytes) -> None:
+        """Response headers are skipped (one message fewer per request): the status comes as
+        an attribute with the first response message, SSE is recognised by its first bytes."""
+        attrs = msg.attributes.get(ATTR_NS)
+        if attrs is not None and "response.code" in attrs.fields:
+            self.meter.status = int(attrs.fields["response.code"].number_value)
+        head = first.lstrip()[:6]
+        if head:  # an empty first chunk says nothing yet
+            self.sniffed = True
+            sse = head.startswith((b"data:", b"event:", b":", b"id:", b"retry:"))
+            self.meter.response_headers(self.meter.status, "text/event-stream" if sse else "")
+
     def _response_headers(self, h: ep.HttpHeaders) -> None:
         status, ctype = 0, ""
         for hv in h.headers.headers:
@@ -119,6 +139,7 @@ class RequestStream:
             elif hv.key == "content-type":
                 ctype = (hv.raw_value or hv.value.encode()).decode("latin-1")
         self.meter.response_headers(status, ctype)
+        self.sniffed = True
         self.ended = self.ended or h.end_of_stream
 
     def outcome(self) -> str:
@@ -144,14 +165,21 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = RequestStream(self.continuous_models)
         metrics.STREAMS_ACTIVE.inc()
+        finished = False
         try:
             async for msg in request_iterator:
                 first = stream.facts is None
                 response = stream.handle(msg)
                 if first and stream.facts and stream.facts.leased:
                     self.recorder.lifecycle.begin(stream.facts.request_id)
+                if stream.ended and not finished and stream.facts is not None:
+                    # Settle as soon as the end is seen, before the client has the last
+                    # chunk: its next request must find the slot free.
+                    finished = True
+                    self.recorder.finish(stream.facts, stream.meter, stream.outcome(),
+                                         stream.started)
                 yield response
         finally:
             metrics.STREAMS_ACTIVE.dec()
-            if stream.facts is not None:
+            if not finished and stream.facts is not None:
                 self.recorder.finish(stream.facts, stream.meter, stream.outcome(), stream.started)

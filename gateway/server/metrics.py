@@ -36,3 +36,4 @@ TTFT = Histogram("gateway_ttft_seconds", "Time to first token", ["model"],
                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
 TPOT = Histogram("gateway_tpot_seconds", "Mean time per output token", ["model"],
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
+EXTPROC_MESSAGES = Counter("gateway_extproc_messages_total", "ext_proc messages", ["kind"])

@@ -8,6 +8,7 @@ retried with backoff, loudly, while the spool grows on disk.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 
@@ -33,10 +34,14 @@ def record(line: bytes) -> Record:
 
 
 class Shipper:
-    def __init__(self, spool: Spool, producer: Producer, batch: int = 1000) -> None:
+    def __init__(self, spool: Spool, producer: Producer, batch: int = 1000,
+                 linger: float = 0.02, persist_every: float = 0.2) -> None:
         self.spool = spool
         self.producer = producer
         self.batch = batch
+        self.linger = linger  # a small batch waits this long for company
+        self.persist_every = persist_every  # the delivered mark hits the disk this often
+        self._persisted_at = 0.0
 
     async def run(self, until_empty: bool = False) -> None:
         backoff = 0.1
@@ -45,10 +50,12 @@ class Shipper:
             if not lines:
                 if until_empty and self.spool.depth == 0:
                     return
+                self.spool.persist_delivered()
                 self.spool.durable.clear()
                 if self.spool.read_batch(1):
                     continue
                 await self.spool.durable.wait()
+                await asyncio.sleep(self.linger)
                 continue
             try:
                 await self.producer.send_batch([record(line) for _, line in lines])
@@ -60,5 +67,9 @@ class Shipper:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            self.spool.mark_delivered(lines[-1][0])
+            now = time.monotonic()
+            persist = now - self._persisted_at >= self.persist_every
+            self.spool.mark_delivered(lines[-1][0], persist=persist)
+            if persist:
+                self._persisted_at = now
             metrics.EVENTS_DELIVERED.inc(len(lines))

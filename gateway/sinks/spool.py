@@ -42,6 +42,7 @@ class Spool:
         self.delivered = 0  # acknowledged by the sink
         self._queue: list[bytes] = []
         self._queued_seq = 0
+        self._persisted = 0
         self._wake_writer = asyncio.Event()
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
@@ -64,6 +65,8 @@ class Spool:
         return self
 
     def close(self) -> None:
+        if self._lock_fd is not None and self.delivered:
+            self.persist_delivered()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -91,6 +94,7 @@ class Spool:
             if not lines and self._segments[-1] > last:
                 last = self._segments[-1] - 1
         self.last_seq = self.durable_seq = self._queued_seq = last
+        self._persisted = self.delivered
 
     # -- writing ------------------------------------------------------------------------
 
@@ -104,9 +108,12 @@ class Spool:
         self._queued_seq = seq
         self._wake_writer.set()
 
-    async def run_writer(self) -> None:
+    async def run_writer(self, linger: float = 0.005) -> None:
+        """Group commit: the first queued line waits up to `linger` for company, so under
+        load one write and one fsync serve many events (events are off the request path)."""
         while True:
             await self._wake_writer.wait()
+            await asyncio.sleep(linger)
             self._wake_writer.clear()
             await self.commit()
 
@@ -167,6 +174,23 @@ class Spool:
         self._cursor = (seg, offset, seq)
         return out
 
+    def persist_delivered(self) -> None:
+        if self._persisted == self.delivered:
+            return
+        tmp = self.dir / "delivered.tmp"
+        tmp.write_text(str(self.delivered))
+        os.replace(tmp, self.dir / "delivered")
+        self._persisted = self.delivered
+        self._drop_delivered_segments()
+
+    def _drop_delivered_segments(self) -> None:
+        seq = self.delivered
+        # Segments wholly delivered (the next one starts at or below seq + 1) are removed.
+        while len(self._segments) > 1 and self._segments[1] <= seq + 1:
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / _seg_name(self._segments[0])).unlink()
+            self._segments.pop(0)
+
     def _seek(self, want: int) -> tuple[int, int, int]:
         if self._cursor and self._cursor[2] == want:
             return self._cursor
@@ -180,16 +204,12 @@ class Spool:
                 seq += 1
         return seg, offset, seq
 
-    def mark_delivered(self, seq: int) -> None:
+    def mark_delivered(self, seq: int, persist: bool = True) -> None:
+        """Record what the sink acknowledged. With persist=False only in memory: a crash
+        then re-sends those events (duplicates are allowed; losses are not)."""
         self.delivered = seq
-        tmp = self.dir / "delivered.tmp"
-        tmp.write_text(str(seq))
-        os.replace(tmp, self.dir / "delivered")
-        # Segments wholly delivered (the next one starts at or below seq + 1) are removed.
-        while len(self._segments) > 1 and self._segments[1] <= seq + 1:
-            with contextlib.suppress(FileNotFoundError):
-                (self.dir / _seg_name(self._segments[0])).unlink()
-            self._segments.pop(0)
+        if persist:
+            self.persist_delivered()
 
 
 def choose_instance(root: Path, configured: str) -> str:

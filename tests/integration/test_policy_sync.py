@@ -15,7 +15,7 @@ from gateway.policy.store import PolicyStore, RevisionConflict
 GOOD = b"models: {m: {}}\nteams: {t: {models: ['*']}}\n"
 
 
-async def _wait(cond: object, timeout: float = 2.0) -> None:
+async def _wait(cond: object, timeout: float = 10.0) -> None:
     for _ in range(int(timeout / 0.01)):
         if cond():  # type: ignore[operator]
             return

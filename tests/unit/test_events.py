@@ -1,0 +1,27 @@
+"""The hand-written event JSON must be exactly the proto3 JSON mapping of usage.proto."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.metering.events import UsageEvent, event_json, from_json, proto_json, to_proto
+from gateway.metering.usage import Usage
+
+text = st.text(max_size=20)
+count = st.integers(min_value=0, max_value=2**62)
+ms = st.floats(min_value=0, max_value=1e9, allow_nan=False).map(lambda f: round(f, 3))
+
+
+@given(st.builds(
+    UsageEvent, event_id=text, spoke=text, instance_id=text,
+    seq=st.integers(min_value=0, max_value=2**63), started_at=text, ended_at=text,
+    key_id=text, team=text, model=text, served_model=text, endpoint=text,
+    stream=st.booleans(), status_code=st.integers(0, 599), outcome=text,
+    usage=st.builds(Usage, count, count, count, count, count), usage_source=text,
+    ttft_ms=ms, tpot_ms=ms, duration_ms=ms))
+def test_event_json_is_the_proto3_json_mapping(event: UsageEvent) -> None:
+    fast = event_json(event)
+    assert orjson.loads(fast) == orjson.loads(proto_json(to_proto(event)))
+    assert from_json(fast) == to_proto(event)
