@@ -26,8 +26,16 @@ lint: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m gateway.protos_build
 
+faults: $(STAMP)
+	FAULT_KAFKA_OUTAGE_S=60 $(BIN)/pytest -q tests/faults
+
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_authz.py
+	$(BIN)/python benchmarks/bench_metering.py
+	$(BIN)/python benchmarks/bench_spool.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -30,6 +30,7 @@ KEY_LIMITS: dict[str, dict[str, Any]] = {
     "tpd": {"limits": {"tokens_per_day": 400}},
     "revokeme": {},
     "teamrps": {"team": "tiny"},
+    "fault": {"limits": {"concurrency": 64, "tokens_per_day": 10**9}},
     "bench": {"limits": {"rps": 100000, "concurrency": 10000, "tokens_per_day": 10**12}},
 }
 

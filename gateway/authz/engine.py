@@ -36,11 +36,13 @@ class Authorizer:
         limiter: Limiter,
         clock: Clock,
         settings: AdmissionSettings = AdmissionSettings(),
+        on_abandoned: Callable[[str], None] | None = None,
     ) -> None:
         self._policy = policy
         self._limiter = limiter
         self._clock = clock
         self._settings = settings
+        self._on_abandoned = on_abandoned  # admissions we stopped waiting for
 
     async def check(self, req: AuthzRequest) -> Decision:
         policy = self._policy()
@@ -76,6 +78,8 @@ class Authorizer:
                                            facts.stream]).decode()))
             except (StoreUnavailable, TimeoutError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
+                if isinstance(exc, TimeoutError) and self._on_abandoned is not None:
+                    self._on_abandoned(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
                     f"Rate limiter unavailable ({reason}); failing closed."), key, facts.model)
         if not verdict.allowed:

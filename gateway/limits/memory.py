@@ -124,7 +124,7 @@ class MemoryLimiter:
         for key in held.lease_keys:
             self.leases.get(key, {}).pop(request_id, None)
         if actual_tokens is not None:
-            delta = actual_tokens - held.reserved
+            delta = max(actual_tokens, 0) - held.reserved  # VOID (-2) charges nothing
             for wk in held.token_keys:
                 self.tokens[wk] = max(0.0, self.tokens.get(wk, 0) + delta)
 

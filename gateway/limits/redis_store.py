@@ -100,8 +100,10 @@ class RedisLimiter:
         )
         if code == 0:
             return Verdict(True, rate=rate, leased=bool(leased))
-        tier = req.tiers[at - 1]
         limit = LIMIT_CODES[code]
+        if limit == "voided":
+            return Verdict(False, limit=limit)
+        tier = req.tiers[at - 1]
         value = getattr(tier.spec, limit) if limit else None
         return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate)
 

@@ -1,6 +1,8 @@
 -- settle.lua: end of a batch of requests. Release their concurrency leases and replace their
 -- token reservation with the actual count (-1 = unknown: keep the reservation).
 -- Idempotent: the request record is deleted, so a second settlement finds nothing.
+-- actual_tokens = -2 voids an admission whose caller gave up waiting (deadline): a tombstone
+-- makes a late-running admit.lua refuse it, and anything it already committed is undone.
 -- ARGV[1] n, then per request: rid, actual_tokens
 local function split(s)
   local out = {}
@@ -13,6 +15,10 @@ local settled = 0
 for r = 0, n - 1 do
   local rid, actual = ARGV[2 + r * 2], tonumber(ARGV[3 + r * 2])
   local rk = 'gw:req:' .. rid
+  if actual == -2 then
+    redis.call('SET', 'gw:void:' .. rid, 1, 'PX', 600000)
+    actual = 0
+  end
   local rec = redis.call('HMGET', rk, 'r', 'c', 't')
   if rec[1] then
     for _, zk in ipairs(split(rec[2])) do redis.call('ZREM', zk, rid) end

@@ -10,7 +10,9 @@ from gateway.policy.model import TierLimit
 # Which limit tripped, in the order they are checked within a tier.
 RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "tokens_per_day", \
     "tokens_per_month"
-LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO)
+VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
+LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED)
+VOID = -2  # `actual_tokens` that voids an admission (see settle.lua)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import contextlib
 
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
-from gateway.limits.types import Limiter
+from gateway.limits.types import VOID, Limiter
 from gateway.log import log
 from gateway.server import metrics
 
@@ -51,6 +51,12 @@ class Lifecycle:
             self._pending.append((request_id, actual_tokens))
             self._wake.set()
 
+    def void(self, request_id: str) -> None:
+        """Undo an admission whose answer came too late (the client got a 503): whatever
+        the store committed, or commits later, is released and charged nothing."""
+        self._pending.append((request_id, VOID))
+        self._wake.set()
+
     async def _flush(self) -> None:
         if not self._pending:
             return
@@ -64,7 +70,7 @@ class Lifecycle:
     async def _settle_loop(self) -> None:
         backoff = 0.05
         while True:
-            await self._wake.wait()  # no linger: a freed slot is wanted at once
+            await self._wake.wait()
             self._wake.clear()
             try:
                 await self._flush()
@@ -72,8 +78,11 @@ class Lifecycle:
             except StoreUnavailable as exc:
                 metrics.SETTLE_ERRORS.inc()
                 log.warning("settle_deferred", pending=len(self._pending), error=str(exc))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                # Retry soon, and at once when another request ends: a slot held one second
+                # too long after Redis returns is a spurious 429 for someone.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff)
+                backoff = min(backoff * 2, 0.5)
                 self._wake.set()
 
     async def _renew_loop(self) -> None:

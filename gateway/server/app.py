@@ -88,7 +88,7 @@ class App:
             deadline=s.redis_deadline_ms / 1000,
             default_completion_tokens=s.default_completion_tokens,
             reserve_cap=s.reserve_cap_tokens,
-        ))
+        ), on_abandoned=self.lifecycle.void)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),

@@ -150,3 +150,19 @@ async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url:
     await lim.settle("lost", 500, T0 + 63)  # a late settlement finds nothing to change
     assert not (await lim.admit(req("more", [key], T0 + 64, reserve=1))).allowed
     await lim.close()
+
+
+async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:
+    from gateway.limits.types import VOID
+    lim = RedisLimiter(Redis.from_url(redis_url), lease_ttl=60)
+    key = tier("key", "k1", concurrency=1, tokens_per_day=100)
+    # the admission ran, then its caller gave up: the void releases it
+    assert (await lim.admit(req("late", [key], reserve=100))).allowed
+    await lim.settle_many([("late", VOID)])
+    assert (await lim.sweep(T0 + 120)) == []  # nothing left to orphan
+    # the void arrived first: the admission, when it finally runs, is refused
+    await lim.settle_many([("later", VOID)])
+    v = await lim.admit(req("later", [key], reserve=100))
+    assert not v.allowed and v.limit == "voided"
+    assert (await lim.admit(req("next", [key], reserve=100))).allowed  # all 100 still there
+    await lim.close()

@@ -1,0 +1,76 @@
+"""What must hold after any fault: every admitted request has exactly one usage event, no
+slot is leaked, nothing reached the engine unmetered, token counters equal billed tokens."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import redis
+from load import Result
+from spokekit import read_events
+
+from gateway.dev.stack import Spoke
+from gateway.limits import maths
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not reached within {timeout:.0f}s: {what}")
+
+
+def spool_depth(spoke: Spoke) -> float:
+    try:
+        text = httpx.get(f"{spoke.metrics_url}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return -1
+    for line in text.splitlines():
+        if line.startswith("gateway_usage_spool_depth"):
+            return float(line.split()[-1])
+    return -1
+
+
+def check(spoke: Spoke, results: list[Result], key_id: str, *, lease_ttl: float,
+          engine_before: int = 0, token_check: bool = True) -> dict[str, Any]:
+    r = redis.Redis.from_url(spoke.redis_url)
+    _wait(lambda: httpx.get(f"{spoke.engine_url}/mock/stats").json()["in_flight"] == 0,
+          30, "the engine has nothing in flight")
+    # Leases come back: released at the end, or swept after the lease TTL (dead sidecar).
+    _wait(lambda: sum(r.zcount(k, time.time() * 1000, "+inf")
+                      for k in r.scan_iter("gw:conc:*")) == 0,
+          lease_ttl * 2 + 10, "no live concurrency lease")
+    _wait(lambda: r.zcard("gw:reqs") == 0, lease_ttl * 2 + 10, "every admission settled")
+    _wait(lambda: spool_depth(spoke) == 0, 60, "the spool drained")
+    admitted = {x.request_id for x in results if x.status == 200}
+    events = read_events(spoke.kafka_bootstrap, None, timeout=8)
+    ids = Counter(e["event_id"] for e in events)
+    distinct = {e["event_id"]: e for e in events}
+    missing = admitted - set(distinct)
+    assert not missing, f"{len(missing)} admitted requests have no usage event"
+    mine = [e for e in distinct.values() if e["key_id"] == key_id]
+    # Nothing reached the engine without an event (orphans may add events that did not).
+    engine = httpx.get(f"{spoke.engine_url}/mock/stats").json()["requests"] - engine_before
+    served = [e for e in mine if e["outcome"] != "denied"]
+    assert engine <= len(served), f"engine saw {engine}, only {len(served)} events"
+    # Token counters equal the events' totals (reservations all replaced by actuals).
+    day = maths.day_id(time.time())
+    counter = int(r.get(f"gw:tpd:key:{key_id}:{day}") or 0)
+    billed = sum(int(e["usage"]["total_tokens"]) for e in served)
+    if token_check:
+        assert counter == billed, f"token counter {counter} != billed {billed}"
+    # seq per instance: gap-free, from 1
+    by_instance: dict[str, list[int]] = {}
+    for e in distinct.values():
+        by_instance.setdefault(e["instance_id"], []).append(int(e["seq"]))
+    for inst, seqs in by_instance.items():
+        seqs.sort()
+        assert seqs == list(range(1, len(seqs) + 1)), f"seq gap in {inst}"
+    return {"requests": len(results), "admitted": len(admitted), "events": len(distinct),
+            "duplicates": sum(ids.values()) - len(ids), "engine": engine,
+            "billed_tokens": billed, "outcomes": Counter(e["outcome"] for e in mine)}
