@@ -4,7 +4,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 PROTOS  := $(shell find protos -name '*.proto' 2>/dev/null)
 
-.PHONY: run test unit lint protos protos-check bench faults soak clean
+.PHONY: run test unit fuzz lint protos bench faults soak clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh
@@ -15,6 +15,9 @@ run: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/pytest -q
+
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/pytest -q -o timeout=1800 tests/unit/test_hostile.py
 
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
