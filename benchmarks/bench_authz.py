@@ -255,20 +255,36 @@ wrk.method = "POST"
 wrk.body = [==[{body}]==]
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer {secret}"
-local n = 0
+local threads = {{}}
+function setup(thread)
+  table.insert(threads, thread)
+end
+n = 0
+bad = ""
+first_bad = ""
 response = function(status, headers, body)
   n = n + 1
+  if status < 200 or status > 299 then
+    bad = bad .. status .. ","
+    if first_bad == "" then first_bad = status .. " " .. string.sub(body or "", 1, 300) end
+  end
   if n >= {max_requests} then wrk.thread:stop() end
 end
 done = function(summary, latency, requests)
   local e = summary.errors
+  local statuses, first = "", ""
+  for _, t in ipairs(threads) do
+    statuses = statuses .. (t:get("bad") or "")
+    if first == "" then first = t:get("first_bad") or "" end
+  end
   io.write(string.format(
     'WRKJSON {{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,' ..
     '"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"max_us":%d,' ..
-    '"mean_us":%f,"min_us":%d}}\\n',
+    '"mean_us":%f,"min_us":%d,"bad_statuses":"%s"}}\\n',
     summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
-    latency.mean, latency.min))
+    latency.mean, latency.min, statuses))
+  io.write("WRKFIRSTBAD " .. string.gsub(first, "\\n", " ") .. "\\n")
 end
 """
 
@@ -301,11 +317,14 @@ def run_wrk(script: Path, port: int, conc: int, duration_s: int, cpus: set[int] 
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stdout}\n{done.stderr}")
     w = json.loads(line.removeprefix("WRKJSON "))
     elapsed = w["duration_us"] / 1e6
-    kinds = {k: w[k] for k in ("connect", "read", "write", "status", "timeout") if w[k]}
+    kinds = {k: w[k] for k in ("connect", "read", "write", "timeout") if w[k]}
+    for status in filter(None, w["bad_statuses"].split(",")):  # non-2xx, by status code
+        kinds[f"status:{status}"] = kinds.get(f"status:{status}", 0) + 1
+    first_bad = next((ln.removeprefix("WRKFIRSTBAD ").strip() for ln in done.stdout.splitlines()
+                      if ln.startswith("WRKFIRSTBAD ")), "")
     return {
         "calls": w["requests"], "elapsed_s": elapsed, "rps": w["requests"] / elapsed,
-        "errors": sum(kinds.values()), "error_kinds": kinds,
-        "first_error": "non-2xx responses" if w["status"] else "",
+        "errors": sum(kinds.values()), "error_kinds": kinds, "first_error": first_bad,
         "latency": {"p50_ms": w["p50_us"] / 1e3, "p90_ms": w["p90_us"] / 1e3,
                     "p99_ms": w["p99_us"] / 1e3, "max_ms": w["max_us"] / 1e3,
                     "mean_ms": w["mean_us"] / 1e3, "min_ms": w["min_us"] / 1e3},
@@ -314,6 +333,22 @@ def run_wrk(script: Path, port: int, conc: int, duration_s: int, cpus: set[int] 
         "loadgen_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
         "capped": w["requests"] >= WRK_MAX_REQUESTS,
     }
+
+
+def access_log_outcomes(path: Path) -> dict[str, int]:
+    """Envoy's JSON access log, counted by "status flags details" (warm-ups included)."""
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            key = f"{d.get('status')} {d.get('flags')} {d.get('details')}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 # --------------------------------------------------------------------------- results
@@ -406,6 +441,8 @@ class Bench:
         self.scenarios: dict[tuple[str, int], Scenario] = {}
         self.notes: list[str] = []
         self.leases_leaked = 0
+        self.access_log: dict[str, dict[str, int]] = {}
+        self.loadavg_start = os.getloadavg()
         avail = sorted(os.sched_getaffinity(0))
         if pin_cpus and len(avail) >= 2:
             self.server_cpus: set[int] | None = {avail[0]}
@@ -450,6 +487,9 @@ class Bench:
         if result["errors"]:
             self.note(f"{name} c={conc}: {result['errors']} errors {result['error_kinds']}, "
                       f"first: {result['first_error']}")
+        if result.get("leases_leaked"):
+            self.note(f"{name} c={conc}: {result['leases_leaked']} concurrency leases still "
+                      f"held after the run (admitted, never settled: they wait for the lease TTL)")
         if result.get("capped"):
             self.note(f"{name} c={conc}: stopped by the call-count cap, not the time bound")
 
@@ -577,6 +617,12 @@ class Bench:
                         self.record(path, conc, result)
         finally:
             probe.close()
+        for path, envoy in envoys.items():
+            self.access_log[path] = access_log_outcomes(envoy.log_path)
+            odd = {k: v for k, v in self.access_log[path].items()
+                   if not k.startswith("200 ") and "downstream_remote_disconnect" not in k}
+            if odd:
+                self.note(f"{path}: Envoy access log outcomes other than 200: {odd}")
 
     def _http(self, script: Path, request: bytes, port: int, conc: int,
               pids: dict[str, int | None], probe: RedisProbe | None) -> dict[str, Any]:
@@ -680,8 +726,8 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"Redis admission vs embedded, direct p50: c=1 "
         f"{ms(d['redis_admission_added_p50_ms_c1'])}, "
         f"c=64 {ms(d['redis_admission_added_p50_ms_c64'])}",
-        f"concurrency leases never released (held until their TTL) after the measured "
-        f"Envoy runs: {d['leases_leaked_through_envoy']}",
+        f"concurrency leases still held after the measured Envoy runs (should be 0): "
+        f"{d['leases_leaked_through_envoy']}",
     ])
 
 
@@ -703,7 +749,8 @@ def machine_info(bench: Bench) -> dict[str, Any]:
         "cpu_model": model,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "loadavg": os.getloadavg(),
+        "loadavg_start": bench.loadavg_start,
+        "loadavg_end": os.getloadavg(),
         "server_cpus": sorted(bench.server_cpus) if bench.server_cpus else None,
         "load_cpus": sorted(bench.load_cpus) if bench.load_cpus else None,
         "http_client": bench.http_client,
@@ -744,6 +791,7 @@ def main() -> int:
     def interrupted(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGHUP, interrupted)
 
@@ -787,6 +835,7 @@ def main() -> int:
                    "limits": {"rps": HUGE_RPS, "tokens_per_day": HUGE_TOKENS,
                               "key_concurrency_through_envoy": KEY_CONCURRENCY}},
         "scenarios": report["rows"],
+        "envoy_access_log": bench.access_log,
         "derived": report["derived"],
         "notes": bench.notes,
     }

@@ -1,0 +1,823 @@
+"""What metering costs a streaming client: TTFT and inter-token latency through Envoy with
+the sidecar (ext_authz + ext_proc FULL_DUPLEX_STREAMED, spool, Kafka) vs plain Envoy.
+
+    .venv/bin/python benchmarks/bench_metering.py [--quick] [--out benchmarks/results/metering.json]
+
+Two paths to one mock engine, measured in one run:
+* `metered`: the whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
+  Envoy from gateway.envoy_config.render);
+* `plain`: a second Envoy rendered from the same config with the ext_authz and ext_proc
+  http_filters deleted.
+
+Workload: streaming chat completions, max_tokens 64, the engine paced per request by
+x-mock-ttft-ms (50) and x-mock-tokens-per-s (200), closed loop, in three scenarios:
+`1` (one client), `16` (16 clients that start together, so requests arrive in waves of 16:
+the worst case for a single-threaded sidecar) and `16s` (16 clients whose starts are spread
+over one request's duration, so arrivals are spread out). Rounds alternate the order of the
+paths (A B, B A, ...) after a warm-up of each. The client (aiohttp on uvloop, in this
+process) timestamps every read of the response body and splits it into SSE events:
+TTFT = first event with delta content - request sent; ITL = the gaps between successive
+content events; `hdr` = response headers received - request sent.
+
+Table: p50 = median over rounds of each round's p50; p99 = over all rounds' samples pooled
+(a round has too few TTFTs for its own p99). Ratios are metered / plain of those numbers.
+CPU: utime+stime from /proc/<pid>/stat over the phases of each path (the snapshot is taken
+after 0.2 s of settling so the shipper's Kafka sends are included), per SSE event the client
+received (the sidecar also sees one more per request: the usage chunk it hides) and per
+request. To split the sidecar's CPU into per-request and per-chunk parts, each scenario is
+also run once through the metered path with max_tokens 1 (schedstat, ns resolution); and
+the sidecar's own Python per chunk (RequestStream.handle with protobuf parse/serialize, no
+gRPC) is timed in-process on the engine's real SSE bytes.
+
+Checks: every request must answer 200 with 64 content events, [DONE] and no usage chunk
+(the client did not ask for it), and every metered request's x-request-id must be on the
+Kafka topic exactly once (read back at the end); the sidecar log is scanned for tracebacks.
+
+CPU placement (2+ CPUs, unless --no-pin): the gateway (both Envoys and the sidecar) on CPU 0;
+the client, mock engine, Redis and Tansu (what would be elsewhere in production) on CPU 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import yaml
+from redis.asyncio import Redis
+
+from gateway.dev.procs import Service, envoy_service, free_port
+from gateway.dev.stack import Spoke
+from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+from gateway.policy import secrets
+from gateway.policy.admin import RedisBackend, apply
+from gateway.policy.store import PolicyStore
+
+HERE = Path(__file__).resolve().parent
+LOOP = "127.0.0.1"
+TOPIC = "llm.usage.v1"
+METERED, PLAIN = "metered", "plain"
+PATHS = (METERED, PLAIN)
+GATEWAY_CPU, OTHER_CPU = 0, 1
+TARGET_RATIO = 1.02
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    max_tokens: int = 64
+    tokens_per_s: float = 200.0
+    ttft_ms: float = 50.0
+    model: str = "mock-model"
+
+    def body(self) -> bytes:
+        return orjson.dumps({
+            "model": self.model, "stream": True, "max_tokens": self.max_tokens,
+            "messages": [{"role": "user", "content": "hello there, write me a story"}]})
+
+    def headers(self, key: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {key}", "content-type": "application/json",
+                "x-mock-ttft-ms": f"{self.ttft_ms:g}",
+                "x-mock-tokens-per-s": f"{self.tokens_per_s:g}"}
+
+
+# --------------------------------------------------------------------------- client
+
+
+@dataclass
+class Sample:
+    status: int = 0
+    error: str = ""
+    request_id: str = ""
+    hdr_s: float = 0.0
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    content_events: int = 0
+    events: int = 0  # every SSE event, [DONE] included
+    reads: int = 0  # body reads (what arrived together)
+    done: bool = False
+    usage_chunks: int = 0
+
+    def problem(self, want_tokens: int) -> str:
+        if self.error:
+            return self.error
+        if self.status != 200:
+            return f"status {self.status}"
+        if self.content_events != want_tokens:
+            return f"{self.content_events} content events, not {want_tokens}"
+        if not self.done:
+            return "no [DONE]"
+        if self.usage_chunks:
+            return "a usage chunk reached the client"
+        return ""
+
+
+def _event(sample: Sample, raw: bytes, now: float, t0: float, last: list[float]) -> None:
+    data = b"\n".join(line[5:].lstrip(b" ") for line in raw.splitlines()
+                      if line.startswith(b"data:"))
+    if not data:
+        return
+    sample.events += 1
+    if data == b"[DONE]":
+        sample.done = True
+        return
+    obj = orjson.loads(data)
+    if obj.get("usage"):
+        sample.usage_chunks += 1
+    for choice in obj.get("choices") or ():
+        if (choice.get("delta") or {}).get("content"):
+            sample.content_events += 1
+            if last:
+                sample.itl_s.append(now - last[0])
+                last[0] = now
+            else:
+                sample.ttft_s = now - t0
+                last.append(now)
+            break
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
+                      headers: dict[str, str]) -> Sample:
+    sample = Sample()
+    last: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        async with session.post(url, data=body, headers=headers) as resp:
+            sample.hdr_s = time.perf_counter() - t0
+            sample.status = resp.status
+            sample.request_id = resp.headers.get("x-request-id", "")
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                sample.reads += 1
+                buf += chunk
+                while True:
+                    end = buf.find(b"\n\n")
+                    if end < 0:
+                        break
+                    _event(sample, buf[:end], now, t0, last)
+                    buf = buf[end + 2:]
+            if buf.strip():
+                _event(sample, buf, time.perf_counter(), t0, last)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        sample.error = f"{type(exc).__name__}: {exc}"[:200]
+    return sample
+
+
+def scenario(label: str) -> tuple[int, bool]:
+    """'16' -> 16 clients starting together; '16s' -> 16 clients with staggered starts."""
+    return int(label.rstrip("s")), label.endswith("s")
+
+
+async def closed_loop(session: aiohttp.ClientSession, url: str, wl: Workload, key: str,
+                      label: str, per_worker: int, deadline_s: float) -> list[Sample]:
+    """`per_worker` requests from each of the scenario's clients, back to back. Staggered
+    clients start spread over one request's duration, so arrivals are spread out instead of
+    coming in waves of all the clients at once."""
+    concurrency, stagger = scenario(label)
+    body, headers = wl.body(), wl.headers(key)
+    deadline = time.monotonic() + deadline_s
+    out: list[Sample] = []
+    duration_s = wl.ttft_ms / 1000 + max(0, wl.max_tokens - 1) / wl.tokens_per_s
+
+    async def worker(i: int) -> None:
+        if stagger:
+            await asyncio.sleep(i * duration_s / concurrency)
+        for _ in range(per_worker):
+            if time.monotonic() > deadline:
+                return
+            out.append(await one_request(session, url, body, headers))
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return out
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def proc_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process (all threads) and of its reaped children, in seconds."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(b")") + 2:].split()
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / CLK_TCK
+
+
+def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
+    """(on-CPU ns, waiting-for-a-CPU ns) summed over the live threads of `pid`, and the main
+    thread's wait, from /proc/<pid>/task/*/schedstat: the run-queue wait shows CPU
+    contention directly (for the sidecar the main thread is the event loop)."""
+    if pid is None:
+        return None
+    run = wait = main_wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                a, b, _ = f.read().split()
+            run += int(a)
+            wait += int(b)
+            if tid == str(pid):
+                main_wait = int(b)
+    return run, wait, main_wait
+
+
+def pin(pid: int | None, cpus: set[int] | None) -> None:
+    """Pin every thread of `pid` (threads started later inherit their creator's mask)."""
+    if pid is None or not cpus:
+        return
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cpus)
+
+
+def policy_doc(secret: str, model: str) -> dict[str, Any]:
+    """One key with no limits that could trip (like tests/e2e/conftest.py's `good`)."""
+    return {"models": {model: {}}, "teams": {"bench": {"models": [model]}},
+            "keys": {"bench": {"team": "bench", "sha256": secrets.digest(secret).hex()}}}
+
+
+def publish(redis_url: str, doc: dict[str, Any]) -> None:
+    async def go() -> None:
+        client = Redis.from_url(redis_url)
+        try:
+            await apply(RedisBackend(PolicyStore(client)), yaml.safe_dump(doc).encode(), "bench")
+        finally:
+            await client.aclose()
+
+    asyncio.run(go())
+
+
+def wait_ready(metrics_url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with (contextlib.suppress(OSError, urllib.error.URLError),
+              urllib.request.urlopen(f"{metrics_url}/readyz", timeout=1) as r):
+            if r.status == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError("sidecar never became ready (policy not loaded?)")
+
+
+def plain_envoy(spoke: Spoke, workdir: Path) -> Service:
+    """The spoke's Envoy config with ext_authz and ext_proc removed, same engine."""
+    port, admin = free_port(), free_port()
+    config = yaml.safe_load(render(EnvoyPorts(
+        listen=f"{LOOP}:{port}", sidecar=spoke["sidecar"].address,
+        engine=spoke["engine"].address, admin=f"{LOOP}:{admin}")))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    hcm["typed_config"]["http_filters"] = [
+        f for f in filters if f["name"] not in (EXT_AUTHZ, EXT_PROC)]
+    assert len(hcm["typed_config"]["http_filters"]) == len(filters) - 2
+    svc = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port, workdir)
+    svc.name = "envoy-plain"
+    return svc
+
+
+async def read_back(bootstrap: str, metered: set[str], plain: set[str], timeout_s: float,
+                    ) -> dict[str, Any]:
+    """Every metered request id on the topic exactly once; no plain request id at all."""
+    from aiokafka import AIOKafkaConsumer
+
+    counts: dict[str, int] = {}
+    bad: list[str] = []
+    c = AIOKafkaConsumer(TOPIC, bootstrap_servers=bootstrap, group_id=None,
+                         auto_offset_reset="earliest", enable_auto_commit=False)
+    await c.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        quiet_since: float | None = None
+        while time.monotonic() < deadline:
+            batch = await c.getmany(timeout_ms=200)
+            got = 0
+            for msgs in batch.values():
+                for m in msgs:
+                    got += 1
+                    ev = orjson.loads(m.value or b"{}")
+                    rid = ev.get("event_id", "")
+                    counts[rid] = counts.get(rid, 0) + 1
+                    if rid in metered and (ev.get("outcome") != "completed" or int(
+                            (ev.get("usage") or {}).get("completion_tokens", 0)) == 0):
+                        bad.append(f"{rid}: {ev.get('outcome')} {ev.get('usage')}")
+            if metered <= counts.keys():
+                if got or quiet_since is None:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > 0.5:
+                    break
+    finally:
+        await c.stop()
+    missing = metered - counts.keys()
+    dups = sum(n - 1 for rid, n in counts.items() if rid in metered and n > 1)
+    return {"metered_requests": len(metered), "events_found": len(metered) - len(missing),
+            "missing": len(missing), "missing_sample": sorted(missing)[:5],
+            "duplicates": dups, "plain_ids_metered": len(plain & counts.keys()),
+            "bad_events": len(bad), "bad_sample": bad[:5], "events_on_topic": sum(counts.values()),
+            "ok": not missing and not dups and not bad and not plain & counts.keys()}
+
+
+def scan_log(path: Path, start: int) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return {}
+    lines = text.splitlines()
+    tb = [i for i, ln in enumerate(lines) if ln.startswith("Traceback")]
+    errors = [ln for ln in lines if "AssertionError" in ln or '"level": "error"' in ln
+              or "level=error" in ln]
+    return {"tracebacks": len(tb), "error_lines": len(errors),
+            "first_traceback": "\n".join(lines[tb[0]:tb[0] + 30]) if tb else "",
+            "error_sample": errors[:3]}
+
+
+def engine_chunks(engine_url: str, wl: Workload) -> list[bytes]:
+    """The SSE events the engine writes for one metered request (include_usage injected)."""
+    doc = orjson.loads(wl.body())
+    doc["stream_options"] = {"include_usage": True}
+    req = urllib.request.Request(f"{engine_url}/v1/chat/completions", data=orjson.dumps(doc),
+                                 headers={**wl.headers(""), "x-mock-ttft-ms": "0",
+                                          "x-mock-tokens-per-s": "0"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        raw = r.read()
+    return [ev + b"\n\n" for ev in raw.split(b"\n\n") if ev.strip()]
+
+
+def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, float]:
+    """The sidecar's own Python per response-body chunk, without gRPC: parse the
+    ProcessingRequest, RequestStream.handle (SSE decode, meter, hide the usage chunk, echo),
+    serialize the answer; then Meter.result(). Median over `repeats` streams."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from gateway.metering.meter import Injected, Meter
+    from gateway.metering.recorder import RequestFacts
+    from gateway.server.extproc_service import RequestStream
+
+    wire = [ep.ProcessingRequest(response_body=ep.HttpBody(
+        body=c, end_of_stream=i == len(chunks) - 1)).SerializeToString()
+        for i, c in enumerate(chunks)]
+    endpoint = "/v1/chat/completions"
+    per: list[float] = []
+    out_bytes = 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rs = RequestStream(())
+        rs.facts = RequestFacts(request_id="r", key_id="k", model="mock-model",
+                                endpoint=endpoint, stream=True)
+        rs.meter = Meter(endpoint=endpoint, stream=True, injected=Injected(include_usage=True))
+        rs.meter.response_headers(200, "text/event-stream")
+        out_bytes = 0
+        for w in wire:
+            out_bytes += len(rs.handle(ep.ProcessingRequest.FromString(w)).SerializeToString())
+        rs.meter.result()
+        per.append((time.perf_counter() - t0) / len(wire) * 1e6)
+    return {"us_per_chunk": statistics.median(per), "us_per_chunk_min": min(per),
+            "chunks_per_stream": len(wire),
+            "usage_hidden": rs.meter.reported is not None and out_bytes > 0}
+
+
+# --------------------------------------------------------------------------- stats
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(p / 100 * len(s) + 0.999999) - 1))]
+
+
+def phase_stats(samples: list[Sample]) -> dict[str, Any]:
+    ok = [s for s in samples if s.status == 200 and not s.error]
+    ttft = [s.ttft_s * 1000 for s in ok if s.content_events]
+    itl = [g * 1000 for s in ok for g in s.itl_s]
+    hdr = [s.hdr_s * 1000 for s in ok]
+    return {
+        "requests": len(samples), "ok": len(ok),
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "itl_mean_ms": statistics.fmean(itl) if itl else float("nan"),
+        "hdr_p50_ms": pct(hdr, 50),
+        "events": sum(s.events for s in samples), "reads": sum(s.reads for s in samples),
+        "content_events": sum(s.content_events for s in samples),
+    }
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Phase:
+    round: int
+    path: str
+    concurrency: str  # scenario label: clients, 's' = staggered
+    wall_s: float
+    stats: dict[str, Any]
+    cpu_s: dict[str, float]
+    samples: list[Sample]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.wl = Workload(args.max_tokens, args.tokens_per_s, args.ttft_ms)
+        self.workdir = Path(tempfile.mkdtemp(prefix="bench-metering-"))
+        self.spoke: Spoke | None = None
+        self.plain: Service | None = None
+        self.secret = secrets.new_secret("bench")
+        cpus = os.sched_getaffinity(0)
+        self.pinned = not args.no_pin and {GATEWAY_CPU, OTHER_CPU} <= cpus
+        self.phases: list[Phase] = []
+        self.fixed: list[Phase] = []  # max_tokens 1: the per-request part of the sidecar's CPU
+        self.problems: dict[str, int] = {}
+        self.problem_sample: list[str] = []
+        self.log_start = 0
+
+    # -- setup / teardown
+
+    def start(self) -> None:
+        env = dict(kv.split("=", 1) for kv in self.args.sidecar_env)
+        self.spoke = Spoke(workdir=self.workdir / "spoke", listen_port=free_port(),
+                           sidecar_env=env)
+        self.spoke.start()
+        publish(self.spoke.redis_url, policy_doc(self.secret, self.wl.model))
+        wait_ready(self.spoke.metrics_url)
+        self.plain = plain_envoy(self.spoke, self.workdir / "spoke").start()
+        if self.pinned:
+            os.sched_setaffinity(0, {OTHER_CPU})
+            for name, svc in self.procs().items():
+                pin(svc.pid, {GATEWAY_CPU} if name in ("envoy", "envoy-plain", "sidecar")
+                    else {OTHER_CPU})
+        with contextlib.suppress(OSError):
+            self.log_start = self.spoke["sidecar"].log_path.stat().st_size
+
+    def stop(self) -> None:
+        if self.plain is not None:
+            self.plain.stop()
+        if self.spoke is not None:
+            self.spoke.stop()
+
+    def procs(self) -> dict[str, Service]:
+        assert self.spoke is not None and self.plain is not None
+        return {**self.spoke.services, "envoy-plain": self.plain}
+
+    def url(self, path: str) -> str:
+        assert self.spoke is not None and self.plain is not None
+        port = self.spoke.listen_port if path == METERED else self.plain.port
+        return f"http://{LOOP}:{port}/v1/chat/completions"
+
+    def cpu(self) -> dict[str, float | None]:
+        snap = {name: proc_cpu_s(svc.pid) for name, svc in self.procs().items()}
+        snap["client"] = time.process_time()
+        for name in ("sidecar", "envoy", "envoy-plain"):
+            sched = sched_ns(self.procs()[name].pid)
+            if sched is not None:
+                snap[f"{name}.sched_run"] = sched[0] / 1e9
+                snap[f"{name}.sched_wait"] = sched[1] / 1e9
+                snap[f"{name}.sched_wait_main"] = sched[2] / 1e9
+        return snap
+
+    # -- measuring
+
+    async def run_phase(self, sessions: dict[str, aiohttp.ClientSession], rnd: int, path: str,
+                        conc: str, per_worker: int, record: bool = True,
+                        wl: Workload | None = None) -> None:
+        wl = wl or self.wl
+        before, t0 = self.cpu(), time.perf_counter()
+        samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
+                                    per_worker, self.args.phase_timeout)
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(0.2)  # let the sidecar's shipper send this phase's events
+        after = self.cpu()
+        for s in samples:
+            p = s.problem(wl.max_tokens)
+            if p:
+                key = f"{path}: {p.split(':')[0]}"
+                self.problems[key] = self.problems.get(key, 0) + 1
+                if len(self.problem_sample) < 5:
+                    self.problem_sample.append(f"{path} c={conc}: {p}")
+        if not record:
+            return
+        cpu = {k: a - b for k, b in before.items()
+               if (a := after.get(k)) is not None and b is not None}
+        phase = Phase(rnd, path, conc, wall, phase_stats(samples), cpu, samples)
+        if wl is self.wl:
+            self.phases.append(phase)
+        else:
+            self.fixed.append(phase)
+
+    async def measure(self) -> None:
+        a = self.args
+        conn = {p: aiohttp.TCPConnector(limit=0, force_close=False) for p in PATHS}
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        sessions = {p: aiohttp.ClientSession(connector=conn[p], timeout=timeout,
+                                             auto_decompress=False) for p in PATHS}
+        try:
+            for path in PATHS:  # warm-up: connections, pools, gRPC streams, Kafka producer
+                for conc in a.concurrency:
+                    await self.run_phase(sessions, -1, path, conc, 1, record=False)
+            for rnd in range(a.rounds):
+                for conc in a.concurrency:
+                    order = PATHS if rnd % 2 == 0 else PATHS[::-1]
+                    for path in order:
+                        per = a.requests_c1 if conc == "1" else a.waves
+                        await self.run_phase(sessions, rnd, path, conc, per)
+                    last = self.phases[-2:]
+                    print(f"  round {rnd} c={conc}: " + "; ".join(
+                        f"{p.path} ttft p50 {p.stats['ttft_p50_ms']:.2f} ms, "
+                        f"itl p50 {p.stats['itl_p50_ms']:.2f} p99 {p.stats['itl_p99_ms']:.2f} ms"
+                        for p in last), flush=True)
+            # the same path with max_tokens 1 (4 SSE events): the sidecar's CPU per request
+            # apart from the chunks, so that the per-chunk part can be told apart
+            one = Workload(1, self.wl.tokens_per_s, self.wl.ttft_ms, self.wl.model)
+            for conc in a.concurrency:
+                per = a.requests_c1 if conc == "1" else a.waves
+                await self.run_phase(sessions, 0, METERED, conc, 1, record=False, wl=one)
+                await self.run_phase(sessions, 0, METERED, conc, per, wl=one)
+        finally:
+            for s in sessions.values():
+                await s.close()
+
+    # -- results
+
+    def summary(self) -> list[dict[str, Any]]:
+        rows = []
+        for conc in self.args.concurrency:
+            for path in PATHS:
+                ph = [p for p in self.phases if p.path == path and p.concurrency == conc]
+                if not ph:
+                    continue
+                pooled = phase_stats([s for p in ph for s in p.samples])
+                med = {k: statistics.median(p.stats[k] for p in ph)
+                       for k in ("ttft_p50_ms", "itl_p50_ms", "hdr_p50_ms", "itl_mean_ms")}
+                events = sum(p.stats["events"] for p in ph)
+                requests = sum(p.stats["requests"] for p in ph)
+                cpu: dict[str, float] = {}
+                for p in ph:
+                    for k, v in p.cpu_s.items():
+                        cpu[k] = cpu.get(k, 0.0) + v
+                wall = sum(p.wall_s for p in ph)
+                marginal = None
+                fx = [p for p in self.fixed if p.path == path and p.concurrency == conc]
+                if path == METERED and fx and "sidecar.sched_run" in cpu:
+                    f_req = sum(p.stats["requests"] for p in fx)
+                    f_ev = sum(p.stats["events"] for p in fx)
+                    f_run = sum(p.cpu_s.get("sidecar.sched_run", 0.0) for p in fx)
+                    run = cpu["sidecar.sched_run"]
+                    per_req, f_per_req = run / requests, f_run / f_req
+                    ev_diff = events / requests - f_ev / f_req
+                    marginal = {
+                        "requests_max_tokens_1": f_req,
+                        "sidecar_us_per_request_max_tokens_1": f_per_req * 1e6,
+                        "sidecar_us_per_request": per_req * 1e6,
+                        "sidecar_us_per_extra_event": (per_req - f_per_req) / ev_diff * 1e6
+                        if ev_diff > 0 else float("nan"),
+                    }
+                rows.append({
+                    "path": path, "concurrency": conc, "rounds": len(ph),
+                    "sidecar_split": marginal,
+                    "requests": requests, "ok": pooled["ok"], "events": events,
+                    "reads": sum(p.stats["reads"] for p in ph),
+                    "ttft_p50_ms": med["ttft_p50_ms"], "ttft_p99_ms": pooled["ttft_p99_ms"],
+                    "itl_p50_ms": med["itl_p50_ms"], "itl_p99_ms": pooled["itl_p99_ms"],
+                    "itl_mean_ms": med["itl_mean_ms"], "hdr_p50_ms": med["hdr_p50_ms"],
+                    "pooled": pooled, "wall_s": wall, "cpu_s": cpu,
+                    "cpu_pct": {k: v / wall * 100 for k, v in cpu.items()},
+                    "cpu_us_per_event": {k: v / events * 1e6 for k, v in cpu.items()},
+                    "cpu_us_per_request": {k: v / requests * 1e6 for k, v in cpu.items()},
+                    "per_round": [{"round": p.round, **p.stats, "cpu_s": p.cpu_s}
+                                  for p in ph],
+                })
+        return rows
+
+    def ratios(self, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for conc in self.args.concurrency:
+            by = {r["path"]: r for r in rows if r["concurrency"] == conc}
+            if set(by) != set(PATHS):
+                continue
+            m, p = by[METERED], by[PLAIN]
+            d: dict[str, Any] = {}
+            for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "itl_mean_ms",
+                      "hdr_p50_ms"):
+                d[k] = m[k] / p[k] if p[k] else float("nan")
+                d[k.replace("_ms", "_delta_ms")] = m[k] - p[k]
+            # per-round ratios of p50s (same round: the fairest pairs on a noisy machine)
+            pairs = {}
+            for r in m["per_round"]:
+                q = next((x for x in p["per_round"] if x["round"] == r["round"]), None)
+                if q:
+                    pairs[r["round"]] = (r, q)
+            for k in ("ttft_p50_ms", "itl_p50_ms"):
+                rr = [a[k] / b[k] for a, b in pairs.values() if b[k]]
+                d[f"{k}_round_ratios"] = rr
+            out[f"c{conc}"] = d
+        return out
+
+
+# --------------------------------------------------------------------------- output
+
+
+def render_table(rows: list[dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> str:
+    head = ("path", "c", "req", "ok", "hdr p50", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+            "ITL mean", "sidecar µs/ev", "sidecar µs/req", "sidecar cpu%", "loop runq ms/req",
+            "envoy µs/ev", "envoy cpu%")
+    body = []
+    for r in rows:
+        envoy = "envoy" if r["path"] == METERED else "envoy-plain"
+        m = r["path"] == METERED
+        per_ev, per_req, pct_ = r["cpu_us_per_event"], r["cpu_us_per_request"], r["cpu_pct"]
+        body.append((
+            r["path"], str(r["concurrency"]), str(r["requests"]), str(r["ok"]),
+            f"{r['hdr_p50_ms']:.2f}", f"{r['ttft_p50_ms']:.2f}", f"{r['ttft_p99_ms']:.2f}",
+            f"{r['itl_p50_ms']:.3f}", f"{r['itl_p99_ms']:.2f}", f"{r['itl_mean_ms']:.3f}",
+            f"{per_ev.get('sidecar', 0.0):.0f}" if m else "-",
+            f"{per_req.get('sidecar', 0.0):,.0f}" if m else "-",
+            f"{pct_.get('sidecar', 0.0):.0f}" if m else "-",
+            f"{per_req.get('sidecar.sched_wait_main', 0.0) / 1000:.2f}" if m else "-",
+            f"{per_ev.get(envoy, 0.0):.0f}", f"{pct_.get(envoy, 0.0):.0f}"))
+    for conc, d in ratios.items():
+        body.append((
+            "ratio m/p", conc[1:], "", "", f"{d['hdr_p50_ms']:.3f}", f"{d['ttft_p50_ms']:.3f}",
+            f"{d['ttft_p99_ms']:.3f}", f"{d['itl_p50_ms']:.3f}", f"{d['itl_p99_ms']:.3f}",
+            f"{d['itl_mean_ms']:.3f}", "", "", "", "", "", ""))
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+                                 ) + " |"
+
+    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(row) for row in body]
+    out.append("times in ms; p50 = median of per-round p50s, p99 = pooled over rounds; "
+               "µs/ev, µs/req = CPU (/proc stat) per SSE event received by the client and per "
+               "request; loop runq = time the sidecar's event-loop thread waited for a CPU "
+               "(schedstat)")
+    for r in rows:
+        sp = r.get("sidecar_split")
+        if sp:
+            out.append(
+                f"c={r['concurrency']}: sidecar CPU (schedstat) {sp['sidecar_us_per_request']:,.0f}"
+                f" µs/request = {sp['sidecar_us_per_request_max_tokens_1']:,.0f} µs for a "
+                f"max_tokens-1 request (4 SSE events; Check, ext_proc stream, event; "
+                f"{sp['requests_max_tokens_1']} requests) + "
+                f"{sp['sidecar_us_per_extra_event']:.0f} µs per further SSE event")
+    for conc, d in ratios.items():
+        rr = d["ttft_p50_ms_round_ratios"]
+        ri = d["itl_p50_ms_round_ratios"]
+        out.append(
+            f"c={conc[1:]}: metered - plain: TTFT p50 {d['ttft_p50_delta_ms']:+.2f} ms "
+            f"(p99 {d['ttft_p99_delta_ms']:+.2f}), headers p50 {d['hdr_p50_delta_ms']:+.2f} ms,"
+            f" ITL p50 {d['itl_p50_delta_ms'] * 1000:+.0f} µs "
+            f"(p99 {d['itl_p99_delta_ms']:+.2f} ms); per-round TTFT p50 ratios "
+            f"{min(rr, default=0):.3f}..{max(rr, default=0):.3f}, ITL p50 ratios "
+            f"{min(ri, default=0):.3f}..{max(ri, default=0):.3f}")
+    return "\n".join(out)
+
+
+def git_state() -> dict[str, Any]:
+    def git(*argv: str) -> str:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
+                                 text=True, timeout=10)
+            if out.returncode == 0:
+                return out.stdout
+        return ""
+
+    return {"commit": git("rev-parse", "HEAD").strip(),
+            "modified": [ln[3:] for ln in git("status", "--porcelain").splitlines()
+                         if not ln[3:].startswith("benchmarks/")]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test, under a minute")
+    parser.add_argument("--out", default=str(HERE / "results" / "metering.json"))
+    parser.add_argument("--rounds", type=int, default=None, help="quick 2, full 6")
+    parser.add_argument("--requests-c1", type=int, default=None,
+                        help="requests per path per round at c=1 (quick 8, full 20)")
+    parser.add_argument("--waves", type=int, default=None,
+                        help="requests per client per path per round at c=16 (quick 3, full 6)")
+    parser.add_argument("--concurrency", nargs="+", default=["1", "16", "16s"],
+                        help="clients per scenario; a trailing s staggers their starts")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--tokens-per-s", type=float, default=200.0)
+    parser.add_argument("--ttft-ms", type=float, default=50.0)
+    parser.add_argument("--phase-timeout", type=float, default=60.0)
+    parser.add_argument("--sidecar-env", action="append", default=[], metavar="K=V",
+                        help="extra sidecar environment, e.g. PYTHONOPTIMIZE=1")
+    parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--keep-workdir", action="store_true")
+    args = parser.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 6)
+    args.requests_c1 = args.requests_c1 or (8 if args.quick else 20)
+    args.waves = args.waves or (3 if args.quick else 6)
+
+    import uvloop
+
+    started = time.time()
+    loadavg_start = os.getloadavg()
+    bench = Bench(args)
+    check: dict[str, Any] = {}
+    log: dict[str, Any] = {}
+    inproc: dict[str, float] = {}
+    try:
+        bench.start()
+        assert bench.spoke is not None
+        assert bench.plain is not None
+        print(f"spoke up (metered :{bench.spoke.listen_port}, plain :{bench.plain.port}); "
+              f"pinned={bench.pinned}; {args.rounds} rounds", flush=True)
+        uvloop.run(bench.measure())
+        metered = {s.request_id for p in bench.phases if p.path == METERED for s in p.samples
+                   if s.request_id}
+        plain = {s.request_id for p in bench.phases if p.path == PLAIN for s in p.samples
+                 if s.request_id}
+        check = uvloop.run(read_back(bench.spoke.kafka_bootstrap, metered, plain, 30.0))
+        inproc = inprocess_chunk_cost(engine_chunks(bench.spoke.engine_url, bench.wl))
+        log = scan_log(bench.spoke["sidecar"].log_path, bench.log_start)
+    finally:
+        bench.stop()
+        if not args.keep_workdir:
+            shutil.rmtree(bench.workdir, ignore_errors=True)
+
+    rows = bench.summary()
+    ratios = bench.ratios(rows)
+    print()
+    print(render_table(rows, ratios))
+    if inproc:
+        print(f"in-process, no gRPC (parse ProcessingRequest, RequestStream.handle, serialize the "
+              f"echo): {inproc['us_per_chunk']:.1f} µs per chunk "
+              f"({inproc['chunks_per_stream']:.0f}-chunk stream, "
+              f"min {inproc['us_per_chunk_min']:.1f}); the rest of the sidecar's µs per event "
+              f"is gRPC, the event loop and thread hand-offs")
+    total = sum(r["requests"] for r in rows)
+    bad = sum(bench.problems.values())
+    print(f"requests: {total}, errors/bad answers: {bad}"
+          + (f" {bench.problems} e.g. {bench.problem_sample}" if bad else ""))
+    print(f"Kafka read-back: {'OK' if check.get('ok') else 'FAILED'}: "
+          f"{check.get('events_found')}/{check.get('metered_requests')} metered request ids "
+          f"found, {check.get('duplicates')} duplicates, {check.get('bad_events')} bad, "
+          f"{check.get('plain_ids_metered')} plain ids metered")
+    if log.get("tracebacks") or log.get("error_lines"):
+        print(f"sidecar log: {log['tracebacks']} tracebacks, {log['error_lines']} error lines; "
+              f"first:\n{log['first_traceback'][:1500]}")
+    for conc, d in ratios.items():
+        for k in ("ttft_p50_ms", "itl_p50_ms"):
+            verdict = "met" if d[k] <= TARGET_RATIO else "NOT met"
+            print(f"target {k.split('_')[0].upper()} p50 change <= 2 % at c={conc[1:]}: "
+                  f"{verdict} ({(d[k] - 1) * 100:+.1f} %)")
+
+    doc = {
+        "bench": "metering", "mode": "quick" if args.quick else "full",
+        "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
+        "duration_s": time.time() - started,
+        "workload": asdict(bench.wl), "rounds": args.rounds, "requests_c1": args.requests_c1,
+        "waves_c16": args.waves, "target_ratio": TARGET_RATIO,
+        "rows": rows, "ratios": ratios,
+        "errors": bench.problems, "error_sample": bench.problem_sample,
+        "kafka_check": check, "sidecar_log": log, "inprocess_chunk_cost": inproc,
+        "sidecar_env": args.sidecar_env,
+        "machine": {"nproc": os.cpu_count(), "python": sys.version.split()[0],
+                    "platform": platform.platform(), "pinned": bench.pinned,
+                    "gateway_cpu": GATEWAY_CPU if bench.pinned else None,
+                    "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()},
+        "git": git_state(),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0 if not bad and check.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
