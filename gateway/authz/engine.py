@@ -87,7 +87,7 @@ class Authorizer:
         ctx = Context(
             req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
             reserve if verdict.leased else 0, verdict.leased, endpoint=req.path,
-            prompt_estimate=facts.body_bytes // 4 + 1 if facts.model else 0,
+            prompt_estimate=facts.prompt_tokens if facts.model else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
         )

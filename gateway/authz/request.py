@@ -30,13 +30,14 @@ class BodyFacts:
     stream: bool = False
     max_tokens: int | None = None
     body_bytes: int = 0
+    prompt_tokens: int = 0  # estimate: ~4 characters a token of the prompt's text
     stream_options: bool = False  # the client sent a stream_options object
     include_usage: bool = False  # ... asking for the usage chunk
     continuous_usage: bool = False  # ... asking for vLLM's continuous usage stats
 
     def reserve(self, default_completion: int, cap: int, embeddings: bool) -> int:
-        """Tokens to reserve: a prompt estimate (~4 bytes a token) plus the completion bound."""
-        prompt = self.body_bytes // 4 + 1
+        """Tokens to reserve: the prompt estimate plus the completion bound."""
+        prompt = self.prompt_tokens
         completion = 0 if embeddings else (self.max_tokens or default_completion)
         return min(prompt + completion, cap)
 
@@ -93,12 +94,36 @@ def parse_body(path: str, method: str, body: bytes) -> BodyFacts:
         or _int(data.get("max_tokens"))
         or _int(data.get("max_output_tokens"))
     )
+    prompt = estimate_prompt_tokens(data)
     opts = data.get("stream_options")
     if not isinstance(opts, dict):
-        return BodyFacts(model, data.get("stream") is True, max_tokens, len(body))
+        return BodyFacts(model, data.get("stream") is True, max_tokens, len(body), prompt)
     return BodyFacts(
-        model, data.get("stream") is True, max_tokens, len(body),
+        model, data.get("stream") is True, max_tokens, len(body), prompt,
         stream_options=True,
         include_usage=opts.get("include_usage") is True,
         continuous_usage=opts.get("continuous_usage_stats") is True,
     )
+
+
+PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
+
+
+def estimate_prompt_tokens(data: dict[str, Any]) -> int:
+    """~4 characters a token over the prompt's text, plus a few tokens per message: what
+    OpenAI's own rule of thumb gives, without a tokenizer on the request path."""
+    chars = 0
+    parts = 0
+    stack: list[Any] = [data.get(f) for f in PROMPT_FIELDS]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            chars += len(v)
+        elif isinstance(v, list):
+            parts += len(v)
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, int) and not isinstance(v, bool):
+            chars += 4  # a token id (completions accept token arrays)
+    return chars // 4 + 3 * parts + 1
