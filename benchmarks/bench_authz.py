@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from common import git_state, pin, proc_cpu_s
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
@@ -173,14 +174,6 @@ class RedisProbe:
 # --------------------------------------------------------------------------- processes
 
 
-def pin(pid: int | None, cpus: set[int] | None) -> None:
-    """Pin every thread of `pid` (threads started later inherit it)."""
-    if pid is None or not cpus:
-        return
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), cpus)
 
 
 def wait_ready(metrics_port: int, timeout: float = 30.0) -> None:
@@ -289,15 +282,6 @@ end
 """
 
 
-def proc_cpu_s(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        text = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = text[text.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_wrk(script: Path, port: int, conc: int, duration_s: int, cpus: set[int] | None,
@@ -758,19 +742,6 @@ def machine_info(bench: Bench) -> dict[str, Any]:
     }
 
 
-def git_state() -> dict[str, Any]:
-    """The commit measured, and the files that differed from it (others edit in parallel)."""
-    def git(*argv: str) -> str:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
-                                 text=True, timeout=10)
-            if out.returncode == 0:
-                return out.stdout
-        return ""
-
-    return {"commit": git("rev-parse", "HEAD").strip(),
-            "modified": [ln[3:] for ln in git("status", "--porcelain").splitlines()
-                         if not ln[3:].startswith("benchmarks/")]}
 
 
 def main() -> int:

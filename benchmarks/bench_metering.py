@@ -47,7 +47,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +60,7 @@ from typing import Any
 import aiohttp
 import orjson
 import yaml
+from common import git_state, pin, proc_cpu_s
 from redis.asyncio import Redis
 
 from gateway.dev.procs import Service, envoy_service, free_port
@@ -213,17 +213,6 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, wl: Workload, ke
 # --------------------------------------------------------------------------- processes
 
 
-def proc_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process (all threads) and of its reaped children, in seconds."""
-    if pid is None:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rindex(b")") + 2:].split()
-    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / CLK_TCK
 
 
 def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
@@ -248,14 +237,6 @@ def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
     return run, wait, main_wait
 
 
-def pin(pid: int | None, cpus: set[int] | None) -> None:
-    """Pin every thread of `pid` (threads started later inherit their creator's mask)."""
-    if pid is None or not cpus:
-        return
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), cpus)
 
 
 def policy_doc(secret: str, model: str) -> dict[str, Any]:
@@ -703,18 +684,6 @@ def render_table(rows: list[dict[str, Any]], ratios: dict[str, dict[str, Any]]) 
     return "\n".join(out)
 
 
-def git_state() -> dict[str, Any]:
-    def git(*argv: str) -> str:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
-                                 text=True, timeout=10)
-            if out.returncode == 0:
-                return out.stdout
-        return ""
-
-    return {"commit": git("rev-parse", "HEAD").strip(),
-            "modified": [ln[3:] for ln in git("status", "--porcelain").splitlines()
-                         if not ln[3:].startswith("benchmarks/")]}
 
 
 def main() -> int:

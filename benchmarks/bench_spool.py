@@ -50,6 +50,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from common import git_state
+
 from gateway.dev.procs import Service, free_port, tansu_service
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder, RequestFacts
@@ -388,18 +390,6 @@ def fs_type(path: Path) -> str:
     return ""
 
 
-def git_state() -> dict[str, Any]:
-    def git(*argv: str) -> str:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["git", *argv], cwd=HERE.parent, capture_output=True,
-                                 text=True, timeout=10)
-            if out.returncode == 0:
-                return out.stdout
-        return ""
-
-    return {"commit": git("rev-parse", "HEAD").strip(),
-            "modified": [ln[3:] for ln in git("status", "--porcelain").splitlines()
-                         if not ln[3:].startswith("benchmarks/")]}
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
