@@ -34,6 +34,7 @@ def run_spoke(port: int, workdir: Path) -> int:
         key = asyncio.run(apply_demo_policy(spoke.redis_url))
         time.sleep(0.5)  # the sidecar picks the announcement up in milliseconds
         _banner(spoke, key.secret)
+        _demo_request(spoke, key.secret)
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
         while not stop["now"]:
@@ -50,12 +51,51 @@ def run_spoke(port: int, workdir: Path) -> int:
     return 0
 
 
+def _demo_request(spoke: Spoke, secret: str) -> None:
+    """One request through Envoy, and the usage event it produced, read back from Kafka."""
+    import httpx
+    import orjson
+
+    r = httpx.post(f"{spoke.base_url}/chat/completions", timeout=10,
+                   headers={"authorization": f"Bearer {secret}"},
+                   json={"model": "mock-model", "max_tokens": 5, "stream": True,
+                         "messages": [{"role": "user", "content": "hello from gateway dev"}]})
+    rid = r.headers.get("x-request-id", "")
+    print(f"  demo request: HTTP {r.status_code}, x-request-id {rid}", flush=True)
+    event = asyncio.run(_find_event(spoke.kafka_bootstrap, rid))
+    if event is None:
+        print("  (its usage event did not arrive within 10 s; see the sidecar log)", flush=True)
+        return
+    print("  its usage event on llm.usage.v1:\n", flush=True)
+    print(orjson.dumps(orjson.loads(event), option=orjson.OPT_INDENT_2).decode(), flush=True)
+
+
+async def _find_event(bootstrap: str, request_id: str) -> bytes | None:
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer("llm.usage.v1", bootstrap_servers=bootstrap, group_id=None,
+                                auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=300)
+            for msgs in batches.values():
+                for m in msgs:
+                    if m.key == request_id.encode() and m.value:
+                        return m.value
+    finally:
+        await consumer.stop()
+    return None
+
+
 def _banner(spoke: Spoke, secret: str) -> None:
     s = spoke.services
     print(f"""
   Envoy        http://127.0.0.1:{spoke.listen_port}   (every request goes through the sidecar)
   sidecar      {s['sidecar'].address}  metrics {spoke.metrics_url}/metrics
   mock engine  {spoke.engine_url}      Redis {spoke.redis_url}
+  Kafka        {spoke.kafka_bootstrap} (Tansu)  topic llm.usage.v1
   logs         {spoke.workdir}/
 
   demo key:    {secret}
@@ -65,8 +105,9 @@ def _banner(spoke: Spoke, secret: str) -> None:
       -H 'authorization: Bearer {secret}' -H 'content-type: application/json' \\
       -d '{{"model":"mock-model","messages":[{{"role":"user","content":"hello there"}}]}}'
 
-    export GATEWAY_REDIS_URL={spoke.redis_url}
+    export GATEWAY_REDIS_URL={spoke.redis_url} GATEWAY_KAFKA_BOOTSTRAP={spoke.kafka_bootstrap}
     gateway policy show; gateway keys list; gateway policy status
+    gateway usage tail
 
   Ctrl-C stops everything.
 """, flush=True)
