@@ -8,6 +8,7 @@ from gateway.limits import maths
 from gateway.limits.tightest import Tightest
 from gateway.limits.types import (
     CONCURRENCY,
+    RELEASE,
     RPS,
     TPD,
     TPM,
@@ -118,6 +119,11 @@ class MemoryLimiter:
         return Verdict(True, rate=rate, leased=leased)
 
     async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
+        if actual_tokens == RELEASE:
+            held = self.held.get(request_id)
+            for key in held.lease_keys if held else []:
+                self.leases.get(key, {}).pop(request_id, None)
+            return
         held = self.held.pop(request_id, None)
         if held is None:
             return

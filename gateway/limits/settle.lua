@@ -1,6 +1,8 @@
 -- settle.lua: end of a batch of requests. Release their concurrency leases and replace their
 -- token reservation with the actual count (-1 = unknown: keep the reservation).
 -- Idempotent: the request record is deleted, so a second settlement finds nothing.
+-- actual_tokens = -3 only releases the concurrency leases (the response ended; its usage
+-- event is not yet durable, and the rest of the settlement waits for that).
 -- actual_tokens = -2 voids an admission whose caller gave up waiting (deadline): a tombstone
 -- makes a late-running admit.lua refuse it, and anything it already committed is undone.
 -- ARGV[1] n, then per request: rid, actual_tokens
@@ -20,7 +22,10 @@ for r = 0, n - 1 do
     actual = 0
   end
   local rec = redis.call('HMGET', rk, 'r', 'c', 't')
-  if rec[1] then
+  if rec[1] and actual == -3 then
+    for _, zk in ipairs(split(rec[2])) do redis.call('ZREM', zk, rid) end
+    redis.call('HSET', rk, 'c', '')
+  elseif rec[1] then
     for _, zk in ipairs(split(rec[2])) do redis.call('ZREM', zk, rid) end
     if actual >= 0 then
       local delta = actual - tonumber(rec[1])

@@ -13,6 +13,7 @@ RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "t
 VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
 LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED)
 VOID = -2  # `actual_tokens` that voids an admission (see settle.lua)
+RELEASE = -3  # `actual_tokens` that only frees the concurrency slots (see settle.lua)
 
 
 @dataclass(frozen=True, slots=True)

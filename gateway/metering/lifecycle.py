@@ -13,7 +13,7 @@ import contextlib
 
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
-from gateway.limits.types import VOID, Limiter
+from gateway.limits.types import RELEASE, VOID, Limiter
 from gateway.log import log
 from gateway.server import metrics
 
@@ -44,12 +44,21 @@ class Lifecycle:
     def begin(self, request_id: str) -> None:
         self.active.add(request_id)
 
-    def end(self, request_id: str, actual_tokens: int | None) -> None:
-        """Queue the one settlement of this request (idempotent at the store as well)."""
+    def release(self, request_id: str) -> None:
+        """The response ended: free its concurrency slots at once (its next request must
+        find them free). The rest of the settlement waits for the usage event (`settle`)."""
         if request_id in self.active:
             self.active.discard(request_id)
-            self._pending.append((request_id, actual_tokens))
+            self._pending.append((request_id, RELEASE))
             self._wake.set()
+
+    def settle(self, request_id: str, actual_tokens: int | None) -> None:
+        """Replace the reservation with the actual count, once the request's usage event is
+        durable: a sidecar killed before that leaves the admission to the orphan sweep, so
+        the request still gets exactly one event."""
+        self.active.discard(request_id)
+        self._pending.append((request_id, actual_tokens))
+        self._wake.set()
 
     def void(self, request_id: str) -> None:
         """Undo an admission whose answer came too late (the client got a 503): whatever

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -94,14 +95,18 @@ class Recorder:
                     charged=o.charged)
         return self.finish(facts, meter, "upstream_error", time.time(), source="estimated")
 
+    def _settlement(self, facts: RequestFacts, tokens: int) -> Callable[[], None] | None:
+        if not facts.leased:
+            return None
+        return lambda: self.lifecycle.settle(facts.request_id, tokens)
+
     def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float,
                source: str | None = None) -> int:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         r = meter.result()
         ended = time.time()
-        if facts.leased:  # first, so nothing below can keep a lease from being released
-            self.lifecycle.end(facts.request_id, r.usage.total_tokens if outcome != "denied"
-                               else 0)
+        if facts.leased:
+            self.lifecycle.release(facts.request_id)
         seq = self.spool.next_seq()
         self.spool.put(seq, event_json(UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,
@@ -111,7 +116,8 @@ class Recorder:
             stream=facts.stream, status_code=meter.status or facts.denied_status,
             outcome=outcome, usage=r.usage, usage_source=source or r.source,
             ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
-            duration_ms=round((ended - started) * 1000, 3))))
+            duration_ms=round((ended - started) * 1000, 3))),
+            on_durable=self._settlement(facts, r.usage.total_tokens if outcome != "denied" else 0))
         metrics.EVENTS.labels(outcome).inc()
         if r.usage.total_tokens:
             metrics.TOKENS.labels(facts.model, facts.team, "prompt").inc(r.usage.prompt_tokens)

@@ -160,10 +160,10 @@ class App:
             self.http.close()
         if self.server:
             await self.server.stop(grace)
-        if self.lifecycle:
-            await self.lifecycle.stop()
         if self.spool:
-            await self.spool.commit()  # what is queued reaches the disk before we go
+            await self.spool.commit()  # events reach the disk, and queue their settlements,
+        if self.lifecycle:
+            await self.lifecycle.stop()  # ... which are flushed here
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -43,6 +44,7 @@ class Spool:
         self._queue: list[bytes] = []
         self._queued_seq = 0
         self._persisted = 0
+        self._callbacks: list[Callable[[], None]] = []
         self._wake_writer = asyncio.Event()
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
@@ -102,10 +104,13 @@ class Spool:
         self.last_seq += 1
         return self.last_seq
 
-    def put(self, seq: int, line: bytes) -> None:
-        """Queue one JSON line whose seq is `seq` (from `next_seq`, put in the same order)."""
+    def put(self, seq: int, line: bytes, on_durable: Callable[[], None] | None = None) -> None:
+        """Queue one JSON line whose seq is `seq` (from `next_seq`, put in the same order);
+        `on_durable` runs once it is on disk."""
         self._queue.append(line if line.endswith(b"\n") else line + b"\n")
         self._queued_seq = seq
+        if on_durable is not None:
+            self._callbacks.append(on_durable)
         self._wake_writer.set()
 
     async def run_writer(self, linger: float = 0.005) -> None:
@@ -123,9 +128,12 @@ class Spool:
             return
         # Lines put while this group is being written wait for the next one.
         batch, last, self._queue = self._queue, self._queued_seq, []
+        callbacks, self._callbacks = self._callbacks, []
         await asyncio.to_thread(self._write, last - len(batch) + 1, batch)
         self.durable_seq = last
         self.durable.set()
+        for cb in callbacks:
+            cb()
 
     def _write(self, first: int, lines: list[bytes]) -> None:
         if not self._segments or self._write_size >= self.segment_bytes:
