@@ -54,6 +54,7 @@ class Meter:
     first_token: float | None = None
     last_token: float | None = None
     malformed: int = 0
+    saw_end: bool = False  # the engine's own end marker: [DONE] or a terminal Responses event
     _decoder: SseDecoder = field(default_factory=SseDecoder)
     _body: list[bytes] = field(default_factory=list)
     _body_len: int = 0
@@ -98,7 +99,10 @@ class Meter:
         return ev.raw
 
     def _observe(self, ev: SseEvent) -> Any:
-        if not ev.data or ev.done:
+        if ev.done:
+            self.saw_end = True
+            return None
+        if not ev.data:
             return None
         try:
             obj = orjson.loads(ev.data)
@@ -113,6 +117,7 @@ class Meter:
                 self._token(obj.get("delta"))
             elif kind in ("response.completed", "response.incomplete", "response.failed"):
                 self._usage(obj)
+                self.saw_end = True
             return obj
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict):
@@ -141,13 +146,27 @@ class Meter:
         if model:
             self.served_model = model
 
-    def result(self) -> Result:
-        """What was used: as reported if the engine said so, else estimated from what streamed."""
-        if not self.sse and self._body and self._body_len <= MAX_JSON_BODY:
+    def finished(self) -> bool:
+        """Did the engine finish its answer? A client that stops reading at `[DONE]` may hang
+        up before Envoy passes on end_of_stream, so the engine's own end marker counts."""
+        if self.sse:
+            return self.saw_end
+        self._parse_body()
+        return self.saw_end
+
+    def _parse_body(self) -> None:
+        if self._body and self._body_len <= MAX_JSON_BODY and not self.saw_end:
             try:
                 self._usage(orjson.loads(b"".join(self._body)))
+                self.saw_end = True  # a whole JSON document arrived
             except orjson.JSONDecodeError:
                 self.malformed += 1
+            self._body = []
+
+    def result(self) -> Result:
+        """What was used: as reported if the engine said so, else estimated from what streamed."""
+        if not self.sse:
+            self._parse_body()
         completion = max(self.content_events, math.ceil(self.content_chars / 4))
         if self.reported is not None:
             u, source = self.reported, "reported"

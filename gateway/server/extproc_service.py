@@ -104,10 +104,11 @@ class RequestStream:
             include_usage=not f.include_usage,
             continuous=not f.continuous_usage and any(
                 fnmatch.fnmatchcase(f.model, p) for p in self.continuous_models))
-        options = {k: True for k, on in (("include_usage", True),
-                                         ("continuous_usage_stats", want.continuous)) if on}
         if not (want.include_usage or want.continuous):
             return _CONTINUE["request_body"]
+        options = {"include_usage": True}
+        if want.continuous:
+            options["continuous_usage_stats"] = True
         new = splice_stream_options(body, options, f.stream_options)
         if new is None:
             return _CONTINUE["request_body"]
@@ -125,7 +126,7 @@ class RequestStream:
         attrs = msg.attributes.get(ATTR_NS)
         if attrs is not None and "response.code" in attrs.fields:
             self.meter.status = int(attrs.fields["response.code"].number_value)
-        head = first.lstrip()[:6]
+        head = first[:64].lstrip()[:6]
         if head:  # an empty first chunk says nothing yet
             self.sniffed = True
             sse = head.startswith((b"data:", b"event:", b":", b"id:", b"retry:"))
@@ -150,7 +151,7 @@ class RequestStream:
             return "denied"  # an Envoy local reply (e.g. 413) that no key was admitted for
         if self.meter.status >= 500:
             return "upstream_error"
-        return "completed" if self.ended else "client_cancelled"
+        return "completed" if self.ended or self.meter.finished() else "client_cancelled"
 
 
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):

@@ -1,0 +1,96 @@
+"""The meter on recorded bodies: usage per endpoint, hidden injections, end markers."""
+
+from __future__ import annotations
+
+import itertools
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.metering.meter import Injected, Meter
+
+CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","model":"m",'
+         b'"choices":[{"index":0,"delta":{"content":"%s"}}]%s}\n\n')
+USAGE = (b'"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10,'
+         b'"prompt_tokens_details":{"cached_tokens":2},'
+         b'"completion_tokens_details":{"reasoning_tokens":1}}')
+FINAL = b'data: {"id":"c","object":"chat.completion.chunk","model":"m-served","choices":[],'
+
+
+def chat_stream(continuous: bool = False, final_usage: bool = True) -> bytes:
+    body = b""
+    for i, tok in enumerate((b"a", b" b", b" c")):
+        extra = b"," + USAGE.replace(b'"completion_tokens":3', b'"completion_tokens":%d' % (
+            i + 1)) if continuous else b""
+        body += CHUNK % (tok, extra)
+    if final_usage:
+        body += FINAL + USAGE + b"}\n\n"
+    return body + b"data: [DONE]\n\n"
+
+
+def run(body: bytes, injected: Injected | None = None, cuts: list[int] | None = None,
+        endpoint: str = "/v1/chat/completions") -> tuple[Meter, bytes]:
+    m = Meter(endpoint, True, injected or Injected())
+    m.response_headers(200, "text/event-stream")
+    bounds = [0, *sorted(set(cuts or [])), len(body)]
+    out = b""
+    for a, b in itertools.pairwise(bounds):
+        piece = m.chunk(body[a:b], b == len(body))
+        out += body[a:b] if piece is None else piece
+    return m, out
+
+
+def test_reported_usage_with_details() -> None:
+    m, out = run(chat_stream())
+    r = m.result()
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (7, 3, 10)
+    assert (r.usage.cached_tokens, r.usage.reasoning_tokens) == (2, 1)
+    assert r.source == "reported" and r.served_model == "m-served"
+    assert out == chat_stream() and m.finished()
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(chat_stream()) - 1), max_size=12))
+def test_any_split_gives_the_same_usage_and_bytes(cuts: list[int]) -> None:
+    m, out = run(chat_stream(), Injected(include_usage=True), cuts)
+    assert m.result().usage.total_tokens == 10
+    assert out == chat_stream(final_usage=False)  # the injected usage chunk is gone
+
+
+def test_continuous_usage_is_hidden_and_exact_at_a_cut() -> None:
+    body = chat_stream(continuous=True, final_usage=False)
+    cut = body.index(b"data:", body.index(b" b"))  # the stream dies after two tokens
+    m, out = run(body[:cut], Injected(continuous=True))
+    assert b"usage" not in out
+    assert m.result().usage.completion_tokens == 2 and m.result().source == "reported"
+    assert not m.finished()
+
+
+def test_estimated_when_the_engine_never_reports() -> None:
+    body = chat_stream(final_usage=False)
+    m, _ = run(body[: body.index(b"[DONE]") - 6])
+    r = m.result()
+    assert r.source == "estimated" and r.usage.completion_tokens == 3
+
+
+def test_responses_api_stream() -> None:
+    events = [
+        (b"response.created", {"type": "response.created", "response": {"model": "m"}}),
+        (b"response.output_text.delta", {"type": "response.output_text.delta", "delta": "hi"}),
+        (b"response.completed", {"type": "response.completed", "response": {
+            "model": "m2", "usage": {"input_tokens": 5, "output_tokens": 1, "total_tokens": 6,
+                                     "input_tokens_details": {"cached_tokens": 1}}}}),
+    ]
+    body = b"".join(b"event: " + k + b"\ndata: " + orjson.dumps(v) + b"\n\n" for k, v in events)
+    m, out = run(body, endpoint="/v1/responses")
+    r = m.result()
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens) == (5, 1, 1)
+    assert r.served_model == "m2" and m.finished() and out == body
+
+
+def test_non_stream_json_and_embeddings() -> None:
+    m = Meter("/v1/embeddings", False)
+    m.response_headers(200, "application/json")
+    body = b'{"object":"list","model":"e","data":[],"usage":{"prompt_tokens":4,"total_tokens":4}}'
+    assert m.chunk(body[:10], False) is None and m.chunk(body[10:], True) is None
+    assert m.finished() and m.result().usage.total_tokens == 4
