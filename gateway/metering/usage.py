@@ -24,32 +24,30 @@ def _detail(obj: Any, section: str, field: str) -> int:
     return _n(d.get(field)) if isinstance(d, dict) else 0
 
 
-def from_openai(u: Any) -> Usage | None:
-    """Chat/completions/embeddings `usage` object (also vLLM's continuous usage)."""
+def _usage(u: Any, prompt: str, completion: str, prompt_details: str,
+           completion_details: str) -> Usage | None:
     if not isinstance(u, dict):
         return None
-    prompt, completion = _n(u.get("prompt_tokens")), _n(u.get("completion_tokens"))
+    p, c = _n(u.get(prompt)), _n(u.get(completion))
     return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=_n(u.get("total_tokens")) or prompt + completion,
-        cached_tokens=_detail(u, "prompt_tokens_details", "cached_tokens"),
-        reasoning_tokens=_detail(u, "completion_tokens_details", "reasoning_tokens"),
+        prompt_tokens=p,
+        completion_tokens=c,
+        total_tokens=_n(u.get("total_tokens")) or p + c,
+        cached_tokens=_detail(u, prompt_details, "cached_tokens"),
+        reasoning_tokens=_detail(u, completion_details, "reasoning_tokens"),
     )
+
+
+def from_openai(u: Any) -> Usage | None:
+    """Chat/completions/embeddings `usage` object (also vLLM's continuous usage)."""
+    return _usage(u, "prompt_tokens", "completion_tokens", "prompt_tokens_details",
+                  "completion_tokens_details")
 
 
 def from_responses(u: Any) -> Usage | None:
     """Responses API `usage`: input/output tokens."""
-    if not isinstance(u, dict):
-        return None
-    prompt, completion = _n(u.get("input_tokens")), _n(u.get("output_tokens"))
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=_n(u.get("total_tokens")) or prompt + completion,
-        cached_tokens=_detail(u, "input_tokens_details", "cached_tokens"),
-        reasoning_tokens=_detail(u, "output_tokens_details", "reasoning_tokens"),
-    )
+    return _usage(u, "input_tokens", "output_tokens", "input_tokens_details",
+                  "output_tokens_details")
 
 
 def from_body(endpoint: str, obj: Any) -> tuple[Usage | None, str]:
