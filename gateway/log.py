@@ -10,6 +10,16 @@ import structlog
 log = structlog.get_logger("gateway")
 
 
+class _Stderr:
+    """Whatever sys.stderr is at the time of writing (it may be replaced after configure)."""
+
+    def write(self, text: str) -> None:
+        sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str = "info") -> None:
     structlog.configure(
         processors=[
@@ -21,6 +31,6 @@ def configure(level: str = "info") -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )

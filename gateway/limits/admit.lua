@@ -4,8 +4,9 @@
 --
 -- ARGV[1] now_ms   ARGV[2] lease_ttl_ms   ARGV[3] record_ttl_ms
 -- ARGV[4] day_id   ARGV[5] month_id       ARGV[6] ms_to_day_end   ARGV[7] ms_to_month_end
--- ARGV[8] n requests, then per request: rid, reserve, meta (opaque: who/what, kept for the
---         orphan sweep), ntiers,
+-- ARGV[8] n requests, then one ARGV per request: its fields joined by \31 (packing 30
+--         arguments per request cost the client more than the script): rid, reserve, meta
+--         (opaque: who/what, kept for the orphan sweep), ntiers,
 --         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo ('' = no limit)
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
@@ -22,6 +23,19 @@ local n = tonumber(ARGV[8])
 local minute = math.floor(now / 60000)
 local into = (now % 60000) / 60000
 local to_minute = 60000 - (now % 60000)
+
+local function split(text)
+  local out, i = {}, 1
+  while true do
+    local j = string.find(text, '\31', i, true)
+    if not j then
+      out[#out + 1] = string.sub(text, i)
+      return out
+    end
+    out[#out + 1] = string.sub(text, i, j - 1)
+    i = j + 1
+  end
+end
 
 local function num(key)
   return tonumber(redis.call('GET', key) or 0)
@@ -42,20 +56,20 @@ local function offer(best, limit, remaining, reset)
 end
 
 local out = {}
-local i = 9
 for r = 1, n do
-  local rid, reserve, meta = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  local nt = tonumber(ARGV[i + 3])
-  i = i + 4
+  local f = split(ARGV[8 + r])
+  local rid, reserve, meta = f[1], tonumber(f[2]), f[3]
+  local nt = tonumber(f[4])
+  local i = 5
   local tiers = {}
   for t = 1, nt do
     tiers[t] = {
-      key = ARGV[i], rps = tonumber(ARGV[i + 1]), burst = tonumber(ARGV[i + 2]),
-      conc = tonumber(ARGV[i + 3]),
+      key = f[i], rps = tonumber(f[i + 1]), burst = tonumber(f[i + 2]),
+      conc = tonumber(f[i + 3]),
       windows = {
-        {3, tonumber(ARGV[i + 4]), 'gw:tpm:' .. ARGV[i] .. ':' .. minute, to_minute, 120000},
-        {4, tonumber(ARGV[i + 5]), 'gw:tpd:' .. ARGV[i] .. ':' .. day_id, to_day, 172800000},
-        {5, tonumber(ARGV[i + 6]), 'gw:tpmo:' .. ARGV[i] .. ':' .. month_id, to_month, 3456000000},
+        {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
+        {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
+        {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
       },
     }
     i = i + 7

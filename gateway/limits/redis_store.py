@@ -83,12 +83,13 @@ class RedisLimiter:
             len(reqs),
         ]
         for r in reqs:
-            args += [r.request_id, r.reserve, r.meta, len(r.tiers)]
+            fields: list[Any] = [r.request_id, r.reserve, r.meta, len(r.tiers)]
             for t in r.tiers:
-                s = t.spec
-                args += [f"{t.tier}:{t.name}", _opt(s.rps), _opt(s.burst), _opt(s.concurrency),
-                         _opt(s.tokens_per_minute), _opt(s.tokens_per_day),
-                         _opt(s.tokens_per_month)]
+                sp = t.spec
+                fields += [f"{t.tier}:{t.name}", _opt(sp.rps), _opt(sp.burst),
+                           _opt(sp.concurrency), _opt(sp.tokens_per_minute),
+                           _opt(sp.tokens_per_day), _opt(sp.tokens_per_month)]
+            args.append("\x1f".join(map(str, fields)))
         return args
 
     @staticmethod

@@ -72,7 +72,7 @@ class Lifecycle:
         batch, self._pending = self._pending, []
         try:
             await self.limiter.settle_many(batch)
-        except StoreUnavailable:
+        except Exception:
             self._pending = batch + self._pending
             raise
 
@@ -84,9 +84,9 @@ class Lifecycle:
             try:
                 await self._flush()
                 backoff = 0.05
-            except StoreUnavailable as exc:
+            except Exception as exc:  # StoreUnavailable, or anything: never stop settling
                 metrics.SETTLE_ERRORS.inc()
-                log.warning("settle_deferred", pending=len(self._pending), error=str(exc))
+                log.warning("settle_deferred", pending=len(self._pending), error=repr(exc))
                 # Retry soon, and at once when another request ends: a slot held one second
                 # too long after Redis returns is a spurious 429 for someone.
                 with contextlib.suppress(TimeoutError):
@@ -101,5 +101,5 @@ class Lifecycle:
                 continue
             try:
                 await self.limiter.renew(list(self.active), self.clock.now())
-            except StoreUnavailable as exc:
-                log.warning("lease_renew_failed", active=len(self.active), error=str(exc))
+            except Exception as exc:
+                log.warning("lease_renew_failed", active=len(self.active), error=repr(exc))

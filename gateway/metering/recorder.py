@@ -75,11 +75,12 @@ class Recorder:
         while True:
             await asyncio.sleep(interval)
             try:
-                orphans = await self.lifecycle.limiter.sweep(time.time())
+                for o in await self.lifecycle.limiter.sweep(time.time()):
+                    self.orphan(o)
             except StoreUnavailable:
                 continue
-            for o in orphans:
-                self.orphan(o)
+            except Exception:
+                log.exception("orphan_sweep_crashed")
 
     def orphan(self, o: Orphan) -> int:
         try:

@@ -84,7 +84,10 @@ class RedisPolicySync:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.recheck)
-            await self.refresh()
+            try:
+                await self.refresh()
+            except Exception:  # a background loop must outlive any one bad refresh
+                log.exception("policy_refresh_crashed")
 
     async def _listen(self) -> None:
         """Announcements make a new revision take effect in milliseconds, not `recheck`."""
@@ -98,6 +101,9 @@ class RedisPolicySync:
                             await self.refresh()
             except _REDIS_DOWN as exc:
                 log.warning("policy_announce_lost", error=str(exc))
+                await asyncio.sleep(1.0)
+            except Exception:
+                log.exception("policy_listener_crashed")
                 await asyncio.sleep(1.0)
 
 
@@ -143,4 +149,7 @@ class FilePolicySync:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("policy_refresh_crashed")

@@ -23,7 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-Name = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+# No control characters: names become Redis keys and \x1f-separated script arguments.
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$")]
 KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]{1,64}$")]
 Sha256Hex = Annotated[
     str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(str.lower)]

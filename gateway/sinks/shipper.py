@@ -15,7 +15,7 @@ import orjson
 from gateway.log import log
 from gateway.metering.events import CE_TYPE
 from gateway.server import metrics
-from gateway.sinks.producers import Producer, Record, SinkUnavailable
+from gateway.sinks.producers import Producer, Record
 from gateway.sinks.spool import Spool
 
 
@@ -59,10 +59,10 @@ class Shipper:
                 continue
             try:
                 await self.producer.send_batch([record(line) for _, line in lines])
-            except SinkUnavailable as exc:
+            except Exception as exc:  # SinkUnavailable, or anything: retry, never drop
                 metrics.SINK_ERRORS.inc()
                 log.error("usage_delivery_failed", spool_depth=self.spool.depth,
-                          instance=self.spool.instance_id, error=str(exc), retry_in=backoff)
+                          instance=self.spool.instance_id, error=repr(exc), retry_in=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
