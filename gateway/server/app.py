@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from redis.asyncio import Redis
 
+from gateway.addresses import split_hostport
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
 from gateway.limits.memory import MemoryLimiter
@@ -34,11 +35,6 @@ from gateway.settings import Settings
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool, choose_instance, orphans
-
-
-def host_port(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def redis_client(url: str, deadline: float) -> Redis:
@@ -106,7 +102,7 @@ class App:
         await self.server.start()
         await self._set_health()
         if serve_http_endpoints:
-            host, port = host_port(s.metrics_listen)
+            host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")
             self.http = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
         log.info("serving", listen=s.listen, metrics=s.metrics_listen, instance=self.instance_id,

@@ -61,14 +61,15 @@ def run_workers(settings: Settings) -> None:
         spawn(i)
 
     async def supervise() -> None:
-        from gateway.server.app import healthz, host_port, metrics_handler
+        from gateway.addresses import split_hostport
+        from gateway.server.app import healthz, metrics_handler
         from gateway.server.http import serve_http
 
         async def readyz() -> tuple[int, str, bytes]:
             ok = all(p.is_alive() and r.is_set() for p, r in procs.values())
             return (200 if ok else 503), "text/plain", b"ready\n" if ok else b"not ready\n"
 
-        host, port = host_port(settings.metrics_listen)
+        host, port = split_hostport(settings.metrics_listen, "GATEWAY_METRICS_LISTEN")
         server = await serve_http(host, port, {
             "/metrics": metrics_handler, "/healthz": healthz, "/readyz": readyz})
         stop = asyncio.Event()
