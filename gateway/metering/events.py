@@ -18,7 +18,6 @@ from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.metering.usage import Usage
 
 CE_TYPE = "gateway.usage.v1"
-OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
 
 
 def rfc3339(ts: float) -> str:
