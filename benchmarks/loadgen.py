@@ -28,21 +28,11 @@ import time
 from collections import Counter
 from typing import Any
 
+from common import proc_cpu_s
+
 CHECK_METHOD = "/envoy.service.auth.v3.Authorization/Check"
 CALL_TIMEOUT_S = 5.0
 MAX_MESSAGE = 64 * 1024 * 1024
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """utime + stime of a whole process (all its threads), in seconds; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float | None]:
