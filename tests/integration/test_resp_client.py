@@ -1,0 +1,105 @@
+"""The limiter's Redis client against a real Redis: pipelining, errors, scripts, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gateway.dev.procs import Service, free_port, redis_service
+from gateway.limits.resp import RedisGone, RedisReplyError, RespClient, Script
+
+
+@pytest.fixture
+async def own_redis(tmp_path: Path) -> AsyncIterator[Service]:
+    """A Redis this test may kill, pause and restart."""
+    svc = redis_service(free_port(), tmp_path).start()
+    yield svc
+    svc.stop()
+
+
+async def test_concurrent_calls_pipeline_on_one_connection(redis_url: str) -> None:
+    client = RespClient(redis_url)
+    replies = await asyncio.gather(*(client.call("ECHO", f"m{i}") for i in range(500)))
+    assert replies == [f"m{i}".encode() for i in range(500)]
+    clients = await client.call("CLIENT", "LIST")
+    assert clients.count(b"cmd=client") == 1  # one connection carried all of them
+    await client.close()
+
+
+async def test_an_error_reply_fails_only_its_own_call(redis_url: str) -> None:
+    client = RespClient(redis_url)
+    await client.call("SET", "s", "text")
+    ok1, bad, ok2 = await asyncio.gather(
+        client.call("GET", "s"), client.call("INCR", "s"), client.call("ECHO", "after"),
+        return_exceptions=True)
+    assert ok1 == b"text" and ok2 == b"after"
+    assert isinstance(bad, RedisReplyError) and "not an integer" in str(bad)
+    await client.close()
+
+
+async def test_url_selects_the_database(redis_url: str) -> None:
+    db3 = RespClient(redis_url.rsplit("/", 1)[0] + "/3")
+    await db3.call("SET", "where", "three")
+    db0 = RespClient(redis_url)
+    assert await db0.call("GET", "where") is None
+    assert await db3.call("GET", "where") == b"three"
+    await db0.close()
+    await db3.close()
+
+
+def test_unsupported_urls_are_refused() -> None:
+    with pytest.raises(ValueError, match="scheme"):
+        RespClient("http://127.0.0.1:6379")
+
+
+async def test_scripts_reload_after_a_script_flush(redis_url: str) -> None:
+    client = RespClient(redis_url)
+    script = Script(client, "return tonumber(ARGV[1]) + 1")
+    assert await script(41) == 42
+    await client.call("SCRIPT", "FLUSH")
+    assert await script(1) == 2  # NOSCRIPT → EVAL, which caches it again
+    assert await client.call("SCRIPT", "EXISTS", script.sha) == [1]
+    await client.close()
+
+
+async def test_killed_redis_fails_calls_then_reconnects_after_restart(
+        own_redis: Service) -> None:
+    client = RespClient(f"redis://{own_redis.address}/0", timeout=1.0, connect_timeout=0.5)
+    assert await client.call("PING") == b"PONG"
+    own_redis.kill()
+    with pytest.raises(RedisGone):
+        await client.call("PING")
+    with pytest.raises(RedisGone, match="cannot connect"):
+        await client.call("PING")
+    own_redis.start()
+    assert await client.call("PING") == b"PONG"
+    await client.close()
+
+
+async def test_a_stalled_redis_times_out_every_waiting_call(own_redis: Service) -> None:
+    client = RespClient(f"redis://{own_redis.address}/0", timeout=0.3)
+    assert await client.call("PING") == b"PONG"
+    own_redis.pause()
+    try:
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(client.call("PING") for _ in range(10)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, RedisGone) for r in results), results
+        assert 0.25 < time.monotonic() - t0 < 2.0
+    finally:
+        own_redis.resume()
+    assert await client.call("PING") == b"PONG"  # a new connection, replies in order again
+    await client.close()
+
+
+async def test_a_caller_that_gives_up_does_not_shift_later_replies(redis_url: str) -> None:
+    client = RespClient(redis_url)
+    slow = asyncio.ensure_future(client.call("BLPOP", "nothing-here", "0.2"))
+    await asyncio.sleep(0.05)
+    slow.cancel()
+    assert await client.call("ECHO", "mine") == b"mine"
+    await client.close()
