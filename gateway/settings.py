@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     # Admission
     redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
     lease_ttl_s: float = 30.0  # concurrency leases; streams renew at a third of it
+    # An admission's first lease: its ext_proc stream must begin (and renew it) within this,
+    # else the slot frees itself (the client left between the Check and ext_proc).
+    lease_start_ttl_s: float = 5.0
     default_completion_tokens: int = 1024
     reserve_cap_tokens: int = 32768
     policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals

@@ -67,7 +67,7 @@ class Authorizer:
         s = self._settings
         reserve = 0 if facts.model is None else facts.reserve(  # listing models costs nothing
             s.default_completion_tokens, s.reserve_cap, req.path == "/v1/embeddings")
-        tiers = tuple(policy.tiers_for(facts.model, key))
+        tiers = policy.tiers_for(facts.model, key)
         verdict = Verdict(True)
         if tiers:
             try:
@@ -78,8 +78,8 @@ class Authorizer:
                                            facts.stream]).decode()))
             except (StoreUnavailable, TimeoutError) as exc:
                 reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
-                if isinstance(exc, TimeoutError) and self._on_abandoned is not None:
-                    self._on_abandoned(req.request_id)  # it may still commit: undo it
+                if isinstance(exc, TimeoutError):
+                    self.abandon(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
                     f"Rate limiter unavailable ({reason}); failing closed."), key, facts.model)
         if not verdict.allowed:
@@ -92,6 +92,13 @@ class Authorizer:
             continuous_usage=facts.continuous_usage,
         )
         return Allow(ctx, verdict.rate)
+
+
+    def abandon(self, request_id: str) -> None:
+        """Nobody will act on this request's admission (we gave up on the store, or Envoy
+        gave up on us): undo whatever the store committed, or will commit, for it."""
+        if self._on_abandoned is not None:
+            self._on_abandoned(request_id)
 
 
 def _who(deny: Deny, key: KeyRecord, model: str | None = None) -> Deny:

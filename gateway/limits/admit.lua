@@ -2,7 +2,8 @@
 -- For each request, every tier is checked first; only if all pass are they committed, so a
 -- denial at one tier consumes nothing at another. Formulas mirror gateway/limits/maths.py.
 --
--- ARGV[1] now_ms   ARGV[2] lease_ttl_ms   ARGV[3] record_ttl_ms
+-- ARGV[1] now_ms   ARGV[2] lease_ttl_ms (the first lease: the start TTL, renewed by ext_proc)
+-- ARGV[3] record_ttl_ms
 -- ARGV[4] day_id   ARGV[5] month_id       ARGV[6] ms_to_day_end   ARGV[7] ms_to_month_end
 -- ARGV[8] n requests, then one ARGV per request: its fields joined by \31 (packing 30
 --         arguments per request cost the client more than the script): rid, reserve, meta

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import lru_cache
 
 MINUTE = 60.0
 
@@ -52,24 +53,32 @@ def fits(used: float, reserve: int, limit: int) -> bool:
     return used + need <= limit
 
 
+DAY = 86400.0  # a UTC day in Unix time (which has no leap seconds)
+
+
+@lru_cache(maxsize=4)
+def _calendar(day: int) -> tuple[str, str, float, float]:
+    """(day id, month id, day end, month end) of one UTC day: computed once a day, not
+    once per request."""
+    d = datetime.fromtimestamp(day * DAY, UTC)
+    nxt = datetime(d.year + (d.month == 12), d.month % 12 + 1, 1, tzinfo=UTC)
+    return d.strftime("%Y%m%d"), d.strftime("%Y%m"), (day + 1) * DAY, nxt.timestamp()
+
+
 def day_id(now: float) -> str:
-    return datetime.fromtimestamp(now, UTC).strftime("%Y%m%d")
+    return _calendar(int(now // DAY))[0]
 
 
 def month_id(now: float) -> str:
-    return datetime.fromtimestamp(now, UTC).strftime("%Y%m")
+    return _calendar(int(now // DAY))[1]
 
 
 def seconds_to_day_end(now: float) -> float:
-    d = datetime.fromtimestamp(now, UTC)
-    start = datetime(d.year, d.month, d.day, tzinfo=UTC).timestamp()
-    return start + 86400.0 - now
+    return _calendar(int(now // DAY))[2] - now
 
 
 def seconds_to_month_end(now: float) -> float:
-    d = datetime.fromtimestamp(now, UTC)
-    nxt = datetime(d.year + (d.month == 12), d.month % 12 + 1, 1, tzinfo=UTC)
-    return nxt.timestamp() - now
+    return _calendar(int(now // DAY))[3] - now
 
 
 def seconds_to_minute_end(now: float) -> float:

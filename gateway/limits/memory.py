@@ -33,6 +33,7 @@ class _Held:
 @dataclass
 class MemoryLimiter:
     lease_ttl: float = 60.0
+    start_ttl: float | None = None  # the first lease, until renewed (default: lease_ttl)
     tat: dict[str, float] = field(default_factory=dict)
     leases: dict[str, dict[str, float]] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
@@ -107,7 +108,8 @@ class MemoryLimiter:
             if new_tat is not None:
                 self.tat[key] = new_tat
             if t.spec.concurrency is not None:
-                self.leases.setdefault(key, {})[req.request_id] = req.now + self.lease_ttl
+                self.leases.setdefault(key, {})[req.request_id] = req.now + min(
+                    self.start_ttl or self.lease_ttl, self.lease_ttl)
                 lease_keys.append(key)
             for wk in tkeys:
                 self.tokens[wk] = self.tokens.get(wk, 0) + req.reserve

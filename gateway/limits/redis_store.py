@@ -11,14 +11,13 @@ import asyncio
 from importlib import resources
 from typing import Any
 
-from redis import exceptions as redis_errors
-from redis.asyncio import Redis
-
 from gateway.errors import StoreUnavailable
 from gateway.limits import maths
+from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.types import LIMIT_CODES, AdmitRequest, Orphan, RateInfo, Verdict
+from gateway.policy.model import TierLimit
 
-REDIS_ERRORS = (redis_errors.RedisError, OSError, asyncio.TimeoutError)
+REDIS_ERRORS = (RedisReplyError, OSError, asyncio.TimeoutError)  # RedisGone is an OSError
 MAX_BATCH = 256
 
 
@@ -35,16 +34,19 @@ def _none(v: int) -> int | None:
 
 
 class RedisLimiter:
-    def __init__(self, redis: Redis, lease_ttl: float = 60.0) -> None:
+    def __init__(self, redis: RespClient, lease_ttl: float = 60.0,
+                 start_ttl: float | None = None) -> None:
         self.redis = redis
         self.lease_ttl_ms = int(lease_ttl * 1000)
+        self.start_ttl_ms = int(min(start_ttl or lease_ttl, lease_ttl) * 1000)
         self.record_ttl_ms = self.lease_ttl_ms * 3
-        self._admit = redis.register_script(_lua("admit.lua"))
-        self._settle = redis.register_script(_lua("settle.lua"))
-        self._renew = redis.register_script(_lua("renew.lua"))
-        self._sweep = redis.register_script(_lua("sweep.lua"))
+        self._admit = Script(redis, _lua("admit.lua"))
+        self._settle = Script(redis, _lua("settle.lua"))
+        self._renew = Script(redis, _lua("renew.lua"))
+        self._sweep = Script(redis, _lua("sweep.lua"))
         self._queue: list[tuple[AdmitRequest, asyncio.Future[Verdict]]] = []
         self._pump: asyncio.Task[None] | None = None
+        self._tier_args: dict[int, tuple[tuple[TierLimit, ...], str]] = {}
 
     async def admit(self, req: AdmitRequest) -> Verdict:
         fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
@@ -62,7 +64,7 @@ class RedisLimiter:
             if not live:
                 continue
             try:
-                rows = await self._admit(args=self._args([r for r, _ in live]))
+                rows = await self._admit(*self._args([r for r, _ in live]))
             except REDIS_ERRORS as exc:
                 err = StoreUnavailable(f"redis: {exc.__class__.__name__}: {exc}")
                 for _, f in live:
@@ -76,21 +78,33 @@ class RedisLimiter:
     def _args(self, reqs: list[AdmitRequest]) -> list[Any]:
         now = reqs[0].now
         args: list[Any] = [
-            int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
+            int(now * 1000), self.start_ttl_ms, self.record_ttl_ms,
             maths.day_id(now), maths.month_id(now),
             int(maths.seconds_to_day_end(now) * 1000),
             int(maths.seconds_to_month_end(now) * 1000),
             len(reqs),
         ]
-        for r in reqs:
-            fields: list[Any] = [r.request_id, r.reserve, r.meta, len(r.tiers)]
-            for t in r.tiers:
-                sp = t.spec
-                fields += [f"{t.tier}:{t.name}", _opt(sp.rps), _opt(sp.burst),
-                           _opt(sp.concurrency), _opt(sp.tokens_per_minute),
-                           _opt(sp.tokens_per_day), _opt(sp.tokens_per_month)]
-            args.append("\x1f".join(map(str, fields)))
+        for r in reqs:  # one \x1f-joined argument per request (admit.lua splits it)
+            args.append(f"{r.request_id}\x1f{r.reserve}\x1f{r.meta}\x1f{self._tiers_arg(r.tiers)}")
         return args
+
+    def _tiers_arg(self, tiers: tuple[TierLimit, ...]) -> str:
+        """The tiers' part of the argument; the policy hands out the same tuple for every
+        request of a (model, key), so it is built once per policy revision."""
+        cached = self._tier_args.get(id(tiers))
+        if cached is not None and cached[0] is tiers:
+            return cached[1]
+        fields: list[Any] = [len(tiers)]
+        for t in tiers:
+            sp = t.spec
+            fields += [f"{t.tier}:{t.name}", _opt(sp.rps), _opt(sp.burst), _opt(sp.concurrency),
+                       _opt(sp.tokens_per_minute), _opt(sp.tokens_per_day),
+                       _opt(sp.tokens_per_month)]
+        arg = "\x1f".join(map(str, fields))
+        if len(self._tier_args) >= 65536:
+            self._tier_args.clear()
+        self._tier_args[id(tiers)] = (tiers, arg)  # holding `tiers` keeps its id unique
+        return arg
 
     @staticmethod
     def _verdict(req: AdmitRequest, row: list[int]) -> Verdict:
@@ -116,7 +130,7 @@ class RedisLimiter:
         for rid, actual in items:
             args += [rid, -1 if actual is None else actual]
         try:
-            await self._settle(args=args)
+            await self._settle(*args)
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
@@ -124,14 +138,14 @@ class RedisLimiter:
         if not request_ids:
             return
         try:
-            await self._renew(args=[int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
-                                    *request_ids])
+            await self._renew(int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
+                              *request_ids)
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
         try:
-            flat = await self._sweep(args=[int(now * 1000), limit])
+            flat = await self._sweep(int(now * 1000), limit)
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
@@ -140,11 +154,11 @@ class RedisLimiter:
 
     async def ping(self) -> bool:
         try:
-            return bool(await self.redis.ping())
+            return await self.redis.call("PING") == b"PONG"
         except REDIS_ERRORS:
             return False
 
     async def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
-        await self.redis.aclose()
+        await self.redis.close()

@@ -19,11 +19,16 @@ from gateway.server import metrics
 
 
 class Lifecycle:
-    def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float) -> None:
+    def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float,
+                 start_ttl: float | None = None) -> None:
         self.limiter = limiter
         self.clock = clock
         self.renew_every = max(lease_ttl / 3, 0.05)
+        # Streams that began since the last tick get their first renewal within a third of
+        # the start TTL; the rest are renewed every third of the lease TTL.
+        self.tick = max(min(start_ttl or lease_ttl, lease_ttl) / 3, 0.05)
         self.active: set[str] = set()
+        self.fresh: set[str] = set()
         self._pending: list[tuple[str, int | None]] = []
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -43,12 +48,14 @@ class Lifecycle:
 
     def begin(self, request_id: str) -> None:
         self.active.add(request_id)
+        self.fresh.add(request_id)
 
     def release(self, request_id: str) -> None:
         """The response ended: free its concurrency slots at once (its next request must
         find them free). The rest of the settlement waits for the usage event (`settle`)."""
         if request_id in self.active:
             self.active.discard(request_id)
+            self.fresh.discard(request_id)
             self._pending.append((request_id, RELEASE))
             self._wake.set()
 
@@ -57,6 +64,7 @@ class Lifecycle:
         durable: a sidecar killed before that leaves the admission to the orphan sweep, so
         the request still gets exactly one event."""
         self.active.discard(request_id)
+        self.fresh.discard(request_id)
         self._pending.append((request_id, actual_tokens))
         self._wake.set()
 
@@ -95,11 +103,21 @@ class Lifecycle:
                 self._wake.set()
 
     async def _renew_loop(self) -> None:
+        last_all = self.clock.now()
         while True:
-            await asyncio.sleep(self.renew_every)
-            if not self.active:
+            await asyncio.sleep(self.tick)
+            now = self.clock.now()
+            everyone = now - last_all >= self.renew_every - self.tick / 2
+            ids = list(self.active if everyone else self.fresh)
+            if not ids:
+                if everyone:
+                    last_all = now
                 continue
             try:
-                await self.limiter.renew(list(self.active), self.clock.now())
+                await self.limiter.renew(ids, now)
             except Exception as exc:
-                log.warning("lease_renew_failed", active=len(self.active), error=repr(exc))
+                log.warning("lease_renew_failed", active=len(ids), error=repr(exc))
+                continue
+            self.fresh.difference_update(ids)
+            if everyone:
+                last_all = now

@@ -110,6 +110,8 @@ class Policy:
     teams: dict[str, LimitSpec]
     keys_by_digest: dict[bytes, KeyRecord]
     keys: dict[str, KeyRecord] = field(default_factory=dict)
+    _tiers: dict[tuple[str | None, str], tuple[TierLimit, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def compile(cls, doc: PolicyDoc, revision: int) -> Policy:
@@ -138,8 +140,19 @@ class Policy:
             keys=keys,
         )
 
-    def tiers_for(self, model: str | None, key: KeyRecord) -> list[TierLimit]:
-        """The tiers with limits that apply to one request, in the order platform, team, key."""
+    def tiers_for(self, model: str | None, key: KeyRecord) -> tuple[TierLimit, ...]:
+        """The tiers with limits that apply to one request, in the order platform, team, key.
+
+        Memoised per (model, key): the same objects come back for every request, so the
+        limiter can cache what it derives from them."""
+        memo = self._tiers.get((model, key.key_id))
+        if memo is None:
+            if len(self._tiers) >= 65536:
+                self._tiers.clear()
+            memo = self._tiers[model, key.key_id] = tuple(self._tiers_for(model, key))
+        return memo
+
+    def _tiers_for(self, model: str | None, key: KeyRecord) -> list[TierLimit]:
         out = []
         model_spec = self.models.get(model) if model else None
         if model_spec is not None and not model_spec.empty:

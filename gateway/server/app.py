@@ -21,6 +21,7 @@ from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
+from gateway.limits.resp import RespClient
 from gateway.limits.types import Limiter
 from gateway.log import log
 from gateway.metering.lifecycle import Lifecycle
@@ -66,18 +67,20 @@ class App:
         if s.embedded:
             if s.policy_file is None:
                 raise SystemExit("embedded mode needs GATEWAY_POLICY_FILE (or GATEWAY_REDIS_URL)")
-            self.limiter = MemoryLimiter(lease_ttl=s.lease_ttl_s)
+            self.limiter = MemoryLimiter(lease_ttl=s.lease_ttl_s, start_ttl=s.lease_start_ttl_s)
             self.sync = FilePolicySync(self.holder, s.policy_file)
             self.sync.refresh()
         else:
             assert s.redis_url
             deadline = s.redis_deadline_ms / 1000
-            self.limiter = RedisLimiter(redis_client(s.redis_url, deadline), s.lease_ttl_s)
+            self.limiter = RedisLimiter(RespClient(
+                s.redis_url, timeout=max(deadline * 4, 1.0),
+                connect_timeout=max(deadline * 2, 0.5)), s.lease_ttl_s, s.lease_start_ttl_s)
             store = PolicyStore(redis_client(s.redis_url, deadline))
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
         self.sync.start()
-        self.lifecycle = Lifecycle(self.limiter, clock, s.lease_ttl_s)
+        self.lifecycle = Lifecycle(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s)
         self.lifecycle.start()
         recorder = self._start_usage_pipeline(self.lifecycle)
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(

@@ -20,12 +20,15 @@ SETTLE_ERRORS = Counter("gateway_settle_errors_total", "Settlements the store re
 READY = Gauge("gateway_ready", "1 when this worker has a policy", multiprocess_mode="livemin")
 
 
+_ALLOWED = DECISIONS.labels("allowed", "", "")
+
+
 def observe_decision(decision: Decision, seconds: float) -> None:
     CHECK_SECONDS.observe(seconds)
     if isinstance(decision, Deny):
         DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
     else:
-        DECISIONS.labels("allowed", "", "").inc()
+        _ALLOWED.inc()
 SINK_ERRORS = Counter("gateway_usage_sink_errors_total", "Failed deliveries to Kafka/JSONL")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
 EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])

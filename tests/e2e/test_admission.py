@@ -132,5 +132,27 @@ def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> Non
         spoke.stop()
 
 
+def test_a_stream_that_began_outlives_the_start_ttl(tmp_path: Path) -> None:
+    """The first lease lasts GATEWAY_LEASE_START_TTL_S; the ext_proc stream renews it."""
+    spoke, keys = start_spoke(tmp_path / "spoke", sidecar_env={
+        "GATEWAY_LEASE_TTL_S": "30", "GATEWAY_LEASE_START_TTL_S": "1"})
+    r = redis.Redis.from_url(spoke.redis_url)
+    leases = "gw:conc:key:conc4"
+    try:
+        c = client(spoke, keys["conc4"], default_headers={"x-mock-tokens-per-s": "10"})
+        stream = c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
+                                           messages=[{"role": "user", "content": "hi"}])
+        t0 = time.monotonic()
+        for _ in stream:
+            if time.monotonic() - t0 > 2.0:  # twice the start TTL
+                live_until = r.zscore(leases, r.zrange(leases, 0, 0)[0])
+                assert live_until is not None and live_until > time.time() * 1000 + 20_000
+                break
+        stream.close()
+        _until(lambda: r.zcard(leases) == 0, 2.0)
+    finally:
+        spoke.stop()
+
+
 def _live(r: redis.Redis, key: str) -> int:
     return int(r.zcount(key, time.time() * 1000, "+inf"))

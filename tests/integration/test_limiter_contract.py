@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from redis.asyncio import Redis
 
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
+from gateway.limits.resp import RespClient
 from gateway.limits.types import AdmitRequest, Limiter
 from gateway.policy.model import LimitSpec, TierLimit
 
@@ -24,7 +24,19 @@ async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[Limiter]:
         yield MemoryLimiter(lease_ttl=60)
         return
     url = request.getfixturevalue("redis_url")
-    lim = RedisLimiter(Redis.from_url(url), lease_ttl=60)
+    lim = RedisLimiter(RespClient(url), lease_ttl=60)
+    yield lim
+    await lim.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def start_ttl_limiter(request: pytest.FixtureRequest) -> AsyncIterator[Limiter]:
+    """Leases of 60 s, but an admission's first lease lasts 5 s until renewed."""
+    if request.param == "memory":
+        yield MemoryLimiter(lease_ttl=60, start_ttl=5)
+        return
+    lim = RedisLimiter(RespClient(request.getfixturevalue("redis_url")), lease_ttl=60,
+                       start_ttl=5)
     yield lim
     await lim.close()
 
@@ -82,6 +94,23 @@ async def test_renew_keeps_long_streams_leased(limiter: Limiter) -> None:
     assert (await limiter.admit(req("x", [key], T0 + 111))).allowed
 
 
+async def test_an_admission_nobody_follows_frees_its_slot_after_the_start_ttl(
+        start_ttl_limiter: Limiter) -> None:
+    """The client left between the Check and ext_proc: no stream renews the first lease."""
+    lim, key = start_ttl_limiter, tier("key", "k1", concurrency=1)
+    assert (await lim.admit(req("left", [key]))).allowed
+    assert not (await lim.admit(req("x", [key], T0 + 4))).allowed
+    assert (await lim.admit(req("x", [key], T0 + 6))).allowed
+
+
+async def test_a_stream_that_began_renews_past_the_start_ttl(start_ttl_limiter: Limiter) -> None:
+    lim, key = start_ttl_limiter, tier("key", "k1", concurrency=1)
+    assert (await lim.admit(req("began", [key]))).allowed
+    await lim.renew(["began"], T0 + 2)  # ext_proc began: the lease now ends at T0 + 62
+    assert not (await lim.admit(req("x", [key], T0 + 61))).allowed
+    assert (await lim.admit(req("x", [key], T0 + 63))).allowed
+
+
 async def test_reservation_then_settlement(limiter: Limiter) -> None:
     key = tier("key", "k1", tokens_per_day=1000)
     assert (await limiter.admit(req("a", [key], reserve=600))).allowed
@@ -135,7 +164,7 @@ async def test_three_tiers_report_the_tightest(limiter: Limiter) -> None:
 
 
 async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url: str) -> None:
-    lim = RedisLimiter(Redis.from_url(redis_url), lease_ttl=60)
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
     key = tier("key", "k1", concurrency=1, tokens_per_day=1000)
     admit = AdmitRequest("lost", (key,), 600, T0, meta='["k1","t","m","/v1/chat/completions",true]')
     assert (await lim.admit(admit)).allowed
@@ -154,7 +183,7 @@ async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url:
 
 async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:
     from gateway.limits.types import VOID
-    lim = RedisLimiter(Redis.from_url(redis_url), lease_ttl=60)
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
     key = tier("key", "k1", concurrency=1, tokens_per_day=100)
     # the admission ran, then its caller gave up: the void releases it
     assert (await lim.admit(req("late", [key], reserve=100))).allowed

@@ -259,7 +259,7 @@ keys:
     assert [t.tier for t in policy.tiers_for(None, k)] == ["team", "key"]
     assert [t.tier for t in policy.tiers_for("unknown", k)] == ["team", "key"]
     assert [t.tier for t in policy.tiers_for("limited", b)] == ["model"]
-    assert policy.tiers_for("free", b) == []
+    assert policy.tiers_for("free", b) == ()
 
 
 @pytest.mark.parametrize(("limits", "burst"), [
