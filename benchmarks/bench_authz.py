@@ -66,6 +66,7 @@ TEAM = "bench"
 HUGE_RPS = 1_000_000  # never binds: each Check still runs the GCRA step in Lua
 HUGE_TOKENS = 10**15  # never binds: each Check still reserves tokens in Lua
 KEY_CONCURRENCY = 10_000  # through Envoy only: ext_proc releases the leases
+START_TTL_S = 5.0  # the sidecar's default GATEWAY_LEASE_START_TTL_S
 CONCURRENCIES = (1, 64)
 SMALL_BODY = b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}'
 CHAT_BODY = (b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}],'
@@ -109,6 +110,12 @@ DIRECT = (
     Direct("direct redis 16KB", "redis", big_body()),
 )
 PLAIN, FULL_PATH = "envoy plain", "envoy+sidecar"
+AUTHZ_ONLY = "envoy+authz"  # ext_authz alone: what issue 2's Check adds through Envoy
+# The ext_authz-only path has no ext_proc to release leases or settle reservations, so its
+# key, team and model carry RPS limits only: every Check still runs GCRA on three tiers in
+# one Lua call, and leaves nothing behind to settle.
+AUTHZ_MODEL, AUTHZ_TEAM, AUTHZ_KEY = "authz-model", "authz_team", "authz_key"
+AUTHZ_BODY = CHAT_BODY.replace(MODEL.encode(), AUTHZ_MODEL.encode())
 
 
 # --------------------------------------------------------------------------- policy
@@ -121,14 +128,22 @@ def limits(concurrency: int | None = None) -> dict[str, Any]:
     return out
 
 
-def policy_doc(secret: str, key_concurrency: int | None) -> dict[str, Any]:
+def policy_doc(secret: str, key_concurrency: int | None,
+               authz_secret: str | None = None) -> dict[str, Any]:
     """Limits on the model, team and key tiers, none of which ever binds."""
-    return {
+    doc: dict[str, Any] = {
         "models": {MODEL: {"limits": limits()}},
         "teams": {TEAM: {"models": ["*"], "limits": limits()}},
         "keys": {KEY_ID: {"team": TEAM, "sha256": secrets.digest(secret).hex(),
                           "limits": limits(key_concurrency)}},
     }
+    if authz_secret is not None:
+        rps = {"rps": HUGE_RPS}
+        doc["models"][AUTHZ_MODEL] = {"limits": rps}
+        doc["teams"][AUTHZ_TEAM] = {"models": [AUTHZ_MODEL], "limits": rps}
+        doc["keys"][AUTHZ_KEY] = {"team": AUTHZ_TEAM, "limits": rps,
+                                  "sha256": secrets.digest(authz_secret).hex()}
+    return doc
 
 
 def publish(redis_url: str, doc: dict[str, Any]) -> int:
@@ -155,17 +170,16 @@ class RedisProbe:
                    for c in ("evalsha", "eval"))
 
     def live_leases(self) -> int:
-        """Unexpired leases of the bench key, once the count has stopped moving (max 2 s)."""
-        last, stable = -1, 0
-        for _ in range(20):
+        """Unexpired leases of the bench key once they stop draining: admissions whose
+        client left before ext_proc began hold theirs for the start TTL (5 s), so wait up to
+        that long for the count to reach 0."""
+        deadline = time.monotonic() + START_TTL_S + 1.5
+        while True:
             now_ms = int(time.time() * 1000)
             n = int(self.client.zcount(f"gw:conc:key:{KEY_ID}", now_ms, "+inf"))
-            stable = stable + 1 if n == last else 0
-            if stable >= 2 or n == 0:
+            if n == 0 or time.monotonic() > deadline:
                 return n
-            last = n
             time.sleep(0.1)
-        return last
 
     def close(self) -> None:
         self.client.close()
@@ -422,6 +436,7 @@ class Bench:
         self.spoke: Spoke | None = None
         self.loadgen: LoadGen | None = None
         self.secret = secrets.new_secret(KEY_ID)
+        self.authz_secret = secrets.new_secret(AUTHZ_KEY)
         self.scenarios: dict[tuple[str, int], Scenario] = {}
         self.notes: list[str] = []
         self.leases_leaked = 0
@@ -473,7 +488,7 @@ class Bench:
                       f"first: {result['first_error']}")
         if result.get("leases_leaked"):
             self.note(f"{name} c={conc}: {result['leases_leaked']} concurrency leases still "
-                      f"held after the run (admitted, never settled: they wait for the lease TTL)")
+                      f"held {START_TTL_S:g}+ s after the run (admitted, never released)")
         if result.get("capped"):
             self.note(f"{name} c={conc}: stopped by the call-count cap, not the time bound")
 
@@ -551,53 +566,61 @@ class Bench:
         self.spoke.start()
         for svc in self.spoke.services.values():
             pin(svc.pid, self.server_cpus)
-        publish(self.spoke.redis_url, policy_doc(self.secret, key_concurrency=KEY_CONCURRENCY))
+        publish(self.spoke.redis_url, policy_doc(self.secret, key_concurrency=KEY_CONCURRENCY,
+                                                 authz_secret=self.authz_secret))
         wait_ready(self.spoke.metrics_port)
 
         engine, sidecar = self.spoke["engine"], self.spoke["sidecar"]
-        plain_port, plain_admin = free_port(), free_port()
-        config = yaml.safe_load(render(EnvoyPorts(
-            listen=f"{LOOP}:{plain_port}", sidecar=sidecar.address, engine=engine.address,
-            admin=f"{LOOP}:{plain_admin}")))
-        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-        filters = hcm["typed_config"]["http_filters"]
-        hcm["typed_config"]["http_filters"] = [
-            f for f in filters if f["name"] not in (EXT_AUTHZ, EXT_PROC)]
-        assert len(hcm["typed_config"]["http_filters"]) == len(filters) - 2
-        plain = envoy_service(yaml.safe_dump(config, sort_keys=False), plain_admin, plain_port,
-                              self.workdir)
-        plain.name = "envoy-plain"
-        self.start(plain, self.server_cpus)
+        envoys = {FULL_PATH: self.spoke["envoy"]}
+        ports = {FULL_PATH: self.spoke.listen_port}
+        # The same rendered bootstrap without both ext filters (plain), or without ext_proc.
+        for path, drop in ((PLAIN, (EXT_AUTHZ, EXT_PROC)), (AUTHZ_ONLY, (EXT_PROC,))):
+            port, admin = free_port(), free_port()
+            config = yaml.safe_load(render(EnvoyPorts(
+                listen=f"{LOOP}:{port}", sidecar=sidecar.address, engine=engine.address,
+                admin=f"{LOOP}:{admin}")))
+            hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+            filters = hcm["typed_config"]["http_filters"]
+            hcm["typed_config"]["http_filters"] = [f for f in filters if f["name"] not in drop]
+            assert len(hcm["typed_config"]["http_filters"]) == len(filters) - len(drop)
+            envoy = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port,
+                                  self.workdir)
+            envoy.name = f"envoy-{path.replace(' ', '-').replace('+', '-')}"
+            self.start(envoy, self.server_cpus)
+            envoys[path], ports[path] = envoy, port
 
-        ports = {PLAIN: plain_port, FULL_PATH: self.spoke.listen_port}
-        envoys = {PLAIN: plain, FULL_PATH: self.spoke["envoy"]}
+        bodies = {PLAIN: CHAT_BODY, FULL_PATH: CHAT_BODY, AUTHZ_ONLY: AUTHZ_BODY}
+        keys = {PLAIN: self.secret, FULL_PATH: self.secret, AUTHZ_ONLY: self.authz_secret}
         for path, port in ports.items():  # one request each, checked before any load
-            status, headers, body = post(port, CHAT_BODY, self.secret)
+            status, headers, body = post(port, bodies[path], keys[path])
             if status != 200:
                 raise RuntimeError(f"{path}: sanity request got {status}: {body[:500]!r}")
             via_sidecar = any(h.startswith("x-ratelimit") for h in headers)
-            if via_sidecar != (path == FULL_PATH):
+            if via_sidecar != (path != PLAIN):
                 raise RuntimeError(f"{path}: rate-limit headers {'' if via_sidecar else 'not '}"
                                    f"present; the path is not what it claims: {headers}")
 
-        script = self.workdir / "bench.lua"
-        script.write_text(WRK_SCRIPT.format(body=CHAT_BODY.decode(), secret=self.secret,
-                                            max_requests=WRK_MAX_REQUESTS))
-        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {LOOP}\r\n"
-                   f"Content-Type: application/json\r\nAuthorization: Bearer {self.secret}\r\n"
-                   f"Content-Length: {len(CHAT_BODY)}\r\n\r\n").encode() + CHAT_BODY
-        paths = (PLAIN, FULL_PATH)
+        scripts, requests = {}, {}
+        for path in ports:
+            scripts[path] = self.workdir / f"bench-{len(scripts)}.lua"
+            scripts[path].write_text(WRK_SCRIPT.format(
+                body=bodies[path].decode(), secret=keys[path], max_requests=WRK_MAX_REQUESTS))
+            requests[path] = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {LOOP}\r\n"
+                f"Content-Type: application/json\r\nAuthorization: Bearer {keys[path]}\r\n"
+                f"Content-Length: {len(bodies[path])}\r\n\r\n").encode() + bodies[path]
+        paths = (PLAIN, AUTHZ_ONLY, FULL_PATH)
         probe = RedisProbe(self.spoke.redis_url)
         try:
             for rnd in range(mode.rounds):
                 for conc in CONCURRENCIES:
                     for path in paths if rnd % 2 == 0 else paths[::-1]:
                         pids = {"envoy": envoys[path].pid, "engine": engine.pid}
-                        if path == FULL_PATH:
+                        if path != PLAIN:
                             pids |= {name: svc.pid for name, svc in self.spoke.services.items()
                                      if name in ("sidecar", "redis", "kafka")}
-                        result = self._http(script, request, ports[path], conc, pids,
-                                            probe if path == FULL_PATH else None)
+                        result = self._http(scripts[path], requests[path], ports[path], conc,
+                                            pids, probe if path != PLAIN else None)
                         self.record(path, conc, result)
         finally:
             probe.close()
@@ -675,6 +698,12 @@ class Bench:
                                                        get(PLAIN, c, "p99_ms"))
             derived[f"envoy_rps_ratio_c{c}"] = ratio(get(FULL_PATH, c, "rps"),
                                                      get(PLAIN, c, "rps"))
+            derived[f"authz_added_p50_ms_c{c}"] = diff(get(AUTHZ_ONLY, c, "p50_ms"),
+                                                       get(PLAIN, c, "p50_ms"))
+            derived[f"authz_added_p99_ms_c{c}"] = diff(get(AUTHZ_ONLY, c, "p99_ms"),
+                                                       get(PLAIN, c, "p99_ms"))
+            derived[f"authz_rps_ratio_c{c}"] = ratio(get(AUTHZ_ONLY, c, "rps"),
+                                                     get(PLAIN, c, "rps"))
             derived[f"redis_admission_added_p50_ms_c{c}"] = diff(
                 get("direct redis 70B", c, "p50_ms"), get("direct embedded 70B", c, "p50_ms"))
         red64 = by.get(("direct redis 70B", 64))
@@ -697,6 +726,12 @@ def derived_lines(d: dict[str, Any]) -> str:
         return "-" if v is None else f"{v:.0f}"
 
     return "\n".join([
+        f"added by ext_authz alone through Envoy, c=1:  p50 {ms(d['authz_added_p50_ms_c1'])}, "
+        f"p99 {ms(d['authz_added_p99_ms_c1'])}",
+        f"added by ext_authz alone through Envoy, c=64: p50 {ms(d['authz_added_p50_ms_c64'])}, "
+        f"p99 {ms(d['authz_added_p99_ms_c64'])}",
+        f"req/s ratio envoy+authz / envoy plain:  c=1 {x(d['authz_rps_ratio_c1'])}, "
+        f"c=64 {x(d['authz_rps_ratio_c64'])}",
         f"added by the sidecar through Envoy, c=1:  p50 {ms(d['envoy_added_p50_ms_c1'])}, "
         f"p99 {ms(d['envoy_added_p99_ms_c1'])}",
         f"added by the sidecar through Envoy, c=64: p50 {ms(d['envoy_added_p50_ms_c64'])}, "
@@ -710,7 +745,7 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"Redis admission vs embedded, direct p50: c=1 "
         f"{ms(d['redis_admission_added_p50_ms_c1'])}, "
         f"c=64 {ms(d['redis_admission_added_p50_ms_c64'])}",
-        f"concurrency leases still held after the measured Envoy runs (should be 0): "
+        f"concurrency leases still held 5 s after the measured Envoy runs (should be 0): "
         f"{d['leases_leaked_through_envoy']}",
     ])
 
