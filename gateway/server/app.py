@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import prometheus_client
-from envoy.service.auth.v3 import external_auth_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
@@ -95,8 +94,7 @@ class App:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         self.server = grpc.aio.server(options=opts)
-        external_auth_pb2_grpc.add_AuthorizationServicer_to_server(
-            AuthorizationService(authorizer), self.server)
+        AuthorizationService(authorizer).register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, s.continuous_models), self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from gateway.authz.decision import Allow, Decision, Deny
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
-from gateway.server import metrics
+from gateway.server import check_wire, metrics
 
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
@@ -27,6 +27,7 @@ _OK = status_pb2.Status(code=code_pb2.OK)
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
 _STRIP = ("authorization", "x-api-key")
 METADATA_NS = "envoy.filters.http.ext_authz"
+SERVICE = "envoy.service.auth.v3.Authorization"
 
 
 def to_request(check: pb.CheckRequest) -> AuthzRequest:
@@ -41,17 +42,21 @@ def to_request(check: pb.CheckRequest) -> AuthzRequest:
     )
 
 
-def to_response(decision: Decision, req: AuthzRequest) -> pb.CheckResponse:
+def to_response(decision: Decision, req: AuthzRequest) -> pb.CheckResponse | bytes:
+    """A denial as a message; an allow as its serialized bytes (both go out as they are)."""
     if isinstance(decision, Deny):
         return _denied(decision, req)
     return _allowed(decision, req)
+
+
+def _serialize(response: pb.CheckResponse | bytes) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()
 
 
 _OURS = ("x-gateway-request-id", "x-gateway-key-id", "x-gateway-team", "x-gateway-model")
 
 
 def _set_headers(field: Any, items: Iterable[tuple[str, str]]) -> None:
-    """Append header options in place: a third of the cost of building nested messages."""
     for key, value in items:
         h = field.add()
         h.header.key = key
@@ -70,24 +75,23 @@ def _set_metadata(md: struct_pb2.Struct, values: dict[str, str | int | bool]) ->
             fields[k].number_value = v
 
 
-def _allowed(allow: Allow, req: AuthzRequest) -> pb.CheckResponse:
+def _allowed(allow: Allow, req: AuthzRequest) -> bytes:
+    """The OK answer, already serialized (see check_wire: the hot path's biggest cost)."""
     c = allow.context
-    resp = pb.CheckResponse(status=_OK)
-    ok = resp.ok_response
-    _set_headers(ok.headers, zip(_OURS, (c.request_id, c.key_id, c.team, c.model), strict=True))
-    # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
-    ok.headers_to_remove.extend(_STRIP)
-    ok.headers_to_remove.extend(
-        h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)
-    _set_headers(ok.response_headers_to_add, answers.rate_headers(allow.rate).items())
-    _set_metadata(resp.dynamic_metadata, {
-        "request_id": c.request_id, "key_id": c.key_id, "team": c.team, "model": c.model,
-        "stream": c.stream, "reserved": c.reserved, "leased": c.leased,
-        "endpoint": c.endpoint, "prompt_estimate": c.prompt_estimate,
-        "stream_options": c.stream_options, "include_usage": c.include_usage,
-        "continuous_usage": c.continuous_usage,
-    })
-    return resp
+    return check_wire.allowed(
+        upstream=zip(_OURS, (c.request_id, c.key_id, c.team, c.model), strict=True),
+        # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
+        remove=[*_STRIP,
+                *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
+        response_headers=answers.rate_headers(allow.rate).items(),
+        metadata={
+            "request_id": c.request_id, "key_id": c.key_id, "team": c.team, "model": c.model,
+            "stream": c.stream, "reserved": c.reserved, "leased": c.leased,
+            "endpoint": c.endpoint, "prompt_estimate": c.prompt_estimate,
+            "stream_options": c.stream_options, "include_usage": c.include_usage,
+            "continuous_usage": c.continuous_usage,
+        },
+    )
 
 
 def _denied(deny: Deny, req: AuthzRequest) -> pb.CheckResponse:
@@ -106,9 +110,19 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
     def __init__(self, authorizer: Authorizer) -> None:
         self.authorizer = authorizer
 
+    def register(self, server: grpc.aio.Server) -> None:
+        """Like the generated add_AuthorizationServicer_to_server, with a serializer that
+        passes our pre-serialized answers through."""
+        handlers = {"Check": grpc.unary_unary_rpc_method_handler(
+            self.Check, request_deserializer=pb.CheckRequest.FromString,
+            response_serializer=_serialize)}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)  # type: ignore[attr-defined]
+
     async def Check(
         self, request: pb.CheckRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CheckResponse:
+    ) -> pb.CheckResponse | bytes:
         t0 = time.perf_counter()
         req = to_request(request)
         try:

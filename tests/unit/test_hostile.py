@@ -10,6 +10,7 @@ import os
 import time
 
 import orjson
+from envoy.service.auth.v3.external_auth_pb2 import CheckResponse
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
@@ -68,7 +69,9 @@ async def test_any_request_gets_a_decision_never_an_exception(
     assert isinstance(decision, Allow | Deny)
     if isinstance(decision, Deny):
         assert decision.status in STATUSES
-    resp = to_response(decision, req)  # the proto answer builds for any decision
+    resp = to_response(decision, req)  # the answer builds, and parses, for any decision
+    if isinstance(resp, bytes):
+        resp = CheckResponse.FromString(resp)
     assert resp.status.code == (0 if isinstance(decision, Allow) else 7)
 
 
