@@ -100,7 +100,7 @@ FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
 @dataclass(frozen=True)
 class Direct:
     name: str
-    backend: str  # "redis" | "embedded"
+    backend: str  # "redis" | "embedded" | "baseline" (Redis mode, an older commit's code)
     body: bytes
 
 
@@ -428,8 +428,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 class Bench:
     def __init__(self, mode: Mode, workdir: Path, http_client: str, pin_cpus: bool,
-                 kafka: bool = False) -> None:
+                 kafka: bool = False, baseline: str | None = None) -> None:
         self.mode = mode
+        self.baseline = baseline  # a git revision whose sidecar runs beside this one
         self.kafka = kafka
         self.workdir = workdir
         self.services: list[Service] = []
@@ -505,10 +506,16 @@ class Bench:
         policy_file.write_text(yaml.safe_dump(doc))
         common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1"}
         sidecars: dict[str, tuple[Service, int]] = {}
-        for backend, env in (
+        backends: list[tuple[str, dict[str, str]]] = [
             ("redis", {"GATEWAY_REDIS_URL": redis_url}),
             ("embedded", {"GATEWAY_REDIS_URL": "", "GATEWAY_POLICY_FILE": str(policy_file)}),
-        ):
+        ]
+        if self.baseline:
+            # The older commit's package first on sys.path (PYTHONSAFEPATH: not the cwd's).
+            tree = self.baseline_tree()
+            backends.append(("baseline", {"GATEWAY_REDIS_URL": redis_url,
+                                          "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}))
+        for backend, env in backends:
             metrics_port = free_port()
             env |= self.sink_env(backend)
             svc = sidecar_service(free_port(), metrics_port, self.workdir, {**common, **env})
@@ -521,16 +528,17 @@ class Bench:
         marker = str(uuid.uuid4())
         templates = {d.name: base64.b64encode(
             check_request(self.secret, body=d.body, request_id=marker).SerializeToString()
-        ).decode() for d in DIRECT}
+        ).decode() for d in self.direct_scenarios()}
         assert self.loadgen is not None
         probe = RedisProbe(redis_url)
         for rnd in range(mode.rounds):
-            order = DIRECT if rnd % 2 == 0 else DIRECT[::-1]
+            scenarios = self.direct_scenarios()
+            order = scenarios if rnd % 2 == 0 else scenarios[::-1]
             for conc in CONCURRENCIES:
                 for d in order:
                     svc, _ = sidecars[d.backend]
                     pids = {"sidecar": svc.pid}
-                    if d.backend == "redis":
+                    if d.backend != "embedded":
                         pids["redis"] = redis.pid
                     job = {"kind": "grpc", "target": svc.address, "marker": marker,
                            "template_b64": templates[d.name], "concurrency": conc,
@@ -539,7 +547,7 @@ class Bench:
                     timeout = mode.warmup_s + mode.duration_s + 60
                     lua0 = probe.lua_calls()
                     result = self.loadgen.run(job, timeout)
-                    if d.backend == "redis":  # warm-up included: batches span both phases
+                    if d.backend != "embedded":  # warm-up included: batches span both phases
                         checks = result["calls"] + result["warmup_calls"]
                         result["lua_calls_per_call"] = (probe.lua_calls() - lua0) / max(checks, 1)
                     self.record(d.name, conc, result)
@@ -547,6 +555,21 @@ class Bench:
         for svc, _ in sidecars.values():
             svc.stop()
         redis.stop()
+
+    def direct_scenarios(self) -> tuple[Direct, ...]:
+        if not self.baseline:
+            return DIRECT
+        return (*DIRECT, Direct(f"direct redis 70B @{self.baseline}", "baseline", SMALL_BODY))
+
+    def baseline_tree(self) -> Path:
+        """A detached git worktree of the baseline revision, inside the workdir."""
+        tree = self.workdir / "baseline"
+        subprocess.run(["git", "-C", str(HERE.parent), "worktree", "add", "--detach", "-f",
+                        str(tree), self.baseline], check=True, capture_output=True)
+        self.note(f"baseline: {self.baseline} = " + subprocess.run(
+            ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
+            text=True).stdout.strip())
+        return tree
 
     # -- B: through Envoy
 
@@ -673,6 +696,9 @@ class Bench:
         for svc in reversed(self.services):
             with contextlib.suppress(Exception):
                 svc.stop()
+        if (self.workdir / "baseline").exists():
+            subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force",
+                            str(self.workdir / "baseline")], capture_output=True)
 
     # -- report
 
@@ -691,6 +717,15 @@ class Bench:
             return None if a is None or not b else a / b
 
         derived: dict[str, Any] = {}
+        if self.baseline:
+            base = f"direct redis 70B @{self.baseline}"
+            for c in CONCURRENCIES:
+                cpu_now = (by.get(("direct redis 70B", c)) or {}).get("cpu_us_per_call", {})
+                cpu_base = (by.get((base, c)) or {}).get("cpu_us_per_call", {})
+                derived[f"baseline_cpu_ratio_c{c}"] = ratio(cpu_now.get("sidecar"),
+                                                            cpu_base.get("sidecar"))
+                derived[f"baseline_rps_ratio_c{c}"] = ratio(get("direct redis 70B", c, "rps"),
+                                                            get(base, c, "rps"))
         for c in CONCURRENCIES:
             derived[f"envoy_added_p50_ms_c{c}"] = diff(get(FULL_PATH, c, "p50_ms"),
                                                        get(PLAIN, c, "p50_ms"))
@@ -712,6 +747,7 @@ class Bench:
         derived["redis_sidecar_cpu_us_per_check_c64"] = cpu64
         derived["redis_checks_per_s_per_core_from_cpu_c64"] = 1e6 / cpu64 if cpu64 else None
         derived["leases_leaked_through_envoy"] = self.leases_leaked
+        derived["baseline"] = self.baseline
         return {"rows": rows, "derived": derived}
 
 
@@ -745,6 +781,10 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"Redis admission vs embedded, direct p50: c=1 "
         f"{ms(d['redis_admission_added_p50_ms_c1'])}, "
         f"c=64 {ms(d['redis_admission_added_p50_ms_c64'])}",
+        *([f"this code vs baseline {d['baseline']}, direct Redis Check: sidecar CPU/check "
+           f"c=1 {x(d['baseline_cpu_ratio_c1'])}, c=64 {x(d['baseline_cpu_ratio_c64'])}; "
+           f"req/s c=1 {x(d['baseline_rps_ratio_c1'])}, c=64 {x(d['baseline_rps_ratio_c64'])}"]
+          if d.get("baseline") else []),
         f"concurrency leases still held 5 s after the measured Envoy runs (should be 0): "
         f"{d['leases_leaked_through_envoy']}",
     ])
@@ -787,6 +827,9 @@ def main() -> int:
     parser.add_argument("--http-client", choices=["auto", "wrk", "python"], default="auto",
                         help="load generator for the Envoy scenarios (auto: wrk if installed)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run this git revision's sidecar (direct, Redis) in the same "
+                             "rounds, and report this code's CPU and req/s against it")
     parser.add_argument("--kafka", action="store_true",
                         help="B: let the Spoke run its Kafka broker (default: JSONL usage sink)")
     parser.add_argument("--keep-workdir", action="store_true",
@@ -802,7 +845,8 @@ def main() -> int:
     signal.signal(signal.SIGHUP, interrupted)
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-authz-"))
-    bench = Bench(mode, workdir, args.http_client, pin_cpus=not args.no_pin, kafka=args.kafka)
+    bench = Bench(mode, workdir, args.http_client, pin_cpus=not args.no_pin, kafka=args.kafka,
+                  baseline=args.baseline)
     started = datetime.now(UTC)
     t0 = time.monotonic()
     print(f"bench_authz: {mode.name} mode, {mode.rounds} round(s), workdir {workdir}", flush=True)
