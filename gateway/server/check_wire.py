@@ -55,6 +55,11 @@ _T_ENTRY, _T_NUMBER, _T_STRING, _T_BOOL = _tag(1, 2), _tag(2, 1), _tag(3, 2), _t
 _STATUS_OK = _ld(_T_STATUS, b"")  # google.rpc.Status with code 0: an empty message
 
 _key_cache: dict[str, bytes] = {}
+_bool_cache: dict[tuple[str, bool], bytes] = {}
+
+
+def _len(n: int) -> bytes:
+    return _SHORT[n] if n < 0x80 else _varint(n)
 
 
 def _key(name: str) -> bytes:
@@ -67,10 +72,18 @@ def _key(name: str) -> bytes:
     return enc
 
 
-def header_options(items: Iterable[tuple[str, str]]) -> list[bytes]:
-    """HeaderValueOption messages (overwrite), one per (name, value)."""
-    return [_ld(_T_HEADER, _key(k) + _ld(_T_VALUE, v.encode())) + _OVERWRITE
-            for k, v in items]
+def _option(tag: bytes, key: str, value: str) -> bytes:
+    """One field `tag` holding a HeaderValueOption (overwrite) for key: value."""
+    v = value.encode()
+    hv = _key(key) + _T_VALUE + _len(len(v)) + v
+    hvo = _T_HEADER + _len(len(hv)) + hv + _OVERWRITE
+    return tag + _len(len(hvo)) + hvo
+
+
+def _entry(key: str, value: bytes) -> bytes:
+    """One Struct map entry: key, and a google.protobuf.Value message."""
+    kv = _key(key) + _T_VALUE + _len(len(value)) + value
+    return _T_ENTRY + _len(len(kv)) + kv
 
 
 def struct_fields(values: dict[str, str | int | bool]) -> bytes:
@@ -78,12 +91,17 @@ def struct_fields(values: dict[str, str | int | bool]) -> bytes:
     out = []
     for k, v in values.items():
         if isinstance(v, str):
-            value = _ld(_T_STRING, v.encode())
+            b = v.encode()
+            out.append(_entry(k, _T_STRING + _len(len(b)) + b))
         elif isinstance(v, bool):
-            value = _T_BOOL + (b"\x01" if v else b"\x00")
+            enc = _bool_cache.get((k, v))
+            if enc is None:
+                if len(_bool_cache) > 4096:
+                    _bool_cache.clear()
+                enc = _bool_cache[k, v] = _entry(k, _T_BOOL + (b"\x01" if v else b"\x00"))
+            out.append(enc)
         else:
-            value = _T_NUMBER + _DOUBLE(float(v))
-        out.append(_ld(_T_ENTRY, _key(k) + _ld(_T_VALUE, value)))
+            out.append(_entry(k, _T_NUMBER + _DOUBLE(float(v))))
     return b"".join(out)
 
 
@@ -95,9 +113,11 @@ def allowed(
 ) -> bytes:
     """A serialized CheckResponse: OK, headers to set upstream and to remove, headers to
     add to the client's response, and dynamic metadata."""
-    ok = b"".join([
-        *(_ld(_T_HEADERS, h) for h in header_options(upstream)),
-        *(_ld(_T_REMOVE, name.encode()) for name in remove),
-        *(_ld(_T_RESPONSE_HEADERS, h) for h in header_options(response_headers)),
-    ])
-    return b"".join([_STATUS_OK, _ld(_T_OK, ok), _ld(_T_METADATA, struct_fields(metadata))])
+    parts = [_option(_T_HEADERS, k, v) for k, v in upstream]
+    for name in remove:
+        b = name.encode()
+        parts.append(_T_REMOVE + _len(len(b)) + b)
+    parts += [_option(_T_RESPONSE_HEADERS, k, v) for k, v in response_headers]
+    ok = b"".join(parts)
+    md = struct_fields(metadata)
+    return b"".join((_STATUS_OK, _T_OK, _len(len(ok)), ok, _T_METADATA, _len(len(md)), md))
