@@ -100,12 +100,13 @@ FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
 @dataclass(frozen=True)
 class Direct:
     name: str
-    backend: str  # "redis" | "embedded" | "baseline" (Redis mode, an older commit's code)
+    backend: str  # "redis" | "embedded" | "baseline" (an older commit, Redis) | "floor"
     body: bytes
 
 
 DIRECT = (
     Direct("direct redis 70B", "redis", SMALL_BODY),
+    Direct("direct floor 70B", "floor", SMALL_BODY),  # grpc.aio alone: a constant answer
     Direct("direct embedded 70B", "embedded", SMALL_BODY),
     Direct("direct redis 16KB", "redis", big_body()),
 )
@@ -524,6 +525,10 @@ class Bench:
             sidecars[backend] = (svc, metrics_port)
         for _, metrics_port in sidecars.values():
             wait_ready(metrics_port)
+        floor_port = free_port()
+        floor = Service("floor", [sys.executable, str(HERE / "floor_server.py"), str(floor_port)],
+                        floor_port, self.workdir)
+        sidecars["floor"] = (self.start(floor, self.server_cpus), 0)
 
         marker = str(uuid.uuid4())
         templates = {d.name: base64.b64encode(
@@ -538,7 +543,7 @@ class Bench:
                 for d in order:
                     svc, _ = sidecars[d.backend]
                     pids = {"sidecar": svc.pid}
-                    if d.backend != "embedded":
+                    if d.backend not in ("embedded", "floor"):
                         pids["redis"] = redis.pid
                     job = {"kind": "grpc", "target": svc.address, "marker": marker,
                            "template_b64": templates[d.name], "concurrency": conc,
@@ -547,7 +552,7 @@ class Bench:
                     timeout = mode.warmup_s + mode.duration_s + 60
                     lua0 = probe.lua_calls()
                     result = self.loadgen.run(job, timeout)
-                    if d.backend != "embedded":  # warm-up included: batches span both phases
+                    if d.backend not in ("embedded", "floor"):  # batches span warm-up too
                         checks = result["calls"] + result["warmup_calls"]
                         result["lua_calls_per_call"] = (probe.lua_calls() - lua0) / max(checks, 1)
                     self.record(d.name, conc, result)
@@ -746,6 +751,10 @@ class Bench:
         cpu64 = red64["cpu_us_per_call"].get("sidecar") if red64 else None
         derived["redis_sidecar_cpu_us_per_check_c64"] = cpu64
         derived["redis_checks_per_s_per_core_from_cpu_c64"] = 1e6 / cpu64 if cpu64 else None
+        floor64 = by.get(("direct floor 70B", 64))
+        derived["floor_cpu_us_per_check_c64"] = (
+            floor64["cpu_us_per_call"].get("sidecar") if floor64 else None)
+        derived["floor_checks_per_s_c64"] = floor64["rps"] if floor64 else None
         derived["leases_leaked_through_envoy"] = self.leases_leaked
         derived["baseline"] = self.baseline
         return {"rows": rows, "derived": derived}
@@ -778,6 +787,8 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"{n(d['redis_checks_per_s_per_process_c64'])} measured; "
         f"{n(d['redis_checks_per_s_per_core_from_cpu_c64'])} per fully-busy core "
         f"(from {n(d['redis_sidecar_cpu_us_per_check_c64'])} µs CPU/check)",
+        f"grpc.aio floor (constant answer) at c=64: {n(d['floor_checks_per_s_c64'])} checks/s, "
+        f"{n(d['floor_cpu_us_per_check_c64'])} µs CPU/check",
         f"Redis admission vs embedded, direct p50: c=1 "
         f"{ms(d['redis_admission_added_p50_ms_c1'])}, "
         f"c=64 {ms(d['redis_admission_added_p50_ms_c64'])}",
