@@ -11,6 +11,7 @@ import asyncio
 from importlib import resources
 from typing import Any
 
+from gateway import batching
 from gateway.errors import StoreUnavailable
 from gateway.limits import maths
 from gateway.limits.resp import RedisReplyError, RespClient, Script
@@ -19,7 +20,6 @@ from gateway.policy.model import TierLimit
 
 REDIS_ERRORS = (RedisReplyError, OSError, asyncio.TimeoutError)  # RedisGone is an OSError
 MAX_BATCH = 256
-GATHER_TICKS = 5
 
 
 def _lua(name: str) -> str:
@@ -59,15 +59,8 @@ class RedisLimiter:
     async def _drain(self) -> None:
         """Send queued admissions, one Lua call per batch, until the queue is empty.
 
-        First yield to the loop, and keep yielding (a few ticks at most) while Checks keep
-        joining: under load that puts several admissions in one call (~10 % less CPU per
-        Check at c=64), while a lone Check waits a single tick."""
-        waiting = -1
-        for _ in range(GATHER_TICKS):
-            await asyncio.sleep(0)
-            if len(self._queue) == waiting:
-                break
-            waiting = len(self._queue)
+        Checks that arrive together join one call (~10 % less CPU per Check at c=64)."""
+        await batching.gather(lambda: len(self._queue))
         while self._queue:
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
             live = [(r, f) for r, f in batch if not f.done()]  # skip callers that timed out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from gateway import batching
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
 from gateway.limits.types import RELEASE, VOID, Limiter
@@ -88,6 +89,7 @@ class Lifecycle:
         backoff = 0.05
         while True:
             await self._wake.wait()
+            await batching.gather(lambda: len(self._pending))  # requests ending together
             self._wake.clear()
             try:
                 await self._flush()
