@@ -732,18 +732,12 @@ class Bench:
                 derived[f"baseline_rps_ratio_c{c}"] = ratio(get("direct redis 70B", c, "rps"),
                                                             get(base, c, "rps"))
         for c in CONCURRENCIES:
-            derived[f"envoy_added_p50_ms_c{c}"] = diff(get(FULL_PATH, c, "p50_ms"),
-                                                       get(PLAIN, c, "p50_ms"))
-            derived[f"envoy_added_p99_ms_c{c}"] = diff(get(FULL_PATH, c, "p99_ms"),
-                                                       get(PLAIN, c, "p99_ms"))
-            derived[f"envoy_rps_ratio_c{c}"] = ratio(get(FULL_PATH, c, "rps"),
-                                                     get(PLAIN, c, "rps"))
-            derived[f"authz_added_p50_ms_c{c}"] = diff(get(AUTHZ_ONLY, c, "p50_ms"),
-                                                       get(PLAIN, c, "p50_ms"))
-            derived[f"authz_added_p99_ms_c{c}"] = diff(get(AUTHZ_ONLY, c, "p99_ms"),
-                                                       get(PLAIN, c, "p99_ms"))
-            derived[f"authz_rps_ratio_c{c}"] = ratio(get(AUTHZ_ONLY, c, "rps"),
-                                                     get(PLAIN, c, "rps"))
+            for prefix, path in (("envoy", FULL_PATH), ("authz", AUTHZ_ONLY)):
+                for q in ("p50", "p99"):
+                    derived[f"{prefix}_added_{q}_ms_c{c}"] = diff(
+                        get(path, c, f"{q}_ms"), get(PLAIN, c, f"{q}_ms"))
+                derived[f"{prefix}_rps_ratio_c{c}"] = ratio(get(path, c, "rps"),
+                                                            get(PLAIN, c, "rps"))
             derived[f"redis_admission_added_p50_ms_c{c}"] = diff(
                 get("direct redis 70B", c, "p50_ms"), get("direct embedded 70B", c, "p50_ms"))
         red64 = by.get(("direct redis 70B", 64))

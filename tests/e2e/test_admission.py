@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -109,8 +110,7 @@ def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> Non
     leases = "gw:conc:key:conc4"
     try:
         c = client(spoke, keys["conc4"], default_headers={"x-mock-tokens-per-s": "10"})
-        stream = c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
-                                           messages=[{"role": "user", "content": "hi"}])
+        stream = _three_second_stream(c)
         t0 = time.monotonic()
         for _ in stream:
             if time.monotonic() - t0 > 2.5:  # well past the 1 s lease: renewed meanwhile
@@ -120,8 +120,7 @@ def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> Non
         _until(lambda: r.zcard(leases) == 0, 2.0)
 
         # A stream whose sidecar dies: nobody settles it, the lease expires on its own.
-        stream = c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
-                                           messages=[{"role": "user", "content": "hi"}])
+        stream = _three_second_stream(c)
         next(iter(stream))
         assert r.zcard(leases) == 1
         spoke["sidecar"].kill()
@@ -140,8 +139,7 @@ def test_a_stream_that_began_outlives_the_start_ttl(tmp_path: Path) -> None:
     leases = "gw:conc:key:conc4"
     try:
         c = client(spoke, keys["conc4"], default_headers={"x-mock-tokens-per-s": "10"})
-        stream = c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
-                                           messages=[{"role": "user", "content": "hi"}])
+        stream = _three_second_stream(c)
         t0 = time.monotonic()
         for _ in stream:
             if time.monotonic() - t0 > 2.0:  # twice the start TTL
@@ -152,6 +150,12 @@ def test_a_stream_that_began_outlives_the_start_ttl(tmp_path: Path) -> None:
         _until(lambda: r.zcard(leases) == 0, 2.0)
     finally:
         spoke.stop()
+
+
+def _three_second_stream(c: openai.OpenAI) -> openai.Stream[Any]:
+    """30 tokens, at the 10 tokens/s the client's x-mock-tokens-per-s header asks for."""
+    return c.chat.completions.create(model="mock-model", stream=True, max_tokens=30,
+                                     messages=[{"role": "user", "content": "hi"}])
 
 
 def _live(r: redis.Redis, key: str) -> int:
