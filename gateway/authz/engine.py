@@ -93,7 +93,6 @@ class Authorizer:
         )
         return Allow(ctx, verdict.rate)
 
-
     def abandon(self, request_id: str) -> None:
         """Nobody will act on this request's admission (we gave up on the store, or Envoy
         gave up on us): undo whatever the store committed, or will commit, for it."""

@@ -23,7 +23,6 @@ from gateway.server import check_wire, metrics
 
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
-_OK = status_pb2.Status(code=code_pb2.OK)
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
 _STRIP = ("authorization", "x-api-key")
 METADATA_NS = "envoy.filters.http.ext_authz"
