@@ -20,6 +20,9 @@ Why each setting that differs from Envoy's default:
   raises the stream's buffer limit, and the listener's and engine cluster's
   `per_connection_buffer_limit_bytes` are raised to match (default 1 MiB: a 1.5 MB
   prompt got 413), so a body ext_authz accepted also fits ext_proc's buffer.
+* **ext_authz `allowed_headers`**: only `authorization`, `x-api-key`, `x-request-id` and
+  `x-gateway-*` go to the sidecar (least privilege, and a smaller CheckRequest: an SDK
+  sends a dozen more); method, path and body travel in their own fields.
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
   rides on the body message: attributes and forwarded ext_authz metadata), request body
   BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
@@ -134,6 +137,7 @@ with warnings.catch_warnings():
         HttpProtocolOptions,
         HttpProtocolOptionsExplicitHttpConfig,
     )
+    from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
     from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
     from envoy_data_plane.google.protobuf import Any, Struct
 
@@ -278,6 +282,11 @@ def _stdout_access_log() -> AccessLog:
     )
 
 
+# The only request headers a Check reads: the key, the request id, and any client-sent
+# x-gateway-* (to remove them). Anything else (cookies, other credentials) never leaves Envoy.
+AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id")
+
+
 def _ext_authz(limits: _Limits) -> ExtAuthz:
     return ExtAuthz(
         grpc_service=_sidecar_grpc(timeout=limits.authz_timeout),
@@ -289,6 +298,10 @@ def _ext_authz(limits: _Limits) -> ExtAuthz:
             allow_partial_message=False,
             pack_as_bytes=True,
         ),
+        allowed_headers=ListStringMatcher(patterns=[
+            *(StringMatcher(exact=name) for name in AUTHZ_HEADERS),
+            StringMatcher(prefix="x-gateway-"),
+        ]),
     )
 
 

@@ -10,11 +10,16 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
+from envoy.service.auth.v3 import external_auth_pb2 as pb
+from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
+from google.rpc import status_pb2
 
 from gateway.dev.procs import envoy_binary, envoy_service, free_port
 from gateway.envoy_config import EXT_AUTHZ, HCM, EnvoyPorts, render
@@ -134,3 +139,36 @@ def wait_for_access_log_line(log: Path, path: str, timeout: float = 5.0) -> dict
                     return entry
         time.sleep(0.05)
     raise AssertionError(f"no access log entry for {path} in {log}:\n{log.read_text()[-2000:]}")
+
+
+def test_the_sidecar_sees_only_the_headers_a_check_reads(tmp_path: Path) -> None:
+    """allowed_headers: the key, the request id and x-gateway-* reach the Check; a cookie or
+    any other header the client sent does not. A recording server stands in for the sidecar."""
+    seen: list[dict[str, str]] = []
+
+    class Recorder(pb_grpc.AuthorizationServicer):
+        def Check(self, request: pb.CheckRequest,
+                  context: grpc.ServicerContext) -> pb.CheckResponse:
+            seen.append(dict(request.attributes.request.http.headers))
+            return pb.CheckResponse(status=status_pb2.Status(code=7))  # denied
+
+    ports = random_ports()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_AuthorizationServicer_to_server(Recorder(), server)
+    server.add_insecure_port(ports.sidecar)
+    server.start()
+    admin, listen = port_of(ports.admin), port_of(ports.listen)
+    try:
+        with envoy_service(render(ports), admin, listen, tmp_path):
+            request = urllib.request.Request(
+                f"http://{ports.listen}/v1/chat/completions", data=b'{"model": "m"}',
+                headers={"authorization": "Bearer sk-x", "x-api-key": "sk-y",
+                         "cookie": "s=1", "x-gateway-team": "forged", "x-other": "1",
+                         "user-agent": "t"})
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(request, timeout=10)
+    finally:
+        server.stop(0)
+    [headers] = seen
+    assert {"authorization", "x-api-key", "x-request-id", "x-gateway-team"} <= set(headers)
+    assert not {"cookie", "x-other", "user-agent"} & set(headers), headers
