@@ -17,6 +17,7 @@ import contextlib
 import importlib.metadata
 import importlib.resources
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,12 +36,36 @@ class ServiceError(RuntimeError):
     """A service could not be found, did not start, or died while starting."""
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A port the kernel considers free right now (it may be taken again before use)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
+    """A port free right now, not handed out before by this process, and chosen *below* the
+    kernel's ephemeral range. Outgoing connections take their local ports from that range,
+    so a port picked there (as bind(0) does) can be taken by any client before the server
+    binds it: seen as a rare 'Address already in use' when a test started Envoy."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(max(1025, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: let it choose
+        s.bind((host, 0))
+        chosen: int = s.getsockname()[1]
+        return chosen
 
 
 def port_open(port: int, host: str = LOOPBACK, timeout: float = 0.2) -> bool:
