@@ -103,3 +103,23 @@ async def test_a_caller_that_gives_up_does_not_shift_later_replies(redis_url: st
     slow.cancel()
     assert await client.call("ECHO", "mine") == b"mine"
     await client.close()
+
+
+async def test_password_database_and_unix_socket_come_from_the_url(tmp_path: Path) -> None:
+    port, sock = free_port(), tmp_path / "redis.sock"
+    base = redis_service(port, tmp_path)
+    svc = Service("redis", [*base.argv, "--unixsocket", str(sock), "--requirepass", "pw"],
+                  port, tmp_path).start()
+    try:
+        tcp = RespClient(f"redis://:pw@127.0.0.1:{port}/2")
+        await tcp.call("SET", "k", "v")
+        unix = RespClient(f"unix://:pw@{sock}?db=2")
+        assert await unix.call("GET", "k") == b"v"  # same database, over the socket
+        with pytest.raises(RedisReplyError, match="NOAUTH"):
+            await RespClient(f"redis://127.0.0.1:{port}/0").call("GET", "k")
+        with pytest.raises(RedisGone, match="WRONGPASS"):
+            await RespClient(f"redis://:nope@127.0.0.1:{port}/0").call("GET", "k")
+        for c in (tcp, unix):
+            await c.close()
+    finally:
+        svc.stop()
