@@ -4,44 +4,9 @@
 reference ports and a test keeps the two equal. Envoy 1.40 behaviour behind each choice
 is in docs/envoy-protocol.md (V = verified against the real binary).
 
-Why each setting that differs from Envoy's default:
+Why each setting that differs from Envoy's default (the two filters that call the
+sidecar are explained in gateway/envoy_filters.py):
 
-* **Fail closed everywhere.** Both filters say `failure_mode_allow: false` (the default,
-  spelled out because it is the security property) and `status_on_error: 503`: a sidecar
-  that is down, slow or broken means "try again later", not 403 (ext_authz default) or
-  500 (ext_proc default), and never "let it through". ext_authz is the *first* HTTP
-  filter and no route disables it: there is no side door.
-* **ext_authz timeout 0.5 s** (default 200 ms): a Check includes a Redis round trip and
-  the whole request body; 200 ms turns a GC pause into a spurious 503.
-* **ext_authz `with_request_body`** (`max_request_bytes` 8 MiB, `allow_partial_message:
-  false`, `pack_as_bytes: true`): the admission decision needs the model and max_tokens
-  from the body, so it gets the whole body or the request is refused (413) rather than
-  judged on a truncated prompt; raw bytes skip a UTF-8 round trip. Buffering here also
-  raises the stream's buffer limit, and the listener's and engine cluster's
-  `per_connection_buffer_limit_bytes` are raised to match (default 1 MiB: a 1.5 MB
-  prompt got 413), so a body ext_authz accepted also fits ext_proc's buffer.
-* **ext_authz `allowed_headers`**: only `authorization`, `x-api-key`, `x-request-id` and
-  `x-gateway-*` go to the sidecar (least privilege, and a smaller CheckRequest: an SDK
-  sends a dozen more); method, path and body travel in their own fields.
-* **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
-  rides on the body message: attributes and forwarded ext_authz metadata), request body
-  BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
-  response headers SKIP (one message fewer per request: the status rides as the
-  `response.code` attribute on the first body message, and SSE is recognised by its first
-  bytes), response body
-  FULL_DUPLEX_STREAMED (every chunk is seen and echoed: blocking, because
-  `observability_mode` silently drops streams under load and billing must not lose them;
-  full duplex, because it has no per-message timeout, so a slow sidecar can slow a stream
-  but never reset it, whereas STREAMED resets the client after `message_timeout`), and
-  response trailers SEND (full duplex requires it).
-* **ext_proc `message_timeout` 2 s** (default 200 ms): it applies to the request body
-  and the response headers (full-duplex body chunks have none); a timeout there answers
-  504 before the response started, never mid-generation. `max_message_timeout` 10 s lets the
-  sidecar extend it per message with `override_message_timeout` if it ever needs to.
-* **Attributes and metadata**: `request.id` (= x-request-id, the billing key) and
-  `request.path` with the request, `request.id`/`response.code` with the response;
-  ext_authz's decision (namespace `envoy.filters.http.ext_authz`) is forwarded to
-  ext_proc; ext_proc may write back only `gateway.usage`, which the access log can show.
 * **Request id**: x-request-id is the usage event's idempotency key, so a client must
   not choose it. `use_remote_address: true` makes requests from the downstream peer
   "edge" requests and `preserve_external_request_id: false` makes Envoy replace an edge
@@ -76,6 +41,14 @@ import betterproto2
 import yaml
 
 from gateway.addresses import is_ip, split_hostport
+from gateway.envoy_filters import (
+    EXT_AUTHZ,
+    EXT_PROC,
+    SIDECAR_CLUSTER,
+    USAGE_NAMESPACE,
+    ext_authz,
+    ext_proc,
+)
 from gateway.envoy_yaml import to_plain
 
 # envoy-data-plane 2.2.0 declares ~250 `@model_validator(mode="after")` classmethods, each
@@ -97,9 +70,6 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.config.core.v3 import (
         Address,
-        ApiVersion,
-        GrpcService,
-        GrpcServiceEnvoyGrpc,
         Http2ProtocolOptions,
         SocketAddress,
         SubstitutionFormatString,
@@ -119,14 +89,9 @@ with warnings.catch_warnings():
         VirtualHost,
     )
     from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
-    from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import BufferSettings, ExtAuthz
+    from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import ExtAuthz
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
-        MetadataOptions,
-        MetadataOptionsMetadataNamespaces,
-        ProcessingMode,
-        ProcessingModeBodySendMode,
-        ProcessingModeHeaderSendMode,
     )
     from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
@@ -137,22 +102,16 @@ with warnings.catch_warnings():
         HttpProtocolOptions,
         HttpProtocolOptionsExplicitHttpConfig,
     )
-    from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
-    from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
     from envoy_data_plane.google.protobuf import Any, Struct
 
 HEADER = (
     "# Generated by: gateway envoy-config (do not edit; tests keep it equal)\n"
-    "# Why each setting: the docstring of gateway/envoy_config.py\n"
+    "# Why each setting: the docstrings of gateway/envoy_config.py and envoy_filters.py\n"
 )
 
-EXT_AUTHZ = "envoy.filters.http.ext_authz"
-EXT_PROC = "envoy.filters.http.ext_proc"
 ROUTER = "envoy.filters.http.router"
 HCM = "envoy.filters.network.http_connection_manager"
-SIDECAR_CLUSTER = "sidecar"
 ENGINE_CLUSTER = "engine"
-USAGE_NAMESPACE = "gateway.usage"
 CIRCUIT_BREAKER_LIMIT = 100_000
 BUFFER_HEADROOM_BYTES = 64 * 1024  # request headers and framing on top of the largest body
 
@@ -251,8 +210,9 @@ def _http_connection_manager(limits: _Limits) -> HttpConnectionManager:
         stat_prefix="ingress",
         route_config=_route_config(),
         http_filters=[
-            HttpFilter(name=EXT_AUTHZ, typed_config=Any.pack(_ext_authz(limits))),
-            HttpFilter(name=EXT_PROC, typed_config=Any.pack(_ext_proc(limits))),
+            HttpFilter(name=EXT_AUTHZ, typed_config=Any.pack(
+                ext_authz(limits.authz_timeout, limits.max_request_bytes))),
+            HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout))),
             HttpFilter(name=ROUTER, typed_config=Any.pack(Router())),
         ],
         access_log=[_stdout_access_log()],
@@ -279,59 +239,6 @@ def _stdout_access_log() -> AccessLog:
     return AccessLog(
         name="envoy.access_loggers.stdout",
         typed_config=Any.pack(StdoutAccessLog(log_format=log_format)),
-    )
-
-
-# The only request headers a Check reads: the key, the request id, and any client-sent
-# x-gateway-* (to remove them). Anything else (cookies, other credentials) never leaves Envoy.
-AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id")
-
-
-def _ext_authz(limits: _Limits) -> ExtAuthz:
-    return ExtAuthz(
-        grpc_service=_sidecar_grpc(timeout=limits.authz_timeout),
-        transport_api_version=ApiVersion.V3,
-        failure_mode_allow=False,
-        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
-        with_request_body=BufferSettings(
-            max_request_bytes=limits.max_request_bytes,
-            allow_partial_message=False,
-            pack_as_bytes=True,
-        ),
-        allowed_headers=ListStringMatcher(patterns=[
-            *(StringMatcher(exact=name) for name in AUTHZ_HEADERS),
-            StringMatcher(prefix="x-gateway-"),
-        ]),
-    )
-
-
-def _ext_proc(limits: _Limits) -> ExternalProcessor:
-    return ExternalProcessor(
-        grpc_service=_sidecar_grpc(),
-        failure_mode_allow=False,
-        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
-        message_timeout=limits.message_timeout,
-        max_message_timeout=timedelta(seconds=10),
-        processing_mode=ProcessingMode(
-            request_header_mode=ProcessingModeHeaderSendMode.SKIP,
-            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
-            request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
-            response_header_mode=ProcessingModeHeaderSendMode.SKIP,
-            response_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
-            response_trailer_mode=ProcessingModeHeaderSendMode.SEND,
-        ),
-        request_attributes=["request.id", "request.path"],
-        response_attributes=["request.id", "response.code"],
-        metadata_options=MetadataOptions(
-            forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[EXT_AUTHZ]),
-            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[USAGE_NAMESPACE]),
-        ),
-    )
-
-
-def _sidecar_grpc(timeout: timedelta | None = None) -> GrpcService:
-    return GrpcService(
-        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=SIDECAR_CLUSTER), timeout=timeout
     )
 
 

@@ -1,0 +1,121 @@
+"""The sidecar's two HTTP filters (ext_authz, ext_proc) and the gRPC service they call.
+
+Why each setting that differs from Envoy's default (the rest of the bootstrap is explained
+in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy-protocol.md):
+
+* **Fail closed everywhere.** Both filters say `failure_mode_allow: false` (the default,
+  spelled out because it is the security property) and `status_on_error: 503`: a sidecar
+  that is down, slow or broken means "try again later", not 403 (ext_authz default) or
+  500 (ext_proc default), and never "let it through". ext_authz is the *first* HTTP
+  filter and no route disables it: there is no side door.
+* **ext_authz timeout 0.5 s** (default 200 ms): a Check includes a Redis round trip and
+  the whole request body; 200 ms turns a GC pause into a spurious 503.
+* **ext_authz `with_request_body`** (`max_request_bytes` 8 MiB, `allow_partial_message:
+  false`, `pack_as_bytes: true`): the admission decision needs the model and max_tokens
+  from the body, so it gets the whole body or the request is refused (413) rather than
+  judged on a truncated prompt; raw bytes skip a UTF-8 round trip. Buffering here also
+  raises the stream's buffer limit, and the listener's and engine cluster's
+  `per_connection_buffer_limit_bytes` are raised to match (default 1 MiB: a 1.5 MB
+  prompt got 413), so a body ext_authz accepted also fits ext_proc's buffer.
+* **ext_authz `allowed_headers`**: only `authorization`, `x-api-key`, `x-request-id` and
+  `x-gateway-*` go to the sidecar (least privilege, and a smaller CheckRequest: an SDK
+  sends a dozen more); method, path and body travel in their own fields.
+* **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
+  rides on the body message: attributes and forwarded ext_authz metadata), request body
+  BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
+  response headers SKIP (one message fewer per request: the status rides as the
+  `response.code` attribute on the first body message, and SSE is recognised by its first
+  bytes), response body
+  FULL_DUPLEX_STREAMED (every chunk is seen and echoed: blocking, because
+  `observability_mode` silently drops streams under load and billing must not lose them;
+  full duplex, because it has no per-message timeout, so a slow sidecar can slow a stream
+  but never reset it, whereas STREAMED resets the client after `message_timeout`), and
+  response trailers SEND (full duplex requires it).
+* **ext_proc `message_timeout` 2 s** (default 200 ms): it applies to the request body
+  and the response headers (full-duplex body chunks have none); a timeout there answers
+  504 before the response started, never mid-generation. `max_message_timeout` 10 s lets the
+  sidecar extend it per message with `override_message_timeout` if it ever needs to.
+* **Attributes and metadata**: `request.id` (= x-request-id, the billing key) and
+  `request.path` with the request, `request.id`/`response.code` with the response;
+  ext_authz's decision (namespace `envoy.filters.http.ext_authz`) is forwarded to
+  ext_proc; ext_proc may write back only `gateway.usage`, which the access log can show.
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+
+# Silenced for the same reason, and the same way, as in gateway/envoy_config.py.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"Using `@model_validator` with mode='after'")
+    from envoy_data_plane.envoy.config.core.v3 import ApiVersion, GrpcService, GrpcServiceEnvoyGrpc
+    from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import BufferSettings, ExtAuthz
+    from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+        ExternalProcessor,
+        MetadataOptions,
+        MetadataOptionsMetadataNamespaces,
+        ProcessingMode,
+        ProcessingModeBodySendMode,
+        ProcessingModeHeaderSendMode,
+    )
+    from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
+    from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
+
+EXT_AUTHZ = "envoy.filters.http.ext_authz"
+EXT_PROC = "envoy.filters.http.ext_proc"
+SIDECAR_CLUSTER = "sidecar"
+USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may write
+
+
+# The only request headers a Check reads: the key, the request id, and any client-sent
+# x-gateway-* (to remove them). Anything else (cookies, other credentials) never leaves Envoy.
+AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id")
+
+
+def ext_authz(timeout: timedelta, max_request_bytes: int) -> ExtAuthz:
+    return ExtAuthz(
+        grpc_service=_sidecar_grpc(timeout=timeout),
+        transport_api_version=ApiVersion.V3,
+        failure_mode_allow=False,
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+        with_request_body=BufferSettings(
+            max_request_bytes=max_request_bytes,
+            allow_partial_message=False,
+            pack_as_bytes=True,
+        ),
+        allowed_headers=ListStringMatcher(patterns=[
+            *(StringMatcher(exact=name) for name in AUTHZ_HEADERS),
+            StringMatcher(prefix="x-gateway-"),
+        ]),
+    )
+
+
+def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
+    return ExternalProcessor(
+        grpc_service=_sidecar_grpc(),
+        failure_mode_allow=False,
+        status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
+        message_timeout=message_timeout,
+        max_message_timeout=timedelta(seconds=10),
+        processing_mode=ProcessingMode(
+            request_header_mode=ProcessingModeHeaderSendMode.SKIP,
+            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+            request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
+            response_header_mode=ProcessingModeHeaderSendMode.SKIP,
+            response_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
+            response_trailer_mode=ProcessingModeHeaderSendMode.SEND,
+        ),
+        request_attributes=["request.id", "request.path"],
+        response_attributes=["request.id", "response.code"],
+        metadata_options=MetadataOptions(
+            forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[EXT_AUTHZ]),
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[USAGE_NAMESPACE]),
+        ),
+    )
+
+
+def _sidecar_grpc(timeout: timedelta | None = None) -> GrpcService:
+    return GrpcService(
+        envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=SIDECAR_CLUSTER), timeout=timeout
+    )
