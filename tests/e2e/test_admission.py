@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +111,10 @@ def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> Non
     leases = "gw:conc:key:conc4"
     try:
         c = client(spoke, keys["conc4"], default_headers={"x-mock-tokens-per-s": "10"})
-        stream = _three_second_stream(c)
-        t0 = time.monotonic()
-        for _ in stream:
-            if time.monotonic() - t0 > 2.5:  # well past the 1 s lease: renewed meanwhile
-                assert _live(r, leases) == 1
-                break
-        stream.close()
+        def renewed() -> None:  # well past the 1 s lease: renewed meanwhile
+            assert _live(r, leases) == 1
+
+        _mid_stream(c, 2.5, renewed)
         _until(lambda: r.zcard(leases) == 0, 2.0)
 
         # A stream whose sidecar dies: nobody settles it, the lease expires on its own.
@@ -139,17 +137,27 @@ def test_a_stream_that_began_outlives_the_start_ttl(tmp_path: Path) -> None:
     leases = "gw:conc:key:conc4"
     try:
         c = client(spoke, keys["conc4"], default_headers={"x-mock-tokens-per-s": "10"})
-        stream = _three_second_stream(c)
-        t0 = time.monotonic()
-        for _ in stream:
-            if time.monotonic() - t0 > 2.0:  # twice the start TTL
-                live_until = r.zscore(leases, r.zrange(leases, 0, 0)[0])
-                assert live_until is not None and live_until > time.time() * 1000 + 20_000
-                break
-        stream.close()
+        def renewed_to_full_ttl() -> None:  # at twice the start TTL
+            live_until = r.zscore(leases, r.zrange(leases, 0, 0)[0])
+            assert live_until is not None and live_until > time.time() * 1000 + 20_000
+
+        _mid_stream(c, 2.0, renewed_to_full_ttl)
         _until(lambda: r.zcard(leases) == 0, 2.0)
     finally:
         spoke.stop()
+
+
+def _mid_stream(c: openai.OpenAI, after_s: float, check: Callable[[], None]) -> None:
+    """Stream, run `check` once `after_s` seconds have passed, then close the stream."""
+    stream = _three_second_stream(c)
+    t0 = time.monotonic()
+    for _ in stream:
+        if time.monotonic() - t0 > after_s:
+            check()
+            break
+    else:
+        raise AssertionError(f"the stream ended before {after_s}s: nothing was checked")
+    stream.close()
 
 
 def _three_second_stream(c: openai.OpenAI) -> openai.Stream[Any]:
