@@ -60,7 +60,7 @@ from typing import Any
 import aiohttp
 import orjson
 import yaml
-from common import git_state, pin, proc_cpu_s
+from common import git_state, markdown_table, pin, proc_cpu_s
 from redis.asyncio import Redis
 
 from gateway.dev.procs import Service, envoy_service, free_port
@@ -649,15 +649,7 @@ def render_table(rows: list[dict[str, Any]], ratios: dict[str, dict[str, Any]]) 
             "ratio m/p", conc[1:], "", "", f"{d['hdr_p50_ms']:.3f}", f"{d['ttft_p50_ms']:.3f}",
             f"{d['ttft_p99_ms']:.3f}", f"{d['itl_p50_ms']:.3f}", f"{d['itl_p99_ms']:.3f}",
             f"{d['itl_mean_ms']:.3f}", "", "", "", "", "", ""))
-    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-                                 ) + " |"
-
-    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(row) for row in body]
+    out = markdown_table(head, body)
     out.append("times in ms; p50 = median of per-round p50s, p99 = pooled over rounds; "
                "µs/ev, µs/req = CPU (/proc stat) per SSE event received by the client and per "
                "request; loop runq = time the sidecar's event-loop thread waited for a CPU "

@@ -50,7 +50,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common import git_state
+from common import git_state, markdown_table
 
 from gateway.dev.procs import Service, free_port, tansu_service
 from gateway.metering.meter import Meter
@@ -82,8 +82,8 @@ class Capture:
         self.last_seq += 1
         return self.last_seq
 
-    def put(self, seq: int, line: bytes) -> None:
-        self.lines.append(line)
+    def put(self, seq: int, line: bytes, on_durable: Any = None) -> None:
+        self.lines.append(line)  # nothing becomes durable here: on_durable never runs
 
 
 def finished_request(i: int, event_id: str) -> tuple[RequestFacts, Meter, float]:
@@ -420,15 +420,7 @@ def table(rows: list[dict[str, Any]], cost: dict[str, float]) -> str:
             f"{r['produce_batch_mean']:.0f}",
             f"{d.get('p50', 0):.1f} / {d.get('p99', 0):.1f}",
             f"{v.get('p50', 0):.1f} / {v.get('p99', 0):.1f}"))
-    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
-
-    def line(cells: tuple[str, ...]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-                                 ) + " |"
-
-    out = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    out += [line(row) for row in body]
+    out = markdown_table(head, body)
     for name, m in medians(rows).items():
         out.append(f"median of {m['runs']:.0f} {name}: {m['events_per_s']:,.0f} events/s wall, "
                    f"{m['events_per_cpu_s']:,.0f} events per CPU-second "

@@ -48,3 +48,16 @@ def pin(pid: int | None, cpus: set[int] | None) -> None:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(tid), cpus)
+
+
+def markdown_table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    """Lines of a Markdown table: first column left-aligned, the rest right-aligned."""
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+                                 ) + " |"
+
+    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+            *(line(row) for row in body)]
