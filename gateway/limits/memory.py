@@ -17,6 +17,7 @@ from gateway.limits.types import (
     Orphan,
     RateInfo,
     Verdict,
+    first_lease,
 )
 from gateway.policy.model import TierLimit
 
@@ -108,8 +109,8 @@ class MemoryLimiter:
             if new_tat is not None:
                 self.tat[key] = new_tat
             if t.spec.concurrency is not None:
-                self.leases.setdefault(key, {})[req.request_id] = req.now + min(
-                    self.start_ttl or self.lease_ttl, self.lease_ttl)
+                self.leases.setdefault(key, {})[req.request_id] = req.now + first_lease(
+                    self.lease_ttl, self.start_ttl)
                 lease_keys.append(key)
             for wk in tkeys:
                 self.tokens[wk] = self.tokens.get(wk, 0) + req.reserve

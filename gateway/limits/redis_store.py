@@ -15,7 +15,14 @@ from gateway import batching
 from gateway.errors import StoreUnavailable
 from gateway.limits import maths
 from gateway.limits.resp import RedisReplyError, RespClient, Script
-from gateway.limits.types import LIMIT_CODES, AdmitRequest, Orphan, RateInfo, Verdict
+from gateway.limits.types import (
+    LIMIT_CODES,
+    AdmitRequest,
+    Orphan,
+    RateInfo,
+    Verdict,
+    first_lease,
+)
 from gateway.policy.model import TierLimit
 
 REDIS_ERRORS = (RedisReplyError, OSError, asyncio.TimeoutError)  # RedisGone is an OSError
@@ -39,7 +46,7 @@ class RedisLimiter:
                  start_ttl: float | None = None) -> None:
         self.redis = redis
         self.lease_ttl_ms = int(lease_ttl * 1000)
-        self.start_ttl_ms = int(min(start_ttl or lease_ttl, lease_ttl) * 1000)
+        self.start_ttl_ms = int(first_lease(lease_ttl, start_ttl) * 1000)
         self.record_ttl_ms = self.lease_ttl_ms * 3
         self._admit = Script(redis, _lua("admit.lua"))
         self._settle = Script(redis, _lua("settle.lua"))

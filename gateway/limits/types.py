@@ -16,6 +16,12 @@ VOID = -2  # `actual_tokens` that voids an admission (see settle.lua)
 RELEASE = -3  # `actual_tokens` that only frees the concurrency slots (see settle.lua)
 
 
+def first_lease(lease_ttl: float, start_ttl: float | None) -> float:
+    """How long an admission holds its slots before its ext_proc stream renews them: the
+    start TTL, never longer than the lease TTL (default: the lease TTL)."""
+    return min(start_ttl or lease_ttl, lease_ttl)
+
+
 @dataclass(frozen=True, slots=True)
 class AdmitRequest:
     request_id: str

@@ -14,7 +14,7 @@ import contextlib
 from gateway import batching
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
-from gateway.limits.types import RELEASE, VOID, Limiter
+from gateway.limits.types import RELEASE, VOID, Limiter, first_lease
 from gateway.log import log
 from gateway.server import metrics
 
@@ -27,7 +27,7 @@ class Lifecycle:
         self.renew_every = max(lease_ttl / 3, 0.05)
         # Streams that began since the last tick get their first renewal within a third of
         # the start TTL; the rest are renewed every third of the lease TTL.
-        self.tick = max(min(start_ttl or lease_ttl, lease_ttl) / 3, 0.05)
+        self.tick = max(first_lease(lease_ttl, start_ttl) / 3, 0.05)
         self.active: set[str] = set()
         self.fresh: set[str] = set()
         self._pending: list[tuple[str, int | None]] = []
