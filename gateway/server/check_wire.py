@@ -31,10 +31,13 @@ def _varint(n: int) -> bytes:
 _SHORT = [bytes([n]) for n in range(0x80)]
 
 
+def _len(n: int) -> bytes:
+    return _SHORT[n] if n < 0x80 else _varint(n)
+
+
 def _ld(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field (string, bytes or message)."""
-    n = len(payload)
-    return tag + (_SHORT[n] if n < 0x80 else _varint(n)) + payload
+    return tag + _len(len(payload)) + payload
 
 
 def _tag(number: int, wire_type: int) -> bytes:
@@ -56,10 +59,6 @@ _STATUS_OK = _ld(_T_STATUS, b"")  # google.rpc.Status with code 0: an empty mess
 
 _key_cache: dict[str, bytes] = {}
 _bool_cache: dict[tuple[str, bool], bytes] = {}
-
-
-def _len(n: int) -> bytes:
-    return _SHORT[n] if n < 0x80 else _varint(n)
 
 
 def _key(name: str) -> bytes:
