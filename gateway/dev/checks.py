@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+from envoy.config.core.v3 import address_pb2
 from envoy.service.auth.v3 import attribute_context_pb2 as actx
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 
@@ -16,12 +17,11 @@ def check_request(
     extra_headers: dict[str, str] | None = None,
     request_id: str | None = None,
 ) -> pb.CheckRequest:
+    # Only what Envoy forwards under the ext_authz filter's allowed_headers (envoy_filters):
+    # the key headers, the request id, x-gateway-* and Envoy's own partial-body flag.
+    # Method, path and host arrive in their own fields, not as pseudo-headers.
     headers = {
-        ":path": path, ":method": method, ":authority": "127.0.0.1", ":scheme": "http",
-        "content-type": "application/json", "user-agent": "OpenAI/Python 3.57.0",
-        "x-request-id": request_id or str(uuid.uuid4()), "accept": "application/json",
-        "x-forwarded-proto": "http", "x-envoy-external-address": "127.0.0.1",
-        "content-length": str(len(body)), "x-stainless-lang": "python",
+        "x-request-id": request_id or str(uuid.uuid4()), "x-envoy-auth-partial-body": "false",
     }
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
@@ -29,5 +29,11 @@ def check_request(
     http = actx.AttributeContext.HttpRequest(
         id="11517394706964432185", method=method, headers=headers, path=path, host="127.0.0.1",
         scheme="http", protocol="HTTP/1.1", size=len(body), raw_body=body)
+    def peer(port: int) -> actx.AttributeContext.Peer:
+        return actx.AttributeContext.Peer(address=address_pb2.Address(
+            socket_address=address_pb2.SocketAddress(address="127.0.0.1", port_value=port)))
+
+    request = actx.AttributeContext.Request(http=http)
+    request.time.seconds, request.time.nanos = 1795980361, 946616000
     return pb.CheckRequest(attributes=actx.AttributeContext(
-        request=actx.AttributeContext.Request(http=http)))
+        source=peer(58076), destination=peer(10000), request=request))
