@@ -3,6 +3,7 @@
     GatewayError
      ├── PolicyError        an invalid policy document; carries the path of each problem
      ├── StoreUnavailable   the limiter/policy store (Redis) is down or slower than the deadline
+     │    └── StoreTimeout  ... slower: the store may still commit what it was asked
      └── BodyError          a request body that is not the JSON the endpoint expects
 
 A denial is not an exception: it is a value (`gateway.authz.decision.Deny`).
@@ -25,6 +26,10 @@ class PolicyError(GatewayError):
 
 
 class StoreUnavailable(GatewayError):
+    pass
+
+
+class StoreTimeout(StoreUnavailable):
     pass
 
 

@@ -1,12 +1,12 @@
 """The authorization pipeline: identity → body → model → ACL → admission, first failure wins.
 
 Cheap checks come first, so an unknown key costs no JSON parse and no Redis call.
-The limiter store failing is the only way to a 503: fail closed, never allow unmetered.
+The limiter store failing (down, or past its deadline) is the only way to a 503: fail
+closed, never allow unmetered.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -16,7 +16,7 @@ from gateway.authz import answers
 from gateway.authz.decision import Allow, Context, Decision, Deny
 from gateway.authz.request import AuthzRequest, api_key, parse_body
 from gateway.clock import Clock
-from gateway.errors import BodyError, StoreUnavailable
+from gateway.errors import BodyError, StoreTimeout, StoreUnavailable
 from gateway.limits.types import AdmitRequest, Limiter, Verdict
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
@@ -24,7 +24,6 @@ from gateway.policy.model import KeyRecord, Policy
 
 @dataclass(frozen=True)
 class AdmissionSettings:
-    deadline: float = 0.25  # seconds for the limiter store; well under Envoy's authz timeout
     default_completion_tokens: int = 1024  # reserved when the request names no max_tokens
     reserve_cap: int = 32768
 
@@ -71,17 +70,15 @@ class Authorizer:
         verdict = Verdict(True)
         if tiers:
             try:
-                async with asyncio.timeout(s.deadline):
-                    verdict = await self._limiter.admit(AdmitRequest(
-                        req.request_id, tiers, reserve, now,
-                        meta=orjson.dumps([key.key_id, key.team, facts.model or "", req.path,
-                                           facts.stream]).decode()))
-            except (StoreUnavailable, TimeoutError) as exc:
-                reason = "timed out" if isinstance(exc, TimeoutError) else str(exc)
-                if isinstance(exc, TimeoutError):
+                verdict = await self._limiter.admit(AdmitRequest(
+                    req.request_id, tiers, reserve, now,
+                    meta=orjson.dumps([key.key_id, key.team, facts.model or "", req.path,
+                                       facts.stream]).decode()))
+            except StoreUnavailable as exc:
+                if isinstance(exc, StoreTimeout):
                     self.abandon(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
-                    f"Rate limiter unavailable ({reason}); failing closed."), key, facts.model)
+                    f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model)
         if not verdict.allowed:
             return _who(answers.limit_denial(verdict), key, facts.model)
         ctx = Context(

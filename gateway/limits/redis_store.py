@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Any
 
 from gateway import batching
-from gateway.errors import StoreUnavailable
+from gateway.errors import StoreTimeout, StoreUnavailable
 from gateway.limits import maths
 from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.types import (
@@ -43,8 +43,11 @@ def _none(v: int) -> int | None:
 
 class RedisLimiter:
     def __init__(self, redis: RespClient, lease_ttl: float = 60.0,
-                 start_ttl: float | None = None) -> None:
+                 start_ttl: float | None = None, deadline: float = 0.25) -> None:
         self.redis = redis
+        # An admission not answered within `deadline` fails with StoreTimeout (fail closed).
+        self._deadlines = batching.Deadlines(deadline, lambda: StoreTimeout(
+            f"redis: no answer within {deadline * 1000:g} ms (timed out)"))
         self.lease_ttl_ms = int(lease_ttl * 1000)
         self.start_ttl_ms = int(first_lease(lease_ttl, start_ttl) * 1000)
         self.record_ttl_ms = self.lease_ttl_ms * 3
@@ -58,6 +61,7 @@ class RedisLimiter:
 
     async def admit(self, req: AdmitRequest) -> Verdict:
         fut: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+        self._deadlines.add(fut)
         self._queue.append((req, fut))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._drain())

@@ -71,7 +71,9 @@ class Limiter(Protocol):
     """Admission store. Redis for a spoke, in-process for the embedded mode.
 
     `admit` checks every tier and commits all of them or none: a request denied at one
-    tier consumes nothing at another. Raises StoreUnavailable if the store cannot answer.
+    tier consumes nothing at another. Raises StoreUnavailable if the store cannot answer,
+    and its StoreTimeout if it does not answer within the store's deadline (the admission
+    may still commit: the caller voids it).
     """
 
     async def admit(self, req: AdmitRequest) -> Verdict: ...

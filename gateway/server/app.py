@@ -38,7 +38,7 @@ from gateway.sinks.spool import Spool, choose_instance, orphans
 
 
 def redis_client(url: str, deadline: float) -> Redis:
-    # Socket timeouts bound a stalled Redis; the admission deadline is enforced above this.
+    # Socket timeouts bound a stalled Redis; the admission deadline is the limiter's.
     return Redis.from_url(url, socket_timeout=max(deadline * 4, 1.0),
                           socket_connect_timeout=max(deadline * 2, 0.5),
                           health_check_interval=0)
@@ -74,7 +74,8 @@ class App:
             deadline = s.redis_deadline_ms / 1000
             self.limiter = RedisLimiter(RespClient(
                 s.redis_url, timeout=max(deadline * 4, 1.0),
-                connect_timeout=max(deadline * 2, 0.5)), s.lease_ttl_s, s.lease_start_ttl_s)
+                connect_timeout=max(deadline * 2, 0.5)), s.lease_ttl_s, s.lease_start_ttl_s,
+                deadline)
             store = PolicyStore(redis_client(s.redis_url, deadline))
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
@@ -83,7 +84,6 @@ class App:
         self.lifecycle.start()
         recorder = self._start_usage_pipeline(self.lifecycle)
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
-            deadline=s.redis_deadline_ms / 1000,
             default_completion_tokens=s.default_completion_tokens,
             reserve_cap=s.reserve_cap_tokens,
         ), on_abandoned=self.lifecycle.void)

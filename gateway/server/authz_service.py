@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -78,19 +79,29 @@ def _allowed(allow: Allow, req: AuthzRequest) -> bytes:
     """The OK answer, already serialized (see check_wire: the hot path's biggest cost)."""
     c = allow.context
     return check_wire.allowed(
-        upstream=zip(_OURS, (c.request_id, c.key_id, c.team, c.model), strict=True),
+        upstream=(("x-gateway-request-id", c.request_id),),
         # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
         remove=[*_STRIP,
                 *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
         response_headers=answers.rate_headers(allow.rate).items(),
-        metadata={
-            "request_id": c.request_id, "key_id": c.key_id, "team": c.team, "model": c.model,
-            "stream": c.stream, "reserved": c.reserved, "leased": c.leased,
-            "endpoint": c.endpoint, "prompt_estimate": c.prompt_estimate,
-            "stream_options": c.stream_options, "include_usage": c.include_usage,
-            "continuous_usage": c.continuous_usage,
-        },
+        metadata={"request_id": c.request_id, "reserved": c.reserved,
+                  "prompt_estimate": c.prompt_estimate},
+        also=_fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased,
+                    c.stream_options, c.include_usage, c.continuous_usage),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
+           stream_options: bool, include_usage: bool, continuous_usage: bool) -> check_wire.Fixed:
+    """The parts of an OK answer that repeat for every request of a caller and model shape,
+    encoded once."""
+    return check_wire.fixed(
+        upstream=(("x-gateway-key-id", key_id), ("x-gateway-team", team),
+                  ("x-gateway-model", model)),
+        metadata={"key_id": key_id, "team": team, "model": model, "stream": stream,
+                  "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
+                  "include_usage": include_usage, "continuous_usage": continuous_usage})
 
 
 def _denied(deny: Deny, req: AuthzRequest) -> pb.CheckResponse:

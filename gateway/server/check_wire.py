@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 _DOUBLE = struct.Struct("<d").pack
 
@@ -104,19 +105,38 @@ def struct_fields(values: dict[str, str | int | bool]) -> bytes:
     return b"".join(out)
 
 
+@dataclass(frozen=True, slots=True)
+class Fixed:
+    """Upstream headers and metadata entries encoded once, for answers that repeat them."""
+
+    upstream: bytes = b""
+    metadata: bytes = b""
+
+
+NOTHING_FIXED = Fixed()
+
+
+def fixed(upstream: Iterable[tuple[str, str]], metadata: dict[str, str | int | bool]) -> Fixed:
+    return Fixed(b"".join(_option(_T_HEADERS, k, v) for k, v in upstream),
+                 struct_fields(metadata))
+
+
 def allowed(
     upstream: Iterable[tuple[str, str]],
     remove: Iterable[str],
     response_headers: Iterable[tuple[str, str]],
     metadata: dict[str, str | int | bool],
+    also: Fixed = NOTHING_FIXED,
 ) -> bytes:
-    """A serialized CheckResponse: OK, headers to set upstream and to remove, headers to
-    add to the client's response, and dynamic metadata."""
+    """A serialized CheckResponse: OK, headers to set upstream (`upstream`, then
+    `also.upstream`) and to remove, headers to add to the client's response, and dynamic
+    metadata (`metadata` and `also.metadata`; their keys must not overlap)."""
     parts = [_option(_T_HEADERS, k, v) for k, v in upstream]
+    parts.append(also.upstream)
     for name in remove:
         b = name.encode()
         parts.append(_T_REMOVE + _len(len(b)) + b)
     parts += [_option(_T_RESPONSE_HEADERS, k, v) for k, v in response_headers]
     ok = b"".join(parts)
-    md = struct_fields(metadata)
+    md = struct_fields(metadata) + also.metadata
     return b"".join((_STATUS_OK, _T_OK, _len(len(ok)), ok, _T_METADATA, _len(len(md)), md))

@@ -5,10 +5,15 @@ Time is passed in (`now`), so lease expiry and windows are tested without sleepi
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
+from gateway.dev.procs import free_port, redis_service
+from gateway.errors import StoreTimeout
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
@@ -195,3 +200,27 @@ async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> N
     assert not v.allowed and v.limit == "voided"
     assert (await lim.admit(req("next", [key], reserve=100))).allowed  # all 100 still there
     await lim.close()
+
+
+async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) -> None:
+    """Past its deadline an admission fails closed with StoreTimeout (the caller then voids
+    it), well before the connection's own stall timeout, and the limiter recovers."""
+    redis = redis_service(free_port(), tmp_path).start()
+    lim = RedisLimiter(RespClient(f"redis://{redis.address}/0", timeout=2.0), lease_ttl=60,
+                       deadline=0.1)
+    key = [tier("key", "k1", rps=1000)]
+    try:
+        assert (await lim.admit(req("warm", key))).allowed
+        redis.pause()
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(lim.admit(req(f"r{i}", key)) for i in range(20)),
+                                       return_exceptions=True)
+        took = time.monotonic() - t0
+        assert all(isinstance(r, StoreTimeout) for r in results), results
+        assert 0.09 < took < 0.5, took  # the 0.1 s deadline, not the 2 s stall timeout
+        redis.resume()
+        assert (await lim.admit(req("after", key, T0 + 1))).allowed
+    finally:
+        redis.resume()
+        await lim.close()
+        redis.stop()

@@ -45,6 +45,20 @@ def test_bytes_parse_to_the_reference_message(
     assert pb.CheckResponse.FromString(raw) == reference(upstream, remove, response, metadata)
 
 
+@given(upstream=headers, also_upstream=headers, remove=st.lists(names, max_size=5),
+       response=headers, metadata=st.dictionaries(names, scalars, max_size=8),
+       also_metadata=st.dictionaries(names, scalars, max_size=8))
+def test_fixed_parts_join_the_answer_as_if_passed_each_time(
+        upstream: list[tuple[str, str]], also_upstream: list[tuple[str, str]], remove: list[str],
+        response: list[tuple[str, str]], metadata: dict[str, str | int | bool],
+        also_metadata: dict[str, str | int | bool]) -> None:
+    also_metadata = {k: v for k, v in also_metadata.items() if k not in metadata}
+    raw = check_wire.allowed(upstream, remove, response, metadata,
+                             check_wire.fixed(also_upstream, also_metadata))
+    assert pb.CheckResponse.FromString(raw) == reference(
+        upstream + also_upstream, remove, response, {**metadata, **also_metadata})
+
+
 def test_a_typical_answer() -> None:
     args = ([("x-gateway-request-id", "3ec987ef-b177-4475-adaf-9772b1f58b0f"),
              ("x-gateway-team", "team-a")],
