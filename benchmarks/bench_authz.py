@@ -51,6 +51,7 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from gateway.dev.checks import check_request
+from gateway.dev.otlp_receiver import Receiver, otlp_receiver
 from gateway.dev.procs import Service, envoy_service, free_port, redis_service
 from gateway.dev.stack import Spoke, sidecar_service
 from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
@@ -68,6 +69,7 @@ HUGE_TOKENS = 10**15  # never binds: each Check still reserves tokens in Lua
 KEY_CONCURRENCY = 10_000  # through Envoy only: ext_proc releases the leases
 START_TTL_S = 5.0  # the sidecar's default GATEWAY_LEASE_START_TTL_S
 CONCURRENCIES = (1, 64)
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # sampled
 SMALL_BODY = b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}'
 CHAT_BODY = (b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}],'
              b'"max_tokens":1,"stream":false}')
@@ -100,8 +102,11 @@ FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
 @dataclass(frozen=True)
 class Direct:
     name: str
-    backend: str  # "redis" | "embedded" | "baseline" (an older commit, Redis) | "floor"
+    # "redis" | "embedded" | "floor" | "traced" (Redis, traces exported over OTLP)
+    # | "baseline" (an older commit, Redis)
+    backend: str
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 DIRECT = (
@@ -109,6 +114,8 @@ DIRECT = (
     Direct("direct floor 70B", "floor", SMALL_BODY),  # grpc.aio alone: a constant answer
     Direct("direct embedded 70B", "embedded", SMALL_BODY),
     Direct("direct redis 16KB", "redis", big_body()),
+    # Tracing on and every Check sampled (the caller's traceparent says so): the worst case.
+    Direct("direct redis 70B traced", "traced", SMALL_BODY, (("traceparent", TRACEPARENT),)),
 )
 PLAIN, FULL_PATH = "envoy plain", "envoy+sidecar"
 AUTHZ_ONLY = "envoy+authz"  # ext_authz alone: what issue 2's Check adds through Envoy
@@ -380,6 +387,7 @@ class Scenario:
             "rps": self._median(lambda r: r["rps"]),
             "cpu_us_per_call": cpu_us,
             "lua_calls_per_call": self._median(lambda r: r.get("lua_calls_per_call")),
+            "spans_per_call": self._median(lambda r: r.get("spans_per_call")),
             "leases_leaked": sum(r.get("leases_leaked", 0) for r in self.runs),
             "loadgen_cpu_pct": self._median(
                 lambda r: 100 * r["loadgen_cpu_s"] / r["elapsed_s"] if r["elapsed_s"] else None),
@@ -442,6 +450,8 @@ class Bench:
         self.scenarios: dict[tuple[str, int], Scenario] = {}
         self.notes: list[str] = []
         self.leases_leaked = 0
+        self.stack = contextlib.ExitStack()
+        self.spans = Receiver()
         self.access_log: dict[str, dict[str, int]] = {}
         self.loadavg_start = os.getloadavg()
         avail = sorted(os.sched_getaffinity(0))
@@ -507,9 +517,12 @@ class Bench:
         policy_file.write_text(yaml.safe_dump(doc))
         common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1"}
         sidecars: dict[str, tuple[Service, int]] = {}
+        collector, self.spans = self.stack.enter_context(otlp_receiver())
         backends: list[tuple[str, dict[str, str]]] = [
             ("redis", {"GATEWAY_REDIS_URL": redis_url}),
             ("embedded", {"GATEWAY_REDIS_URL": "", "GATEWAY_POLICY_FILE": str(policy_file)}),
+            ("traced", {"GATEWAY_REDIS_URL": redis_url, "OTEL_TRACES_EXPORTER": "otlp",
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{collector}"}),
         ]
         if self.baseline:
             # The older commit's package first on sys.path (PYTHONSAFEPATH: not the cwd's).
@@ -532,7 +545,8 @@ class Bench:
 
         marker = str(uuid.uuid4())
         templates = {d.name: base64.b64encode(
-            check_request(self.secret, body=d.body, request_id=marker).SerializeToString()
+            check_request(self.secret, body=d.body, request_id=marker,
+                          extra_headers=dict(d.headers)).SerializeToString()
         ).decode() for d in self.direct_scenarios()}
         assert self.loadgen is not None
         probe = RedisProbe(redis_url)
@@ -545,6 +559,7 @@ class Bench:
                     pids = {"sidecar": svc.pid}
                     if d.backend not in ("embedded", "floor"):
                         pids["redis"] = redis.pid
+                    spans0 = len(self.spans.spans)
                     job = {"kind": "grpc", "target": svc.address, "marker": marker,
                            "template_b64": templates[d.name], "concurrency": conc,
                            "warmup_s": mode.warmup_s, "duration_s": mode.duration_s,
@@ -555,6 +570,9 @@ class Bench:
                     if d.backend not in ("embedded", "floor"):  # batches span warm-up too
                         checks = result["calls"] + result["warmup_calls"]
                         result["lua_calls_per_call"] = (probe.lua_calls() - lua0) / max(checks, 1)
+                    if d.backend == "traced":  # spans exported by the time the run ends
+                        result["spans_per_call"] = (len(self.spans.spans) - spans0) / max(
+                            result["calls"] + result["warmup_calls"], 1)
                     self.record(d.name, conc, result)
         probe.close()
         for svc, _ in sidecars.values():
@@ -696,6 +714,7 @@ class Bench:
     def stop(self) -> None:
         if self.loadgen is not None:
             self.loadgen.close()
+        self.stack.close()
         if self.spoke is not None:
             self.spoke.stop()
         for svc in reversed(self.services):
@@ -721,14 +740,15 @@ class Bench:
         def ratio(a: float | None, b: float | None) -> float | None:
             return None if a is None or not b else a / b
 
+        def sidecar_cpu(name: str, conc: int) -> float | None:
+            return (by.get((name, conc)) or {}).get("cpu_us_per_call", {}).get("sidecar")
+
         derived: dict[str, Any] = {}
         if self.baseline:
             base = f"direct redis 70B @{self.baseline}"
             for c in CONCURRENCIES:
-                cpu_now = (by.get(("direct redis 70B", c)) or {}).get("cpu_us_per_call", {})
-                cpu_base = (by.get((base, c)) or {}).get("cpu_us_per_call", {})
-                derived[f"baseline_cpu_ratio_c{c}"] = ratio(cpu_now.get("sidecar"),
-                                                            cpu_base.get("sidecar"))
+                derived[f"baseline_cpu_ratio_c{c}"] = ratio(
+                    sidecar_cpu("direct redis 70B", c), sidecar_cpu(base, c))
                 derived[f"baseline_rps_ratio_c{c}"] = ratio(get("direct redis 70B", c, "rps"),
                                                             get(base, c, "rps"))
         for c in CONCURRENCIES:
@@ -749,6 +769,11 @@ class Bench:
         derived["floor_cpu_us_per_check_c64"] = (
             floor64["cpu_us_per_call"].get("sidecar") if floor64 else None)
         derived["floor_checks_per_s_c64"] = floor64["rps"] if floor64 else None
+        for c in CONCURRENCIES:
+            derived[f"traced_cpu_ratio_c{c}"] = ratio(
+                sidecar_cpu("direct redis 70B traced", c), sidecar_cpu("direct redis 70B", c))
+            traced = by.get(("direct redis 70B traced", c))
+            derived[f"traced_spans_per_check_c{c}"] = traced["spans_per_call"] if traced else None
         derived["leases_leaked_through_envoy"] = self.leases_leaked
         derived["baseline"] = self.baseline
         return {"rows": rows, "derived": derived}
@@ -786,6 +811,9 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"Redis admission vs embedded, direct p50: c=1 "
         f"{ms(d['redis_admission_added_p50_ms_c1'])}, "
         f"c=64 {ms(d['redis_admission_added_p50_ms_c64'])}",
+        f"tracing on, every Check sampled and exported over OTLP: sidecar CPU/check "
+        f"c=1 {x(d['traced_cpu_ratio_c1'])}, c=64 {x(d['traced_cpu_ratio_c64'])} of untraced "
+        f"(spans exported per Check: {_fmt(d['traced_spans_per_check_c64'], '.2f')} at c=64)",
         *([f"this code vs baseline {d['baseline']}, direct Redis Check: sidecar CPU/check "
            f"c=1 {x(d['baseline_cpu_ratio_c1'])}, c=64 {x(d['baseline_cpu_ratio_c64'])}; "
            f"req/s c=1 {x(d['baseline_rps_ratio_c1'])}, c=64 {x(d['baseline_rps_ratio_c64'])}"]

@@ -159,7 +159,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from gateway.envoy_config import EnvoyPorts, render
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
-                                       engine=args.engine, admin=args.admin)))
+                                       engine=args.engine, admin=args.admin, otlp=args.otlp)))
     return 0
 
 
@@ -221,7 +221,7 @@ def cmd_usage_reconcile(args: argparse.Namespace) -> int:
 
 def cmd_dev(args: argparse.Namespace) -> int:
     from gateway.dev.spoke import run_spoke
-    return run_spoke(port=args.port, workdir=Path(args.workdir))
+    return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp)
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
@@ -245,6 +245,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dev", help="the whole local spoke in one command")
     p.add_argument("--port", type=int, default=10000)
     p.add_argument("--workdir", default=".gateway-dev")
+    p.add_argument("--otlp", default=None, metavar="HOST:PORT",
+                   help="send Envoy's and the sidecar's traces to this OTLP/gRPC collector")
     p.set_defaults(fn=cmd_dev)
 
     pol = sub.add_parser("policy", help="apply / show / status").add_subparsers(
@@ -310,6 +312,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sidecar", default="127.0.0.1:9001")
     p.add_argument("--engine", default="127.0.0.1:8000")
     p.add_argument("--admin", default="127.0.0.1:9901")
+    p.add_argument("--otlp", default=None, metavar="HOST:PORT",
+                   help="an OTLP/gRPC collector for Envoy's traces (default: no tracing)")
     p.set_defaults(fn=cmd_envoy_config)
     return ap
 

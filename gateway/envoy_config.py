@@ -28,6 +28,11 @@ sidecar are explained in gateway/envoy_filters.py):
   burst of long-lived SSE streams into 503s (`UO`) long before anything is overloaded.
 * **Access log**: JSON lines on stdout with the request id, status, flags, details,
   duration, upstream and ext_authz's metadata, so one line explains any answer.
+* **Tracing** (only when `EnvoyPorts.otlp` names a collector): Envoy's OpenTelemetry
+  tracer sends its spans there over OTLP/gRPC; its gRPC calls to the sidecar carry a
+  `traceparent`, so the sidecar's Check and ext_proc spans join Envoy's trace
+  (gateway/tracing.py). Sampling is Envoy's default (100 %, or the client's decision);
+  operators lower `random_sampling` for production traffic.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.config.core.v3 import (
         Address,
+        GrpcService,
+        GrpcServiceEnvoyGrpc,
         Http2ProtocolOptions,
         SocketAddress,
         SubstitutionFormatString,
@@ -88,6 +95,7 @@ with warnings.catch_warnings():
         RouteMatch,
         VirtualHost,
     )
+    from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
     from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
     from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import ExtAuthz
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
@@ -96,6 +104,7 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
         HttpConnectionManager,
+        HttpConnectionManagerTracing,
         HttpFilter,
     )
     from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
@@ -112,6 +121,7 @@ HEADER = (
 ROUTER = "envoy.filters.http.router"
 HCM = "envoy.filters.network.http_connection_manager"
 ENGINE_CLUSTER = "engine"
+OTLP_CLUSTER = "otel_collector"
 CIRCUIT_BREAKER_LIMIT = 100_000
 BUFFER_HEADROOM_BYTES = 64 * 1024  # request headers and framing on top of the largest body
 
@@ -146,6 +156,7 @@ class EnvoyPorts:
     sidecar: str = "127.0.0.1:9001"
     engine: str = "127.0.0.1:8000"
     admin: str = "127.0.0.1:9901"
+    otlp: str | None = None  # an OTLP/gRPC collector for Envoy's spans; None: no tracing
 
 
 @dataclass(frozen=True)
@@ -186,17 +197,20 @@ def bootstrap(
         authz_timeout=timedelta(seconds=authz_timeout_s),
         message_timeout=timedelta(seconds=message_timeout_s),
     )
+    clusters = [_sidecar_cluster(ports.sidecar), _engine_cluster(ports.engine, limits)]
+    if ports.otlp:
+        clusters.append(_http2_cluster(OTLP_CLUSTER, ports.otlp))
     return Bootstrap(
         admin=Admin(address=_listen_address(ports.admin, "admin")),
         static_resources=BootstrapStaticResources(
-            listeners=[_listener(ports.listen, limits)],
-            clusters=[_sidecar_cluster(ports.sidecar), _engine_cluster(ports.engine, limits)],
+            listeners=[_listener(ports.listen, limits, traced=bool(ports.otlp))],
+            clusters=clusters,
         ),
     )
 
 
-def _listener(listen: str, limits: _Limits) -> Listener:
-    hcm = Filter(name=HCM, typed_config=Any.pack(_http_connection_manager(limits)))
+def _listener(listen: str, limits: _Limits, traced: bool) -> Listener:
+    hcm = Filter(name=HCM, typed_config=Any.pack(_http_connection_manager(limits, traced)))
     return Listener(
         name="ingress",
         address=_listen_address(listen, "listen"),
@@ -205,8 +219,9 @@ def _listener(listen: str, limits: _Limits) -> Listener:
     )
 
 
-def _http_connection_manager(limits: _Limits) -> HttpConnectionManager:
+def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionManager:
     return HttpConnectionManager(
+        tracing=_tracing() if traced else None,
         stat_prefix="ingress",
         route_config=_route_config(),
         http_filters=[
@@ -242,16 +257,30 @@ def _stdout_access_log() -> AccessLog:
     )
 
 
+def _tracing() -> HttpConnectionManagerTracing:
+    otel = OpenTelemetryConfig(
+        grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=OTLP_CLUSTER)),
+        service_name="envoy",
+    )
+    return HttpConnectionManagerTracing(provider=TracingHttp(
+        name="envoy.tracers.opentelemetry", typed_config=Any.pack(otel)))
+
+
 def _sidecar_cluster(sidecar: str) -> Cluster:
     """The gRPC sidecar: HTTP/2 is mandatory (without it every call fails, `protocol_error`)."""
+    return _http2_cluster(SIDECAR_CLUSTER, sidecar)
+
+
+def _http2_cluster(name: str, hostport: str) -> Cluster:
+    """A gRPC service (the sidecar, an OTLP collector)."""
     h2 = HttpProtocolOptions(
         explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
             http2_protocol_options=Http2ProtocolOptions()
         )
     )
     return _cluster(
-        SIDECAR_CLUSTER,
-        sidecar,
+        name,
+        hostport,
         connect_timeout=timedelta(seconds=1),
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": Any.pack(h2)

@@ -17,9 +17,10 @@ in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy-protocol.md):
   raises the stream's buffer limit, and the listener's and engine cluster's
   `per_connection_buffer_limit_bytes` are raised to match (default 1 MiB: a 1.5 MB
   prompt got 413), so a body ext_authz accepted also fits ext_proc's buffer.
-* **ext_authz `allowed_headers`**: only `authorization`, `x-api-key`, `x-request-id` and
-  `x-gateway-*` go to the sidecar (least privilege, and a smaller CheckRequest: an SDK
-  sends a dozen more); method, path and body travel in their own fields.
+* **ext_authz `allowed_headers`**: only `authorization`, `x-api-key`, `x-request-id`,
+  the W3C trace context (`traceparent`, `tracestate`) and `x-gateway-*` go to the sidecar
+  (least privilege, and a smaller CheckRequest: an SDK sends a dozen more); method, path
+  and body travel in their own fields.
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
   rides on the body message: attributes and forwarded ext_authz metadata), request body
   BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
@@ -70,7 +71,7 @@ USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may wr
 
 # The only request headers a Check reads: the key, the request id, and any client-sent
 # x-gateway-* (to remove them). Anything else (cookies, other credentials) never leaves Envoy.
-AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id")
+AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id", "traceparent", "tracestate")
 
 
 def ext_authz(timeout: timedelta, max_request_bytes: int) -> ExtAuthz:

@@ -26,8 +26,8 @@ async def apply_demo_policy(redis_url: str) -> admin.NewKey:
     return key
 
 
-def run_spoke(port: int, workdir: Path) -> int:
-    spoke = Spoke(workdir=workdir.resolve(), listen_port=port)
+def run_spoke(port: int, workdir: Path, otlp: str | None = None) -> int:
+    spoke = Spoke(workdir=workdir.resolve(), listen_port=port, otlp=otlp)
     print(f"starting the local spoke in {spoke.workdir} ...", flush=True)
     spoke.start()
     try:

@@ -41,6 +41,7 @@ class Spoke:
     engine_ttft_ms: float = 20
     engine_tokens_per_s: float = 500
     kafka: bool = True
+    otlp: str | None = None  # an OTLP/gRPC collector: Envoy and the sidecar send it traces
     services: dict[str, Service] = field(default_factory=dict)
     metrics_port: int = 0
 
@@ -58,10 +59,13 @@ class Spoke:
             pre["kafka"] = tansu_service(free_port(), self.workdir)
             env["GATEWAY_KAFKA_BOOTSTRAP"] = pre["kafka"].address
             env["GATEWAY_KAFKA_IDEMPOTENCE"] = "false"  # Tansu: see docs/kafka-broker.md
+        if self.otlp:
+            env |= {"OTEL_TRACES_EXPORTER": "otlp",
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{self.otlp}"}
         env.update(self.sidecar_env)
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
-                           engine=engine.address, admin=f"{LOOP}:{free_port()}")
+                           engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp)
         envoy = envoy_service(render(ports), int(ports.admin.rsplit(":", 1)[1]),
                               self.listen_port, self.workdir)
         self.services = {**pre, "engine": engine, "sidecar": sidecar, "envoy": envoy}

@@ -37,6 +37,7 @@ class RequestFacts:
     include_usage: bool = False
     continuous_usage: bool = False
     denied_status: int = 0
+    traceparent: str = ""  # the W3C trace context of a traced request
 
     @classmethod
     def from_struct(cls, md: Struct | None) -> RequestFacts:
@@ -61,6 +62,7 @@ class RequestFacts:
             stream_options=flag("stream_options"), include_usage=flag("include_usage"),
             continuous_usage=flag("continuous_usage"),
             denied_status=num("status") if "denied" in f else 0,
+            traceparent=text("traceparent"),
         )
 
 
@@ -82,7 +84,7 @@ class Recorder:
             except Exception:
                 log.exception("orphan_sweep_crashed")
 
-    def orphan(self, o: Orphan) -> int:
+    def orphan(self, o: Orphan) -> UsageEvent:
         try:
             key_id, team, model, endpoint, stream = orjson.loads(o.meta)
         except (orjson.JSONDecodeError, ValueError, TypeError):
@@ -102,14 +104,14 @@ class Recorder:
         return lambda: self.lifecycle.settle(facts.request_id, tokens)
 
     def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float,
-               source: str | None = None) -> int:
+               source: str | None = None) -> UsageEvent:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         r = meter.result()
         ended = time.time()
         if facts.leased:
             self.lifecycle.release(facts.request_id)
         seq = self.spool.next_seq()
-        self.spool.put(seq, event_json(UsageEvent(
+        event = UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,
             seq=seq, started_at=rfc3339(started), ended_at=rfc3339(ended),
             key_id=facts.key_id, team=facts.team, model=facts.model,
@@ -117,8 +119,9 @@ class Recorder:
             stream=facts.stream, status_code=meter.status or facts.denied_status,
             outcome=outcome, usage=r.usage, usage_source=source or r.source,
             ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
-            duration_ms=round((ended - started) * 1000, 3))),
-            on_durable=self._settlement(facts, r.usage.total_tokens if outcome != "denied" else 0))
+            duration_ms=round((ended - started) * 1000, 3))
+        self.spool.put(seq, event_json(event), on_durable=self._settlement(
+            facts, r.usage.total_tokens if outcome != "denied" else 0))
         metrics.EVENTS.labels(outcome).inc()
         if r.usage.total_tokens:
             metrics.TOKENS.labels(facts.model, facts.team, "prompt").inc(r.usage.prompt_tokens)
@@ -128,4 +131,4 @@ class Recorder:
             metrics.TTFT.labels(facts.model).observe(r.ttft_ms / 1000)
         if r.tpot_ms:
             metrics.TPOT.labels(facts.model).observe(r.tpot_ms / 1000)
-        return seq
+        return event

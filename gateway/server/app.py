@@ -35,6 +35,8 @@ from gateway.settings import Settings
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool, choose_instance, orphans
+from gateway.tracing import Tracing
+from gateway.tracing import from_env as tracing_from_env
 
 
 def redis_client(url: str, deadline: float) -> Redis:
@@ -57,6 +59,7 @@ class App:
     health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
     spool: Spool | None = None
     producer: Producer | None = None
+    tracing: Tracing | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
@@ -93,10 +96,11 @@ class App:
             ("grpc.so_reuseport", 1),
             ("grpc.http2.max_pings_without_data", 0),
         ]
+        self.tracing = tracing_from_env()
         self.server = grpc.aio.server(options=opts)
-        AuthorizationService(authorizer).register(self.server)
+        AuthorizationService(authorizer, self.tracing).register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(recorder, s.continuous_models), self.server)
+            ExternalProcessorService(recorder, s.continuous_models, self.tracing), self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
@@ -173,6 +177,8 @@ class App:
             await self.sync.stop()
         if self.limiter:
             await self.limiter.close()
+        if self.tracing:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
 
 
 async def metrics_handler() -> tuple[int, str, bytes]:

@@ -15,6 +15,7 @@ from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
+from gateway import tracing
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Decision, Deny
 from gateway.authz.engine import Authorizer
@@ -42,11 +43,14 @@ def to_request(check: pb.CheckRequest) -> AuthzRequest:
     )
 
 
-def to_response(decision: Decision, req: AuthzRequest) -> pb.CheckResponse | bytes:
-    """A denial as a message; an allow as its serialized bytes (both go out as they are)."""
+def to_response(decision: Decision, req: AuthzRequest,
+                traceparent: str = "") -> pb.CheckResponse | bytes:
+    """A denial as a message; an allow as its serialized bytes (both go out as they are).
+    A traced request's `traceparent` rides in the metadata to ext_proc, which sees no
+    request headers."""
     if isinstance(decision, Deny):
-        return _denied(decision, req)
-    return _allowed(decision, req)
+        return _denied(decision, req, traceparent)
+    return _allowed(decision, req, traceparent)
 
 
 def _serialize(response: pb.CheckResponse | bytes) -> bytes:
@@ -75,17 +79,20 @@ def _set_metadata(md: struct_pb2.Struct, values: dict[str, str | int | bool]) ->
             fields[k].number_value = v
 
 
-def _allowed(allow: Allow, req: AuthzRequest) -> bytes:
+def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
     """The OK answer, already serialized (see check_wire: the hot path's biggest cost)."""
     c = allow.context
+    metadata: dict[str, str | int | bool] = {
+        "request_id": c.request_id, "reserved": c.reserved, "prompt_estimate": c.prompt_estimate}
+    if traceparent:
+        metadata["traceparent"] = traceparent
     return check_wire.allowed(
         upstream=(("x-gateway-request-id", c.request_id),),
         # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
         remove=[*_STRIP,
                 *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
         response_headers=answers.rate_headers(allow.rate).items(),
-        metadata={"request_id": c.request_id, "reserved": c.reserved,
-                  "prompt_estimate": c.prompt_estimate},
+        metadata=metadata,
         also=_fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased,
                     c.stream_options, c.include_usage, c.continuous_usage),
     )
@@ -104,21 +111,42 @@ def _fixed(key_id: str, team: str, model: str, endpoint: str, stream: bool, leas
                   "include_usage": include_usage, "continuous_usage": continuous_usage})
 
 
-def _denied(deny: Deny, req: AuthzRequest) -> pb.CheckResponse:
+def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckResponse:
     resp = pb.CheckResponse(status=_DENIED)
     denied = resp.denied_response
     denied.status.code = deny.status  # type: ignore[assignment,unused-ignore]
     _set_headers(denied.headers, [("content-type", "application/json"), *deny.headers.items()])
     denied.body = answers.error_body(deny, req.request_id).decode()
-    _set_metadata(resp.dynamic_metadata, {
+    metadata: dict[str, str | int | bool] = {
         "request_id": req.request_id, "denied": deny.reason, "status": deny.status,
-        "key_id": deny.key_id, "team": deny.team, "model": deny.model, "endpoint": req.path})
+        "key_id": deny.key_id, "team": deny.team, "model": deny.model, "endpoint": req.path}
+    if traceparent:
+        metadata["traceparent"] = traceparent
+    _set_metadata(resp.dynamic_metadata, metadata)
     return resp
 
 
+def _annotate(span: tracing.Span, decision: Decision) -> None:
+    if isinstance(decision, Allow):
+        c = decision.context
+        span.set_attributes({"gateway.request_id": c.request_id, "gateway.decision": "allowed",
+                             "gateway.key_id": c.key_id, "gateway.team": c.team,
+                             "gateway.model": c.model, "gateway.reserved_tokens": c.reserved})
+        return
+    span.set_attributes({"gateway.decision": "denied", "gateway.deny_reason": decision.reason,
+                         "http.response.status_code": decision.status,
+                         "gateway.key_id": decision.key_id, "gateway.team": decision.team,
+                         "gateway.model": decision.model})
+    if decision.tier:
+        span.set_attribute("gateway.limit_tier", decision.tier)
+    if decision.status >= 500:
+        span.set_status(tracing.Status(tracing.StatusCode.ERROR, decision.message))
+
+
 class AuthorizationService(pb_grpc.AuthorizationServicer):
-    def __init__(self, authorizer: Authorizer) -> None:
+    def __init__(self, authorizer: Authorizer, tracer: tracing.Tracing | None = None) -> None:
         self.authorizer = authorizer
+        self.tracing = tracer
 
     def register(self, server: grpc.aio.Server) -> None:
         """Like the generated add_AuthorizationServicer_to_server, with a serializer that
@@ -135,10 +163,16 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
     ) -> pb.CheckResponse | bytes:
         t0 = time.perf_counter()
         req = to_request(request)
+        span = None
+        if self.tracing is not None:
+            span = self._span(req, context)
         try:
             decision = await self.authorizer.check(req)
         except asyncio.CancelledError:  # Envoy cancelled the Check: its client left
             self.authorizer.abandon(req.request_id)
+            if span is not None:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, "cancelled by Envoy"))
+                span.end()
             raise
         metrics.observe_decision(decision, time.perf_counter() - t0)
         if isinstance(decision, Allow) and decision.context.leased and context is not None:
@@ -154,4 +188,16 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
         if isinstance(decision, Deny):
             log.info("denied", request_id=req.request_id, status=decision.status,
                      reason=decision.reason, tier=decision.tier)
-        return to_response(decision, req)
+        if span is None:
+            return to_response(decision, req)
+        _annotate(span, decision)
+        span.end()
+        return to_response(decision, req, req.headers.get("traceparent", ""))
+
+    def _span(self, req: AuthzRequest, context: grpc.aio.ServicerContext | None
+              ) -> tracing.Span | None:
+        assert self.tracing is not None
+        tp, ts = tracing.trace_context(
+            context.invocation_metadata() if context is not None else None,
+            req.headers.get("traceparent", ""), req.headers.get("tracestate", ""))
+        return self.tracing.start("ext_authz Check", tp, ts) if tp else None

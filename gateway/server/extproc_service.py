@@ -24,6 +24,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from gateway import tracing
+from gateway.metering.events import UsageEvent
 from gateway.metering.inject import STREAMING_USAGE_ENDPOINTS, splice_stream_options
 from gateway.metering.meter import Injected, Meter
 from gateway.metering.recorder import Recorder, RequestFacts
@@ -154,10 +156,25 @@ class RequestStream:
         return "completed" if self.ended or self.meter.finished() else "client_cancelled"
 
 
+def _annotate(span: tracing.Span, e: UsageEvent) -> None:
+    u = e.usage
+    span.set_attributes({
+        "gateway.request_id": e.event_id, "gateway.key_id": e.key_id, "gateway.team": e.team,
+        "gateway.model": e.model, "gateway.outcome": e.outcome,
+        "http.response.status_code": e.status_code, "gateway.usage.prompt_tokens": u.prompt_tokens,
+        "gateway.usage.completion_tokens": u.completion_tokens,
+        "gateway.usage_source": e.usage_source, "gateway.ttft_ms": e.ttft_ms})
+    if e.outcome == "upstream_error":
+        span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"status {e.status_code}"))
+    span.end()
+
+
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, recorder: Recorder, continuous_models: tuple[str, ...] = ()) -> None:
+    def __init__(self, recorder: Recorder, continuous_models: tuple[str, ...] = (),
+                 tracer: tracing.Tracing | None = None) -> None:
         self.recorder = recorder
         self.continuous_models = continuous_models
+        self.tracing = tracer
 
     async def Process(
         self,
@@ -167,20 +184,33 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         stream = RequestStream(self.continuous_models)
         metrics.STREAMS_ACTIVE.inc()
         finished = False
+        span: tracing.Span | None = None
+
+        def finish(facts: RequestFacts) -> None:
+            event = self.recorder.finish(facts, stream.meter, stream.outcome(), stream.started)
+            if span is not None:
+                _annotate(span, event)
+
         try:
             async for msg in request_iterator:
                 first = stream.facts is None
                 response = stream.handle(msg)
-                if first and stream.facts and stream.facts.leased:
-                    self.recorder.lifecycle.begin(stream.facts.request_id)
+                if first and stream.facts:
+                    if stream.facts.leased:
+                        self.recorder.lifecycle.begin(stream.facts.request_id)
+                    if self.tracing is not None:
+                        tp, ts = tracing.trace_context(
+                            context.invocation_metadata(), stream.facts.traceparent)
+                        if tp:
+                            span = self.tracing.start("ext_proc stream", tp, ts,
+                                                      start_ns=int(stream.started * 1e9))
                 if stream.ended and not finished and stream.facts is not None:
                     # Settle as soon as the end is seen, before the client has the last
                     # chunk: its next request must find the slot free.
                     finished = True
-                    self.recorder.finish(stream.facts, stream.meter, stream.outcome(),
-                                         stream.started)
+                    finish(stream.facts)
                 yield response
         finally:
             metrics.STREAMS_ACTIVE.dec()
             if not finished and stream.facts is not None:
-                self.recorder.finish(stream.facts, stream.meter, stream.outcome(), stream.started)
+                finish(stream.facts)

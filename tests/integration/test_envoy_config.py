@@ -3,6 +3,7 @@ and nothing in it lets a request reach the engine without ext_authz."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import time
@@ -63,9 +64,13 @@ def test_committed_envoy_yaml_is_render_output() -> None:
     assert committed == render(), "stale: run `gateway envoy-config > envoy/envoy.yaml`"
 
 
-def test_real_envoy_validates_rendered_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("traced", [False, True])
+def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool) -> None:
     config = tmp_path / "envoy.yaml"
-    config.write_text(render(random_ports()))
+    ports = random_ports()
+    if traced:  # with Envoy's OpenTelemetry tracer and its collector cluster
+        ports = dataclasses.replace(ports, otlp=f"127.0.0.1:{free_port()}")
+    config.write_text(render(ports))
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
         capture_output=True,

@@ -1,0 +1,98 @@
+"""OpenTelemetry traces that join Envoy's: one span per Check, one per ext_proc stream.
+
+Off unless `OTEL_TRACES_EXPORTER` names an exporter: `otlp` (OTLP/gRPC to
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`, default
+localhost:4317) or `console` (JSON on stdout). The standard OTel variables apply
+(`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, the exporter's).
+
+The caller decides what is traced. Unless `OTEL_TRACES_SAMPLER` says otherwise, a span is
+recorded only under a sampled W3C `traceparent`, taken from:
+
+1. the gRPC call's metadata: Envoy's tracer puts its egress span for the call there, so
+   our span is that span's child;
+2. else the HTTP request's own header, which Envoy passes on when it does not trace (a
+   client's trace). ext_proc sees no request headers, so the Check forwards this one to
+   it in its dynamic metadata.
+
+The sidecar never starts traces of its own: with traces off (the default) the hot path
+pays one `is None` test; on, an unsampled request pays the lookup and a parse.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider, sampling
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = ["Span", "Status", "StatusCode", "Tracing", "from_env", "trace_context"]
+
+_W3C = TraceContextTextMapPropagator()
+SERVICE_NAME = "gateway-sidecar"
+
+
+def trace_context(call_metadata: Iterable[tuple[str, str | bytes]] | None,
+                  traceparent: str = "", tracestate: str = "") -> tuple[str, str]:
+    """(traceparent, tracestate): the gRPC call's (Envoy's span) if it has one, else the
+    request's own."""
+    found: dict[str, str] = {}
+    for k, v in call_metadata or ():
+        if k in ("traceparent", "tracestate"):
+            found[k] = v if isinstance(v, str) else v.decode("latin-1")
+    if found.get("traceparent"):
+        return found["traceparent"], found.get("tracestate", "")
+    return traceparent, tracestate
+
+
+class Tracing:
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("gateway")
+
+    def start(self, name: str, traceparent: str, tracestate: str = "",
+              start_ns: int | None = None) -> Span | None:
+        """A server span under the caller's `traceparent`, or None if it is not sampled
+        (or malformed: a bad header is the caller's problem, never a failed request)."""
+        carrier = {"traceparent": traceparent}
+        if tracestate:
+            carrier["tracestate"] = tracestate
+        parent: Context = _W3C.extract(carrier)
+        span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
+                                      start_time=start_ns)
+        if span.is_recording():
+            return span
+        return None
+
+    def shutdown(self) -> None:
+        """Export what is buffered (bounded by the exporter's own timeout)."""
+        self.provider.shutdown()
+
+
+def from_env(environ: Mapping[str, str] = os.environ,
+             exporter: SpanExporter | None = None) -> Tracing | None:
+    """Tracing as the OTEL_* variables ask, or None when traces are off (the default)."""
+    if exporter is None:
+        kind = environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+        if kind in ("", "none"):
+            return None
+        if kind == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            exporter = OTLPSpanExporter()
+        elif kind == "console":
+            exporter = ConsoleSpanExporter()
+        else:
+            raise ValueError(
+                f"OTEL_TRACES_EXPORTER={kind!r} is not supported (otlp, console or none)")
+    # Sampler None: the SDK reads OTEL_TRACES_SAMPLER. Else follow the caller's decision.
+    sampler = None if "OTEL_TRACES_SAMPLER" in environ else sampling.ParentBased(
+        sampling.ALWAYS_OFF)
+    resource = Resource.create(
+        {} if "OTEL_SERVICE_NAME" in environ else {"service.name": SERVICE_NAME})
+    provider = TracerProvider(sampler=sampler, resource=resource)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return Tracing(provider)

@@ -1,0 +1,92 @@
+"""OpenTelemetry traces through real Envoy: the sidecar's spans join the request's trace.
+
+A real OTLP/gRPC receiver stands in for the collector; Envoy's OpenTelemetry tracer and
+the sidecar's OTLP exporter both send to it.
+"""
+
+from __future__ import annotations
+
+import secrets as pysecrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from spokekit import client, start_spoke
+
+from gateway.dev.otlp_receiver import Receiver, Span, otlp_receiver
+from gateway.dev.stack import Spoke
+
+MSG = [{"role": "user", "content": "trace me"}]
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # ms between the sidecar's exports
+
+
+def _stream(spoke: Spoke, key: str, headers: dict[str, str] | None = None) -> str:
+    """A streamed chat of 5 tokens; its request id."""
+    raw = client(spoke, key).chat.completions.with_raw_response.create(
+        model="mock-model", messages=MSG, max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, extra_headers=headers or {})
+    list(raw.parse())
+    return str(raw.headers["x-request-id"])
+
+
+def _ours(spans: list[Span], rid: str) -> dict[str, Span]:
+    return {s.name: s for s in spans
+            if s.service == "gateway-sidecar" and s.attributes.get("gateway.request_id") == rid}
+
+
+@pytest.fixture
+def traced_spoke(tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str], Receiver]]:
+    with otlp_receiver() as (address, receiver):
+        spoke, keys = start_spoke(tmp_path / "spoke", kafka=False, otlp=address,
+                                  sidecar_env=dict(FAST_EXPORT))
+        try:
+            yield spoke, keys, receiver
+        finally:
+            spoke.stop()
+
+
+def test_sidecar_spans_are_children_of_envoys(
+        traced_spoke: tuple[Spoke, dict[str, str], Receiver]) -> None:
+    spoke, keys, receiver = traced_spoke
+    rid = _stream(spoke, keys["good"])
+    deadline = time.monotonic() + 15
+    while len(ours := _ours(receiver.wait_for(1), rid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    check, stream = ours["ext_authz Check"], ours["ext_proc stream"]
+    assert check.trace_id == stream.trace_id
+    envoy = {s.span_id: s for s in receiver.wait_for(5, check.trace_id)
+             if s.service == "envoy"}  # Envoy exports every 5 s
+    # ingress -> Envoy's egress span for each gRPC call -> ours
+    assert envoy[check.parent_id].name.endswith("Authorization.Check egress")
+    assert envoy[stream.parent_id].name.endswith("ExternalProcessor.Process egress")
+    ingress = {envoy[check.parent_id].parent_id, envoy[stream.parent_id].parent_id}
+    assert len(ingress) == 1 and envoy[ingress.pop()].name == "ingress"
+    assert check.attributes["gateway.decision"] == "allowed"
+    assert check.attributes["gateway.key_id"] == "good"
+    assert stream.attributes["gateway.outcome"] == "completed"
+    assert stream.attributes["gateway.usage.completion_tokens"] == 5
+    assert not check.error and not stream.error
+
+
+def test_a_clients_trace_is_joined_when_envoy_does_not_trace(tmp_path: Path) -> None:
+    with otlp_receiver() as (address, receiver):
+        env = {**FAST_EXPORT, "OTEL_TRACES_EXPORTER": "otlp",
+               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{address}"}
+        spoke, keys = start_spoke(tmp_path / "spoke", kafka=False, sidecar_env=env)
+        try:
+            trace_id, parent = pysecrets.token_hex(16), pysecrets.token_hex(8)
+            rid = _stream(spoke, keys["good"], {"traceparent": f"00-{trace_id}-{parent}-01"})
+            ours = {s.name: s for s in receiver.wait_for(2, trace_id)}
+            assert set(ours) == {"ext_authz Check", "ext_proc stream"}
+            assert all(s.parent_id == parent for s in ours.values())
+            assert ours["ext_authz Check"].attributes["gateway.request_id"] == rid
+            # Not sampled by the caller: nothing recorded, nothing exported.
+            unsampled = pysecrets.token_hex(16)
+            _stream(spoke, keys["good"], {"traceparent": f"00-{unsampled}-{parent}-00"})
+            _stream(spoke, keys["good"])  # no trace context at all
+            time.sleep(1.0)  # ten export intervals
+            assert receiver.wait_for(0, unsampled) == []
+            assert {s.trace_id for s in receiver.spans} == {trace_id}
+        finally:
+            spoke.stop()
