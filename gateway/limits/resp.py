@@ -103,9 +103,32 @@ class _Connection(asyncio.Protocol):
                 fut.set_exception(exc)
 
 
+def tls_context(url: str) -> ssl.SSLContext | None:
+    """TLS for a `rediss://` URL, from the query parameters redis-py reads too (so one URL
+    serves both clients): `ssl_ca_certs` (a CA bundle; default: the system's),
+    `ssl_cert_reqs` (required | optional | none), `ssl_check_hostname` (true | false),
+    `ssl_certfile` and `ssl_keyfile` (a client certificate)."""
+    u = urlparse(url)
+    if u.scheme != "rediss":
+        return None
+    q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+    reqs = q.get("ssl_cert_reqs", "required").lower()
+    modes = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+    if reqs not in modes:
+        raise ValueError(f"ssl_cert_reqs={reqs!r} in the Redis URL: expected one of "
+                         f"{', '.join(modes)}")
+    ctx = ssl.create_default_context(cafile=q.get("ssl_ca_certs"))
+    ctx.check_hostname = reqs == "required" and q.get(
+        "ssl_check_hostname", "true").lower() not in ("false", "0", "no")
+    ctx.verify_mode = modes[reqs]
+    if q.get("ssl_certfile"):
+        ctx.load_cert_chain(q["ssl_certfile"], q.get("ssl_keyfile"))
+    return ctx
+
+
 class RespClient:
-    """`redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS) or
-    `unix:///path/to/socket?db=N`."""
+    """`redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS; see tls_context)
+    or `unix:///path/to/socket?db=N`."""
 
     def __init__(self, url: str, timeout: float = 1.0, connect_timeout: float = 0.5) -> None:
         self.url = url
@@ -117,7 +140,7 @@ class RespClient:
         self._unix = u.path if u.scheme == "unix" else None
         self._host = u.hostname or "127.0.0.1"
         self._port = u.port or 6379
-        self._ssl = ssl.create_default_context() if u.scheme == "rediss" else None
+        self._ssl = tls_context(url)
         db = parse_qs(u.query).get("db", [""])[0] if u.scheme == "unix" else u.path.lstrip("/")
         self._setup: list[tuple[Any, ...]] = []
         if u.password is not None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio
+import trustme
 
 from gateway.dev.procs import Service, free_port, redis_service
-from gateway.limits.resp import RedisGone, RedisReplyError, RespClient, Script
+from gateway.limits.resp import RedisGone, RedisReplyError, RespClient, Script, tls_context
 
 
 @pytest.fixture
@@ -123,3 +126,54 @@ async def test_password_database_and_unix_socket_come_from_the_url(tmp_path: Pat
             await c.close()
     finally:
         svc.stop()
+
+
+@pytest.fixture
+def tls_redis(tmp_path: Path) -> Iterator[tuple[Service, Path]]:
+    """A Redis that speaks TLS only, with a certificate for 127.0.0.1 from a throwaway CA."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    ca_pem, cert_pem, key_pem = tmp_path / "ca.pem", tmp_path / "cert.pem", tmp_path / "key.pem"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    cert.private_key_pem.write_to_path(str(key_pem))
+    port = free_port()
+    svc = redis_service(port, tmp_path)
+    svc.argv[svc.argv.index("--port") + 1] = "0"  # no plaintext port at all
+    svc.argv += ["--tls-port", str(port), "--tls-cert-file", str(cert_pem),
+                 "--tls-key-file", str(key_pem), "--tls-ca-cert-file", str(ca_pem),
+                 "--tls-auth-clients", "no"]
+    svc.start()
+    yield svc, ca_pem
+    svc.stop()
+
+
+async def test_rediss_speaks_tls_and_refuses_an_unknown_ca(
+        tls_redis: tuple[Service, Path]) -> None:
+    svc, ca_pem = tls_redis
+    url = f"rediss://{svc.address}/0?ssl_ca_certs={ca_pem}"
+    client = RespClient(url)
+    assert await client.call("PING") == b"PONG"
+    script = Script(client, "return redis.call('INCR', KEYS[1] or 'n')")
+    assert await script() == 1
+    await client.close()
+    # The same URL serves redis-py (the policy store).
+    store = redis.asyncio.Redis.from_url(url)
+    assert await store.ping()
+    await store.aclose()
+    # The system's CAs do not know this one: no connection, never plaintext.
+    untrusting = RespClient(f"rediss://{svc.address}/0", connect_timeout=2.0)
+    with pytest.raises(RedisGone, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+        await untrusting.call("PING")
+    plaintext = RespClient(f"redis://{svc.address}/0", timeout=1.0)
+    with pytest.raises(RedisGone):
+        await plaintext.call("PING")
+    await plaintext.close()
+
+
+def test_rediss_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="ssl_cert_reqs"):
+        RespClient("rediss://127.0.0.1:1/0?ssl_cert_reqs=maybe")
+    ctx = tls_context("rediss://127.0.0.1:1/0?ssl_cert_reqs=none")
+    assert ctx is not None and ctx.verify_mode == ssl.CERT_NONE and not ctx.check_hostname
+    assert tls_context("redis://127.0.0.1:1/0") is None
