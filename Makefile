@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_authz.py
 	$(BIN)/python benchmarks/bench_metering.py
 	$(BIN)/python benchmarks/bench_spool.py
+	$(BIN)/python benchmarks/bench_stages.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -50,3 +50,11 @@ def test_bench_metering_quick(tmp_path: Path) -> None:
 def test_bench_spool_quick(tmp_path: Path) -> None:
     doc = run("bench_spool.py", tmp_path)  # exits 1 unless every event was read back once
     assert doc["rows"] and doc["read_back"]["duplicates"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_stages_quick(tmp_path: Path) -> None:
+    doc = run("bench_stages.py", tmp_path)
+    assert [r["stage"] for r in doc["rows"]] == ["floor", "parse", "authorize", "answer", "redis"]
+    assert all(r["rps"] > 0 for r in doc["rows"])
