@@ -21,6 +21,7 @@ pays one `is None` test; on, an unsampled request pays the lookup and a parse.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable, Mapping
 
 from opentelemetry.context import Context
@@ -68,9 +69,14 @@ class Tracing:
             return span
         return None
 
-    def shutdown(self) -> None:
-        """Export what is buffered (bounded by the exporter's own timeout)."""
-        self.provider.shutdown()
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Export what is buffered, waiting at most `timeout` seconds: a dead collector
+        (the exporter retries for up to OTEL_EXPORTER_OTLP_TIMEOUT, 10 s) must not hold
+        up the sidecar's exit. The spans still unsent are lost; requests never are."""
+        done = threading.Thread(target=self.provider.shutdown, name="otel-shutdown",
+                                daemon=True)
+        done.start()
+        done.join(timeout)
 
 
 def from_env(environ: Mapping[str, str] = os.environ,
@@ -93,6 +99,7 @@ def from_env(environ: Mapping[str, str] = os.environ,
         sampling.ALWAYS_OFF)
     resource = Resource.create(
         {} if "OTEL_SERVICE_NAME" in environ else {"service.name": SERVICE_NAME})
-    provider = TracerProvider(sampler=sampler, resource=resource)
+    # shutdown_on_exit=False: the app shuts it down, bounded; the SDK's atexit hook is not.
+    provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     return Tracing(provider)

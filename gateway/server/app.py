@@ -178,7 +178,7 @@ class App:
         if self.limiter:
             await self.limiter.close()
         if self.tracing:
-            await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered, ≤ 2 s
 
 
 async def metrics_handler() -> tuple[int, str, bytes]:

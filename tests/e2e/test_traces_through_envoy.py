@@ -15,6 +15,7 @@ import pytest
 from spokekit import client, start_spoke
 
 from gateway.dev.otlp_receiver import Receiver, Span, otlp_receiver
+from gateway.dev.procs import free_port
 from gateway.dev.stack import Spoke
 
 MSG = [{"role": "user", "content": "trace me"}]
@@ -90,3 +91,24 @@ def test_a_clients_trace_is_joined_when_envoy_does_not_trace(tmp_path: Path) -> 
             assert {s.trace_id for s in receiver.spans} == {trace_id}
         finally:
             spoke.stop()
+
+
+def test_a_dead_collector_costs_requests_nothing_and_does_not_hold_up_exit(
+        tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: every export is refused
+    spoke, keys = start_spoke(tmp_path / "spoke", kafka=False, otlp=dead,
+                              sidecar_env=dict(FAST_EXPORT))
+    try:
+        for _ in range(10):
+            trace_id, parent = pysecrets.token_hex(16), pysecrets.token_hex(8)
+            _stream(spoke, keys["good"], {"traceparent": f"00-{trace_id}-{parent}-01"})
+        time.sleep(1.0)  # the exporter is retrying by now
+        sidecar = spoke.services["sidecar"]
+        t0 = time.monotonic()
+        sidecar.stop(timeout=30)
+        assert time.monotonic() - t0 < 5.0  # the exporter alone would retry for 10 s
+        log = sidecar.log_path.read_text()
+        assert "Failed to export traces" in log or "Transient error" in log  # it did try
+        assert sum(1 for _ in (tmp_path / "spoke" / "usage.jsonl").open()) == 10  # billed
+    finally:
+        spoke.stop()
