@@ -5,8 +5,8 @@ Off unless `OTEL_TRACES_EXPORTER` names an exporter: `otlp` (OTLP/gRPC to
 localhost:4317) or `console` (JSON on stdout). The standard OTel variables apply
 (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, the exporter's).
 
-The caller decides what is traced. Unless `OTEL_TRACES_SAMPLER` says otherwise, a span is
-recorded only under a sampled W3C `traceparent`, taken from:
+A span is made only for a request that carries a W3C `traceparent`, and (unless
+`OTEL_TRACES_SAMPLER` picks another sampler) only if that says sampled. It is taken from:
 
 1. the gRPC call's metadata: Envoy's tracer puts its egress span for the call there, so
    our span is that span's child;
@@ -14,8 +14,9 @@ recorded only under a sampled W3C `traceparent`, taken from:
    client's trace). ext_proc sees no request headers, so the Check forwards this one to
    it in its dynamic metadata.
 
-The sidecar never starts traces of its own: with traces off (the default) the hot path
-pays one `is None` test; on, an unsampled request pays the lookup and a parse.
+The sidecar never starts a trace of its own: the caller decides. With traces off (the
+default) the hot path pays one `is None` test; on, an unsampled request pays the lookup
+and a parse.
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ class Tracing:
         done.join(timeout)
 
 
+def _otlp_exporter() -> SpanExporter:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        # xds-protos ships an old copy of these protos at the same paths (scripts/bootstrap.sh)
+        raise RuntimeError(
+            f"the OTLP exporter cannot load ({exc}). If xds-protos was installed after "
+            "opentelemetry-proto, its old copy of the OpenTelemetry protos shadows the real "
+            "ones: pip install --force-reinstall --no-deps opentelemetry-proto==1.45.2"
+        ) from exc
+    return OTLPSpanExporter()
+
+
 def from_env(environ: Mapping[str, str] = os.environ,
              exporter: SpanExporter | None = None) -> Tracing | None:
     """Tracing as the OTEL_* variables ask, or None when traces are off (the default)."""
@@ -87,8 +101,7 @@ def from_env(environ: Mapping[str, str] = os.environ,
         if kind in ("", "none"):
             return None
         if kind == "otlp":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            exporter = OTLPSpanExporter()
+            exporter = _otlp_exporter()
         elif kind == "console":
             exporter = ConsoleSpanExporter()
         else:

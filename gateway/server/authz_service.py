@@ -186,8 +186,8 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
 
             context.add_done_callback(undo_if_cancelled)  # type: ignore[arg-type]
         if isinstance(decision, Deny):
-            log.info("denied", request_id=req.request_id, status=decision.status,
-                     reason=decision.reason, tier=decision.tier)
+            log.info("denied", request_id=req.request_id, key_id=decision.key_id or None,
+                     status=decision.status, reason=decision.reason, tier=decision.tier)
         if span is None:
             return to_response(decision, req)
         _annotate(span, decision)

@@ -166,7 +166,6 @@ def _annotate(span: tracing.Span, e: UsageEvent) -> None:
         "gateway.usage_source": e.usage_source, "gateway.ttft_ms": e.ttft_ms})
     if e.outcome == "upstream_error":
         span.set_status(tracing.Status(tracing.StatusCode.ERROR, f"status {e.status_code}"))
-    span.end()
 
 
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
@@ -190,6 +189,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
             event = self.recorder.finish(facts, stream.meter, stream.outcome(), stream.started)
             if span is not None:
                 _annotate(span, event)
+                span.end()
 
         try:
             async for msg in request_iterator:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -131,3 +134,23 @@ def test_api_key_never_reaches_the_engine(spoke: Spoke, keys: dict[str, str]) ->
         assert keys["good"] not in str(headers)
     sidecar_log = spoke["sidecar"].log_path.read_text()
     assert keys["good"] not in sidecar_log
+
+
+def test_a_denial_is_logged_with_its_request_and_key_ids(
+        spoke: Spoke, keys: dict[str, str]) -> None:
+    r = httpx.post(f"{spoke.base_url}/chat/completions",
+                   headers={"authorization": f"Bearer {keys['narrow']}"},
+                   json={"model": "mock-other", "messages": [], "max_tokens": 1})
+    assert r.status_code == 403
+    rid = r.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in spoke["sidecar"].log_path.read_text().splitlines()
+                 if rid in line]
+        if lines:
+            break
+        time.sleep(0.05)
+    [line] = lines
+    assert line["event"] == "denied" and line["key_id"] == "narrow"
+    assert line["status"] == 403 and line["reason"] == "model_not_allowed"
+    assert keys["narrow"] not in spoke["sidecar"].log_path.read_text()

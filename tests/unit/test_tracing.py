@@ -5,6 +5,7 @@ tests/e2e/test_tracing.py)."""
 from __future__ import annotations
 
 import secrets as pysecrets
+import sys
 
 import pytest
 from envoy.service.auth.v3 import external_auth_pb2 as pb
@@ -34,6 +35,15 @@ def test_traces_are_off_unless_an_exporter_is_named() -> None:
     t = tracing.from_env({"OTEL_TRACES_EXPORTER": "otlp"})  # the exporter is installed
     assert t is not None
     t.shutdown()
+
+
+def test_a_shadowed_otlp_exporter_is_a_clear_startup_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # As when xds-protos' old copy of the OpenTelemetry protos was installed last.
+    monkeypatch.setitem(sys.modules,
+                        "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(RuntimeError, match="force-reinstall --no-deps opentelemetry-proto"):
+        tracing.from_env({"OTEL_TRACES_EXPORTER": "otlp"})
 
 
 def test_the_grpc_calls_trace_context_wins_over_the_requests() -> None:
