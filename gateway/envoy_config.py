@@ -37,7 +37,6 @@ sidecar are explained in gateway/envoy_filters.py):
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any as AnyValue
@@ -54,13 +53,9 @@ from gateway.envoy_filters import (
     ext_authz,
     ext_proc,
 )
-from gateway.envoy_yaml import to_plain
+from gateway.envoy_yaml import quiet_imports, to_plain
 
-# envoy-data-plane 2.2.0 declares ~250 `@model_validator(mode="after")` classmethods, each
-# a PydanticDeprecatedSince212 warning at import: noise in every test run, nothing to fix
-# on our side. Only that message is silenced, and only while these modules load.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"Using `@model_validator` with mode='after'")
+with quiet_imports():
     from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
     from envoy_data_plane.envoy.config.bootstrap.v3 import (
         Admin,

@@ -44,12 +44,11 @@ in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy-protocol.md):
 
 from __future__ import annotations
 
-import warnings
 from datetime import timedelta
 
-# Silenced for the same reason, and the same way, as in gateway/envoy_config.py.
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"Using `@model_validator` with mode='after'")
+from gateway.envoy_yaml import quiet_imports
+
+with quiet_imports():
     from envoy_data_plane.envoy.config.core.v3 import ApiVersion, GrpcService, GrpcServiceEnvoyGrpc
     from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import BufferSettings, ExtAuthz
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
