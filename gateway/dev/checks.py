@@ -29,6 +29,7 @@ def check_request(
     http = actx.AttributeContext.HttpRequest(
         id="11517394706964432185", method=method, headers=headers, path=path, host="127.0.0.1",
         scheme="http", protocol="HTTP/1.1", size=len(body), raw_body=body)
+
     def peer(port: int) -> actx.AttributeContext.Peer:
         return actx.AttributeContext.Peer(address=address_pb2.Address(
             socket_address=address_pb2.SocketAddress(address="127.0.0.1", port_value=port)))

@@ -59,7 +59,6 @@ _T_ENTRY, _T_NUMBER, _T_STRING, _T_BOOL = _tag(1, 2), _tag(2, 1), _tag(3, 2), _t
 _STATUS_OK = _ld(_T_STATUS, b"")  # google.rpc.Status with code 0: an empty message
 
 _key_cache: dict[str, bytes] = {}
-_bool_cache: dict[tuple[str, bool], bytes] = {}
 
 
 def _key(name: str) -> bytes:
@@ -94,12 +93,7 @@ def struct_fields(values: dict[str, str | int | bool]) -> bytes:
             b = v.encode()
             out.append(_entry(k, _T_STRING + _len(len(b)) + b))
         elif isinstance(v, bool):
-            enc = _bool_cache.get((k, v))
-            if enc is None:
-                if len(_bool_cache) > 4096:
-                    _bool_cache.clear()
-                enc = _bool_cache[k, v] = _entry(k, _T_BOOL + (b"\x01" if v else b"\x00"))
-            out.append(enc)
+            out.append(_entry(k, _T_BOOL + (b"\x01" if v else b"\x00")))
         else:
             out.append(_entry(k, _T_NUMBER + _DOUBLE(float(v))))
     return b"".join(out)
