@@ -20,6 +20,15 @@ sidecar are explained in gateway/envoy_filters.py):
   sends a chosen id through the rendered config and checks Envoy's access log.
   `always_set_request_id_in_response` hands the id back to the client: it is the
   `event_id` of the request's usage event, so support and billing speak of one id.
+* **One canonical path** (no side door): `normalize_path` (RFC 3986: dot segments
+  resolved, percent-encoded unreserved characters decoded, `\\` made `/`), `merge_slashes`
+  and `path_with_escaped_slashes_action: UNESCAPE_AND_FORWARD` (`%2F` → `/`), so the
+  sidecar judges and the engine routes the same path. Without them Envoy forwards
+  `/v1/chat/%63ompletions` or `/v1//chat/completions` as sent, and an engine behind
+  uvicorn decodes them into a chat completion. Verified against the real binary for each
+  spelling (tests/e2e/test_side_doors.py). Unescaping rather than rejecting `%2F` keeps
+  model ids with a slash (`GET /v1/models/org%2Fname`, as SDKs send them) working. The
+  sidecar canonicalizes again (gateway/routes.py) for Envoys without these settings.
 * **Route `timeout: 0s`** (default 15 s): long generations stream for minutes.
   `stream_idle_timeout` (5 min) still cuts a stream that goes silent.
 * **Clusters**: gRPC to the sidecar needs HTTP/2, set through
@@ -99,6 +108,7 @@ with quiet_imports():
     from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
         HttpConnectionManager,
+        HttpConnectionManagerPathWithEscapedSlashesAction,
         HttpConnectionManagerTracing,
         HttpFilter,
     )
@@ -229,6 +239,10 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         use_remote_address=True,
         preserve_external_request_id=False,
         always_set_request_id_in_response=True,
+        normalize_path=True,
+        merge_slashes=True,
+        path_with_escaped_slashes_action=(
+            HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
     )
 
 

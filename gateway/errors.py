@@ -4,7 +4,8 @@
      ├── PolicyError        an invalid policy document; carries the path of each problem
      ├── StoreUnavailable   the limiter/policy store (Redis) is down or slower than the deadline
      │    └── StoreTimeout  ... slower: the store may still commit what it was asked
-     └── BodyError          a request body that is not the JSON the endpoint expects
+     ├── BodyError          a request body that is not the JSON the endpoint expects
+     └── PathError          a request path no engine should see (not absolute, bad encoding)
 
 A denial is not an exception: it is a value (`gateway.authz.decision.Deny`).
 """
@@ -34,4 +35,8 @@ class StoreTimeout(StoreUnavailable):
 
 
 class BodyError(GatewayError):
+    pass
+
+
+class PathError(GatewayError):
     pass

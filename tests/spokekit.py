@@ -44,6 +44,7 @@ def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
             "tiny": {"models": ["*"], "limits": {"rps": 1, "burst": 1}},
         },
         "keys": {},
+        "passthrough": [{"path": "/tokenize", "methods": ["POST"]}],
     }
     for key_id, extra in KEY_LIMITS.items():
         entry = {"team": "t1", "sha256": secrets.digest(keys[key_id]).hex()}

@@ -6,7 +6,7 @@ import math
 
 import orjson
 
-from gateway.authz.decision import Deny
+from gateway.authz.decision import Deny, Reply
 from gateway.limits.types import CONCURRENCY, RPS, TPD, TPM, TPMO, RateInfo, Verdict
 
 # error.type per error.code, as OpenAI uses them, so SDKs map them to their usual exceptions.
@@ -15,6 +15,7 @@ ERROR_TYPES = {
     "model_not_found": "invalid_request_error",
     "model_not_allowed": "invalid_request_error",
     "invalid_request_error": "invalid_request_error",
+    "unknown_url": "invalid_request_error",
     "rate_limit_exceeded": "requests",
     "insufficient_quota": "insufficient_quota",
     "service_unavailable": "server_error",
@@ -109,6 +110,25 @@ def model_not_found(model: str) -> Deny:
 def model_not_allowed(model: str) -> Deny:
     return Deny(403, "model_not_allowed",
                 f"This API key is not allowed to use the model '{model}'.", "model_not_allowed")
+
+
+def unknown_url(method: str, path: str) -> Deny:
+    """A path the gateway does not know: refused whatever the body says (no side door)."""
+    return Deny(404, "unknown_url", f"Invalid URL ({method} {path[:200]}).", "unknown_url")
+
+
+def model_object(model: str, key_id: str, team: str) -> Reply:
+    return Reply(200, orjson.dumps(_model(model)), key_id, team, model)
+
+
+def models_list(models: list[str], key_id: str, team: str) -> Reply:
+    """GET /v1/models, answered from the policy: the models this key may use."""
+    return Reply(200, orjson.dumps({"object": "list", "data": [_model(m) for m in models]}),
+                 key_id, team)
+
+
+def _model(model: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "gateway"}
 
 
 def unavailable(message: str) -> Deny:

@@ -1,4 +1,5 @@
-"""A decision is a value: Allow (with the verified context) or Deny (with the HTTP answer)."""
+"""A decision is a value: Allow (with the verified context), Deny (with the HTTP answer) or
+Reply (an answer the gateway gives itself, from the policy)."""
 
 from __future__ import annotations
 
@@ -46,4 +47,15 @@ class Deny:
     model: str = ""
 
 
-Decision = Allow | Deny
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A request the gateway answers itself (e.g. GET /v1/models, from the policy)."""
+
+    status: int
+    body: bytes
+    key_id: str
+    team: str
+    model: str = ""
+
+
+Decision = Allow | Deny | Reply

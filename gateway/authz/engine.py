@@ -1,4 +1,5 @@
-"""The authorization pipeline: identity → body → model → ACL → admission, first failure wins.
+"""The authorization pipeline: identity → route → body → model → ACL → admission, first
+failure wins (the route rules, and why they are judged on the canonical path: gateway/routes.py).
 
 Cheap checks come first, so an unknown key costs no JSON parse and no Redis call.
 The limiter store failing (down, or past its deadline) is the only way to a 503: fail
@@ -13,13 +14,14 @@ from dataclasses import dataclass, replace
 import orjson
 
 from gateway.authz import answers
-from gateway.authz.decision import Allow, Context, Decision, Deny
-from gateway.authz.request import AuthzRequest, api_key, parse_body
+from gateway.authz.decision import Allow, Context, Decision, Deny, Reply
+from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
-from gateway.errors import BodyError, StoreTimeout, StoreUnavailable
+from gateway.errors import BodyError, PathError, StoreTimeout, StoreUnavailable
 from gateway.limits.types import AdmitRequest, Limiter, Verdict
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
+from gateway.routes import Kind, canonical_path, route
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,21 @@ class Authorizer:
         if key is None or key.disabled or (key.expires_at is not None and key.expires_at <= now):
             return answers.unauthorized()
         try:
-            facts = parse_body(req.path, req.method, req.body)
+            path = canonical_path(req.path)
+        except PathError as exc:
+            return _who(answers.bad_request(str(exc)), key)
+        where = route(req.method, path, policy.passthrough)
+        if where.kind is Kind.UNKNOWN:
+            return _who(answers.unknown_url(req.method, path), key)
+        if where.kind is Kind.MODELS:
+            return answers.models_list(policy.models_for(key), key.key_id, key.team)
+        if where.kind is Kind.MODEL:
+            return _model_answer(policy, key, where.model)
+        try:
+            if where.kind is Kind.INFERENCE:
+                facts = parse_body(req.body)
+            else:
+                facts = named_model(req.body) or BodyFacts(model=None, body_bytes=len(req.body))
         except BodyError as exc:
             return _who(answers.bad_request(str(exc)), key)
         if facts.model is not None:
@@ -64,15 +80,15 @@ class Authorizer:
             if not key.may_use(facts.model):
                 return _who(answers.model_not_allowed(facts.model), key, facts.model)
         s = self._settings
-        reserve = 0 if facts.model is None else facts.reserve(  # listing models costs nothing
-            s.default_completion_tokens, s.reserve_cap, req.path == "/v1/embeddings")
+        reserve = 0 if facts.model is None else facts.reserve(  # no model: no tokens
+            s.default_completion_tokens, s.reserve_cap, path == "/v1/embeddings")
         tiers = policy.tiers_for(facts.model, key)
         verdict = Verdict(True)
         if tiers:
             try:
                 verdict = await self._limiter.admit(AdmitRequest(
                     req.request_id, tiers, reserve, now,
-                    meta=orjson.dumps([key.key_id, key.team, facts.model or "", req.path,
+                    meta=orjson.dumps([key.key_id, key.team, facts.model or "", path,
                                        facts.stream]).decode()))
             except StoreUnavailable as exc:
                 if isinstance(exc, StoreTimeout):
@@ -83,7 +99,7 @@ class Authorizer:
             return _who(answers.limit_denial(verdict), key, facts.model)
         ctx = Context(
             req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
-            reserve if verdict.leased else 0, verdict.leased, endpoint=req.path,
+            reserve if verdict.leased else 0, verdict.leased, endpoint=path,
             prompt_estimate=facts.prompt_tokens if facts.model else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
@@ -100,3 +116,12 @@ class Authorizer:
 def _who(deny: Deny, key: KeyRecord, model: str | None = None) -> Deny:
     """Name the (authenticated) caller on a denial, for its usage event and logs."""
     return replace(deny, key_id=key.key_id, team=key.team, model=model or "")
+
+
+def _model_answer(policy: Policy, key: KeyRecord, model: str) -> Reply | Deny:
+    """GET /v1/models/{id}: the model, if this key may use it; as OpenAI answers it."""
+    if model not in policy.models:
+        return _who(answers.model_not_found(model), key)
+    if not key.may_use(model):
+        return _who(answers.model_not_allowed(model), key, model)
+    return answers.model_object(model, key.key_id, key.team)

@@ -9,17 +9,12 @@ import orjson
 
 from gateway.errors import BodyError
 
-# Endpoints whose POST body must be OpenAI JSON naming a model (DESIGN §6).
-INFERENCE_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
-)
-
 
 @dataclass(frozen=True, slots=True)
 class AuthzRequest:
     request_id: str
     method: str
-    path: str  # without the query string
+    path: str  # as Envoy sent it, without the query string (routes.canonical_path reads it)
     headers: dict[str, str]  # lower-case names, as Envoy sends them
     body: bytes
 
@@ -71,13 +66,8 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def parse_body(path: str, method: str, body: bytes) -> BodyFacts:
-    """Read what admission needs from an inference body; raise BodyError if it is not usable.
-
-    Other endpoints (e.g. GET /v1/models) carry no model and are admitted on key/team tiers.
-    """
-    if method != "POST" or path not in INFERENCE_PATHS:
-        return BodyFacts(model=None, body_bytes=len(body))
+def parse_body(body: bytes) -> BodyFacts:
+    """Read what admission needs from an inference body; raise BodyError if it is not usable."""
     if not body:
         raise BodyError("request body is empty; expected a JSON object with a 'model'")
     try:
@@ -86,6 +76,26 @@ def parse_body(path: str, method: str, body: bytes) -> BodyFacts:
         raise BodyError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BodyError("request body must be a JSON object")
+    return _facts(data, len(body))
+
+
+def named_model(body: bytes) -> BodyFacts | None:
+    """A pass-through body's facts if it is a JSON object with a `model`, else None.
+
+    A body that names a model passes the model checks on any path (no side door); one
+    that is not JSON (a file upload, say) names none. A `model` that is there but not a
+    non-empty string is refused (BodyError) rather than ignored.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or "model" not in data:
+        return None
+    return _facts(data, len(body))
+
+
+def _facts(data: dict[str, Any], size: int) -> BodyFacts:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BodyError("'model' is required and must be a non-empty string")
@@ -97,9 +107,9 @@ def parse_body(path: str, method: str, body: bytes) -> BodyFacts:
     prompt = estimate_prompt_tokens(data)
     opts = data.get("stream_options")
     if not isinstance(opts, dict):
-        return BodyFacts(model, data.get("stream") is True, max_tokens, len(body), prompt)
+        return BodyFacts(model, data.get("stream") is True, max_tokens, size, prompt)
     return BodyFacts(
-        model, data.get("stream") is True, max_tokens, len(body), prompt,
+        model, data.get("stream") is True, max_tokens, size, prompt,
         stream_options=True,
         include_usage=opts.get("include_usage") is True,
         continuous_usage=opts.get("continuous_usage_stats") is True,

@@ -7,6 +7,7 @@ parts to prove the failure modes. Every port is free-picked except Envoy's when 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,13 +45,15 @@ class Spoke:
     otlp: str | None = None  # an OTLP/gRPC collector: Envoy and the sidecar send it traces
     services: dict[str, Service] = field(default_factory=dict)
     metrics_port: int = 0
+    engine: Callable[[int, Path], Service] | None = None  # another engine (port, workdir)
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_port = free_port()
         redis = redis_service(free_port(), self.workdir)
-        engine = engine_service(free_port(), self.workdir, self.engine_ttft_ms,
-                                self.engine_tokens_per_s)
+        engine = (engine_service(free_port(), self.workdir, self.engine_ttft_ms,
+                                 self.engine_tokens_per_s)
+                  if self.engine is None else self.engine(free_port(), self.workdir))
         env = {"GATEWAY_REDIS_URL": f"redis://{redis.address}/0", "GATEWAY_SPOKE": "dev",
                "GATEWAY_POLICY_RECHECK_S": "2", "GATEWAY_SPOOL_DIR": str(self.workdir / "spool"),
                "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl")}

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from gateway.policy.schema import Limits, PolicyDoc
+from gateway.routes import PassThrough
 
 TIERS = ("model", "team", "key")
 
@@ -110,6 +111,7 @@ class Policy:
     teams: dict[str, LimitSpec]
     keys_by_digest: dict[bytes, KeyRecord]
     keys: dict[str, KeyRecord] = field(default_factory=dict)
+    passthrough: tuple[PassThrough, ...] = ()
     _tiers: dict[tuple[str | None, str], tuple[TierLimit, ...]] = field(
         default_factory=dict, compare=False, repr=False)
 
@@ -138,7 +140,13 @@ class Policy:
             teams=teams,
             keys_by_digest=by_digest,
             keys=keys,
+            passthrough=tuple(PassThrough(p.path, frozenset(p.methods))
+                              for p in doc.passthrough),
         )
+
+    def models_for(self, key: KeyRecord) -> list[str]:
+        """The policy's models this key may use, sorted."""
+        return sorted(m for m in self.models if key.may_use(m))
 
     def tiers_for(self, model: str | None, key: KeyRecord) -> tuple[TierLimit, ...]:
         """The tiers with limits that apply to one request, in the order platform, team, key.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
@@ -22,6 +22,9 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
+
+from gateway.errors import PathError
+from gateway.routes import canonical_path
 
 # No control characters: names become Redis keys and \x1f-separated script arguments.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$")]
@@ -79,11 +82,35 @@ class KeyPolicy(_Strict):
     disabled: bool = False
 
 
+Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+def _canonical(path: str) -> str:
+    try:
+        canonical = canonical_path(path)
+    except PathError as exc:
+        raise ValueError(str(exc)) from None
+    if canonical != path or "?" in path or "#" in path:
+        raise ValueError(
+            f"must be a canonical path (no %-escapes, '//', '.' or '..' segments, query): "
+            f"{path!r} (did you mean {canonical!r}?)")
+    return path
+
+
+class PassThroughPolicy(_Strict):
+    """A non-inference path the engine serves and keys may reach (e.g. a tokenizer)."""
+
+    path: Annotated[str, StringConstraints(min_length=1, max_length=256),
+                    AfterValidator(_canonical)]
+    methods: list[Method] = Field(default_factory=lambda: list[Method](["GET"]), min_length=1)
+
+
 class PolicyDoc(_Strict):
     revision: PositiveInt | None = None
     models: dict[Name, ModelPolicy] = Field(default_factory=dict)
     teams: dict[Name, TeamPolicy] = Field(default_factory=dict)
     keys: dict[KeyId, KeyPolicy] = Field(default_factory=dict)
+    passthrough: list[PassThroughPolicy] = Field(default_factory=list)
 
     def cross_problems(self) -> list[str]:
         """Checks that span sections: pydantic reports per-field problems, these relate fields."""

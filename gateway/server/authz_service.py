@@ -17,7 +17,7 @@ from google.rpc import code_pb2, status_pb2
 
 from gateway import tracing
 from gateway.authz import answers
-from gateway.authz.decision import Allow, Decision, Deny
+from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
@@ -50,6 +50,8 @@ def to_response(decision: Decision, req: AuthzRequest,
     request headers."""
     if isinstance(decision, Deny):
         return _denied(decision, req, traceparent)
+    if isinstance(decision, Reply):
+        return _replied(decision, req, traceparent)
     return _allowed(decision, req, traceparent)
 
 
@@ -126,7 +128,29 @@ def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckRes
     return resp
 
 
+def _replied(reply: Reply, req: AuthzRequest, traceparent: str = "") -> pb.CheckResponse:
+    """The gateway's own answer, sent by Envoy as a local reply (ext_authz's denied_response
+    with a 2xx status). Its metadata names the caller, without `denied`: its usage event is
+    a completed request that cost no tokens."""
+    resp = pb.CheckResponse(status=_DENIED)
+    local = resp.denied_response
+    local.status.code = reply.status  # type: ignore[assignment,unused-ignore]
+    _set_headers(local.headers, [("content-type", "application/json")])
+    local.body = reply.body.decode()
+    metadata: dict[str, str | int | bool] = {
+        "request_id": req.request_id, "key_id": reply.key_id, "team": reply.team,
+        "model": reply.model, "endpoint": req.path}
+    if traceparent:
+        metadata["traceparent"] = traceparent
+    _set_metadata(resp.dynamic_metadata, metadata)
+    return resp
+
+
 def _annotate(span: tracing.Span, decision: Decision) -> None:
+    if isinstance(decision, Reply):
+        span.set_attributes({"gateway.decision": "answered", "gateway.key_id": decision.key_id,
+                             "gateway.team": decision.team})
+        return
     if isinstance(decision, Allow):
         c = decision.context
         span.set_attributes({"gateway.request_id": c.request_id, "gateway.decision": "allowed",

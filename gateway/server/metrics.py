@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from gateway.authz.decision import Decision, Deny
+from gateway.authz.decision import Allow, Decision, Deny
 
 DECISIONS = Counter(
     "gateway_authz_decisions_total", "ext_authz decisions", ["outcome", "reason", "tier"])
@@ -21,14 +21,17 @@ READY = Gauge("gateway_ready", "1 when this worker has a policy", multiprocess_m
 
 
 _ALLOWED = DECISIONS.labels("allowed", "", "")
+_ANSWERED = DECISIONS.labels("answered", "", "")  # the gateway's own answer (GET /v1/models)
 
 
 def observe_decision(decision: Decision, seconds: float) -> None:
     CHECK_SECONDS.observe(seconds)
     if isinstance(decision, Deny):
         DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
-    else:
+    elif isinstance(decision, Allow):
         _ALLOWED.inc()
+    else:
+        _ANSWERED.inc()
 SINK_ERRORS = Counter("gateway_usage_sink_errors_total", "Failed deliveries to Kafka/JSONL")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
 EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from gateway.authz import answers
-from gateway.authz.decision import Allow, Decision, Deny
+from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.clock import FakeClock
@@ -153,22 +153,25 @@ async def test_key_expiring_later_is_valid() -> None:
     denied(await gate.check(chat(), who="soon"), 401, "invalid_api_key")
 
 
-async def test_models_listing_needs_no_body() -> None:
-    gate = Gate(policy(team_limits="{rps: 10}"))
+async def test_models_listing_is_answered_for_the_keys_own_models() -> None:
+    gate = Gate(policy(team_limits="{rps: 10, tokens_per_day: 2000}"))
     d = await gate.check(path="/v1/models", method="GET")
-    assert isinstance(d, Allow), d
-    assert (d.context.key_id, d.context.team, d.context.model) == ("alice", "team-a", "")
+    assert isinstance(d, Reply) and d.status == 200, d
+    assert [m["id"] for m in json.loads(d.body)["data"]] == ["llama-3", "qwen3-coder"]
+    d = await gate.check(path="/v1/models", method="GET", who="bob")  # narrowed by the key
+    assert isinstance(d, Reply)
+    assert [m["id"] for m in json.loads(d.body)["data"]] == ["llama-3"]
+    assert gate.limiter.calls == 0  # answered from the policy: no admission, no tokens
     denied(await gate.check(path="/v1/models", method="GET", who="nobody"),
            401, "invalid_api_key")
 
 
-
-async def test_models_listing_consumes_no_token_budget() -> None:
-    gate = Gate(policy(team_limits="{tokens_per_day: 2000}"))
-    for _ in range(3):
-        d = await gate.check(path="/v1/models", method="GET")
-        assert isinstance(d, Allow), d
-        assert d.context.reserved == 0
+async def test_one_model_is_answered_only_if_the_key_may_use_it() -> None:
+    gate = Gate(policy())
+    d = await gate.check(path="/v1/models/llama-3", method="GET")
+    assert isinstance(d, Reply) and json.loads(d.body)["id"] == "llama-3"
+    denied(await gate.check(path="/v1/models/mistral", method="GET"), 403, "model_not_allowed")
+    denied(await gate.check(path="/v1/models/nope", method="GET"), 404, "model_not_found")
 
 
 # --- 401 / 404 / 403 / 400 ---------------------------------------------------------------------
@@ -398,3 +401,40 @@ def test_rate_headers_of_allowed_responses() -> None:
 ])
 def test_duration_format(seconds: float, text: str) -> None:
     assert answers.duration(seconds) == text
+
+
+# --- no side door (gateway/routes.py) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/v1//chat/completions",
+                                  "/v1/x/../chat/completions", "/v1/chat%2Fcompletions"])
+async def test_any_spelling_of_an_inference_path_gets_the_model_checks(path: str) -> None:
+    gate = Gate(policy())
+    denied(await gate.check(chat("mistral"), path=path), 403, "model_not_allowed")
+    d = await gate.check(chat(), path=path)
+    assert isinstance(d, Allow) and d.context.endpoint == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/v1/messages"), ("POST", "/v1/chat/completions/"), ("GET", "/v1/chat/completions"),
+    ("PUT", "/v1/completions"), ("POST", "/V1/CHAT/COMPLETIONS"), ("POST", "/health")])
+async def test_unknown_routes_are_404_before_any_body_is_read_or_budget_spent(
+        method: str, path: str) -> None:
+    gate = Gate(policy(team_limits="{rps: 1}"))
+    d = denied(await gate.check(chat("mistral"), path=path, method=method), 404, "unknown_url")
+    assert d.key_id == "alice" and gate.limiter.calls == 0
+    denied(await gate.check(chat(), path=path, method=method, who="nobody"),
+           401, "invalid_api_key")
+
+
+async def test_a_passthrough_body_naming_a_model_gets_the_model_checks() -> None:
+    pol = load(policy(team_limits="{tokens_per_day: 100000}").doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    gate = Gate(pol)
+    denied(await gate.check(chat("mistral"), path="/tokenize"), 403, "model_not_allowed")
+    denied(await gate.check(chat("nope"), path="/tokenize"), 404, "model_not_found")
+    denied(await gate.check({"model": 7}, path="/tokenize"), 400, "invalid_request_error")
+    d = await gate.check(chat(max_tokens=5), path="/tokenize")
+    assert isinstance(d, Allow) and d.context.model == "qwen3-coder" and d.context.reserved > 0
+    d = await gate.check(b"not json", path="/tokenize")
+    assert isinstance(d, Allow) and d.context.model == "" and d.context.reserved == 0

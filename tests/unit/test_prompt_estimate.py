@@ -17,6 +17,5 @@ def test_counts_text_not_json_overhead() -> None:
 
 
 def test_body_facts_carry_it() -> None:
-    facts = parse_body("/v1/chat/completions", "POST",
-                       b'{"model":"m","messages":[{"role":"user","content":"hello there"}]}')
+    facts = parse_body(b'{"model":"m","messages":[{"role":"user","content":"hello there"}]}')
     assert 3 <= facts.prompt_tokens <= 10
