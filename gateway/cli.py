@@ -62,16 +62,29 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
         text = sys.stdin.buffer.read() if args.file == "-" else path.read_bytes()
-        rev = _run(admin.apply(_backend(_settings(args)), text, str(path)))
+        done = _run_value(admin.apply(_backend(_settings(args)), text, str(path),
+                                      prune=args.prune, allow_empty=args.allow_empty,
+                                      dry_run=args.dry_run))
     except PolicyError as err:
         print("invalid policy, nothing published:", file=sys.stderr)
         for p in err.problems:
             print(f"  {err.source}: {p}", file=sys.stderr)
         return 2
+    except (admin.ApplyRefused, OSError) as exc:
+        print(f"nothing published: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # e.g. a revision conflict or Redis down: say it, exit non-zero
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"applied revision {rev}")
+    print(f"changes against revision {done.base}:")
+    print("\n".join(done.diff.lines()))
+    if done.revision is not None:
+        print(f"applied revision {done.revision}")
+        return 0
+    print("dry run: nothing published")
+    if done.refused:
+        print(f"apply would refuse: {done.refused}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -252,6 +265,12 @@ def parser() -> argparse.ArgumentParser:
     pol = sub.add_parser("policy", help="apply / show / status").add_subparsers(
         dest="sub", required=True)
     p = pol.add_parser("apply", help="validate and publish a new revision")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="print what would change; publish nothing")
+    p.add_argument("--prune", action="store_true",
+                   help="allow removing keys the current revision has (default: refuse)")
+    p.add_argument("--allow-empty", dest="allow_empty", action="store_true",
+                   help="allow a document with no models or no keys (default: refuse)")
     p.add_argument("file")
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_apply)

@@ -57,7 +57,10 @@ def publish(redis_url: str, doc: dict[str, Any]) -> int:
     async def go() -> int:
         client = Redis.from_url(redis_url)
         try:
-            return await apply(RedisBackend(PolicyStore(client)), yaml.safe_dump(doc).encode(), "t")
+            done = await apply(RedisBackend(PolicyStore(client)), yaml.safe_dump(doc).encode(),
+                               "t", prune=True)
+            assert done.revision is not None
+            return done.revision
         finally:
             await client.aclose()
 

@@ -87,9 +87,96 @@ class NewKey:
     revision: int
 
 
-async def apply(backend: Backend, text: bytes, source: str) -> int:
+class ApplyRefused(ValueError):
+    """`policy apply` would do harm the operator did not ask for; nothing was published."""
+
+
+@dataclass(frozen=True)
+class Diff:
+    """What a new document changes, section by section: names added, removed, changed."""
+
+    added: dict[str, list[str]]
+    removed: dict[str, list[str]]
+    changed: dict[str, list[str]]
+
+    @property
+    def empty(self) -> bool:
+        return not any((*self.added.values(), *self.removed.values(), *self.changed.values()))
+
+    def lines(self) -> list[str]:
+        out = []
+        for section in SECTIONS:
+            out += [f"  + {section}.{n}" for n in self.added[section]]
+            out += [f"  - {section}.{n}" for n in self.removed[section]]
+            out += [f"  ~ {section}.{n}" for n in self.changed[section]]
+        return out or ["  (no change)"]
+
+
+SECTIONS = ("models", "teams", "keys", "passthrough")
+
+
+def diff(old: PolicyDoc, new: PolicyDoc) -> Diff:
+    def named(doc: PolicyDoc, section: str) -> dict[str, Any]:
+        if section == "passthrough":
+            return {p.path: p.model_dump() for p in doc.passthrough}
+        return {k: v.model_dump() for k, v in getattr(doc, section).items()}
+
+    added, removed, changed = {}, {}, {}
+    for section in SECTIONS:
+        a, b = named(old, section), named(new, section)
+        added[section] = sorted(b.keys() - a.keys())
+        removed[section] = sorted(a.keys() - b.keys())
+        changed[section] = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+    return Diff(added, removed, changed)
+
+
+@dataclass(frozen=True)
+class Applied:
+    revision: int | None  # None: a dry run
+    diff: Diff
+    base: int  # the revision it replaced
+    refused: str = ""  # a dry run: why a real apply would be refused
+
+
+async def apply(backend: Backend, text: bytes, source: str, *, prune: bool = False,
+                allow_empty: bool = False, dry_run: bool = False) -> Applied:
+    """Validate and publish a whole document, kubectl-apply style.
+
+    A `revision:` equal to the current one is an exported document, edited: it becomes the
+    next revision. An older one was exported before someone else published: refused, as
+    publishing it would undo their change. A document that removes every model or key, or
+    removes keys at all, is refused unless asked for (`allow_empty`, `prune`): `keys
+    create` adds keys to the stored document that a hand-kept file does not have.
+    """
     doc = parse_doc(text, source)  # raises PolicyError naming the path; nothing published
-    return await backend.write(doc, None)
+    base, old = await backend.read()
+    if doc.revision is not None and doc.revision < base:
+        raise ApplyRefused(
+            f"{source} is based on revision {doc.revision}, but revision {base} was published "
+            f"since: export it again (gateway policy show), or drop its `revision:` line to "
+            f"overwrite")
+    if doc.revision == base:
+        doc = doc.model_copy(update={"revision": None})
+    change = diff(old, doc)
+    refused = _refusal(source, old, doc, change, prune=prune, allow_empty=allow_empty)
+    if dry_run:
+        return Applied(None, change, base, refused)
+    if refused:
+        raise ApplyRefused(refused)
+    return Applied(await backend.write(doc, base), change, base)
+
+
+def _refusal(source: str, old: PolicyDoc, new: PolicyDoc, change: Diff, *, prune: bool,
+             allow_empty: bool) -> str:
+    for section in ("models", "keys"):
+        if getattr(old, section) and not getattr(new, section) and not allow_empty:
+            return (f"{source} has no {section}: every request would be refused (401/404). "
+                    f"Pass --allow-empty if that is what you want")
+    if change.removed["keys"] and not prune:
+        return (f"{source} would remove keys {', '.join(change.removed['keys'])} (made with "
+                f"`keys create`, or dropped from the file?): pass --prune to remove them, or "
+                f"revoke them with `gateway keys revoke`")
+    return ""
 
 
 async def create_key(

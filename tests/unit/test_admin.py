@@ -30,7 +30,7 @@ async def test_read_of_missing_file_is_empty_revision_zero(backend: admin.FileBa
 
 
 async def test_apply_writes_a_revision(backend: admin.FileBackend) -> None:
-    assert await admin.apply(backend, VALID, "valid.yaml") == 1
+    assert (await admin.apply(backend, VALID, "valid.yaml")).revision == 1
     rev, doc = await backend.read()
     assert rev == 1
     assert doc.model_copy(update={"revision": None}) == parse_doc(VALID)
@@ -38,16 +38,18 @@ async def test_apply_writes_a_revision(backend: admin.FileBackend) -> None:
     # the file itself is a valid, loadable policy at that revision
     assert load(backend.path.read_bytes()).revision == 1
 
-    assert await admin.apply(backend, VALID, "valid.yaml") == 2
+    assert (await admin.apply(backend, VALID, "valid.yaml")).revision == 2
     assert (await backend.read())[0] == 2
 
 
 async def test_apply_keeps_a_newer_revision_from_the_document(
     backend: admin.FileBackend,
 ) -> None:
-    assert await admin.apply(backend, VALID + b"revision: 40\n", "x") == 40
-    # an older revision number in the document cannot move the file backwards
-    assert await admin.apply(backend, VALID + b"revision: 3\n", "x") == 41
+    assert (await admin.apply(backend, VALID + b"revision: 40\n", "x")).revision == 40
+    # an older revision number: exported before someone else published; refused
+    with pytest.raises(admin.ApplyRefused, match="based on revision 3, but revision 40"):
+        await admin.apply(backend, VALID + b"revision: 3\n", "x")
+    assert (await backend.read())[0] == 40
 
 
 async def test_apply_invalid_publishes_nothing(backend: admin.FileBackend) -> None:
@@ -199,3 +201,69 @@ def test_parse_duration_rejects_garbage(text: str) -> None:
 def test_parse_duration_rejects_negative_and_unbounded(text: str) -> None:
     with pytest.raises(ValueError, match="bad duration"):
         admin.parse_duration(text)
+
+
+# --- policy apply through the CLI: no spoke taken down by accident (issue 11) ----------------
+
+
+def cli(*argv: str) -> int:
+    from gateway.cli import main
+    return main(list(argv))
+
+
+def test_an_empty_document_is_refused_unless_asked(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "policy.yaml"
+    src = tmp_path / "in.yaml"
+    src.write_bytes(VALID)
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy)) == 0
+    before = policy.read_bytes()
+    for empty in (b"", b"{}\n", b"models: {}\n"):
+        src.write_bytes(empty)
+        assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--prune") == 2
+        assert "--allow-empty" in capsys.readouterr().err
+        assert policy.read_bytes() == before  # nothing published
+    src.write_bytes(b"{}\n")
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--prune",
+               "--allow-empty") == 0
+
+
+def test_keys_made_with_keys_create_are_not_dropped_silently(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy, src = tmp_path / "policy.yaml", tmp_path / "in.yaml"
+    src.write_bytes(VALID)
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy)) == 0
+    assert cli("keys", "create", "--team", "team-a", "--policy-file", str(policy)) == 0
+    made = re.search(r"sk-gw-(\w+)-", capsys.readouterr().out)
+    assert made is not None
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--dry-run") == 2
+    out, err = capsys.readouterr()
+    assert f"  - keys.{made.group(1)}" in out and "dry run: nothing published" in out
+    assert "--prune" in err
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--dry-run",
+               "--prune") == 0
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy)) == 2
+    assert made.group(1) in capsys.readouterr().err and made.group(1) in policy.read_text()
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--prune") == 0
+    assert made.group(1) not in policy.read_text()
+
+
+def test_show_edit_apply_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy, src = tmp_path / "policy.yaml", tmp_path / "in.yaml"
+    src.write_bytes(VALID)
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy)) == 0
+    capsys.readouterr()
+    assert cli("policy", "show", "--policy-file", str(policy)) == 0
+    exported = capsys.readouterr().out
+    assert "revision: 1" in exported
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(exported.replace("team-a:", "team-a:\n    # edited\n", 1))
+    doc = yaml.safe_load(exported)
+    doc["models"]["brand-new"] = {}
+    edited.write_text(yaml.safe_dump(doc))
+    assert cli("policy", "apply", str(edited), "--policy-file", str(policy)) == 0
+    out = capsys.readouterr().out
+    assert "  + models.brand-new" in out and "applied revision 2" in out
+    # the same export, applied again after revision 2: it would undo that change
+    assert cli("policy", "apply", str(edited), "--policy-file", str(policy)) == 2
+    assert "based on revision 1, but revision 2" in capsys.readouterr().err
