@@ -370,7 +370,7 @@ def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, f
     out_bytes = 0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        rs = RequestStream(())
+        rs = RequestStream()
         rs.facts = RequestFacts(request_id="r", key_id="k", model="mock-model",
                                 endpoint=endpoint, stream=True)
         rs.meter = Meter(endpoint=endpoint, stream=True, injected=Injected(include_usage=True))
@@ -446,7 +446,7 @@ class Bench:
     def start(self) -> None:
         env = dict(kv.split("=", 1) for kv in self.args.sidecar_env)
         self.spoke = Spoke(workdir=self.workdir / "spoke", listen_port=free_port(),
-                           sidecar_env=env)
+                           sidecar_env=env, metering="ext_proc")  # this harness: ext_proc's cost
         self.spoke.start()
         publish(self.spoke.redis_url, policy_doc(self.secret, self.wl.model))
         wait_ready(self.spoke.metrics_url)

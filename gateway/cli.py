@@ -172,7 +172,8 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from gateway.envoy_config import EnvoyPorts, render
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
-                                       engine=args.engine, admin=args.admin, otlp=args.otlp)))
+                                       engine=args.engine, admin=args.admin, otlp=args.otlp),
+                            metering=args.metering))
     return 0
 
 
@@ -234,7 +235,8 @@ def cmd_usage_reconcile(args: argparse.Namespace) -> int:
 
 def cmd_dev(args: argparse.Namespace) -> int:
     from gateway.dev.spoke import run_spoke
-    return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp)
+    return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp,
+                     metering=args.metering)
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
@@ -242,6 +244,15 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
                    help="default: $GATEWAY_REDIS_URL")
     p.add_argument("--policy-file", dest="policy_file", default=None,
                    help="embedded mode; default: $GATEWAY_POLICY_FILE")
+
+
+def _metering_flag(p: argparse.ArgumentParser) -> None:
+    from gateway.settings import DEFAULT_METERING, METERING_SOURCES
+    p.add_argument("--metering", choices=METERING_SOURCES,
+                   default=os.environ.get("GATEWAY_METERING", DEFAULT_METERING),
+                   help="who does the per-chunk work: Envoy's own filters with one record per "
+                        "request to the sidecar, or the sidecar through ext_proc "
+                        "(default: $GATEWAY_METERING, else %(default)s)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -260,6 +271,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=".gateway-dev")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",
                    help="send Envoy's and the sidecar's traces to this OTLP/gRPC collector")
+    _metering_flag(p)
     p.set_defaults(fn=cmd_dev)
 
     pol = sub.add_parser("policy", help="apply / show / status").add_subparsers(
@@ -333,6 +345,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--admin", default="127.0.0.1:9901")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",
                    help="an OTLP/gRPC collector for Envoy's traces (default: no tracing)")
+    _metering_flag(p)
     p.set_defaults(fn=cmd_envoy_config)
     return ap
 

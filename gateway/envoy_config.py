@@ -53,6 +53,7 @@ from typing import Any as AnyValue
 import betterproto2
 import yaml
 
+from gateway import envoy_metering
 from gateway.addresses import is_ip, split_hostport
 from gateway.envoy_filters import (
     EXT_AUTHZ,
@@ -63,6 +64,7 @@ from gateway.envoy_filters import (
     ext_proc,
 )
 from gateway.envoy_yaml import quiet_imports, to_plain
+from gateway.settings import DEFAULT_METERING, METERING_SOURCES, Metering
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
@@ -169,11 +171,13 @@ class _Limits:
     max_request_bytes: int
     authz_timeout: timedelta
     message_timeout: timedelta
+    metering: Metering
 
 
 def render(
     ports: EnvoyPorts = EnvoyPorts(),
     *,
+    metering: Metering = DEFAULT_METERING,
     max_request_bytes: int = 8 * 1024 * 1024,
     authz_timeout_s: float = 0.5,
     message_timeout_s: float = 2.0,
@@ -181,26 +185,43 @@ def render(
     """The bootstrap YAML for `ports`, with the generated-file header."""
     typed = bootstrap(
         ports,
+        metering=metering,
         max_request_bytes=max_request_bytes,
         authz_timeout_s=authz_timeout_s,
         message_timeout_s=message_timeout_s,
     )
     plain = to_plain(typed, _SPELLED_OUT_FALSE)
-    return HEADER + yaml.safe_dump(plain, sort_keys=False, width=100)
+    return HEADER + yaml.dump(plain, Dumper=_Dumper, sort_keys=False, width=100)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the Lua filter's code) as literal blocks, readable as written."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
 
 
 def bootstrap(
     ports: EnvoyPorts = EnvoyPorts(),
     *,
+    metering: Metering = DEFAULT_METERING,
     max_request_bytes: int = 8 * 1024 * 1024,
     authz_timeout_s: float = 0.5,
     message_timeout_s: float = 2.0,
 ) -> Bootstrap:
     """The typed bootstrap: one listener, the sidecar and engine clusters, admin."""
+    if metering not in METERING_SOURCES:
+        raise ValueError(f"metering: {metering!r} is not one of {', '.join(METERING_SOURCES)}")
     limits = _Limits(
         max_request_bytes=max_request_bytes,
         authz_timeout=timedelta(seconds=authz_timeout_s),
         message_timeout=timedelta(seconds=message_timeout_s),
+        metering=metering,
     )
     clusters = [_sidecar_cluster(ports.sidecar), _engine_cluster(ports.engine, limits)]
     if ports.otlp:
@@ -232,10 +253,11 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         http_filters=[
             HttpFilter(name=EXT_AUTHZ, typed_config=Any.pack(
                 ext_authz(limits.authz_timeout, limits.max_request_bytes))),
-            HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout))),
+            *_metering_filters(limits),
             HttpFilter(name=ROUTER, typed_config=Any.pack(Router())),
         ],
-        access_log=[_stdout_access_log()],
+        access_log=[_stdout_access_log(limits.metering),
+                    *([envoy_metering.record_log()] if limits.metering == "envoy" else [])],
         use_remote_address=True,
         preserve_external_request_id=False,
         always_set_request_id_in_response=True,
@@ -244,6 +266,20 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         path_with_escaped_slashes_action=(
             HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
     )
+
+
+def _metering_filters(limits: _Limits) -> list[HttpFilter]:
+    """ext_proc sees every chunk; the Envoy source does the byte work in Envoy's own
+    filters (gateway/envoy_metering.py)."""
+    if limits.metering == "ext_proc":
+        return [HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout)))]
+    return [
+        HttpFilter(name=envoy_metering.LUA, typed_config=Any.pack(envoy_metering.lua())),
+        HttpFilter(name=envoy_metering.SSE_TO_METADATA,
+                   typed_config=Any.pack(envoy_metering.sse_to_metadata())),
+        HttpFilter(name=envoy_metering.JSON_TO_METADATA,
+                   typed_config=Any.pack(envoy_metering.json_to_metadata())),
+    ]
 
 
 def _route_config() -> RouteConfiguration:
@@ -258,8 +294,11 @@ def _route_config() -> RouteConfiguration:
     )
 
 
-def _stdout_access_log() -> AccessLog:
-    log_format = SubstitutionFormatString(json_format=Struct.from_dict(ACCESS_LOG_FORMAT))
+def _stdout_access_log(metering: Metering) -> AccessLog:
+    fmt = dict(ACCESS_LOG_FORMAT)
+    if metering == "envoy":
+        fmt["usage"] = f"%DYNAMIC_METADATA({envoy_metering.USAGE_NS})%"
+    log_format = SubstitutionFormatString(json_format=Struct.from_dict(fmt))
     return AccessLog(
         name="envoy.access_loggers.stdout",
         typed_config=Any.pack(StdoutAccessLog(log_format=log_format)),

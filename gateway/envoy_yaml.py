@@ -30,8 +30,13 @@ SpelledOut = Mapping[type[betterproto2.Message], tuple[str, ...]]  # {type: dott
 
 
 def to_plain(message: betterproto2.Message, spelled_out: SpelledOut) -> dict[str, Any]:
-    """Proto3 JSON of `message` with snake_case keys, the `spelled_out` falses restored."""
-    plain = message.to_dict(casing=betterproto2.Casing.SNAKE)
+    """Proto3 JSON of `message` with snake_case keys, the `spelled_out` falses restored.
+
+    A deprecated field we set is set on purpose (each says why where it is built): the
+    library's warning when it re-reads one is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r".* is deprecated", DeprecationWarning)
+        plain = message.to_dict(casing=betterproto2.Casing.SNAKE)
     by_url = {default_message_pool.type_to_url[cls]: paths for cls, paths in spelled_out.items()}
     _spell_out_false(plain, by_url)
     return plain

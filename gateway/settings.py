@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Who does the per-chunk work of metering (README "Choosing the metering source").
+Metering = Literal["envoy", "ext_proc"]
+METERING_SOURCES: tuple[Metering, ...] = ("envoy", "ext_proc")
+DEFAULT_METERING: Metering = "ext_proc"
 
 
 class Settings(BaseSettings):
@@ -25,6 +31,13 @@ class Settings(BaseSettings):
     # Models served by vLLM/SGLang: also ask for continuous usage, so a cut stream is exact.
     continuous_usage_models: str = ""  # comma-separated globs, e.g. "*" or "qwen*,llama*"
     log_level: str = "info"
+    # Who does the per-chunk work: Envoy's own filters, one record per request to the
+    # sidecar ('envoy'), or the sidecar through ext_proc ('ext_proc'). Must match the Envoy
+    # config (`gateway envoy-config --metering`).
+    metering: Metering = DEFAULT_METERING
+    # A concurrency denial waits up to this for ends on their way, then retries (default:
+    # 100 ms with Envoy-fed metering, whose records arrive ~50 ms after the end; else 0).
+    concurrency_grace_ms: float | None = None
 
     # Admission
     redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
@@ -40,6 +53,19 @@ class Settings(BaseSettings):
     @property
     def continuous_models(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.continuous_usage_models.split(",") if p.strip())
+
+    @property
+    def concurrency_grace_s(self) -> float:
+        if self.concurrency_grace_ms is not None:
+            return self.concurrency_grace_ms / 1000
+        return 0.1 if self.metering == "envoy" else 0.0
+
+    @property
+    def orphan_grace_s(self) -> float:
+        """How long past its lease an unsettled admission waits before the sweep bills it as
+        an orphan: with Envoy-fed metering its record may still come (Envoy retries a batch
+        for ~36 s), and it carries the real usage where the orphan's event has none."""
+        return 45.0 if self.metering == "envoy" else 0.0
 
     @property
     def embedded(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.limits.types import RateInfo
+from gateway.metering.inject import Splice
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class Context:
     stream_options: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    splice: Splice | None = None  # what to splice into the request body so usage is reported
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,8 @@ closed, never allow unmetered.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import orjson
@@ -18,7 +19,8 @@ from gateway.authz.decision import Allow, Context, Decision, Deny, Reply
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
 from gateway.errors import BodyError, PathError, StoreTimeout, StoreUnavailable
-from gateway.limits.types import AdmitRequest, Limiter, Verdict
+from gateway.limits.types import CONCURRENCY, AdmitRequest, Limiter, Verdict
+from gateway.metering import inject
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
 from gateway.routes import Kind, canonical_path, route
@@ -28,6 +30,10 @@ from gateway.routes import Kind, canonical_path, route
 class AdmissionSettings:
     default_completion_tokens: int = 1024  # reserved when the request names no max_tokens
     reserve_cap: int = 32768
+    continuous_models: tuple[str, ...] = ()  # globs: models whose engine reports continuous usage
+    # A concurrency denial waits up to this for ends still on their way (Envoy-fed metering
+    # learns of an end ~50 ms after the client did), then retries: no spurious 429.
+    concurrency_grace_s: float = 0.0
 
 
 class Authorizer:
@@ -38,12 +44,16 @@ class Authorizer:
         clock: Clock,
         settings: AdmissionSettings = AdmissionSettings(),
         on_abandoned: Callable[[str], None] | None = None,
+        on_admitted: Callable[[str], None] | None = None,
+        ends_settled: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         self._policy = policy
         self._limiter = limiter
         self._clock = clock
         self._settings = settings
         self._on_abandoned = on_abandoned  # admissions we stopped waiting for
+        self._on_admitted = on_admitted  # leased admissions (renewed from here on)
+        self._ends_settled = ends_settled  # waits for the next batch of releases
 
     async def check(self, req: AuthzRequest) -> Decision:
         policy = self._policy()
@@ -86,7 +96,7 @@ class Authorizer:
         verdict = Verdict(True)
         if tiers:
             try:
-                verdict = await self._limiter.admit(AdmitRequest(
+                verdict = await self._admit(AdmitRequest(
                     req.request_id, tiers, reserve, now,
                     meta=orjson.dumps([key.key_id, key.team, facts.model or "", path,
                                        facts.stream]).decode()))
@@ -97,14 +107,33 @@ class Authorizer:
                     f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model)
         if not verdict.allowed:
             return _who(answers.limit_denial(verdict), key, facts.model)
+        if verdict.leased and self._on_admitted is not None:
+            self._on_admitted(req.request_id)
         ctx = Context(
             req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
             reserve if verdict.leased else 0, verdict.leased, endpoint=path,
             prompt_estimate=facts.prompt_tokens if facts.model else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
+            splice=inject.plan(req.body, path, facts.model or "", facts.stream,
+                               facts.stream_options, facts.include_usage,
+                               facts.continuous_usage, s.continuous_models),
         )
         return Allow(ctx, verdict.rate)
+
+    async def _admit(self, req: AdmitRequest) -> Verdict:
+        """Admit; a concurrency denial waits (within the grace) for releases on their way
+        and tries again. A denial commits nothing, so a retry is a fresh admission."""
+        verdict = await self._limiter.admit(req)
+        grace = self._settings.concurrency_grace_s
+        if verdict.allowed or verdict.limit != CONCURRENCY or not grace or \
+                self._ends_settled is None:
+            return verdict
+        give_up = time.monotonic() + grace
+        while verdict.limit == CONCURRENCY and (left := give_up - time.monotonic()) > 0:
+            await self._ends_settled(left)
+            verdict = await self._limiter.admit(replace(req, now=self._clock.now()))
+        return verdict
 
     def abandon(self, request_id: str) -> None:
         """Nobody will act on this request's admission (we gave up on the store, or Envoy

@@ -24,9 +24,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 LOG_TAIL_CHARS = 2000
@@ -397,4 +399,40 @@ def envoy_service(
         "warn",
         "--disable-hot-restart",
     ]
-    return Service("envoy", argv, listen_port, workdir)
+    return EnvoyService("envoy", argv, listen_port, workdir, admin_port=admin_port)
+
+
+class EnvoyService(Service):
+    """Envoy, stopped the way a deployment should stop it: drained first.
+
+    Its per-request records (Envoy-fed metering) are buffered for up to 50 ms, and a
+    plain SIGTERM exits without sending them: measured, half the requests completed in
+    the last moments lost their record. So `stop` first waits (up to `drain_timeout`)
+    for the requests in flight to finish, gives the access logger a flush, and only then
+    signals. (A deployment does the same with a preStop hook: deploy/README.md.)
+    """
+
+    def __init__(self, *args: Any, admin_port: int, drain_timeout: float = 3.0,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.admin_port = admin_port
+        self.drain_timeout = drain_timeout
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.alive and not self._paused:
+            with contextlib.suppress(OSError):
+                self._drain()
+        super().stop(timeout)
+
+    def _drain(self) -> None:
+        admin = f"http://{LOOPBACK}:{self.admin_port}"
+        deadline = time.monotonic() + self.drain_timeout
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(
+                    f"{admin}/stats?filter=^http\\..*downstream_rq_active$", timeout=1) as r:
+                active = sum(int(line.rsplit(":", 1)[1]) for line in r.read().decode().split("\n")
+                             if ":" in line)
+            if active == 0:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # past the access logger's 50 ms flush

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from gateway.dev.stack import Spoke
 from gateway.policy import admin
 from gateway.policy.store import PolicyStore
+from gateway.settings import DEFAULT_METERING, Metering
 
 
 async def apply_demo_policy(redis_url: str) -> admin.NewKey:
@@ -26,8 +27,9 @@ async def apply_demo_policy(redis_url: str) -> admin.NewKey:
     return key
 
 
-def run_spoke(port: int, workdir: Path, otlp: str | None = None) -> int:
-    spoke = Spoke(workdir=workdir.resolve(), listen_port=port, otlp=otlp)
+def run_spoke(port: int, workdir: Path, otlp: str | None = None,
+              metering: Metering = DEFAULT_METERING) -> int:
+    spoke = Spoke(workdir=workdir.resolve(), listen_port=port, otlp=otlp, metering=metering)
     print(f"starting the local spoke in {spoke.workdir} ...", flush=True)
     spoke.start()
     try:

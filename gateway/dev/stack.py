@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gateway.dev.procs import Service, envoy_service, free_port, redis_service, tansu_service
 from gateway.envoy_config import EnvoyPorts, render
+from gateway.settings import DEFAULT_METERING, Metering
 
 LOOP = "127.0.0.1"
 
@@ -46,6 +47,7 @@ class Spoke:
     services: dict[str, Service] = field(default_factory=dict)
     metrics_port: int = 0
     engine: Callable[[int, Path], Service] | None = None  # another engine (port, workdir)
+    metering: Metering = DEFAULT_METERING  # who does the per-chunk work: Envoy or ext_proc
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +58,8 @@ class Spoke:
                   if self.engine is None else self.engine(free_port(), self.workdir))
         env = {"GATEWAY_REDIS_URL": f"redis://{redis.address}/0", "GATEWAY_SPOKE": "dev",
                "GATEWAY_POLICY_RECHECK_S": "2", "GATEWAY_SPOOL_DIR": str(self.workdir / "spool"),
-               "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl")}
+               "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl"),
+               "GATEWAY_METERING": self.metering}
         pre: dict[str, Service] = {"redis": redis}
         if self.kafka:
             pre["kafka"] = tansu_service(free_port(), self.workdir)
@@ -69,8 +72,8 @@ class Spoke:
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
                            engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp)
-        envoy = envoy_service(render(ports), int(ports.admin.rsplit(":", 1)[1]),
-                              self.listen_port, self.workdir)
+        envoy = envoy_service(render(ports, metering=self.metering),
+                              int(ports.admin.rsplit(":", 1)[1]), self.listen_port, self.workdir)
         self.services = {**pre, "engine": engine, "sidecar": sidecar, "envoy": envoy}
         try:
             for svc in self.services.values():

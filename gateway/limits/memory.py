@@ -141,13 +141,18 @@ class MemoryLimiter:
         for rid, actual in items:
             await self.settle(rid, actual, 0.0)
 
-    async def renew(self, request_ids: list[str], now: float) -> None:
+    async def renew(self, request_ids: list[str], now: float) -> list[str]:
+        gone = []
         for rid in request_ids:
             held = self.held.get(rid)
-            for key in held.lease_keys if held else []:
+            if held is None:
+                gone.append(rid)
+                continue
+            for key in held.lease_keys:
                 live = self.leases.get(key, {})
                 if rid in live:
                     live[rid] = now + self.lease_ttl
+        return gone
 
     def in_flight(self, tier: str, name: str, now: float) -> int:
         return len(self._live(f"{tier}:{name}", now))

@@ -43,14 +43,16 @@ def _none(v: int) -> int | None:
 
 class RedisLimiter:
     def __init__(self, redis: RespClient, lease_ttl: float = 60.0,
-                 start_ttl: float | None = None, deadline: float = 0.25) -> None:
+                 start_ttl: float | None = None, deadline: float = 0.25,
+                 orphan_grace: float = 0.0) -> None:
         self.redis = redis
         # An admission not answered within `deadline` fails with StoreTimeout (fail closed).
         self._deadlines = batching.Deadlines(deadline, lambda: StoreTimeout(
             f"redis: no answer within {deadline * 1000:g} ms (timed out)"))
         self.lease_ttl_ms = int(lease_ttl * 1000)
         self.start_ttl_ms = int(first_lease(lease_ttl, start_ttl) * 1000)
-        self.record_ttl_ms = self.lease_ttl_ms * 3
+        # An admission's record outlives its lease until the orphan sweep can claim it.
+        self.record_ttl_ms = self.lease_ttl_ms * 3 + int(orphan_grace * 1000)
         self._admit = Script(redis, _lua("admit.lua"))
         self._settle = Script(redis, _lua("settle.lua"))
         self._renew = Script(redis, _lua("renew.lua"))
@@ -148,14 +150,15 @@ class RedisLimiter:
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
-    async def renew(self, request_ids: list[str], now: float) -> None:
+    async def renew(self, request_ids: list[str], now: float) -> list[str]:
         if not request_ids:
-            return
+            return []
         try:
-            await self._renew(int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
-                              *request_ids)
+            gone = await self._renew(int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
+                                     *request_ids)
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
+        return [g.decode() if isinstance(g, bytes) else str(g) for g in gone or ()]
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
         try:

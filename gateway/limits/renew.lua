@@ -1,19 +1,23 @@
 -- renew.lua: extend the concurrency leases of requests still streaming.
 -- A lease that already expired (the stream outlived it unrenewed) is not brought back.
+-- Returns the ids that hold nothing any more (settled, possibly by another instance that
+-- received their end): the caller stops renewing them.
 -- ARGV[1] now_ms  ARGV[2] lease_ttl_ms  ARGV[3] record_ttl_ms  ARGV[4..] request ids
 local now, ttl, rec_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local renewed = 0
+local gone = {}
 for i = 4, #ARGV do
   local rid = ARGV[i]
   local rk = 'gw:req:' .. rid
   local leases = redis.call('HGET', rk, 'c')
   if leases then
     for zk in string.gmatch(leases, '[^\n]+') do
-      renewed = renewed + redis.call('ZADD', zk, 'XX', 'CH', now + ttl, rid)
+      redis.call('ZADD', zk, 'XX', 'CH', now + ttl, rid)
       redis.call('PEXPIRE', zk, ttl * 2)
     end
     redis.call('PEXPIRE', rk, rec_ttl)
     redis.call('ZADD', 'gw:reqs', 'XX', now + ttl, rid)
+  else
+    gone[#gone + 1] = rid
   end
 end
-return renewed
+return gone

@@ -87,8 +87,9 @@ class Limiter(Protocol):
         """`settle` for several requests in one store call."""
         ...
 
-    async def renew(self, request_ids: list[str], now: float) -> None:
-        """Extend the leases of requests still streaming."""
+    async def renew(self, request_ids: list[str], now: float) -> list[str]:
+        """Extend the leases of requests still streaming; return those that hold nothing
+        any more (settled, perhaps by another instance): stop renewing them."""
         ...
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:

@@ -1,31 +1,115 @@
 """Ask the engine for usage on the client's behalf, by splicing bytes into the request.
 
-A 400 KB prompt is not re-serialised: when the client sent no `stream_options`, the
-object is inserted right after the body's opening brace. Only a client that sent its own
-`stream_options` (without what we need) pays for a parse and a dump.
+The plan is made once, at the Check, from the body ext_authz already holds; it travels to
+whoever applies it as metadata (the Lua filter in Envoy, or the ext_proc handler), so
+neither searches the body again. A 400 KB prompt is never re-serialised: when the client
+sent no `stream_options`, the object is inserted right after the body's opening brace.
+Only a client that sent its own `stream_options` (without what we need) pays for a scan
+to find that object, which is then replaced, merged, in place.
 """
 
 from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
 
 import orjson
 
 STREAMING_USAGE_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
-def splice_stream_options(body: bytes, options: dict[str, bool], present: bool) -> bytes | None:
-    """The body with `options` merged into `stream_options`; None if it cannot be done."""
-    if not present:
+@dataclass(frozen=True, slots=True)
+class Injected:
+    """What the gateway added to the request, and so must hide from the response."""
+
+    include_usage: bool = False
+    continuous: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """Replace `cut` bytes at offset `at` of the request body with `insert`."""
+
+    at: int
+    cut: int
+    insert: bytes
+    injected: Injected
+
+    def apply(self, body: bytes) -> bytes:
+        return body[:self.at] + self.insert + body[self.at + self.cut:]
+
+
+def plan(body: bytes, endpoint: str, model: str, stream: bool, stream_options: bool,
+         include_usage: bool, continuous_usage: bool,
+         continuous_models: tuple[str, ...]) -> Splice | None:
+    """The splice that makes a stream report its usage (and, for models served by vLLM or
+    SGLang, continuous usage), or None when the client asked already or it cannot be done."""
+    if not stream or endpoint not in STREAMING_USAGE_ENDPOINTS:
+        return None
+    want = Injected(
+        include_usage=not include_usage,
+        continuous=not continuous_usage and any(
+            fnmatch.fnmatchcase(model, p) for p in continuous_models))
+    if not (want.include_usage or want.continuous):
+        return None
+    options = {"include_usage": True}
+    if want.continuous:
+        options["continuous_usage_stats"] = True
+    span = _top_level_value(body, b"stream_options") if (
+        stream_options or b'"stream_options"' in body) else None
+    if span is None:  # insert ours right after the opening brace
         start = len(body) - len(body.lstrip())
         if body[start:start + 1] != b"{":
             return None
-        rest = body[start + 1:]
-        sep = b"" if rest.lstrip().startswith(b"}") else b","
-        return body[:start + 1] + b'"stream_options":' + orjson.dumps(options) + sep + rest
+        sep = b"" if body[start + 1:].lstrip().startswith(b"}") else b","
+        return Splice(start + 1, 0, b'"stream_options":' + orjson.dumps(options) + sep, want)
+    start, end = span
     try:
-        data = orjson.loads(body)
+        theirs = orjson.loads(body[start:end])
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("stream_options"), dict):
-        return None
-    data["stream_options"].update(options)
-    return orjson.dumps(data)
+    # Theirs merged with ours; a `null` (or any non-object, which the engine would refuse
+    # anyway) is replaced, never left to win as a duplicate key after ours.
+    merged = {**theirs, **options} if isinstance(theirs, dict) else options
+    return Splice(start, end - start, orjson.dumps(merged), want)
+
+
+def splice_stream_options(body: bytes, options: dict[str, bool], present: bool) -> bytes | None:
+    """The body with `options` merged into `stream_options`; None if it cannot be done."""
+    s = plan(body, "/v1/chat/completions", "", True, present,
+             include_usage=not options.get("include_usage", False),
+             continuous_usage=not options.get("continuous_usage_stats", False),
+             continuous_models=("*",) if options.get("continuous_usage_stats") else ())
+    return None if s is None else s.apply(body)
+
+
+# JSON strings (with escapes) and the structural characters; everything else is skipped.
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]]')
+_VALUE = re.compile(rb'\s*:\s*(?:([{\[])|("(?:[^"\\]|\\.)*"|[^\s,}\]]+))')
+
+
+def _top_level_value(body: bytes, key: bytes) -> tuple[int, int] | None:
+    """The byte span of the value of a top-level `key` in a JSON object (the body parsed
+    already, so it is valid JSON), or None. A key of that name deeper down is not it."""
+    quoted = b'"' + key + b'"'
+    depth = 0
+    opened = -1  # where the value (an object or array) began, once found
+    for m in _TOKENS.finditer(body):
+        tok = m.group()
+        if tok[0] == 0x22:  # a string
+            if depth == 1 and opened < 0 and tok == quoted:
+                value = _VALUE.match(body, m.end())
+                if value is None:
+                    continue
+                if value.group(2) is not None:  # a scalar: its span is the match
+                    return value.start(2), value.end(2)
+                opened = value.start(1)
+            continue
+        if tok in (b"{", b"["):
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 1 and opened >= 0:
+                return opened, m.end()
+    return None

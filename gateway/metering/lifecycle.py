@@ -32,6 +32,7 @@ class Lifecycle:
         self.fresh: set[str] = set()
         self._pending: list[tuple[str, int | None]] = []
         self._wake = asyncio.Event()
+        self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -72,6 +73,8 @@ class Lifecycle:
     def void(self, request_id: str) -> None:
         """Undo an admission whose answer came too late (the client got a 503): whatever
         the store committed, or commits later, is released and charged nothing."""
+        self.active.discard(request_id)
+        self.fresh.discard(request_id)
         self._pending.append((request_id, VOID))
         self._wake.set()
 
@@ -84,6 +87,14 @@ class Lifecycle:
         except Exception:
             self._pending = batch + self._pending
             raise
+        self._flushed.set()
+        self._flushed = asyncio.Event()
+
+    async def next_flush(self, timeout: float) -> None:
+        """Wait until the next batch of releases reached the store, or `timeout`: an
+        admission denied for concurrency may find the slot it needs freed by then."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flushed.wait(), timeout)
 
     async def _settle_loop(self) -> None:
         backoff = 0.05
@@ -116,10 +127,11 @@ class Lifecycle:
                     last_all = now
                 continue
             try:
-                await self.limiter.renew(ids, now)
+                gone = await self.limiter.renew(ids, now)
             except Exception as exc:
                 log.warning("lease_renew_failed", active=len(ids), error=repr(exc))
                 continue
             self.fresh.difference_update(ids)
+            self.active.difference_update(gone)
             if everyone:
                 last_all = now

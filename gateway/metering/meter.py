@@ -15,18 +15,13 @@ from typing import Any
 import orjson
 
 from gateway.metering import usage as usage_mod
+from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
 from gateway.metering.usage import Usage
 
+__all__ = ["Injected", "Meter", "Result"]
+
 MAX_JSON_BODY = 16 << 20  # a non-stream body larger than this is not parsed for usage
-
-
-@dataclass(frozen=True, slots=True)
-class Injected:
-    """What the gateway added to the request, and so must hide from the response."""
-
-    include_usage: bool = False
-    continuous: bool = False
 
 
 @dataclass
@@ -42,7 +37,7 @@ class Result:
 class Meter:
     endpoint: str
     stream: bool
-    injected: Injected = Injected()
+    injected: Injected = field(default_factory=Injected)
     prompt_estimate: int = 0
     started: float = field(default_factory=time.monotonic)
     status: int = 0

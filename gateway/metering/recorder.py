@@ -14,8 +14,9 @@ from gateway.errors import StoreUnavailable
 from gateway.limits.types import Orphan
 from gateway.log import log
 from gateway.metering.events import UsageEvent, event_json, rfc3339
+from gateway.metering.inject import Injected, Splice
 from gateway.metering.lifecycle import Lifecycle
-from gateway.metering.meter import Meter
+from gateway.metering.meter import Meter, Result
 from gateway.metering.usage import Usage
 from gateway.server import metrics
 from gateway.sinks.spool import Spool
@@ -38,6 +39,7 @@ class RequestFacts:
     continuous_usage: bool = False
     denied_status: int = 0
     traceparent: str = ""  # the W3C trace context of a traced request
+    splice: Splice | None = None  # what the Check planned to splice into the request
 
     @classmethod
     def from_struct(cls, md: Struct | None) -> RequestFacts:
@@ -63,6 +65,9 @@ class RequestFacts:
             continuous_usage=flag("continuous_usage"),
             denied_status=num("status") if "denied" in f else 0,
             traceparent=text("traceparent"),
+            splice=Splice(num("splice_at"), num("splice_cut"), text("splice").encode(),
+                          Injected(flag("hide_usage"), flag("hide_continuous")))
+            if "splice" in f else None,
         )
 
 
@@ -72,12 +77,13 @@ class Recorder:
         self.spoke = spoke
         self.lifecycle = lifecycle
 
-    async def run_sweeper(self, interval: float) -> None:
-        """Give every orphaned request (its sidecar died mid-request) its one event."""
+    async def run_sweeper(self, interval: float, grace: float = 0.0) -> None:
+        """Give every orphaned request (its sidecar died mid-request) its one event, once
+        its lease has been out for `grace` more seconds."""
         while True:
             await asyncio.sleep(interval)
             try:
-                for o in await self.lifecycle.limiter.sweep(time.time()):
+                for o in await self.lifecycle.limiter.sweep(time.time() - grace):
                     self.orphan(o)
             except StoreUnavailable:
                 continue
@@ -107,7 +113,15 @@ class Recorder:
                source: str | None = None) -> UsageEvent:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         r = meter.result()
-        ended = time.time()
+        if not facts.endpoint:
+            facts.endpoint = meter.endpoint
+        return self.emit(facts, r, meter.status or facts.denied_status, outcome, started,
+                         time.time(), source or r.source)
+
+    def emit(self, facts: RequestFacts, r: Result, status: int, outcome: str, started: float,
+             ended: float, source: str) -> UsageEvent:
+        """The event, into the spool; the leases freed now, the reservation settled once the
+        event is durable. Both metering sources end here."""
         if facts.leased:
             self.lifecycle.release(facts.request_id)
         seq = self.spool.next_seq()
@@ -115,9 +129,9 @@ class Recorder:
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,
             seq=seq, started_at=rfc3339(started), ended_at=rfc3339(ended),
             key_id=facts.key_id, team=facts.team, model=facts.model,
-            served_model=r.served_model, endpoint=facts.endpoint or meter.endpoint,
-            stream=facts.stream, status_code=meter.status or facts.denied_status,
-            outcome=outcome, usage=r.usage, usage_source=source or r.source,
+            served_model=r.served_model, endpoint=facts.endpoint,
+            stream=facts.stream, status_code=status,
+            outcome=outcome, usage=r.usage, usage_source=source,
             ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
             duration_ms=round((ended - started) * 1000, 3))
         self.spool.put(seq, event_json(event), on_durable=self._settlement(

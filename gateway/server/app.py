@@ -31,6 +31,7 @@ from gateway.server import metrics
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.http import serve_http
+from gateway.server.records_service import RecordsService
 from gateway.settings import Settings
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
@@ -78,7 +79,7 @@ class App:
             self.limiter = RedisLimiter(RespClient(
                 s.redis_url, timeout=max(deadline * 4, 1.0),
                 connect_timeout=max(deadline * 2, 0.5)), s.lease_ttl_s, s.lease_start_ttl_s,
-                deadline)
+                deadline, orphan_grace=s.orphan_grace_s)
             store = PolicyStore(redis_client(s.redis_url, deadline))
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
@@ -89,7 +90,13 @@ class App:
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
             default_completion_tokens=s.default_completion_tokens,
             reserve_cap=s.reserve_cap_tokens,
-        ), on_abandoned=self.lifecycle.void)
+            continuous_models=s.continuous_models,
+            concurrency_grace_s=s.concurrency_grace_s,
+        ), on_abandoned=self.lifecycle.void,
+            # Envoy-fed metering has no stream in the sidecar to renew a lease from: the
+            # admitting instance renews it until the request's record arrives.
+            on_admitted=self.lifecycle.begin if s.metering == "envoy" else None,
+            ends_settled=self.lifecycle.next_flush)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -100,7 +107,8 @@ class App:
         self.server = grpc.aio.server(options=opts)
         AuthorizationService(authorizer, self.tracing).register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(recorder, s.continuous_models, self.tracing), self.server)
+            ExternalProcessorService(recorder, self.tracing), self.server)
+        RecordsService(recorder).register(self.server)  # Envoy-fed metering's records
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
@@ -111,6 +119,7 @@ class App:
             self.http = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
         log.info("serving", listen=s.listen, metrics=s.metrics_listen, instance=self.instance_id,
+                 metering=s.metering,
                  mode="embedded" if s.embedded else "redis",
                  revision=self.holder.policy.revision if self.holder.policy else None)
 
@@ -131,7 +140,8 @@ class App:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
         recorder = Recorder(self.spool, s.spoke, lifecycle)
-        self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3)))
+        self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3,
+                                                                    s.orphan_grace_s)))
         return recorder
 
     async def _watch_spool(self, spools: list[Spool]) -> None:

@@ -88,6 +88,11 @@ def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
         "request_id": c.request_id, "reserved": c.reserved, "prompt_estimate": c.prompt_estimate}
     if traceparent:
         metadata["traceparent"] = traceparent
+    if c.splice is not None:  # applied by the Lua filter, or by ext_proc
+        sp = c.splice
+        metadata.update(splice=sp.insert.decode(), splice_at=sp.at, splice_cut=sp.cut,
+                        hide_usage=sp.injected.include_usage,
+                        hide_continuous=sp.injected.continuous)
     return check_wire.allowed(
         upstream=(("x-gateway-request-id", c.request_id),),
         # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.

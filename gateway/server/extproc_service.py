@@ -15,7 +15,6 @@ reset just ends the gRPC stream, so the event is emitted in `finally`, without a
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from collections.abc import AsyncIterator
 
@@ -26,8 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from gateway import tracing
 from gateway.metering.events import UsageEvent
-from gateway.metering.inject import STREAMING_USAGE_ENDPOINTS, splice_stream_options
-from gateway.metering.meter import Injected, Meter
+from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder, RequestFacts
 from gateway.server import metrics
 
@@ -58,8 +56,7 @@ def _echo(body: bytes, end: bool) -> ep.ProcessingResponse:
 class RequestStream:
     """The protocol state of one ext_proc stream (request facts, meter, how it ended)."""
 
-    def __init__(self, continuous_models: tuple[str, ...]) -> None:
-        self.continuous_models = continuous_models
+    def __init__(self) -> None:
         self.started = time.time()
         self.facts: RequestFacts | None = None
         self.meter = Meter(endpoint="", stream=False)
@@ -99,22 +96,12 @@ class RequestStream:
                            prompt_estimate=facts.prompt_estimate)
 
     def _request_body(self, body: bytes) -> ep.ProcessingResponse:
-        f = self.facts
-        if f is None or not f.stream or f.endpoint not in STREAMING_USAGE_ENDPOINTS:
+        """Apply the splice the Check planned (gateway/metering/inject.py), if any."""
+        sp = self.facts.splice if self.facts is not None else None
+        if sp is None or len(body) < sp.at + sp.cut:
             return _CONTINUE["request_body"]
-        want = Injected(
-            include_usage=not f.include_usage,
-            continuous=not f.continuous_usage and any(
-                fnmatch.fnmatchcase(f.model, p) for p in self.continuous_models))
-        if not (want.include_usage or want.continuous):
-            return _CONTINUE["request_body"]
-        options = {"include_usage": True}
-        if want.continuous:
-            options["continuous_usage_stats"] = True
-        new = splice_stream_options(body, options, f.stream_options)
-        if new is None:
-            return _CONTINUE["request_body"]
-        self.meter.injected = want
+        new = sp.apply(body)
+        self.meter.injected = sp.injected
         length = HVO(header=base_pb2.HeaderValue(key="content-length",
                                                  raw_value=str(len(new)).encode()),
                      append_action=HVO.OVERWRITE_IF_EXISTS_OR_ADD)
@@ -169,10 +156,8 @@ def _annotate(span: tracing.Span, e: UsageEvent) -> None:
 
 
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, recorder: Recorder, continuous_models: tuple[str, ...] = (),
-                 tracer: tracing.Tracing | None = None) -> None:
+    def __init__(self, recorder: Recorder, tracer: tracing.Tracing | None = None) -> None:
         self.recorder = recorder
-        self.continuous_models = continuous_models
         self.tracing = tracer
 
     async def Process(
@@ -180,7 +165,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[ep.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        stream = RequestStream(self.continuous_models)
+        stream = RequestStream()
         metrics.STREAMS_ACTIVE.inc()
         finished = False
         span: tracing.Span | None = None

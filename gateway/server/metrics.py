@@ -43,3 +43,6 @@ TTFT = Histogram("gateway_ttft_seconds", "Time to first token", ["model"],
 TPOT = Histogram("gateway_tpot_seconds", "Mean time per output token", ["model"],
                  buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1))
 EXTPROC_MESSAGES = Counter("gateway_extproc_messages_total", "ext_proc messages", ["kind"])
+RECORDS = Counter("gateway_envoy_records_total", "Per-request records received from Envoy")
+RECORD_DUPLICATES = Counter(
+    "gateway_envoy_record_duplicates_total", "Records Envoy sent again (a retried batch)")

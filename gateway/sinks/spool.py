@@ -45,6 +45,7 @@ class Spool:
         self._queued_seq = 0
         self._persisted = 0
         self._callbacks: list[Callable[[], None]] = []
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []  # until_durable
         self._wake_writer = asyncio.Event()
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
@@ -134,6 +135,21 @@ class Spool:
         self.durable.set()
         for cb in callbacks:
             cb()
+        waiting, self._waiters = self._waiters, []
+        for seq, fut in waiting:
+            if seq > last:
+                self._waiters.append((seq, fut))
+            elif not fut.done():
+                fut.set_result(None)
+
+    async def until_durable(self, seq: int) -> None:
+        """Return once event `seq` is on disk (for a caller that must not acknowledge
+        before: Envoy's record of a request is dropped once we answer its Export)."""
+        if self.durable_seq >= seq:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((seq, fut))
+        await fut
 
     def _write(self, first: int, lines: list[bytes]) -> None:
         if not self._segments or self._write_size >= self.segment_bytes:

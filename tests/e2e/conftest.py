@@ -11,11 +11,14 @@ import pytest
 from spokekit import start_spoke
 
 from gateway.dev.stack import Spoke
+from gateway.settings import METERING_SOURCES
 
 
-@pytest.fixture(scope="session")
-def spoke_and_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Spoke, dict]]:
-    spoke, keys = start_spoke(tmp_path_factory.mktemp("spoke"))
+@pytest.fixture(scope="session", params=METERING_SOURCES)
+def spoke_and_keys(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Spoke, dict]]:
+    """One spoke per metering source: every e2e test runs against both."""
+    spoke, keys = start_spoke(tmp_path_factory.mktemp("spoke"), metering=request.param)
     yield spoke, keys
     spoke.stop()
 
@@ -32,9 +35,10 @@ def keys(spoke_and_keys: tuple[Spoke, dict[str, str]]) -> dict[str, str]:
     return spoke_and_keys[1]
 
 
-@pytest.fixture
-def fresh_spoke(tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
-    spoke, keys = start_spoke(tmp_path / "spoke")
+@pytest.fixture(params=METERING_SOURCES)
+def fresh_spoke(request: pytest.FixtureRequest,
+                tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=request.param)
     yield spoke, keys
     spoke.stop()
 

@@ -15,6 +15,7 @@ import redis
 from spokekit import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
 
 from gateway.dev.stack import Spoke
+from gateway.settings import METERING_SOURCES
 
 
 async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
@@ -105,8 +106,11 @@ def test_redis_killed_fails_closed_then_recovers(
     assert set(KEY_LIMITS) <= set(policy_doc(keys)["keys"])
 
 
-def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> None:
-    spoke, keys = start_spoke(tmp_path / "spoke", sidecar_env={"GATEWAY_LEASE_TTL_S": "1"})
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path, metering: str
+                                                          ) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering,
+                              sidecar_env={"GATEWAY_LEASE_TTL_S": "1"})
     r = redis.Redis.from_url(spoke.redis_url)
     leases = "gw:conc:key:conc4"
     try:
@@ -129,9 +133,10 @@ def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path) -> Non
         spoke.stop()
 
 
-def test_a_stream_that_began_outlives_the_start_ttl(tmp_path: Path) -> None:
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_a_stream_that_began_outlives_the_start_ttl(tmp_path: Path, metering: str) -> None:
     """The first lease lasts GATEWAY_LEASE_START_TTL_S; the ext_proc stream renews it."""
-    spoke, keys = start_spoke(tmp_path / "spoke", sidecar_env={
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering, sidecar_env={
         "GATEWAY_LEASE_TTL_S": "30", "GATEWAY_LEASE_START_TTL_S": "1"})
     r = redis.Redis.from_url(spoke.redis_url)
     leases = "gw:conc:key:conc4"

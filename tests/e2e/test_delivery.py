@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from aiokafka import AIOKafkaProducer
 from spokekit import client, read_events, start_spoke
 
 from gateway.cli import main as gateway
+from gateway.settings import METERING_SOURCES
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -37,8 +39,10 @@ def _spool_depth(spoke) -> float:  # type: ignore[no-untyped-def]
     return float(line.split()[-1])
 
 
-def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path) -> None:
-    spoke, keys = start_spoke(tmp_path / "spoke")
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path, metering: str
+                                                    ) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering)
     try:
         spoke["kafka"].stop()
         t0 = time.monotonic()
@@ -58,8 +62,10 @@ def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path) -> None:
         spoke.stop()
 
 
-def test_sidecar_killed_spool_survives_and_reconciles(tmp_path: Path) -> None:
-    spoke, keys = start_spoke(tmp_path / "spoke")
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_sidecar_killed_spool_survives_and_reconciles(tmp_path: Path, metering: str
+                                                      ) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering)
     db = f"sqlite:///{tmp_path / 'usage.db'}"
     try:
         before = _requests(spoke, keys["good"], 5)
@@ -82,8 +88,10 @@ def test_sidecar_killed_spool_survives_and_reconciles(tmp_path: Path) -> None:
         spoke.stop()
 
 
-def test_events_delivered_twice_are_counted_once(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
-    spoke, keys = start_spoke(tmp_path / "spoke")
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_events_delivered_twice_are_counted_once(tmp_path: Path, metering: str,  # type: ignore[no-untyped-def]
+                                                capsys) -> None:
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering)
     db = f"sqlite:///{tmp_path / 'usage.db'}"
     try:
         ids = _requests(spoke, keys["good"], 6)

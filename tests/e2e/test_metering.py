@@ -140,3 +140,24 @@ def test_denied_request_has_its_event(spoke: Spoke, keys: dict[str, str]) -> Non
     assert sorted(e["status_code"] for e in events) == [401, 403]
     assert all(e["outcome"] == "denied" for e in events)
     assert {e["key_id"] for e in events} == {"", "good"}
+
+
+@pytest.mark.parametrize("how", ["x-mock-cut-after", "x-mock-fail-after"])  # RST, or FIN
+def test_engine_cut_mid_stream(spoke: Spoke, keys: dict[str, str], how: str) -> None:
+    """The engine dies after 5 of 40 tokens. The Envoy source tells it from a client that
+    left (UPE, not DC): upstream_error. ext_proc sees both the same way (its stream just
+    ends) and records client_cancelled: a known limit of that source."""
+    c = client(spoke, keys["good"], default_headers={how: "5", "x-mock-tokens-per-s": "200"})
+    raw = c.chat.completions.with_raw_response.create(model="mock-model", messages=MSG,
+                                                      max_tokens=40, stream=True)
+    got = 0
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        for _ in raw.parse():
+            got += 1
+    [event] = read_events(spoke.kafka_bootstrap, {_rid(raw)})
+    expected = "upstream_error" if spoke.metering == "envoy" else "client_cancelled"
+    assert event["outcome"] == expected
+    assert event["usage_source"] == "estimated"
+    assert 4 <= int(event["usage"]["completion_tokens"]) < 40
+    if spoke.metering == "envoy":  # the first chunk named it (ext_proc: issue 13)
+        assert event["served_model"] == "mock-model"

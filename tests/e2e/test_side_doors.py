@@ -65,8 +65,10 @@ def raw(spoke: Spoke, method: str, path: str, key: str, body: bytes) -> tuple[in
         resp = conn.getresponse()
         try:
             return resp.status, resp.read()
-        except http.client.IncompleteRead as exc:  # Envoy's own 400 for a malformed path
-            return resp.status, exc.partial
+        except http.client.IncompleteRead as exc:  # Envoy's own 400 for a malformed path,
+            return resp.status, exc.partial  # sent as it closes the connection
+        except ConnectionResetError:
+            return resp.status, b""
     finally:
         conn.close()
 

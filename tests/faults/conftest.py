@@ -11,15 +11,17 @@ import pytest
 from spokekit import start_spoke
 
 from gateway.dev.stack import Spoke
+from gateway.settings import METERING_SOURCES
 
 LEASE_TTL = 3.0
 # `make faults` sets this to 60 for the full minute-long Kafka outage.
 KAFKA_OUTAGE_S = float(os.environ.get("FAULT_KAFKA_OUTAGE_S", "8"))
 
 
-@pytest.fixture
-def spoke_keys(tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
-    spoke, keys = start_spoke(tmp_path / "spoke", sidecar_env={
+@pytest.fixture(params=METERING_SOURCES)
+def spoke_keys(request: pytest.FixtureRequest,
+               tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=request.param, sidecar_env={
         "GATEWAY_LEASE_TTL_S": str(LEASE_TTL), "GATEWAY_REDIS_DEADLINE_MS": "250"})
     yield spoke, keys
     spoke.stop()

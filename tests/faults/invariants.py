@@ -73,4 +73,11 @@ def check(spoke: Spoke, results: list[Result], key_id: str, *, lease_ttl: float,
         assert seqs == list(range(1, len(seqs) + 1)), f"seq gap in {inst}"
     return {"requests": len(results), "admitted": len(admitted), "events": len(distinct),
             "duplicates": sum(ids.values()) - len(ids), "engine": engine,
-            "billed_tokens": billed, "outcomes": Counter(e["outcome"] for e in mine)}
+            "billed_tokens": billed, "outcomes": Counter(e["outcome"] for e in mine),
+            "orphans": _orphans(spoke)}
+
+
+def _orphans(spoke: Spoke) -> int:
+    """Requests the sweep billed as orphans (their sidecar died and no end ever came)."""
+    return sum(open(p).read().count('"orphaned_request"')
+               for p in spoke.workdir.glob("sidecar-*.log"))

@@ -24,6 +24,7 @@ from google.rpc import status_pb2
 
 from gateway.dev.procs import envoy_binary, envoy_service, free_port
 from gateway.envoy_config import EXT_AUTHZ, HCM, EnvoyPorts, render
+from gateway.settings import METERING_SOURCES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,13 +65,15 @@ def test_committed_envoy_yaml_is_render_output() -> None:
     assert committed == render(), "stale: run `gateway envoy-config > envoy/envoy.yaml`"
 
 
+@pytest.mark.parametrize("metering", METERING_SOURCES)
 @pytest.mark.parametrize("traced", [False, True])
-def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool) -> None:
+def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool, metering: str
+                                              ) -> None:
     config = tmp_path / "envoy.yaml"
     ports = random_ports()
     if traced:  # with Envoy's OpenTelemetry tracer and its collector cluster
         ports = dataclasses.replace(ports, otlp=f"127.0.0.1:{free_port()}")
-    config.write_text(render(ports))
+    config.write_text(render(ports, metering=metering))  # type: ignore[arg-type]
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
         capture_output=True,
@@ -81,8 +84,9 @@ def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool) -> N
     assert "OK" in result.stdout + result.stderr
 
 
-def test_every_route_goes_through_ext_authz_failing_closed() -> None:
-    config = yaml.safe_load(render(random_ports()))
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_every_route_goes_through_ext_authz_failing_closed(metering: str) -> None:
+    config = yaml.safe_load(render(random_ports(), metering=metering))  # type: ignore[arg-type]
     found = list(hcms(config))
     assert found, "no HTTP listener"
     for hcm in found:

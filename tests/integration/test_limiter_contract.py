@@ -99,6 +99,17 @@ async def test_renew_keeps_long_streams_leased(limiter: Limiter) -> None:
     assert (await limiter.admit(req("x", [key], T0 + 111))).allowed
 
 
+async def test_renew_names_the_requests_that_hold_nothing_any_more(limiter: Limiter) -> None:
+    """A request settled elsewhere (its end reached another instance) or never admitted:
+    the renewer is told, and stops renewing it."""
+    key = tier("key", "k1", concurrency=2)
+    assert (await limiter.admit(req("live", [key]))).allowed
+    assert (await limiter.admit(req("done", [key]))).allowed
+    await limiter.settle("done", 0, T0)
+    gone = await limiter.renew(["live", "done", "never-seen"], T0 + 1)
+    assert sorted(gone) == ["done", "never-seen"]
+
+
 async def test_an_admission_nobody_follows_frees_its_slot_after_the_start_ttl(
         start_ttl_limiter: Limiter) -> None:
     """The client left between the Check and ext_proc: no stream renews the first lease."""

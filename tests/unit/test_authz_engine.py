@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -438,3 +439,59 @@ async def test_a_passthrough_body_naming_a_model_gets_the_model_checks() -> None
     assert isinstance(d, Allow) and d.context.model == "qwen3-coder" and d.context.reserved > 0
     d = await gate.check(b"not json", path="/tokenize")
     assert isinstance(d, Allow) and d.context.model == "" and d.context.reserved == 0
+
+
+# --- Envoy-fed metering: leases begun at the Check, the concurrency grace --------------------
+
+
+async def test_a_leased_admission_is_handed_to_the_renewer() -> None:
+    begun: list[str] = []
+    pol = policy(key_limits="{concurrency: 1}")
+    authz = Authorizer(lambda: pol, CountingLimiter(), FakeClock(NOW), on_admitted=begun.append)
+    req = AuthzRequest("r1", "POST", "/v1/chat/completions",
+                       {"authorization": f"Bearer {SECRETS['alice']}"},
+                       json.dumps(chat()).encode())
+    assert isinstance(await authz.check(req), Allow)
+    assert begun == ["r1"]
+
+
+async def test_a_concurrency_denial_waits_for_ends_on_their_way() -> None:
+    """The slot's previous holder ended, but its release is still on its way (Envoy's
+    record comes ~50 ms after the client saw the end): wait for it, not a 429."""
+    pol = policy(key_limits="{concurrency: 1}")
+    lim = CountingLimiter()
+    waits: list[float] = []
+
+    async def ends_settled(timeout: float) -> None:
+        waits.append(timeout)
+        await lim.settle("first", 0, NOW)  # the release lands meanwhile
+
+    authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
+                       AdmissionSettings(concurrency_grace_s=0.1), ends_settled=ends_settled)
+
+    def req(rid: str) -> AuthzRequest:
+        return AuthzRequest(rid, "POST", "/v1/chat/completions",
+                            {"authorization": f"Bearer {SECRETS['alice']}"},
+                            json.dumps(chat()).encode())
+
+    assert isinstance(await authz.check(req("first")), Allow)
+    assert isinstance(await authz.check(req("second")), Allow)
+    assert len(waits) == 1 and 0 < waits[0] <= 0.1 and lim.calls == 3
+
+
+async def test_without_a_release_the_grace_ends_in_the_429() -> None:
+    pol = policy(key_limits="{concurrency: 1}")
+    lim = CountingLimiter()
+
+    async def nothing_ends(timeout: float) -> None:
+        await asyncio.sleep(timeout)
+
+    authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
+                       AdmissionSettings(concurrency_grace_s=0.05), ends_settled=nothing_ends)
+    body = json.dumps(chat()).encode()
+    auth = {"authorization": f"Bearer {SECRETS['alice']}"}
+    assert isinstance(await authz.check(AuthzRequest("a", "POST", "/v1/chat/completions",
+                                                     auth, body)), Allow)
+    d = await authz.check(AuthzRequest("b", "POST", "/v1/chat/completions", auth, body))
+    denied(d, 429, "rate_limit_exceeded")
+    assert lim.calls == 3  # one admission, one retry after the grace, nothing more

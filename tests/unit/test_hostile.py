@@ -159,7 +159,7 @@ kinds = st.sampled_from(["request_body", "response_headers", "response_body",
        st.booleans())
 def test_ext_proc_stream_handles_messages_in_any_order(
         msgs: list[tuple[str, bytes, bool]], with_metadata: bool) -> None:
-    stream = RequestStream(("*",))
+    stream = RequestStream()
     for i, (kind, body, eos) in enumerate(msgs):
         req = ep.ProcessingRequest()
         if kind in ("request_body", "response_body"):
@@ -172,7 +172,9 @@ def test_ext_proc_stream_handles_messages_in_any_order(
         if i == 0 and with_metadata:
             md = struct_pb2.Struct()
             md.update({"request_id": "r", "stream": True, "leased": True, "key_id": "k",
-                       "endpoint": "/v1/chat/completions", "model": "m"})
+                       "endpoint": "/v1/chat/completions", "model": "m", "hide_usage": True,
+                       "splice": "\"stream_options\":{\"include_usage\":true},",
+                       "splice_at": 1, "splice_cut": 0})
             req.metadata_context.filter_metadata["envoy.filters.http.ext_authz"].CopyFrom(md)
         assert stream.handle(req) is not None
     assert stream.outcome() in ("completed", "client_cancelled", "upstream_error", "denied")

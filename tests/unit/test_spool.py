@@ -90,3 +90,16 @@ def test_an_unconfigured_instance_reuses_this_hosts_spool(tmp_path: Path,
     assert choose_instance(tmp_path, "").startswith("box-")
     assert choose_instance(tmp_path, "") != "box-123"
     held.close()
+
+
+async def test_until_durable_returns_once_the_event_is_on_disk(tmp_path: Path) -> None:
+    """What the Envoy records service waits for before it acknowledges a batch."""
+    sp = Spool(tmp_path, "i").open()
+    _put(sp, 3)
+    waiter = asyncio.create_task(sp.until_durable(3))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()  # queued, not yet written
+    await sp.commit()
+    await asyncio.wait_for(waiter, 1)
+    await sp.until_durable(2)  # already durable: returns at once
+    sp.close()

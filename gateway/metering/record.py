@@ -1,0 +1,131 @@
+"""Envoy's one record per request (GATEWAY_METERING=envoy), read into the facts of its event.
+
+Sans-I/O: the logs service hands over the record's attributes, as the access-log formatter
+rendered them (gateway/envoy_metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
+metadata namespaces as JSON). What ext_proc learns chunk by chunk, Envoy's filters have
+put in the record: usage from sse_to_metadata / json_to_metadata, content counters from
+the Lua filter, the status, the response flags and the timings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.metering.meter import Result
+from gateway.metering.recorder import RequestFacts
+from gateway.metering.usage import Usage
+
+# %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
+# cut its stream after the headers; the rest fail before or while connecting.
+UPSTREAM_FLAGS = frozenset({"UPE", "UR", "UC", "UF", "URX", "UT", "UO", "UH", "NR", "UMSDR"})
+CLIENT_FLAGS = frozenset({"DC", "DPE"})  # the client left, or broke the protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    request_id: str
+    facts: RequestFacts
+    result: Result
+    status: int
+    outcome: str
+    started: float  # epoch seconds
+    ended: float
+    source: str
+
+
+def _json(text: str | None) -> dict[str, Any]:
+    if not text or text == "-":
+        return {}
+    try:
+        v = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def _num(text: str | None) -> float | None:
+    if not text or text == "-":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) and v >= 0 else None
+
+
+def _int(v: Any) -> int:
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def facts_of(authz: dict[str, Any], path: str, rid: str) -> RequestFacts:
+    """The Check's decision, as ext_authz wrote it (the only context trusted)."""
+    def text(k: str) -> str:
+        v = authz.get(k)
+        return v if isinstance(v, str) else ""
+
+    return RequestFacts(
+        request_id=text("request_id") or rid, key_id=text("key_id"), team=text("team"),
+        model=text("model"), endpoint=text("endpoint") or path.partition("?")[0],
+        stream=authz.get("stream") is True, leased=authz.get("leased") is True,
+        prompt_estimate=_int(authz.get("prompt_estimate")),
+        denied_status=_int(authz.get("status")) if "denied" in authz else 0,
+        traceparent=text("traceparent"))
+
+
+def read(attrs: dict[str, str]) -> Record | None:
+    """One record; None if it names no request (nothing to bill it to)."""
+    rid = attrs.get("rid", "-")
+    if not rid or rid == "-":
+        return None
+    authz = _json(attrs.get("authz"))
+    facts = facts_of(authz, attrs.get("path", ""), rid)
+    status = int(_num(attrs.get("code")) or 0)
+    flags = set((attrs.get("flags") or "-").split(","))
+    counted = _json(attrs.get("counted"))
+    usage = _json(attrs.get("usage"))
+    started = _num(attrs.get("start")) or 0.0
+    duration_s = (_num(attrs.get("duration_us")) or 0.0) / 1e6
+
+    if facts.denied_status or not facts.key_id:
+        outcome = "denied"  # ext_authz said no, or Envoy answered itself (413, 503, ...)
+        status = facts.denied_status or status
+    elif flags & UPSTREAM_FLAGS or status >= 500:
+        outcome = "upstream_error"
+    elif flags & CLIENT_FLAGS and counted.get("done") is not True:
+        outcome = "client_cancelled"
+    else:
+        outcome = "completed"
+
+    result, source = _result(facts, status, usage, counted, outcome, attrs)
+    return Record(rid, facts, result, status, outcome, started, started + duration_s, source)
+
+
+def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: dict[str, Any],
+            outcome: str, attrs: dict[str, str]) -> tuple[Result, str]:
+    served = usage.get("model")
+    served_model = served if isinstance(served, str) else ""
+    ttft_us = _num(attrs.get("ttft_us"))
+    gen_us = _num(attrs.get("gen_us"))
+    if outcome == "denied":
+        return Result(Usage(), "reported", served_model, 0.0, 0.0), "reported"
+    events, chars = _int(counted.get("content_events")), _int(counted.get("content_chars"))
+    completion = max(events, math.ceil(chars / 4))
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        p, c = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+        u = Usage(p, c, _int(usage.get("total_tokens")) or p + c,
+                  _int(usage.get("cached_tokens")), _int(usage.get("reasoning_tokens")))
+        source = "reported"
+    elif status >= 400 and not completion:
+        u, source = Usage(), "reported"  # an error answer: nothing was generated
+    else:
+        prompt = facts.prompt_estimate if status or completion else 0
+        u, source = Usage(prompt, completion, prompt + completion), "estimated"
+    ttft = ttft_us / 1000 if ttft_us is not None else 0.0
+    tpot = 0.0
+    if facts.stream and gen_us is not None and u.completion_tokens > 1:
+        tpot = gen_us / 1000 / (u.completion_tokens - 1)
+    return Result(u, source, served_model, ttft, tpot), source

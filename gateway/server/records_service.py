@@ -1,0 +1,71 @@
+"""Envoy's per-request records (GATEWAY_METERING=envoy): OTLP logs over gRPC → usage events.
+
+Envoy's OpenTelemetry access logger sends `LogsService/Export` batches (every 50 ms) and
+retries a batch the sidecar did not acknowledge. So an Export is answered only once its
+events are durable in the spool: a sidecar killed before that loses nothing, Envoy sends
+the batch again after the restart. That makes delivery at-least-once; a request id seen
+recently is not recorded twice (after a restart, the billing consumer's `event_id` dedup
+does the rest, as for every event).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as ls
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+
+from gateway.log import log
+from gateway.metering import record
+from gateway.metering.recorder import Recorder
+from gateway.server import metrics
+
+SEEN_MAX = 200_000  # request ids remembered for dedup (~20 MB): minutes of traffic
+
+
+def _text(v: common_pb2.AnyValue) -> str:
+    kind = v.WhichOneof("value")
+    return v.string_value if kind == "string_value" else str(getattr(v, kind)) if kind else ""
+
+
+class RecordsService(ls_grpc.LogsServiceServicer):
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        ls_grpc.add_LogsServiceServicer_to_server(self, server)
+
+    async def Export(self, request: ls.ExportLogsServiceRequest,
+                     context: grpc.aio.ServicerContext) -> ls.ExportLogsServiceResponse:
+        last_seq = 0
+        for rl in request.resource_logs:
+            for sl in rl.scope_logs:
+                for lr in sl.log_records:
+                    seq = self._one({kv.key: _text(kv.value) for kv in lr.attributes})
+                    last_seq = max(last_seq, seq)
+        if last_seq:
+            await self.recorder.spool.until_durable(last_seq)
+        return ls.ExportLogsServiceResponse()
+
+    def _one(self, attrs: dict[str, str]) -> int:
+        """Record one request's event; its seq, or 0 if there was nothing new to record."""
+        metrics.RECORDS.inc()
+        try:
+            rec = record.read(attrs)
+        except Exception:  # a record we cannot read must not fail the batch (Envoy retries it)
+            log.exception("record_unreadable", request_id=attrs.get("rid"))
+            return 0
+        if rec is None:
+            return 0
+        if rec.request_id in self._seen:
+            metrics.RECORD_DUPLICATES.inc()
+            return 0
+        self._seen[rec.request_id] = None
+        if len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
+        event = self.recorder.emit(rec.facts, rec.result, rec.status, rec.outcome,
+                                   rec.started, rec.ended, rec.source)
+        return event.seq

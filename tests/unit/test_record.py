@@ -1,0 +1,85 @@
+"""Envoy's per-request record → the facts of the usage event (gateway/metering/record.py)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.metering import record
+
+AUTHZ = {"request_id": "r1", "key_id": "k", "team": "t", "model": "m", "stream": True,
+         "leased": True, "endpoint": "/v1/chat/completions", "prompt_estimate": 12}
+
+
+def attrs(**over: object) -> dict[str, str]:
+    base: dict[str, object] = {
+        "rid": "r1", "path": "/v1/chat/completions?x=1", "code": "200", "flags": "-",
+        "details": "via_upstream", "start": "1800000000.250000", "duration_us": "1500000",
+        "ttft_us": "50000", "gen_us": "900000", "authz": AUTHZ,
+        "usage": {"prompt_tokens": 9, "completion_tokens": 10, "total_tokens": 19,
+                  "cached_tokens": 4, "model": "served-m"},
+        "counted": {"content_events": 10, "content_chars": 40}}
+    base.update(over)
+    return {k: v if isinstance(v, str) else orjson.dumps(v).decode() for k, v in base.items()}
+
+
+def test_a_completed_stream_is_billed_what_the_engine_reported() -> None:
+    rec = record.read(attrs())
+    assert rec is not None
+    assert (rec.outcome, rec.status, rec.source) == ("completed", 200, "reported")
+    u = rec.result.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (9, 10, 19, 4)
+    assert rec.result.served_model == "served-m"
+    assert rec.result.ttft_ms == 50.0 and rec.result.tpot_ms == 100.0  # 900 ms / 9 gaps
+    assert rec.started == 1800000000.25 and rec.ended == pytest.approx(1800000001.75)
+    f = rec.facts
+    assert (f.request_id, f.key_id, f.team, f.model, f.leased) == ("r1", "k", "t", "m", True)
+
+
+@pytest.mark.parametrize(("flags", "code", "outcome"), [
+    ("UPE", "200", "upstream_error"),  # the engine cut its stream after the headers
+    ("UR", "200", "upstream_error"),
+    ("UF", "503", "upstream_error"),
+    ("-", "502", "upstream_error"),
+    ("DC", "200", "client_cancelled"),  # the client left
+    ("DC", "0", "client_cancelled"),
+])
+def test_how_it_ended(flags: str, code: str, outcome: str) -> None:
+    rec = record.read(attrs(flags=flags, code=code))
+    assert rec is not None and rec.outcome == outcome
+
+
+def test_a_client_that_left_after_the_end_marker_completed() -> None:
+    rec = record.read(attrs(flags="DC", counted={"content_events": 3, "done": True}))
+    assert rec is not None and rec.outcome == "completed"
+
+
+def test_a_cut_stream_without_usage_is_estimated_from_what_passed() -> None:
+    rec = record.read(attrs(flags="DC", usage="-",
+                            counted={"content_events": 7, "content_chars": 60}))
+    assert rec is not None and rec.source == "estimated"
+    u = rec.result.usage
+    assert (u.prompt_tokens, u.completion_tokens) == (12, 15)  # ceil(60 / 4) > 7 events
+
+
+def test_an_error_answer_generated_nothing() -> None:
+    rec = record.read(attrs(code="400", usage="-", counted="-"))
+    assert rec is not None and rec.outcome == "completed" and rec.source == "reported"
+    assert rec.result.usage.total_tokens == 0
+
+
+def test_denials_and_envoys_own_answers_are_denied_and_free() -> None:
+    denied = dict(AUTHZ, denied="model_not_allowed", status=403, leased=False)
+    rec = record.read(attrs(code="403", authz=denied, usage="-", counted="-"))
+    assert rec is not None and (rec.outcome, rec.status) == ("denied", 403)
+    assert rec.result.usage.total_tokens == 0 and rec.facts.key_id == "k"
+    rec = record.read(attrs(code="413", authz="-", usage="-", counted="-"))  # Envoy's own 413
+    assert rec is not None and (rec.outcome, rec.status) == ("denied", 413)
+    assert rec.facts.endpoint == "/v1/chat/completions" and rec.facts.key_id == ""
+
+
+@pytest.mark.parametrize("bad", ["-", "", "not json", "[1,2]", '{"prompt_tokens": "x"}'])
+def test_garbage_in_any_field_is_not_a_crash(bad: str) -> None:
+    for field in ("authz", "usage", "counted", "code", "start", "ttft_us", "gen_us"):
+        assert record.read(attrs(**{field: bad})) is not None
+    assert record.read(attrs(rid="-")) is None  # nothing to bill it to
