@@ -25,7 +25,7 @@ ERROR_TYPES = {
 def error_body(deny: Deny, request_id: str) -> bytes:
     err = {
         "message": deny.message,
-        "type": ERROR_TYPES.get(deny.code, "invalid_request_error"),
+        "type": deny.error_type or ERROR_TYPES.get(deny.code, "invalid_request_error"),
         "param": None,
         "code": deny.code,
     }
@@ -66,18 +66,34 @@ _LIMIT_WORDS = {
 }
 
 
-def limit_denial(v: Verdict) -> Deny:
-    """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers."""
+def limit_denial(v: Verdict, requested: int = 0) -> Deny:
+    """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers.
+
+    A request that can never pass (the limit is 0) is told so, and not to retry: no
+    retry-after, and `x-should-retry: false`, which the OpenAI SDKs obey instead of retrying
+    in vain. One that asks for more tokens than the window's whole limit is told it runs
+    only once the window is empty (limits/maths.fits), with both numbers.
+    """
     assert v.tier is not None and v.limit is not None
     quota = v.limit in (TPD, TPMO)
+    tokens = v.limit in (TPM, TPD, TPMO)
     retry = max(1, math.ceil(v.retry_after))
     value = v.limit_value
     shown = f"{value:g}" if isinstance(value, float) else str(value)
-    message = (
-        f"{'Quota exhausted' if quota else 'Rate limit exceeded'}: {v.tier} tier limit "
-        f"{v.limit}={shown} ({_LIMIT_WORDS[v.limit]}). Retry after {retry}s."
-    )
-    headers = {"retry-after": str(retry), "x-gateway-limit-tier": v.tier}
+    never = value == 0
+    what = f"{v.tier} tier limit {v.limit}={shown} ({_LIMIT_WORDS[v.limit]})"
+    if never:
+        message = f"This request can never pass: {what}. Retrying will not help."
+        headers = {"x-should-retry": "false", "x-gateway-limit-tier": v.tier}
+    else:
+        oversize = ""
+        if tokens and value is not None and requested > value:
+            oversize = (f" It asks for {requested} tokens (prompt estimate + max_tokens), more "
+                        f"than the whole limit: it runs only when nothing else has used the "
+                        f"window; lower max_tokens to share it.")
+        message = (f"{'Quota exhausted' if quota else 'Rate limit exceeded'}: {what}."
+                   f"{oversize} Retry after {retry}s.")
+        headers = {"retry-after": str(retry), "x-gateway-limit-tier": v.tier}
     headers.update(rate_headers(v.rate))
     if v.limit == CONCURRENCY and "x-ratelimit-limit-requests" not in headers:
         headers["x-ratelimit-limit-requests"] = shown
@@ -89,9 +105,10 @@ def limit_denial(v: Verdict) -> Deny:
         message=message,
         reason=v.limit,
         tier=v.tier,
-        retry_after=retry,
+        retry_after=None if never else retry,
         rate=v.rate,
         headers=headers,
+        error_type="insufficient_quota" if quota else "tokens" if tokens else "requests",
     )
 
 

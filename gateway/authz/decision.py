@@ -44,9 +44,10 @@ class Deny:
     retry_after: float | None = None
     rate: RateInfo | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    key_id: str = ""  # who was denied, when known (a 401 knows no one)
+    key_id: str = ""  # who was denied, when known (an unknown key's 401 knows no one)
     team: str = ""
     model: str = ""
+    error_type: str = ""  # OpenAI's error.type, when the code alone does not say it
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,8 +64,10 @@ class Authorizer:
             return answers.unauthorized("Missing or malformed API key.")
         key = policy.keys_by_digest.get(secrets.digest(secret))
         now = self._clock.now()
-        if key is None or key.disabled or (key.expires_at is not None and key.expires_at <= now):
+        if key is None:
             return answers.unauthorized()
+        if key.disabled or (key.expires_at is not None and key.expires_at <= now):
+            return _who(answers.unauthorized(), key)  # a known key: its event names it
         try:
             path = canonical_path(req.path)
         except PathError as exc:
@@ -106,7 +108,7 @@ class Authorizer:
                 return _who(answers.unavailable(
                     f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model)
         if not verdict.allowed:
-            return _who(answers.limit_denial(verdict), key, facts.model)
+            return _who(answers.limit_denial(verdict, reserve), key, facts.model)
         if verdict.leased and self._on_admitted is not None:
             self._on_admitted(req.request_id)
         ctx = Context(

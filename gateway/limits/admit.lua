@@ -89,7 +89,7 @@ for r = 1, n do
       local allow_at = new_tat - x.burst * interval
       if now < allow_at then
         code, at, retry = 1, t, allow_at - now
-        rq = {x.burst, 0, math.ceil(tat - now)}
+        rq, tk = {x.burst, 0, math.ceil(tat - now)}, {-1, -1, -1}  -- the binding tier's only
         break
       end
       x.new_tat = new_tat
@@ -100,6 +100,7 @@ for r = 1, n do
       redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
       if redis.call('ZCARD', zk) >= x.conc then
         code, at, retry = 2, t, 1000
+        rq, tk = {-1, -1, -1}, {-1, -1, -1}
         break
       end
     end
@@ -114,7 +115,7 @@ for r = 1, n do
         end
         if not fits(used, reserve, limit) then
           code, at, retry = w[1], t, w[4]
-          tk = {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
+          rq, tk = {-1, -1, -1}, {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
           break
         end
         offer(tk, limit, limit - used - reserve, w[4])

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from spokekit import chat, client
+from spokekit import chat, client, read_events
 
 from gateway.dev.stack import Spoke
 
@@ -37,6 +37,9 @@ def test_401_invalid_api_key(spoke: Spoke, keys: dict[str, str], key: str) -> No
         chat(client(spoke, secret))
     assert exc.value.status_code == 401
     assert exc.value.code == "invalid_api_key"
+    # billing sees who was refused, when the key was known (expired, disabled, revoked)
+    [event] = read_events(spoke.kafka_bootstrap, {exc.value.response.headers["x-request-id"]})
+    assert event["outcome"] == "denied" and event["key_id"] == (key if key in keys else "")
 
 
 def test_x_api_key_header_also_works(spoke: Spoke, keys: dict[str, str]) -> None:
@@ -83,6 +86,7 @@ def test_429_rps_names_tier_and_carries_headers(spoke: Spoke, keys: dict[str, st
     assert h["x-gateway-limit-tier"] == "key"
     for name in ("limit", "remaining", "reset"):
         assert f"x-ratelimit-{name}-requests" in h
+    assert e.type == "requests"
 
 
 def test_429_team_tier(spoke: Spoke, keys: dict[str, str]) -> None:
@@ -98,9 +102,10 @@ def test_429_tokens_per_minute_is_rate_limit(spoke: Spoke, keys: dict[str, str])
     with pytest.raises(openai.RateLimitError) as exc:
         for _ in range(5):
             chat(c, max_tokens=300)  # reserves ~300 + prompt of a 400-token minute
-    assert exc.value.code == "rate_limit_exceeded"
+    assert exc.value.code == "rate_limit_exceeded" and exc.value.type == "tokens"
     assert "tokens_per_minute" in exc.value.message
     assert "x-ratelimit-limit-tokens" in exc.value.response.headers
+    assert "x-ratelimit-limit-requests" not in exc.value.response.headers  # binding tier only
 
 
 def test_429_tokens_per_day_is_insufficient_quota(spoke: Spoke, keys: dict[str, str]) -> None:

@@ -99,6 +99,21 @@ async def test_renew_keeps_long_streams_leased(limiter: Limiter) -> None:
     assert (await limiter.admit(req("x", [key], T0 + 111))).allowed
 
 
+async def test_a_denial_carries_only_the_binding_tiers_numbers(limiter: Limiter) -> None:
+    """The 429's x-ratelimit-* headers are the tier that said no, not a looser one's."""
+    team = tier("team", "t1", tokens_per_minute=10_000, rps=100)
+    key = tier("key", "k1", rps=1, burst=1)
+    assert (await limiter.admit(req("a", [team, key], reserve=10))).allowed
+    v = await limiter.admit(req("b", [team, key], reserve=10))
+    assert (v.tier, v.limit) == ("key", "rps")
+    assert v.rate.tok_limit is None and v.rate.req_limit == 1
+    tight = tier("key", "k2", tokens_per_minute=5)
+    assert (await limiter.admit(req("c0", [team, tight], reserve=3))).allowed
+    v = await limiter.admit(req("c", [team, tight], reserve=3))
+    assert (v.tier, v.limit) == ("key", "tokens_per_minute")
+    assert v.rate.req_limit is None and v.rate.tok_limit == 5
+
+
 async def test_renew_names_the_requests_that_hold_nothing_any_more(limiter: Limiter) -> None:
     """A request settled elsewhere (its end reached another instance) or never admitted:
     the renewer is told, and stops renewing it."""

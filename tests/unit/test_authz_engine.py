@@ -495,3 +495,37 @@ async def test_without_a_release_the_grace_ends_in_the_429() -> None:
     d = await authz.check(AuthzRequest("b", "POST", "/v1/chat/completions", auth, body))
     denied(d, 429, "rate_limit_exceeded")
     assert lim.calls == 3  # one admission, one retry after the grace, nothing more
+
+
+# --- truthful 429s (issue 11) ----------------------------------------------------------------
+
+
+def test_error_type_says_tokens_or_requests_as_openai_does() -> None:
+    def etype(d: Deny) -> str:
+        return str(orjson.loads(answers.error_body(d, "r"))["error"]["type"])
+
+    assert etype(answers.limit_denial(Verdict(False, "key", "rps", 2.0, 0.5))) == "requests"
+    assert etype(answers.limit_denial(Verdict(False, "key", "concurrency", 4, 1))) == "requests"
+    assert etype(answers.limit_denial(Verdict(False, "team", "tokens_per_minute", 9, 1))) == \
+        "tokens"
+
+
+def test_a_zero_limit_is_never_worth_retrying() -> None:
+    d = answers.limit_denial(Verdict(False, "key", "tokens_per_day", 0, 3600), requested=50)
+    assert "never pass" in d.message and d.retry_after is None
+    assert "retry-after" not in d.headers and d.headers["x-should-retry"] == "false"
+
+
+def test_a_request_larger_than_the_whole_window_is_told_so() -> None:
+    d = answers.limit_denial(Verdict(False, "team", "tokens_per_minute", 1000, 20),
+                             requested=4000)
+    assert "asks for 4000 tokens" in d.message and "tokens_per_minute=1000" in d.message
+    assert d.headers["retry-after"] == "20"
+
+
+async def test_a_refused_known_key_is_named_on_its_denial() -> None:
+    gate = Gate(policy())
+    for who in ("old", "gone"):  # expired, disabled
+        d = denied(await gate.check(chat(), who=who), 401, "invalid_api_key")
+        assert d.key_id == who and d.team == "team-a"
+    assert denied(await gate.check(chat(), who="nobody"), 401, "invalid_api_key").key_id == ""
