@@ -145,6 +145,23 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_mint(args: argparse.Namespace) -> int:
+    """A key for a hand-written policy: the secret (shown once) and the entry to paste."""
+    import re
+
+    from gateway.policy import secrets
+    if not re.fullmatch(secrets.KEY_ID_PATTERN, args.key_id):
+        print(f"error: key id {args.key_id!r} is not {secrets.KEY_ID_RULE}", file=sys.stderr)
+        return 2
+    secret = secrets.new_secret(args.key_id)
+    sha = secrets.digest(secret).hex()
+    print(f"secret:   {secret}\nsha256:   {sha}")
+    print(f"\npolicy entry (under keys:):\n  {args.key_id}:\n    team: {args.team}\n"
+          f"    sha256: \"{sha}\"")
+    print("The secret is shown once; only its SHA-256 belongs in the policy.", file=sys.stderr)
+    return 0
+
+
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from gateway.policy import admin
     _, doc = _run_value(_backend(_settings(args)).read())
@@ -307,6 +324,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-day", dest="tokens_per_day", type=int, default=None)
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_create)
+    p = keys.add_parser("mint", help="a secret and its sha256 for a hand-written policy; "
+                                     "publishes nothing")
+    p.add_argument("key_id", help="1-64 letters, digits or '_' (no '-')")
+    p.add_argument("--team", default="TEAM", help="the team to write in the printed entry")
+    p.set_defaults(fn=cmd_keys_mint)
     p = keys.add_parser("list", help="list keys (never secrets)")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     _store_flags(p)

@@ -7,6 +7,7 @@ runtime form the request path reads.
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -24,11 +25,18 @@ from pydantic import (
 )
 
 from gateway.errors import PathError
+from gateway.policy.secrets import KEY_ID_PATTERN, KEY_ID_RULE
 from gateway.routes import canonical_path
 
 # No control characters: names become Redis keys and \x1f-separated script arguments.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$")]
-KeyId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]{1,64}$")]
+def _key_id(value: str) -> str:
+    if not re.fullmatch(KEY_ID_PATTERN, value):
+        raise ValueError(f"key id {value[:80]!r} is not {KEY_ID_RULE}")
+    return value
+
+
+KeyId = Annotated[str, AfterValidator(_key_id)]
 Sha256Hex = Annotated[
     str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(str.lower)]
 Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]

@@ -7,6 +7,11 @@ import hashlib
 import secrets
 
 PREFIX = "sk-gw-"
+# Key ids are public (logs, headers, events) and sit inside the secret between two '-':
+# letters, digits and '_' only, so the id can always be read back out of a secret.
+KEY_ID_RULE = ("1 to 64 letters, digits or '_' (no '-': it separates the parts of "
+               "sk-gw-<key_id>-<random>)")
+KEY_ID_PATTERN = r"^[A-Za-z0-9_]{1,64}$"
 
 
 def new_secret(key_id: str) -> str:

@@ -267,3 +267,25 @@ def test_show_edit_apply_round_trips(tmp_path: Path, capsys: pytest.CaptureFixtu
     # the same export, applied again after revision 2: it would undo that change
     assert cli("policy", "apply", str(edited), "--policy-file", str(policy)) == 2
     assert "based on revision 1, but revision 2" in capsys.readouterr().err
+
+
+def test_keys_mint_makes_an_entry_a_hand_written_policy_can_use(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli("keys", "mint", "ops_bot", "--team", "team-a") == 0
+    out = capsys.readouterr().out
+    secret = re.search(r"secret:\s+(\S+)", out)
+    entry = out.split("(under keys:):\n", 1)[1]
+    assert secret is not None
+    src = tmp_path / "hand.yaml"
+    src.write_text("models: {m: {}}\nteams: {team-a: {models: ['*']}}\nkeys:\n" + entry)
+    policy = tmp_path / "policy.yaml"
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy)) == 0
+    assert load(policy.read_bytes()).keys_by_digest[secrets.digest(secret.group(1))].key_id \
+        == "ops_bot"
+
+
+def test_the_key_id_rule_is_said_in_words(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli("keys", "mint", "has-hyphen") == 2
+    assert "no '-'" in capsys.readouterr().err
+    with pytest.raises(PolicyError, match="no '-'"):
+        load(b"teams: {t: {}}\nkeys: {a-b: {team: t, sha256: '" + b"0" * 64 + b"'}}\n")

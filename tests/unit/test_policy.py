@@ -74,7 +74,7 @@ BAD = [
     ("bad_not_mapping.yaml", "(document)", "must be a mapping"),
     ("bad_yaml_syntax.yaml", "(document)", "not valid YAML"),
     # pydantic marks a bad dict *key* with '[key]' after the offending key id
-    ("bad_key_id.yaml", "keys.key-7Hq2!.[key]", "pattern"),
+    ("bad_key_id.yaml", "keys.key-7Hq2!.[key]", "letters, digits or '_' (no '-'"),
 ]
 
 
