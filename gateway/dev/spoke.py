@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import shutil
 import signal
+import socket
+import sys
 import time
 from importlib import resources
 from pathlib import Path
@@ -29,8 +33,13 @@ async def apply_demo_policy(redis_url: str) -> admin.NewKey:
 
 def run_spoke(port: int, workdir: Path, otlp: str | None = None,
               metering: Metering = DEFAULT_METERING) -> int:
-    spoke = Spoke(workdir=workdir.resolve(), listen_port=port, otlp=otlp, metering=metering)
-    print(f"starting the local spoke in {spoke.workdir} ...", flush=True)
+    workdir = workdir.resolve()
+    problem = _port_taken(port) or _workdir_taken(workdir)
+    if problem:
+        print(f"gateway dev: {problem}", file=sys.stderr, flush=True)
+        return 2
+    spoke = Spoke(workdir=workdir, listen_port=port, otlp=otlp, metering=metering)
+    print(f"starting the local spoke in {spoke.workdir} ({metering} metering) ...", flush=True)
     spoke.start()
     try:
         key = asyncio.run(apply_demo_policy(spoke.redis_url))
@@ -91,8 +100,38 @@ async def _find_event(bootstrap: str, request_id: str) -> bytes | None:
     return None
 
 
+def _port_taken(port: int) -> str:
+    """Envoy binds with SO_REUSEPORT, so a second spoke on a taken port would come up and
+    share its requests with the first: check with a plain bind, which any listener blocks."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return f"port {port} is already in use (another spoke?); pick one with --port"
+    return ""
+
+
+_LOCKS: list[object] = []  # held open for the process's life
+
+
+def _workdir_taken(workdir: Path) -> str:
+    """One spoke per work directory: their logs, spools and configs would mix."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    f = open(workdir / ".lock", "w")  # noqa: SIM115 (kept open: the lock is the open file)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return f"{workdir} is in use by another spoke; pick another with --workdir"
+    _LOCKS.append(f)
+    return ""
+
+
 def _banner(spoke: Spoke, secret: str) -> None:
     s = spoke.services
+    # The venv's own script, by its full path: pasteable without activating the venv.
+    script = Path(sys.executable).with_name("gateway")
+    gw = str(script) if script.exists() else shutil.which("gateway") or "gateway"
     print(f"""
   Envoy        http://127.0.0.1:{spoke.listen_port}   (every request goes through the sidecar)
   sidecar      {s['sidecar'].address}  metrics {spoke.metrics_url}/metrics
@@ -108,8 +147,8 @@ def _banner(spoke: Spoke, secret: str) -> None:
       -d '{{"model":"mock-model","messages":[{{"role":"user","content":"hello there"}}]}}'
 
     export GATEWAY_REDIS_URL={spoke.redis_url} GATEWAY_KAFKA_BOOTSTRAP={spoke.kafka_bootstrap}
-    gateway policy show; gateway keys list; gateway policy status
-    gateway usage tail
+    {gw} policy show; {gw} keys list; {gw} policy status
+    {gw} usage tail
 
   Ctrl-C stops everything.
 """, flush=True)

@@ -30,6 +30,10 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
             out += line
         assert '"outcome": "completed"' in out, out
         secret = next(ln.split()[-1] for ln in out.splitlines() if "demo key:" in ln)
+        # the commands it prints run as printed, without an activated venv
+        cmd = next(ln.split(";")[0].strip() for ln in out.splitlines()
+                   if ln.strip().endswith("policy status"))
+        assert cmd.split()[0].startswith("/") and Path(cmd.split()[0]).exists(), cmd
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
                        headers={"authorization": f"Bearer {secret}"},
                        json={"model": "mock-model", "messages": [], "max_tokens": 2})
@@ -38,3 +42,26 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert not port_open(port)  # Envoy is gone, and with it the rest
+
+
+def test_gateway_dev_refuses_a_taken_port_or_work_directory(tmp_path: Path) -> None:
+    """A second spoke on the same port would share its requests with the first (Envoy binds
+    with SO_REUSEPORT); two in one work directory would mix their logs and spools."""
+    import fcntl
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gateway", "dev", "--port", str(taken),
+                            "--workdir", str(tmp_path / "a")], capture_output=True, text=True,
+                           timeout=30)
+    assert r.returncode == 2 and f"port {taken} is already in use" in r.stderr
+    (tmp_path / "b").mkdir()
+    with open(tmp_path / "b" / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = subprocess.run([sys.executable, "-m", "gateway", "dev", "--port", str(free_port()),
+                            "--workdir", str(tmp_path / "b")], capture_output=True, text=True,
+                           timeout=30)
+    assert r.returncode == 2 and "in use by another spoke" in r.stderr
