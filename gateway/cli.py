@@ -205,7 +205,7 @@ def cmd_usage_tail(args: argparse.Namespace) -> int:
     from gateway.billing.consumer import tail
     bootstrap, topic = _bootstrap(args)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(tail(bootstrap, topic, args.limit))
+        asyncio.run(tail(bootstrap, topic, args.limit, args.follow, args.pretty))
     return 0
 
 
@@ -216,17 +216,21 @@ def cmd_usage_consume(args: argparse.Namespace) -> int:
     bootstrap, topic = _bootstrap(args)
     stop = (lambda n: n >= args.count) if args.count else None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(consume(bootstrap, topic, args.db, args.group, stop))
+        asyncio.run(consume(bootstrap, topic, args.db, args.group, stop, args.until_caught_up))
     return 0
 
 
 def cmd_usage_report(args: argparse.Namespace) -> int:
+    from gateway.billing import report
     from gateway.billing.db import UsageDb
-    db = UsageDb(args.db)
-    rows = db.report(args.by, args.since or "")
-    print(f"{args.by.upper():24} {'REQUESTS':>9} {'PROMPT':>12} {'COMPLETION':>12} {'TOTAL':>12}")
-    for name, n, p, c, t in rows:
-        print(f"{name or '-':24} {n:>9} {p:>12} {c:>12} {t:>12}")
+    try:
+        since = report.day_bound(args.since, "--since")
+        until = report.day_bound(args.until, "--until")
+        rep = report.report(UsageDb(args.db), args.by, since, until)
+    except report.ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.render(rep, args.output))
     return 0
 
 
@@ -234,6 +238,10 @@ def cmd_usage_reconcile(args: argparse.Namespace) -> int:
     from gateway.billing.db import UsageDb, gaps
     from gateway.sinks.spool import spooled
     db = UsageDb(args.db)
+    if not db.has_events():
+        print(f"error: {args.db} holds no usage events: fill it with `gateway usage consume "
+              f"--db {args.db}` first", file=sys.stderr)
+        return 2
     seqs, dups = db.seqs(), db.duplicates()
     pending = spooled(_settings(args).spool_dir)
     bad = 0
@@ -340,20 +348,36 @@ def parser() -> argparse.ArgumentParser:
 
     usage = sub.add_parser("usage", help="tail / consume / report / reconcile").add_subparsers(
         dest="sub", required=True)
-    p = usage.add_parser("tail", help="print usage events from the topic as they arrive")
-    p.add_argument("--kafka", dest="kafka_bootstrap", default=None)
+    p = usage.add_parser("tail", help="print the usage events on the topic, one JSON a line")
+    p.add_argument("--kafka", dest="kafka_bootstrap", default=None,
+                   help="bootstrap servers (default: $GATEWAY_KAFKA_BOOTSTRAP)")
     p.add_argument("-n", "--limit", type=int, default=None, help="stop after N events")
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="print as they arrive and keep going (default: print what is there, "
+                        "per instance in seq order, then stop)")
+    p.add_argument("--pretty", action="store_true", help="indented JSON")
     p.set_defaults(fn=cmd_usage_tail)
     p = usage.add_parser("consume", help="reference billing consumer (exactly-once totals)")
     p.add_argument("--kafka", dest="kafka_bootstrap", default=None)
     p.add_argument("--db", default="sqlite:///usage.db", help="sqlite:///FILE or postgresql://")
     p.add_argument("--group", default="gateway-billing")
     p.add_argument("--count", type=int, default=0, help="stop after N new events")
+    p.add_argument("--until-caught-up", dest="until_caught_up", action="store_true",
+                   help="stop once the topic has nothing more for this group (cron jobs); "
+                        "progress goes to stderr either way")
     p.set_defaults(fn=cmd_usage_consume)
-    p = usage.add_parser("report", help="totals from the billing database")
-    p.add_argument("--db", default="sqlite:///usage.db")
-    p.add_argument("--by", choices=["team", "key", "model"], default="team")
-    p.add_argument("--since", default=None, help="YYYY-MM-DD")
+    p = usage.add_parser("report", help="requests by outcome and billable tokens, per team, "
+                                       "key or model, for a period")
+    p.add_argument("--db", default="sqlite:///usage.db",
+                   help="sqlite:///FILE or postgresql://... (default: %(default)s)")
+    p.add_argument("--by", choices=["team", "key", "model"], default="team",
+                   help="group by (default: %(default)s)")
+    p.add_argument("--since", default=None,
+                   help="YYYY-MM-DD (UTC midnight) or RFC 3339, inclusive (default: all)")
+    p.add_argument("--until", default=None,
+                   help="YYYY-MM-DD or RFC 3339, exclusive (default: now)")
+    p.add_argument("-o", "--output", choices=["table", "csv", "json"], default="table",
+                   help="format (default: %(default)s)")
     p.set_defaults(fn=cmd_usage_report)
     p = usage.add_parser("reconcile", help="per instance: seq gaps, duplicates, still spooled")
     p.add_argument("--db", default="sqlite:///usage.db")

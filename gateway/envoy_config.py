@@ -2,7 +2,7 @@
 
 `render()` is what `gateway envoy-config` prints; `envoy/envoy.yaml` is its output for the
 reference ports and a test keeps the two equal. Envoy 1.40 behaviour behind each choice
-is in docs/envoy-protocol.md (V = verified against the real binary).
+is in docs/envoy.md (V = verified against the real binary).
 
 Why each setting that differs from Envoy's default (the two filters that call the
 sidecar are explained in gateway/envoy_filters.py):

@@ -1,7 +1,7 @@
 """The sidecar's two HTTP filters (ext_authz, ext_proc) and the gRPC service they call.
 
 Why each setting that differs from Envoy's default (the rest of the bootstrap is explained
-in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy-protocol.md):
+in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy.md):
 
 * **Fail closed everywhere.** Both filters say `failure_mode_allow: false` (the default,
   spelled out because it is the security property) and `status_on_error: 503`: a sidecar

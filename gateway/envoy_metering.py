@@ -2,7 +2,7 @@
 
 The sidecar still decides at the Check; Envoy does the byte work and sends one record per
 request, at its end, to the sidecar, which builds the usage event (gateway/metering/record.py).
-Why each piece (tested brief: docs/envoy-native-metering.md):
+Why each piece (docs/envoy.md §6):
 
 * **Lua** (`gateway/envoy_lua/metering.lua`): splices `stream_options` into the request
   where the Check said (`splice`, `splice_at`, `splice_cut` in ext_authz's metadata: no

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# Who does the per-chunk work of metering (README "Choosing the metering source").
+# Who does the per-chunk work of metering (README "Two metering sources").
 Metering = Literal["envoy", "ext_proc"]
 METERING_SOURCES: tuple[Metering, ...] = ("envoy", "ext_proc")
 DEFAULT_METERING: Metering = "ext_proc"

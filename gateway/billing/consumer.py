@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import sys
 from collections.abc import Callable
 
+import orjson
 from aiokafka import AIOKafkaConsumer
 
 from gateway.billing.db import UsageDb
@@ -23,43 +24,89 @@ def _consumer(bootstrap: str, topic: str, group: str | None) -> AIOKafkaConsumer
 
 
 async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway-billing",
-                  stop_when: Callable[[int], bool] | None = None) -> int:
-    """Aggregate until stopped (or until `stop_when(total_new)` says so). Returns new events."""
+                  stop_when: Callable[[int], bool] | None = None,
+                  until_caught_up: bool = False) -> int:
+    """Aggregate until stopped, until `stop_when(total_new)` says so, or (`until_caught_up`)
+    once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
     consumer = _consumer(bootstrap, topic, group)
     await consumer.start()
-    total = 0
+    total = dups = 0
     try:
         while stop_when is None or not stop_when(total):
             batches = await consumer.getmany(timeout_ms=500, max_records=1000)
             events = [from_json(m.value) for msgs in batches.values() for m in msgs
                       if m.value is not None]
             if not events:
+                if until_caught_up and await _caught_up(consumer):
+                    break
                 continue
             got = db.ingest(events)  # dedup marks + aggregates: one transaction ...
             await consumer.commit()  # ... then the offsets
             total += got.new
-            log.info("usage_ingested", new=got.new, duplicates=got.duplicates)
+            dups += got.duplicates
+            log.info("usage_ingested", new=got.new, duplicates=got.duplicates,
+                     total_new=total, total_duplicates=dups, behind=await _lag(consumer))
     finally:
         await consumer.stop()
         db.close()
+    log.info("usage_consume_stopped", total_new=total, total_duplicates=dups)
     return total
 
 
-async def tail(bootstrap: str, topic: str, limit: int | None = None) -> None:
+async def _lag(consumer: AIOKafkaConsumer) -> int | None:
+    """Records between this consumer's position and the end of the topic, as the last
+    fetches saw it (None until every partition has been fetched once)."""
+    behind = 0
+    for tp in consumer.assignment():
+        high = consumer.highwater(tp)
+        if high is None:
+            return None
+        behind += max(0, high - await consumer.position(tp))
+    return behind
+
+
+async def _caught_up(consumer: AIOKafkaConsumer) -> bool:
+    return bool(consumer.assignment()) and await _lag(consumer) == 0
+
+
+async def tail(bootstrap: str, topic: str, limit: int | None = None, follow: bool = False,
+               pretty: bool = False) -> int:
+    """Print events: without `follow`, all there are, per instance in `seq` order; with
+    it, as they arrive, until interrupted. Returns how many were printed."""
     consumer = _consumer(bootstrap, topic, None)
     await consumer.start()
-    seen = 0
+    seen: list[bytes] = []
     try:
-        async for msg in consumer:
-            sys.stdout.write((msg.value or b"").decode() + "\n")
-            sys.stdout.flush()
-            seen += 1
-            if limit is not None and seen >= limit:
-                return
+        while limit is None or len(seen) < limit:
+            batches = await consumer.getmany(timeout_ms=500, max_records=1000)
+            got = [m.value for msgs in batches.values() for m in msgs if m.value]
+            if follow:
+                for v in got[:None if limit is None else limit - len(seen)]:
+                    _print(v, pretty)
+            seen += got
+            if not got and not follow and await _caught_up(consumer):
+                break
     finally:
         await consumer.stop()
+    if not follow:
+        ordered = sorted(seen[:limit], key=_instance_seq)
+        for v in ordered:
+            _print(v, pretty)
+    return len(seen[:limit])
 
 
-def run(coro: object) -> None:
-    asyncio.run(coro)  # type: ignore[arg-type]
+def _instance_seq(raw: bytes) -> tuple[str, int]:
+    try:
+        e = orjson.loads(raw)
+        return str(e.get("instance_id", "")), int(e.get("seq", 0))
+    except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError):
+        return "", 0
+
+
+def _print(raw: bytes, pretty: bool) -> None:
+    if pretty:
+        with contextlib.suppress(orjson.JSONDecodeError):
+            raw = orjson.dumps(orjson.loads(raw), option=orjson.OPT_INDENT_2)
+    sys.stdout.write(raw.decode(errors="replace") + "\n")
+    sys.stdout.flush()

@@ -101,14 +101,39 @@ class UsageDb:
             self.conn.commit()
         return Ingested(new, dup)
 
-    def report(self, by: str, since: str = "") -> list[tuple[Any, ...]]:
-        column = {"team": "team", "key": "key_id", "model": "model"}[by]
+    def has_events(self) -> bool:
+        """Whether `usage consume` ever filled this database (an empty report is suspect)."""
+        return self._exec("SELECT 1 FROM usage_events LIMIT 1").fetchone() is not None
+
+    def by_outcome(self, column: str, since: str, until: str
+                   ) -> tuple[list[tuple[Any, ...]], str, str]:
+        """Per `column`: requests per outcome and the tokens of the non-denied, for events
+        ended in [since, until) (RFC 3339 strings compare in time order); and the first and
+        last event's end in that period."""
+        where, args = ["1=1"], []
+        if since:
+            where.append("ended_at >= {p}")
+            args.append(since)
+        if until:
+            where.append("ended_at < {p}")
+            args.append(until)
+        cond = " AND ".join(where)
+        billable = "CASE WHEN outcome != 'denied' THEN {col} ELSE 0 END"
         rows = self._exec(
-            f"""SELECT {column}, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens),
-                       SUM(total_tokens)
-                FROM usage_totals WHERE day >= {{p}} GROUP BY {column} ORDER BY {column}""",
-            (since[:10],)).fetchall()
-        return [tuple(r) for r in rows]
+            f"""SELECT {column},
+                  SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END),
+                  SUM(CASE WHEN outcome = 'client_cancelled' THEN 1 ELSE 0 END),
+                  SUM(CASE WHEN outcome = 'upstream_error' THEN 1 ELSE 0 END),
+                  SUM(CASE WHEN outcome = 'denied' THEN 1 ELSE 0 END),
+                  SUM({billable.format(col='prompt_tokens')}),
+                  SUM({billable.format(col='completion_tokens')}),
+                  SUM({billable.format(col='total_tokens')})
+                FROM usage_events WHERE {cond} GROUP BY {column} ORDER BY {column}""",
+            tuple(args)).fetchall()
+        span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",
+                          tuple(args)).fetchone()
+        return [tuple(int(v) if i else v for i, v in enumerate(r)) for r in rows], \
+            span[0] or "", span[1] or ""
 
     def seqs(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

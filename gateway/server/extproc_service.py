@@ -10,7 +10,7 @@ headers are still handled if a config sends them.
 Envoy forwards ext_authz's decision as metadata on every message; only that is trusted.
 The end of a request is certain only from end_of_stream; a client disconnect or upstream
 reset just ends the gRPC stream, so the event is emitted in `finally`, without awaiting
-(envoy-protocol §0.5).
+(docs/envoy.md §4.7).
 """
 
 from __future__ import annotations

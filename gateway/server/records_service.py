@@ -11,6 +11,7 @@ does the rest, as for every event).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import grpc
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as ls
@@ -30,6 +31,15 @@ def _text(v: common_pb2.AnyValue) -> str:
     return v.string_value if kind == "string_value" else str(getattr(v, kind)) if kind else ""
 
 
+def _scopes(resource_logs: object) -> Iterable[object]:
+    """`scope_logs`; xds-protos ships pre-1.0 copies of these protos that may shadow the real
+    ones, where the same field 2 is called `instrumentation_library_logs` (wire-compatible)."""
+    scopes = getattr(resource_logs, "scope_logs", None)
+    if scopes is None:
+        scopes = getattr(resource_logs, "instrumentation_library_logs", ())
+    return scopes  # type: ignore[return-value]
+
+
 class RecordsService(ls_grpc.LogsServiceServicer):
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
@@ -42,8 +52,8 @@ class RecordsService(ls_grpc.LogsServiceServicer):
                      context: grpc.aio.ServicerContext) -> ls.ExportLogsServiceResponse:
         last_seq = 0
         for rl in request.resource_logs:
-            for sl in rl.scope_logs:
-                for lr in sl.log_records:
+            for sl in _scopes(rl):
+                for lr in sl.log_records:  # type: ignore[attr-defined]
                     seq = self._one({kv.key: _text(kv.value) for kv in lr.attributes})
                     last_seq = max(last_seq, seq)
         if last_seq:

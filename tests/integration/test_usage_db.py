@@ -43,10 +43,11 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UsageDb]:
         c.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
-def ev(i: int, team: str = "t", tokens: int = 10, inst: str = "i1") -> usage_pb2.UsageEvent:
+def ev(i: int, team: str = "t", tokens: int = 10, inst: str = "i1", outcome: str = "completed",
+       ended: str = "2026-11-29T10:00:00.000Z") -> usage_pb2.UsageEvent:
     return usage_pb2.UsageEvent(
-        event_id=f"e{i}", instance_id=inst, seq=i, ended_at="2026-11-29T10:00:00.000Z",
-        team=team, key_id="k", model="m", outcome="completed", usage_source="reported",
+        event_id=f"e{i}", instance_id=inst, seq=i, ended_at=ended,
+        team=team, key_id="k", model="m", outcome=outcome, usage_source="reported",
         usage=usage_pb2.Usage(prompt_tokens=tokens, completion_tokens=1,
                               total_tokens=tokens + 1))
 
@@ -55,7 +56,8 @@ def test_duplicates_change_no_total(db: UsageDb) -> None:
     assert db.ingest([ev(1), ev(2), ev(3, team="u")]).new == 3
     got = db.ingest([ev(2), ev(3, team="u"), ev(4)])
     assert (got.new, got.duplicates) == (1, 2)
-    assert db.report("team") == [("t", 3, 30, 3, 33), ("u", 1, 10, 1, 11)]
+    assert db.by_outcome("team", "", "")[0] == [("t", 3, 0, 0, 0, 30, 3, 33),
+                                                 ("u", 1, 0, 0, 0, 10, 1, 11)]
     assert db.duplicates() == {"i1": 2}
     assert db.seqs() == {"i1": [1, 2, 3, 4]}
 
@@ -64,7 +66,7 @@ def test_a_failed_batch_leaves_nothing_behind(db: UsageDb) -> None:
     db.ingest([ev(1)])
     with pytest.raises(AttributeError):  # the consumer dies mid-batch
         db.ingest([ev(5), ev(6), None])  # type: ignore[list-item]
-    assert db.report("team") == [("t", 1, 10, 1, 11)]  # nor the dedup mark of e5/e6
+    assert db.by_outcome("team", "", "")[0] == [("t", 1, 0, 0, 0, 10, 1, 11)]  # nor e5/e6's
     assert db.ingest([ev(5), ev(6)]).new == 2
 
 
@@ -72,3 +74,25 @@ def test_gaps() -> None:
     assert gaps([1, 2, 3]) == []
     assert gaps([2, 3, 7]) == [(1, 1), (4, 6)]
     assert gaps([]) == []
+
+
+def test_report_splits_outcomes_bills_no_denial_and_keeps_to_its_period(db: UsageDb) -> None:
+    from gateway.billing import report
+
+    with pytest.raises(report.ReportError, match="holds no usage events"):
+        report.report(db, "team")
+    db.ingest([ev(1), ev(2, outcome="denied", tokens=0), ev(3, outcome="client_cancelled"),
+               ev(4, outcome="upstream_error", tokens=0),
+               ev(5, ended="2026-11-30T00:00:00.000Z")])
+    rep = report.report(db, "team", report.day_bound("2026-11-29", "--since"),
+                        report.day_bound("2026-11-30", "--until"))
+    assert [(r.name, r.completed, r.client_cancelled, r.upstream_error, r.denied,
+             r.total_tokens) for r in rep.rows] == [("t", 1, 1, 1, 1, 23)]  # not e2
+    assert rep.first.startswith("2026-11-29") and rep.last.startswith("2026-11-29")
+    everything = report.report(db, "team")
+    assert everything.rows[0].completed == 2
+    for fmt in ("table", "csv", "json"):
+        assert "client_cancelled" in report.render(rep, fmt).lower()
+    for bad in ("2026-13-01", "yesterday", "2026-11-30T10:00:00"):
+        with pytest.raises(report.ReportError):
+            report.day_bound(bad, "--since")
