@@ -1,4 +1,7 @@
-"""`gateway` command line (DESIGN §3)."""
+"""gateway: the auth-and-metering sidecar for LLM serving, and its operator tools.
+
+Commands and flags: docs/contracts.md. Settings not given as flags come from GATEWAY_*
+environment variables (each flag below names its own)."""
 
 from __future__ import annotations
 
@@ -266,9 +269,9 @@ def cmd_dev(args: argparse.Namespace) -> int:
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", dest="redis_url", default=None,
-                   help="default: $GATEWAY_REDIS_URL")
+                   help="the spoke's Redis (default: $GATEWAY_REDIS_URL; unset: embedded mode)")
     p.add_argument("--policy-file", dest="policy_file", default=None,
-                   help="embedded mode; default: $GATEWAY_POLICY_FILE")
+                   help="embedded mode's policy file (default: $GATEWAY_POLICY_FILE)")
 
 
 def _metering_flag(p: argparse.ArgumentParser) -> None:
@@ -280,20 +283,37 @@ def _metering_flag(p: argparse.ArgumentParser) -> None:
                         "(default: $GATEWAY_METERING, else %(default)s)")
 
 
+EXAMPLES = """examples:
+  gateway dev                                  # the whole local spoke on 127.0.0.1:10000
+  gateway policy apply policy.yaml --dry-run   # what a new revision would change
+  gateway keys create --team team-a --rps 2    # a key; its secret is printed once
+  gateway usage consume --until-caught-up && gateway usage report --by key -o csv
+"""
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gateway", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="gateway", description=__doc__, epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("serve", help="run the sidecar (ext_authz + ext_proc + health)")
-    p.add_argument("--listen", default=None)
-    p.add_argument("--metrics-listen", dest="metrics_listen", default=None)
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--listen", default=None,
+                   help="ext_authz, ext_proc, records and health, gRPC "
+                        "(default: $GATEWAY_LISTEN, else 127.0.0.1:9001)")
+    p.add_argument("--metrics-listen", dest="metrics_listen", default=None,
+                   help="/metrics, /healthz, /readyz (default: $GATEWAY_METRICS_LISTEN, "
+                        "else 127.0.0.1:9102)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes sharing the port (default: $GATEWAY_WORKERS, else 1)")
     _store_flags(p)
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("dev", help="the whole local spoke in one command")
-    p.add_argument("--port", type=int, default=10000)
-    p.add_argument("--workdir", default=".gateway-dev")
+    p.add_argument("--port", type=int, default=10000,
+                   help="Envoy's listener on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--workdir", default=".gateway-dev",
+                   help="logs, configs and spools of this spoke (default: %(default)s)")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",
                    help="send Envoy's and the sidecar's traces to this OTLP/gRPC collector")
     _metering_flag(p)
@@ -308,11 +328,12 @@ def parser() -> argparse.ArgumentParser:
                    help="allow removing keys the current revision has (default: refuse)")
     p.add_argument("--allow-empty", dest="allow_empty", action="store_true",
                    help="allow a document with no models or no keys (default: refuse)")
-    p.add_argument("file")
+    p.add_argument("file", help="YAML or JSON policy document; - reads stdin")
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_apply)
     p = pol.add_parser("show", help="the current revision as appliable YAML")
-    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    p.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml",
+                   help="format (default: %(default)s)")
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_show)
     p = pol.add_parser("status", help="each instance: revision held, ACK/NACK, last seen")
@@ -322,27 +343,34 @@ def parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="create / list / revoke").add_subparsers(
         dest="sub", required=True)
     p = keys.add_parser("create", help="make a key; prints the secret once")
-    p.add_argument("--team", required=True)
-    p.add_argument("--key-id", dest="key_id", default=None)
+    p.add_argument("--team", required=True, help="the team the key belongs to (must exist)")
+    p.add_argument("--key-id", dest="key_id", default=None,
+                   help="1-64 letters, digits or '_' (default: key_ + 8 random hex)")
     p.add_argument("--models", default=None, help="comma-separated globs; narrows the team's")
     p.add_argument("--expires-in", dest="expires_in", default=None, help="e.g. 30d")
-    p.add_argument("--rps", type=float, default=None)
-    p.add_argument("--concurrency", type=int, default=None)
-    p.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=int, default=None)
-    p.add_argument("--tokens-per-day", dest="tokens_per_day", type=int, default=None)
+    p.add_argument("--rps", type=float, default=None,
+                   help="requests per second (default: no key-tier limit)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (default: no key-tier limit)")
+    p.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=int, default=None,
+                   help="prompt + completion tokens, sliding minute (default: no limit)")
+    p.add_argument("--tokens-per-day", dest="tokens_per_day", type=int, default=None,
+                   help="prompt + completion tokens per UTC day (default: no limit)")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_create)
     p = keys.add_parser("mint", help="a secret and its sha256 for a hand-written policy; "
                                      "publishes nothing")
     p.add_argument("key_id", help="1-64 letters, digits or '_' (no '-')")
-    p.add_argument("--team", default="TEAM", help="the team to write in the printed entry")
+    p.add_argument("--team", default="TEAM",
+                   help="the team to write in the printed entry (default: %(default)s)")
     p.set_defaults(fn=cmd_keys_mint)
     p = keys.add_parser("list", help="list keys (never secrets)")
-    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="format (default: %(default)s)")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_list)
     p = keys.add_parser("revoke", help="disable a key (new revision)")
-    p.add_argument("key_id")
+    p.add_argument("key_id", help="the key to disable")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_revoke)
 
@@ -358,9 +386,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pretty", action="store_true", help="indented JSON")
     p.set_defaults(fn=cmd_usage_tail)
     p = usage.add_parser("consume", help="reference billing consumer (exactly-once totals)")
-    p.add_argument("--kafka", dest="kafka_bootstrap", default=None)
-    p.add_argument("--db", default="sqlite:///usage.db", help="sqlite:///FILE or postgresql://")
-    p.add_argument("--group", default="gateway-billing")
+    p.add_argument("--kafka", dest="kafka_bootstrap", default=None,
+                   help="bootstrap servers (default: $GATEWAY_KAFKA_BOOTSTRAP)")
+    p.add_argument("--db", default="sqlite:///usage.db",
+                   help="sqlite:///FILE or postgresql://... (default: %(default)s)")
+    p.add_argument("--group", default="gateway-billing",
+                   help="Kafka consumer group (default: %(default)s)")
     p.add_argument("--count", type=int, default=0, help="stop after N new events")
     p.add_argument("--until-caught-up", dest="until_caught_up", action="store_true",
                    help="stop once the topic has nothing more for this group (cron jobs); "
@@ -380,15 +411,22 @@ def parser() -> argparse.ArgumentParser:
                    help="format (default: %(default)s)")
     p.set_defaults(fn=cmd_usage_report)
     p = usage.add_parser("reconcile", help="per instance: seq gaps, duplicates, still spooled")
-    p.add_argument("--db", default="sqlite:///usage.db")
-    p.add_argument("--spool-dir", dest="spool_dir", default=None)
+    p.add_argument("--db", default="sqlite:///usage.db",
+                   help="sqlite:///FILE or postgresql://... (default: %(default)s)")
+    p.add_argument("--spool-dir", dest="spool_dir", default=None,
+                   help="the sidecars' spools (default: $GATEWAY_SPOOL_DIR, else "
+                        ".gateway-spool)")
     p.set_defaults(fn=cmd_usage_reconcile)
 
     p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
-    p.add_argument("--listen", default="127.0.0.1:10000")
-    p.add_argument("--sidecar", default="127.0.0.1:9001")
-    p.add_argument("--engine", default="127.0.0.1:8000")
-    p.add_argument("--admin", default="127.0.0.1:9901")
+    p.add_argument("--listen", default="127.0.0.1:10000",
+                   help="Envoy's listener, an IP and port (default: %(default)s)")
+    p.add_argument("--sidecar", default="127.0.0.1:9001",
+                   help="the sidecar's gRPC address (default: %(default)s)")
+    p.add_argument("--engine", default="127.0.0.1:8000",
+                   help="the OpenAI-compatible engine, host:port (default: %(default)s)")
+    p.add_argument("--admin", default="127.0.0.1:9901",
+                   help="Envoy's admin interface, loopback only (default: %(default)s)")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",
                    help="an OTLP/gRPC collector for Envoy's traces (default: no tracing)")
     _metering_flag(p)

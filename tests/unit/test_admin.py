@@ -289,3 +289,27 @@ def test_the_key_id_rule_is_said_in_words(capsys: pytest.CaptureFixture[str]) ->
     assert "no '-'" in capsys.readouterr().err
     with pytest.raises(PolicyError, match="no '-'"):
         load(b"teams: {t: {}}\nkeys: {a-b: {team: t, sha256: '" + b"0" * 64 + b"'}}\n")
+
+
+def test_every_flag_of_every_command_says_what_it_is_and_its_default() -> None:
+    import argparse
+
+    from gateway.cli import parser
+
+    def walk(p: argparse.ArgumentParser, path: str) -> list[str]:
+        bare = []
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    bare += walk(sub, f"{path} {name}")
+            elif isinstance(action, argparse._HelpAction):
+                continue
+            elif not action.help:
+                bare.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+            elif action.option_strings and action.default not in (None, False) and \
+                    "default" not in (action.help or ""):
+                bare.append(f"{path} {action.option_strings[0]} (no default shown)")
+        return bare
+
+    assert walk(parser(), "gateway") == []
+    assert parser().format_help().count("\n  gateway ") >= 3  # examples in the top help
