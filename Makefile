@@ -38,6 +38,7 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_authz.py
 	$(BIN)/python benchmarks/bench_metering.py
+	$(BIN)/python benchmarks/bench_sources.py
 	$(BIN)/python benchmarks/bench_spool.py
 	$(BIN)/python benchmarks/bench_stages.py
 

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     lease_start_ttl_s: float = 5.0
     default_completion_tokens: int = 1024
     reserve_cap_tokens: int = 32768
+    # Degraded states are loud: an error log (once a minute) when the oldest undelivered
+    # usage event is older than this, or the limiter store stops answering.
+    spool_alert_s: float = 60.0
     policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals
     max_message_bytes: int = 64 * 1024 * 1024  # gRPC: a CheckRequest carries the whole body
 

@@ -106,6 +106,13 @@ class Meter:
             return None
         if not isinstance(obj, dict):
             return obj
+        if not self.served_model:  # the first event names it: a cut stream keeps it too
+            model = obj.get("model")
+            if not isinstance(model, str):
+                inner = obj.get("response")
+                model = inner.get("model") if isinstance(inner, dict) else None
+            if isinstance(model, str):
+                self.served_model = model
         if self.endpoint == "/v1/responses":
             kind = obj.get("type", "")
             if kind == "response.output_text.delta":

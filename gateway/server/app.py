@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -145,9 +146,32 @@ class App:
         return recorder
 
     async def _watch_spool(self, spools: list[Spool]) -> None:
+        """Depth and age of what waits for Kafka, and whether Redis answers, every second;
+        an error log once a minute while either is degraded, one line when it clears."""
+        threshold = self.settings.spool_alert_s
+        loud = {"spool": 0.0, "store": 0.0}  # when each last logged an error (0: healthy)
         while True:
-            metrics.SPOOL_DEPTH.set(sum(sp.depth for sp in spools))
+            now = time.time()
+            depth = sum(sp.depth for sp in spools)
+            age = max(sp.oldest_age(now) for sp in spools)
+            metrics.SPOOL_DEPTH.set(depth)
+            metrics.SPOOL_OLDEST_AGE.set(age)
+            _alert(loud, "spool", age > threshold, now, "usage_delivery_stalled",
+                   "usage_delivery_recovered", depth=depth, oldest_age_s=round(age, 1),
+                   threshold_s=threshold)
+            up = await self._store_answers()
+            metrics.STORE_UP.set(1 if up else 0)
+            _alert(loud, "store", not up, now, "limiter_store_unreachable",
+                   "limiter_store_recovered")
             await asyncio.sleep(1.0)
+
+    async def _store_answers(self) -> bool:
+        assert self.limiter is not None
+        try:
+            async with asyncio.timeout(1.0):
+                return await self.limiter.ping()
+        except Exception:
+            return False
 
     async def _set_health(self) -> None:
         assert self.health is not None
@@ -189,6 +213,17 @@ class App:
             await self.limiter.close()
         if self.tracing:
             await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered, ≤ 2 s
+
+
+def _alert(loud: dict[str, float], what: str, bad: bool, now: float, error: str, cleared: str,
+           **facts: object) -> None:
+    """Log `error` when `what` turns bad and again every minute it stays so; `cleared` once."""
+    if bad and now - loud[what] >= 60:
+        log.error(error, **facts)
+        loud[what] = now
+    elif not bad and loud[what]:
+        log.info(cleared, **facts)
+        loud[what] = 0.0
 
 
 async def metrics_handler() -> tuple[int, str, bytes]:

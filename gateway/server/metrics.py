@@ -46,3 +46,10 @@ EXTPROC_MESSAGES = Counter("gateway_extproc_messages_total", "ext_proc messages"
 RECORDS = Counter("gateway_envoy_records_total", "Per-request records received from Envoy")
 RECORD_DUPLICATES = Counter(
     "gateway_envoy_record_duplicates_total", "Records Envoy sent again (a retried batch)")
+SPOOL_OLDEST_AGE = Gauge(
+    "gateway_usage_spool_oldest_age_seconds",
+    "How long the oldest undelivered usage event has waited (Kafka down or slow)",
+    multiprocess_mode="livemax")
+STORE_UP = Gauge("gateway_limiter_store_up",
+                 "1 while the limiter store (Redis) answers, else 0 (admissions fail closed)",
+                 multiprocess_mode="livemin")

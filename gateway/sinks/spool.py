@@ -17,6 +17,8 @@ import contextlib
 import fcntl
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +48,11 @@ class Spool:
         self._persisted = 0
         self._callbacks: list[Callable[[], None]] = []
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []  # until_durable
+        # When each undelivered event was put (wall clock), oldest first: the age of the
+        # oldest is how long billing has been waiting on the sink. Events recovered from an
+        # earlier run count from their segment file's last write.
+        self._put_at: deque[tuple[int, float]] = deque()
+        self._recovered = (0, 0.0)  # (last seq recovered undelivered, its segment's mtime)
         self._wake_writer = asyncio.Event()
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
@@ -98,6 +105,8 @@ class Spool:
                 last = self._segments[-1] - 1
         self.last_seq = self.durable_seq = self._queued_seq = last
         self._persisted = self.delivered
+        if self._segments and last > self.delivered:
+            self._recovered = (last, (self.dir / _seg_name(self._segments[0])).stat().st_mtime)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -110,6 +119,7 @@ class Spool:
         `on_durable` runs once it is on disk."""
         self._queue.append(line if line.endswith(b"\n") else line + b"\n")
         self._queued_seq = seq
+        self._put_at.append((seq, time.time()))
         if on_durable is not None:
             self._callbacks.append(on_durable)
         self._wake_writer.set()
@@ -227,6 +237,14 @@ class Spool:
                 offset += len(line)
                 seq += 1
         return seg, offset, seq
+
+    def oldest_age(self, now: float) -> float:
+        """Seconds the oldest undelivered event has waited (0 when none waits)."""
+        while self._put_at and self._put_at[0][0] <= self.delivered:
+            self._put_at.popleft()
+        if self.delivered < self._recovered[0]:
+            return max(0.0, now - self._recovered[1])
+        return max(0.0, now - self._put_at[0][1]) if self._put_at else 0.0
 
     def mark_delivered(self, seq: int, persist: bool = True) -> None:
         """Record what the sink acknowledged. With persist=False only in memory: a crash

@@ -35,15 +35,20 @@ def _requests(spoke, key: str, n: int) -> set[str]:  # type: ignore[no-untyped-d
 
 
 def _spool_depth(spoke) -> float:  # type: ignore[no-untyped-def]
+    return _metric(spoke, "gateway_usage_spool_depth")
+
+
+def _metric(spoke, name: str) -> float:  # type: ignore[no-untyped-def]
     text = httpx.get(f"{spoke.metrics_url}/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("gateway_usage_spool_depth"))
+    line = next(x for x in text.splitlines() if x.startswith(name))
     return float(line.split()[-1])
 
 
 @pytest.mark.parametrize("metering", METERING_SOURCES)
 def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path, metering: str
                                                     ) -> None:
-    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering)
+    spoke, keys = start_spoke(tmp_path / "spoke", metering=metering,
+                              sidecar_env={"GATEWAY_SPOOL_ALERT_S": "1"})
     try:
         spoke["kafka"].stop()
         t0 = time.monotonic()
@@ -53,12 +58,25 @@ def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path, metering: st
         while _spool_depth(spoke) < 20 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _spool_depth(spoke) >= 20  # held in the spool, visible in /metrics
+        # ... and loud once it has waited past the threshold: a gauge to alert on, a log
+        deadline = time.monotonic() + 10
+        while _metric(spoke, "gateway_usage_spool_oldest_age_seconds") < 1.5 and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _metric(spoke, "gateway_usage_spool_oldest_age_seconds") >= 1.5
+        assert '"usage_delivery_stalled"' in spoke["sidecar"].log_path.read_text()
         spoke["kafka"].restart()  # memory storage: a fresh, empty broker
         events = read_events(spoke.kafka_bootstrap, ids, timeout=30)
         assert {e["event_id"] for e in events} == ids
         assert len(events) == len(ids)
         seqs = sorted(int(e["seq"]) for e in events)
         assert seqs == list(range(seqs[0], seqs[0] + 20))  # in order, no gap
+        deadline = time.monotonic() + 5
+        while _metric(spoke, "gateway_usage_spool_oldest_age_seconds") and \
+                time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _metric(spoke, "gateway_usage_spool_oldest_age_seconds") == 0  # cleared
+        assert '"usage_delivery_recovered"' in spoke["sidecar"].log_path.read_text()
     finally:
         spoke.stop()
 
@@ -100,8 +118,8 @@ def test_events_delivered_twice_are_counted_once(tmp_path: Path, metering: str, 
         assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", db,
                         "--count", "6"]) == 0
         capsys.readouterr()
-        assert gateway(["usage", "report", "--db", db, "--by", "key"]) == 0
-        first = capsys.readouterr().out
+        assert gateway(["usage", "report", "--db", db, "--by", "key", "-o", "json"]) == 0
+        first = json.loads(capsys.readouterr().out)["rows"][0]
 
         async def redeliver() -> None:  # what a producer retry after a lost ack would do
             import orjson
@@ -118,11 +136,10 @@ def test_events_delivered_twice_are_counted_once(tmp_path: Path, metering: str, 
         assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", db,
                         "--count", "1"]) == 0
         capsys.readouterr()
-        assert gateway(["usage", "report", "--db", db, "--by", "key"]) == 0
-        second = capsys.readouterr().out
-        req_first = int(first.splitlines()[1].split()[1])
-        req_second = int(second.splitlines()[1].split()[1])
-        assert req_second == req_first + 1  # the 6 duplicates changed nothing
+        assert gateway(["usage", "report", "--db", db, "--by", "key", "-o", "json"]) == 0
+        second = json.loads(capsys.readouterr().out)["rows"][0]
+        assert second["completed"] == first["completed"] + 1  # the 6 duplicates: nothing
+        assert second["total_tokens"] > first["total_tokens"]
         gateway(["usage", "reconcile", "--db", db, "--spool-dir", str(spoke.workdir / "spool")])
         out = capsys.readouterr().out
         assert " 6 " in out.splitlines()[1]  # six duplicates seen and dropped

@@ -112,6 +112,7 @@ def test_client_cancel_mid_stream(spoke: Spoke, keys: dict[str, str], model: str
     [event] = read_events(spoke.kafka_bootstrap, {_rid(raw)})
     assert event["outcome"] == "client_cancelled"
     assert event["usage_source"] == source
+    assert event["served_model"] == model  # named by the first chunk, though cut
     got = int(event["usage"]["completion_tokens"])
     assert 4 <= got < 40
     if source == "reported":  # exact up to the cut, thanks to continuous usage stats
@@ -159,5 +160,4 @@ def test_engine_cut_mid_stream(spoke: Spoke, keys: dict[str, str], how: str) -> 
     assert event["outcome"] == expected
     assert event["usage_source"] == "estimated"
     assert 4 <= int(event["usage"]["completion_tokens"]) < 40
-    if spoke.metering == "envoy":  # the first chunk named it (ext_proc: issue 13)
-        assert event["served_model"] == "mock-model"
+    assert event["served_model"] == "mock-model"  # the first chunk named it

@@ -25,6 +25,11 @@ def _status(spoke: Spoke, key: str) -> tuple[int, float]:
     return r.status_code, time.monotonic() - t0
 
 
+def _gauge(spoke: Spoke, name: str) -> float:
+    text = httpx.get(f"{spoke.metrics_url}/metrics", timeout=5).text
+    return float(next(x for x in text.splitlines() if x.startswith(name)).split()[-1])
+
+
 def test_redis_killed_under_load_then_restarted(spoke_keys: Spk) -> None:
     spoke, keys = spoke_keys
     load = Load(spoke.base_url, keys["fault"]).start()
@@ -32,8 +37,12 @@ def test_redis_killed_under_load_then_restarted(spoke_keys: Spk) -> None:
     spoke["redis"].kill()
     time.sleep(2)
     during = len(load.results)
+    assert _gauge(spoke, "gateway_limiter_store_up") == 0  # loud: a gauge to alert on
     spoke["redis"].restart()  # empty: the hub re-publishes policy; the sidecar kept its copy
     time.sleep(3)
+    assert _gauge(spoke, "gateway_limiter_store_up") == 1
+    log = spoke["sidecar"].log_path.read_text()
+    assert '"limiter_store_unreachable"' in log and '"limiter_store_recovered"' in log
     results = load.stop()
     outage = results[during - 20:during]
     assert all(r.status in (200, 503) for r in results), {r.status for r in results}

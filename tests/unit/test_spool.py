@@ -103,3 +103,23 @@ async def test_until_durable_returns_once_the_event_is_on_disk(tmp_path: Path) -
     await asyncio.wait_for(waiter, 1)
     await sp.until_durable(2)  # already durable: returns at once
     sp.close()
+
+
+async def test_the_oldest_undelivered_events_age(tmp_path: Path) -> None:
+    """What /metrics shows as gateway_usage_spool_oldest_age_seconds (alert on it)."""
+    import time
+
+    sp = Spool(tmp_path, "i").open()
+    assert sp.oldest_age(time.time()) == 0
+    _put(sp, 2)
+    await sp.commit()
+    now = time.time()
+    assert 0 <= sp.oldest_age(now + 5) - 5 < 1
+    sp.mark_delivered(2)
+    assert sp.oldest_age(now + 5) == 0
+    _put(sp, 1)
+    await sp.commit()
+    sp.close()
+    again = Spool(tmp_path, "i").open()  # recovered from disk: counted from the segment's write
+    assert again.depth == 1 and again.oldest_age(time.time() + 30) >= 29
+    again.close()
