@@ -622,9 +622,9 @@ class Bench:
         # The same rendered bootstrap without both ext filters (plain), or without ext_proc.
         for path, drop in ((PLAIN, (EXT_AUTHZ, EXT_PROC)), (AUTHZ_ONLY, (EXT_PROC,))):
             port, admin = free_port(), free_port()
-            config = yaml.safe_load(render(EnvoyPorts(
+            config = yaml.safe_load(render(EnvoyPorts(  # the ext_proc layout: drop filters
                 listen=f"{LOOP}:{port}", sidecar=sidecar.address, engine=engine.address,
-                admin=f"{LOOP}:{admin}")))
+                admin=f"{LOOP}:{admin}"), metering="ext_proc"))
             hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
             filters = hcm["typed_config"]["http_filters"]
             hcm["typed_config"]["http_filters"] = [f for f in filters if f["name"] not in drop]

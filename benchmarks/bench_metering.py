@@ -268,11 +268,11 @@ def wait_ready(metrics_url: str, timeout: float = 30.0) -> None:
 
 
 def plain_envoy(spoke: Spoke, workdir: Path) -> Service:
-    """The spoke's Envoy config with ext_authz and ext_proc removed, same engine."""
+    """The ext_proc spoke's Envoy config with ext_authz and ext_proc removed, same engine."""
     port, admin = free_port(), free_port()
     config = yaml.safe_load(render(EnvoyPorts(
         listen=f"{LOOP}:{port}", sidecar=spoke["sidecar"].address,
-        engine=spoke["engine"].address, admin=f"{LOOP}:{admin}")))
+        engine=spoke["engine"].address, admin=f"{LOOP}:{admin}"), metering="ext_proc"))
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = hcm["typed_config"]["http_filters"]
     hcm["typed_config"]["http_filters"] = [

@@ -55,12 +55,14 @@ local USAGE_OBJ_AFTER = ',%s*"usage"%s*:%s*%b{}'     -- usage objects hold numbe
 local USAGE_OBJ_BEFORE = '"usage"%s*:%s*%b{}%s*,%s*'  -- only, so %b{} balances them correctly
 local RESPONSES_EVENT = '"type"%s*:%s*"response%.'
 local OUTPUT_TEXT_DELTA = '"type"%s*:%s*"response%.output_text%.delta"'
+-- Each pattern with the plain key it needs: a plain find rules most events out before the
+-- pattern runs (patterns cost a scan per quote; this runs for every event of every stream).
 local TEXT_KEYS = {
-  '"content"%s*:%s*"',
-  '"reasoning_content"%s*:%s*"',
-  '"text"%s*:%s*"',
+  { '"content"', '"content"%s*:%s*"' },
+  { '"reasoning_content"', '"reasoning_content"%s*:%s*"' },
+  { '"text"', '"text"%s*:%s*"' },
 }
-local DELTA_KEY = { '"delta"%s*:%s*"' }
+local DELTA_KEY = { { '"delta"', '"delta"%s*:%s*"' } }
 -- The engine's own end marker: a client that hangs up right after it still got everything
 -- (the sidecar then records `completed`, not `client_cancelled`).
 local DONE = "^%s*data:%s*%[DONE%]"
@@ -142,9 +144,10 @@ end
 local function string_bytes(ev, keys)
   local total = 0
   for k = 1, #keys do
-    local pos = 1
-    while true do
-      local _, e = find(ev, keys[k], pos)
+    local plain, pattern = keys[k][1], keys[k][2]
+    local pos = find(ev, plain, 1, true)
+    while pos ~= nil do
+      local _, e = find(ev, pattern, pos)
       if e == nil then
         break
       end
@@ -153,7 +156,7 @@ local function string_bytes(ev, keys)
         break
       end
       total = total + (close - e - 1)
-      pos = close + 1
+      pos = find(ev, plain, close + 1, true)
     end
   end
   return total
@@ -164,12 +167,12 @@ local function is_end(ev)
   if find(ev, "[DONE]", 1, true) then
     return find(ev, DONE) ~= nil
   end
-  return find(ev, RESPONSES_END) ~= nil
+  return find(ev, '"type"', 1, true) ~= nil and find(ev, RESPONSES_END) ~= nil
 end
 
 -- Content bytes one complete event carries (0: not a content event).
 local function content_bytes(ev)
-  if find(ev, RESPONSES_EVENT) then
+  if find(ev, '"type"', 1, true) and find(ev, RESPONSES_EVENT) then
     -- Responses API: only text deltas count; the *.done and response.completed events repeat
     -- the whole text under "text" and must not count it again.
     if find(ev, OUTPUT_TEXT_DELTA) then
@@ -181,26 +184,54 @@ local function content_bytes(ev)
 end
 
 -- The bytes to send for one complete event when a hide flag is set.
+-- Remove the `"usage": <value>` member (value: an anchored pattern) with its comma. Compact
+-- JSON, as engines write it, is cut by position: one plain find and two anchored matches,
+-- no scan. Anything else falls back to the whitespace-tolerant patterns.
+local function drop_usage(ev, value, after_pat, before_pat)
+  local s, e = find(ev, '"usage"', 1, true)
+  if s ~= nil then
+    local _, ve = find(ev, value, e + 1)
+    if ve ~= nil then
+      if byte(ev, s - 1) == 44 then -- ',"usage":...'
+        return sub(ev, 1, s - 2) .. sub(ev, ve + 1)
+      end
+      local _, ce = find(ev, "^,%s*", ve + 1) -- '"usage":..., ' (its spaces go too)
+      if ce ~= nil then
+        return sub(ev, 1, s - 1) .. sub(ev, ce + 1)
+      end
+    end
+  end
+  local out, n = gsub(ev, after_pat, "", 1)
+  if n == 0 then
+    out = gsub(ev, before_pat, "", 1)
+  end
+  return out
+end
+
+local function empty_choices(ev)
+  local _, e = find(ev, '"choices"', 1, true)
+  if e == nil then
+    return false, false
+  end
+  if find(ev, "^%s*:%s*%[%s*%]", e + 1) then
+    return true, true
+  end
+  return find(ev, EMPTY_CHOICES) ~= nil, true -- a second "choices" (rare): look properly
+end
+
 local function rewrite(ev, hide_usage, hide_continuous)
   if not find(ev, '"usage"', 1, true) then
     return ev -- nearly every event of a stream without continuous usage: no pattern work
   end
-  local empty_choices = find(ev, EMPTY_CHOICES) ~= nil
-  if hide_usage and empty_choices then
+  local empty, has_choices = empty_choices(ev)
+  if hide_usage and empty then
     return "" -- the usage-only chunk include_usage added: the client did not ask for it
   end
-  local n
   if hide_usage then
-    ev, n = gsub(ev, USAGE_NULL_AFTER, "", 1)
-    if n == 0 then
-      ev = gsub(ev, USAGE_NULL_BEFORE, "", 1)
-    end
+    ev = drop_usage(ev, "^%s*:%s*null", USAGE_NULL_AFTER, USAGE_NULL_BEFORE)
   end
-  if hide_continuous and not empty_choices and find(ev, '"choices"', 1, true) then
-    ev, n = gsub(ev, USAGE_OBJ_AFTER, "", 1)
-    if n == 0 then
-      ev = gsub(ev, USAGE_OBJ_BEFORE, "", 1)
-    end
+  if hide_continuous and has_choices and not empty then
+    ev = drop_usage(ev, "^%s*:%s*%b{}", USAGE_OBJ_AFTER, USAGE_OBJ_BEFORE)
   end
   return ev
 end

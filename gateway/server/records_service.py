@@ -78,4 +78,9 @@ class RecordsService(ls_grpc.LogsServiceServicer):
             self._seen.popitem(last=False)
         event = self.recorder.emit(rec.facts, rec.result, rec.status, rec.outcome,
                                    rec.started, rec.ended, rec.source)
+        if not rec.facts.key_id and not rec.facts.denied_status:
+            # Envoy answered itself: perhaps the Check never came back (a sidecar killed
+            # mid-Check), having committed an admission nobody will use: void it now rather
+            # than leave it to the orphan sweep (a no-op when there is none).
+            self.recorder.lifecycle.void(rec.request_id)
         return event.seq

@@ -1,5 +1,9 @@
-"""One real spoke per session (Redis, Tansu, mock engine, sidecar, Envoy). Tests that kill
-parts of the spoke start their own (`fresh_spoke`)."""
+"""One real spoke per session and metering source (Redis, Tansu, mock engine, sidecar,
+Envoy). Tests that kill parts of the spoke start their own (`fresh_spoke`).
+
+Every test runs against both metering sources, except in modules that set
+`AUTHZ_ONLY = True`: what they test happens before metering (the Check, Envoy's path
+handling), so one source (the default) proves it and the suite stays short."""
 
 from __future__ import annotations
 
@@ -11,13 +15,20 @@ import pytest
 from spokekit import start_spoke
 
 from gateway.dev.stack import Spoke
-from gateway.settings import METERING_SOURCES
+from gateway.settings import DEFAULT_METERING, METERING_SOURCES
 
 
-@pytest.fixture(scope="session", params=METERING_SOURCES)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "spoke_and_keys" in metafunc.fixturenames:
+        sources = (DEFAULT_METERING,) if getattr(metafunc.module, "AUTHZ_ONLY", False) \
+            else METERING_SOURCES
+        metafunc.parametrize("spoke_and_keys", sources, indirect=True, scope="session")
+
+
+@pytest.fixture(scope="session")
 def spoke_and_keys(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Spoke, dict]]:
-    """One spoke per metering source: every e2e test runs against both."""
+    """One spoke per metering source (the parameter), shared by the session."""
     spoke, keys = start_spoke(tmp_path_factory.mktemp("spoke"), metering=request.param)
     yield spoke, keys
     spoke.stop()

@@ -11,6 +11,8 @@ from spokekit import read_events
 
 from gateway.dev.stack import Spoke
 
+AUTHZ_ONLY = True  # refused at the Check or by Envoy: one metering source proves it
+
 MSG = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 

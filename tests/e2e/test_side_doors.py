@@ -25,6 +25,8 @@ from spokekit import client, start_spoke
 from gateway.dev.procs import Service
 from gateway.dev.stack import Spoke
 
+AUTHZ_ONLY = True  # routing and the model checks happen at the Check: one metering source proves it
+
 FORBIDDEN = ("mock-other", "no-such-model")  # 'narrow' may use only mock-model
 ENGINE = Path(__file__).resolve().parents[1] / "engines" / "asgi_engine.py"
 

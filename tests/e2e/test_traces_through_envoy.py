@@ -17,6 +17,7 @@ from spokekit import client, start_spoke
 from gateway.dev.otlp_receiver import Receiver, Span, otlp_receiver
 from gateway.dev.procs import free_port
 from gateway.dev.stack import Spoke
+from gateway.settings import METERING_SOURCES
 
 MSG = [{"role": "user", "content": "trace me"}]
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # ms between the sidecar's exports
@@ -39,8 +40,10 @@ def _ours(spans: list[Span], rid: str) -> dict[str, Span]:
 @pytest.fixture
 def traced_spoke(tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str], Receiver]]:
     with otlp_receiver() as (address, receiver):
+        # The ext_proc source: its stream has a span of its own. With the Envoy source the
+        # sidecar's span is the Check's; the stream is in Envoy's own spans.
         spoke, keys = start_spoke(tmp_path / "spoke", kafka=False, otlp=address,
-                                  sidecar_env=dict(FAST_EXPORT))
+                                  sidecar_env=dict(FAST_EXPORT), metering="ext_proc")
         try:
             yield spoke, keys, receiver
         finally:
@@ -70,16 +73,21 @@ def test_sidecar_spans_are_children_of_envoys(
     assert not check.error and not stream.error
 
 
-def test_a_clients_trace_is_joined_when_envoy_does_not_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize("metering", METERING_SOURCES)
+def test_a_clients_trace_is_joined_when_envoy_does_not_trace(tmp_path: Path, metering: str
+                                                             ) -> None:
     with otlp_receiver() as (address, receiver):
         env = {**FAST_EXPORT, "OTEL_TRACES_EXPORTER": "otlp",
                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{address}"}
-        spoke, keys = start_spoke(tmp_path / "spoke", kafka=False, sidecar_env=env)
+        spoke, keys = start_spoke(tmp_path / "spoke", kafka=False, sidecar_env=env,
+                                  metering=metering)
         try:
             trace_id, parent = pysecrets.token_hex(16), pysecrets.token_hex(8)
             rid = _stream(spoke, keys["good"], {"traceparent": f"00-{trace_id}-{parent}-01"})
-            ours = {s.name: s for s in receiver.wait_for(2, trace_id)}
-            assert set(ours) == {"ext_authz Check", "ext_proc stream"}
+            # The Envoy source has no stream in the sidecar: its span is the Check's.
+            spans = {"ext_authz Check"} | ({"ext_proc stream"} if metering == "ext_proc" else set())
+            ours = {s.name: s for s in receiver.wait_for(len(spans), trace_id)}
+            assert set(ours) == spans
             assert all(s.parent_id == parent for s in ours.values())
             assert ours["ext_authz Check"].attributes["gateway.request_id"] == rid
             # Not sampled by the caller: nothing recorded, nothing exported.

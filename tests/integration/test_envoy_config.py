@@ -62,7 +62,11 @@ def per_filter_configs(hcm: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
 
 def test_committed_envoy_yaml_is_render_output() -> None:
     committed = (REPO / "envoy" / "envoy.yaml").read_text()
-    assert committed == render(), "stale: run `gateway envoy-config > envoy/envoy.yaml`"
+    assert committed == render(metering="envoy"), \
+        "stale: run `gateway envoy-config > envoy/envoy.yaml`"
+    ext_proc = (REPO / "envoy" / "envoy-ext-proc.yaml").read_text()
+    assert ext_proc == render(metering="ext_proc"), \
+        "stale: run `gateway envoy-config --metering ext_proc > envoy/envoy-ext-proc.yaml`"
 
 
 @pytest.mark.parametrize("metering", METERING_SOURCES)
