@@ -212,7 +212,7 @@ def spelled_paths(draw: st.DrawFn) -> str:
     return path
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(path=spelled_paths(), method=st.sampled_from(METHODS), model=st.sampled_from(FORBIDDEN))
 def test_fuzzed_spellings_never_reach_the_engine_with_a_forbidden_model(
         asgi_spoke: tuple[Spoke, dict[str, str]], path: str, method: str, model: str) -> None:
