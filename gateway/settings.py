@@ -53,6 +53,13 @@ class Settings(BaseSettings):
     policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals
     max_message_bytes: int = 64 * 1024 * 1024  # gRPC: a CheckRequest carries the whole body
 
+    @classmethod
+    def from_args(cls, args: object) -> Settings:
+        """Env settings, overridden by the command-line flags that were given."""
+        overrides = {k: v for k, v in vars(args).items()
+                     if k in cls.model_fields and v is not None}
+        return cls(**overrides)
+
     @property
     def continuous_models(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.continuous_usage_models.split(",") if p.strip())
