@@ -51,8 +51,9 @@ from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from gateway.dev.checks import check_request
+from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.otlp_receiver import Receiver, otlp_receiver
-from gateway.dev.procs import Service, envoy_service, free_port, redis_service
+from gateway.dev.procs import Service, free_port, redis_service
 from gateway.dev.stack import Spoke, sidecar_service
 from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
 from gateway.policy import secrets

@@ -63,7 +63,8 @@ import yaml
 from common import git_state, markdown_table, pin, proc_cpu_s
 from redis.asyncio import Redis
 
-from gateway.dev.procs import Service, envoy_service, free_port
+from gateway.dev.envoy_proc import envoy_service
+from gateway.dev.procs import Service, free_port
 from gateway.dev.stack import Spoke
 from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
 from gateway.policy import secrets

