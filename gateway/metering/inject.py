@@ -75,15 +75,6 @@ def plan(body: bytes, endpoint: str, model: str, stream: bool, stream_options: b
     return Splice(start, end - start, orjson.dumps(merged), want)
 
 
-def splice_stream_options(body: bytes, options: dict[str, bool], present: bool) -> bytes | None:
-    """The body with `options` merged into `stream_options`; None if it cannot be done."""
-    s = plan(body, "/v1/chat/completions", "", True, present,
-             include_usage=not options.get("include_usage", False),
-             continuous_usage=not options.get("continuous_usage_stats", False),
-             continuous_models=("*",) if options.get("continuous_usage_stats") else ())
-    return None if s is None else s.apply(body)
-
-
 # JSON strings (with escapes) and the structural characters; everything else is skipped.
 _TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]]')
 _VALUE = re.compile(rb'\s*:\s*(?:([{\[])|("(?:[^"\\]|\\.)*"|[^\s,}\]]+))')
