@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import (
     Service,
     ServiceError,
-    envoy_service,
     free_port,
     port_open,
     redis_service,
