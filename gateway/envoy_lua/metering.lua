@@ -343,7 +343,11 @@ function envoy_on_response(handle)
       end
     end
     if rewriting then
-      chunk:setBytes(out)
+      if out ~= data then
+        -- Lua strings are interned: equal bytes compare as one pointer. Most chunks carry
+        -- events with nothing to hide, and leaving their buffer alone saves a copy.
+        chunk:setBytes(out)
+      end
     else
       out = data -- counting only: the chunk is never touched, nothing is held back
     end
