@@ -96,8 +96,18 @@ USAGE_RULES: tuple[tuple[str, tuple[str, ...], JsonToMetadataValueType], ...] = 
     ("cached_tokens", ("response", "usage", "input_tokens_details", "cached_tokens"), _NUMBER),
     ("reasoning_tokens", ("response", "usage", "output_tokens_details", "reasoning_tokens"),
      _NUMBER),
+    # Anthropic Messages: input_tokens / output_tokens above (a whole answer's `usage`, and a
+    # stream's cumulative message_delta, which replaces what came before, key by key); the
+    # input side of message_start; the cache counts, which record.py adds to the prompt.
+    ("prompt_tokens", ("message", "usage", "input_tokens"), _NUMBER),
+    ("cache_read_input_tokens", ("message", "usage", "cache_read_input_tokens"), _NUMBER),
+    ("cache_creation_input_tokens", ("message", "usage", "cache_creation_input_tokens"),
+     _NUMBER),
+    ("cache_read_input_tokens", ("usage", "cache_read_input_tokens"), _NUMBER),
+    ("cache_creation_input_tokens", ("usage", "cache_creation_input_tokens"), _NUMBER),
 )
-MODEL_RULES = (("model", ("model",), _STRING), ("model", ("response", "model"), _STRING))
+MODEL_RULES = (("model", ("model",), _STRING), ("model", ("response", "model"), _STRING),
+               ("model", ("message", "model"), _STRING))
 
 # One record per request: what the sidecar needs to build its usage event. All strings
 # (the formatter's output); gateway/metering/record.py parses them.

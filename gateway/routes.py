@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import unquote
 
+from gateway.endpoints import ENDPOINTS
 from gateway.errors import PathError
 
-# Endpoints whose POST body must be OpenAI JSON naming a model (DESIGN §6).
-INFERENCE_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}
-)
+# Endpoints whose POST body must be JSON naming a model (DESIGN §6): gateway/endpoints.py.
+INFERENCE_PATHS = frozenset(ENDPOINTS)
 MODELS_PATH = "/v1/models"
 _MODEL_PREFIX = MODELS_PATH + "/"
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")

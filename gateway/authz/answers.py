@@ -1,12 +1,18 @@
-"""The HTTP answers a client sees (DESIGN §4): OpenAI-shaped errors and rate-limit headers."""
+"""The HTTP answers a client sees (DESIGN §4): errors and rate-limit headers in the shape
+the route's clients expect: OpenAI's, or Anthropic's on the Messages API, so each SDK raises
+its own typed errors."""
 
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
 
 import orjson
 
 from gateway.authz.decision import Deny, Reply
+from gateway.endpoints import Api
 from gateway.limits.types import CONCURRENCY, RPS, TPD, TPM, TPMO, RateInfo, Verdict
 
 # error.type per error.code, as OpenAI uses them, so SDKs map them to their usual exceptions.
@@ -22,7 +28,25 @@ ERROR_TYPES = {
 }
 
 
+# Anthropic's error.type per HTTP status (its SDK picks the exception by status).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
 def error_body(deny: Deny, request_id: str) -> bytes:
+    if deny.api is Api.ANTHROPIC:
+        kind = ANTHROPIC_TYPES.get(deny.status, "api_error" if deny.status >= 500 else
+                                   "invalid_request_error")
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": deny.message},
+                             "request_id": request_id})
     err = {
         "message": deny.message,
         "type": deny.error_type or ERROR_TYPES.get(deny.code, "invalid_request_error"),
@@ -54,6 +78,44 @@ def rate_headers(rate: RateInfo) -> dict[str, str]:
         out["x-ratelimit-limit-tokens"] = str(rate.tok_limit)
         out["x-ratelimit-remaining-tokens"] = str(rate.tok_remaining or 0)
         out["x-ratelimit-reset-tokens"] = duration(rate.tok_reset or 0.0)
+    return out
+
+
+def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str, str]:
+    """Anthropic's anthropic-ratelimit-* headers, resets as RFC 3339 times. The gateway's
+    token limits count input and output together: the input- and output-tokens headers
+    repeat that one budget, the most either may use."""
+    now = time.time() if now is None else now
+
+    def at(seconds: float | None) -> str:
+        t = datetime.fromtimestamp(math.ceil(now + (seconds or 0.0)), UTC)
+        return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    out = {}
+    if rate.req_limit is not None:
+        out["anthropic-ratelimit-requests-limit"] = str(rate.req_limit)
+        out["anthropic-ratelimit-requests-remaining"] = str(rate.req_remaining or 0)
+        out["anthropic-ratelimit-requests-reset"] = at(rate.req_reset)
+    if rate.tok_limit is not None:
+        for kind in ("tokens", "input-tokens", "output-tokens"):
+            out[f"anthropic-ratelimit-{kind}-limit"] = str(rate.tok_limit)
+            out[f"anthropic-ratelimit-{kind}-remaining"] = str(rate.tok_remaining or 0)
+            out[f"anthropic-ratelimit-{kind}-reset"] = at(rate.tok_reset)
+    return out
+
+
+def allowed_headers(rate: RateInfo, api: Api) -> dict[str, str]:
+    """The rate-limit headers of an allowed response."""
+    return anthropic_rate_headers(rate) if api is Api.ANTHROPIC else rate_headers(rate)
+
+
+def denial_headers(deny: Deny) -> dict[str, str]:
+    """A denial's headers, in its API's shape (`deny.headers` holds OpenAI's)."""
+    if deny.api is not Api.ANTHROPIC:
+        return deny.headers
+    out = {k: v for k, v in deny.headers.items() if not k.startswith("x-ratelimit-")}
+    if deny.rate is not None:
+        out.update(anthropic_rate_headers(deny.rate))
     return out
 
 
@@ -94,11 +156,10 @@ def limit_denial(v: Verdict, requested: int = 0) -> Deny:
         message = (f"{'Quota exhausted' if quota else 'Rate limit exceeded'}: {what}."
                    f"{oversize} Retry after {retry}s.")
         headers = {"retry-after": str(retry), "x-gateway-limit-tier": v.tier}
-    headers.update(rate_headers(v.rate))
-    if v.limit == CONCURRENCY and "x-ratelimit-limit-requests" not in headers:
-        headers["x-ratelimit-limit-requests"] = shown
-        headers["x-ratelimit-remaining-requests"] = "0"
-        headers["x-ratelimit-reset-requests"] = duration(v.retry_after)
+    rate = v.rate
+    if v.limit == CONCURRENCY and rate.req_limit is None and value is not None:
+        rate = replace(rate, req_limit=int(value), req_remaining=0, req_reset=v.retry_after)
+    headers.update(rate_headers(rate))
     return Deny(
         status=429,
         code="insufficient_quota" if quota else "rate_limit_exceeded",
@@ -106,7 +167,7 @@ def limit_denial(v: Verdict, requested: int = 0) -> Deny:
         reason=v.limit,
         tier=v.tier,
         retry_after=None if never else retry,
-        rate=v.rate,
+        rate=rate,
         headers=headers,
         error_type="insufficient_quota" if quota else "tokens" if tokens else "requests",
     )

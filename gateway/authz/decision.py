@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.endpoints import Api
 from gateway.limits.types import RateInfo
 from gateway.metering.inject import Splice
 
@@ -48,6 +49,7 @@ class Deny:
     team: str = ""
     model: str = ""
     error_type: str = ""  # OpenAI's error.type, when the code alone does not say it
+    api: Api = Api.OPENAI  # the shape of the answer: the one the route's clients expect
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from gateway.authz import answers
 from gateway.authz.decision import Allow, Context, Decision, Deny, Reply
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
+from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.errors import BodyError, PathError, StoreTimeout, StoreUnavailable
 from gateway.limits.types import CONCURRENCY, AdmitRequest, Limiter, Verdict
 from gateway.metering import inject
@@ -56,6 +57,12 @@ class Authorizer:
         self._ends_settled = ends_settled  # waits for the next batch of releases
 
     async def check(self, req: AuthzRequest) -> Decision:
+        decision = await self._check(req)
+        if isinstance(decision, Deny) and (api := api_of(req.path)) is not Api.OPENAI:
+            return replace(decision, api=api)  # answered as the route's clients expect
+        return decision
+
+    async def _check(self, req: AuthzRequest) -> Decision:
         policy = self._policy()
         if policy is None:
             return answers.unavailable("No policy loaded yet; the gateway denies everything.")
@@ -79,9 +86,10 @@ class Authorizer:
             return answers.models_list(policy.models_for(key), key.key_id, key.team)
         if where.kind is Kind.MODEL:
             return _model_answer(policy, key, where.model)
+        endpoint = ENDPOINTS.get(path) if where.kind is Kind.INFERENCE else None
         try:
-            if where.kind is Kind.INFERENCE:
-                facts = parse_body(req.body)
+            if endpoint is not None:
+                facts = parse_body(req.body, endpoint.requires_max_tokens)
             else:
                 facts = named_model(req.body) or BodyFacts(model=None, body_bytes=len(req.body))
         except BodyError as exc:
@@ -92,8 +100,10 @@ class Authorizer:
             if not key.may_use(facts.model):
                 return _who(answers.model_not_allowed(facts.model), key, facts.model)
         s = self._settings
-        reserve = 0 if facts.model is None else facts.reserve(  # no model: no tokens
-            s.default_completion_tokens, s.reserve_cap, path == "/v1/embeddings")
+        billed = facts.model is not None and (endpoint is None or endpoint.billed)
+        reserve = facts.reserve(  # no model, or an endpoint that bills none: no tokens
+            s.default_completion_tokens, s.reserve_cap, endpoint is None or endpoint.generates
+        ) if billed else 0
         tiers = policy.tiers_for(facts.model, key)
         verdict = Verdict(True)
         if tiers:
@@ -114,7 +124,7 @@ class Authorizer:
         ctx = Context(
             req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
             reserve if verdict.leased else 0, verdict.leased, endpoint=path,
-            prompt_estimate=facts.prompt_tokens if facts.model else 0,
+            prompt_estimate=facts.prompt_tokens if billed else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
             splice=inject.plan(req.body, path, facts.model or "", facts.stream,

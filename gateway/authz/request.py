@@ -30,10 +30,10 @@ class BodyFacts:
     include_usage: bool = False  # ... asking for the usage chunk
     continuous_usage: bool = False  # ... asking for vLLM's continuous usage stats
 
-    def reserve(self, default_completion: int, cap: int, embeddings: bool) -> int:
+    def reserve(self, default_completion: int, cap: int, generates: bool = True) -> int:
         """Tokens to reserve: the prompt estimate plus the completion bound."""
         prompt = self.prompt_tokens
-        completion = 0 if embeddings else (self.max_tokens or default_completion)
+        completion = (self.max_tokens or default_completion) if generates else 0
         return min(prompt + completion, cap)
 
 
@@ -66,8 +66,12 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def parse_body(body: bytes) -> BodyFacts:
-    """Read what admission needs from an inference body; raise BodyError if it is not usable."""
+def parse_body(body: bytes, requires_max_tokens: bool = False) -> BodyFacts:
+    """Read what admission needs from an inference body; raise BodyError if it is not usable.
+
+    `requires_max_tokens`: the API itself rejects a body without it (Anthropic's Messages),
+    so the gateway says so before the engine does, and the reservation is then exact.
+    """
     if not body:
         raise BodyError("request body is empty; expected a JSON object with a 'model'")
     try:
@@ -76,7 +80,10 @@ def parse_body(body: bytes) -> BodyFacts:
         raise BodyError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BodyError("request body must be a JSON object")
-    return _facts(data, len(body))
+    facts = _facts(data, len(body))
+    if requires_max_tokens and facts.max_tokens is None:
+        raise BodyError("max_tokens: Field required (a non-negative integer)")
+    return facts
 
 
 def named_model(body: bytes) -> BodyFacts | None:
@@ -116,7 +123,7 @@ def _facts(data: dict[str, Any], size: int) -> BodyFacts:
     )
 
 
-PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
+PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "system")
 
 
 def estimate_prompt_tokens(data: dict[str, Any]) -> int:

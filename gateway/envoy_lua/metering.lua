@@ -20,7 +20,9 @@
 -- escapes included: an estimate for streams cut before their usage arrives). Set to 0 when
 -- the stream starts and after every chunk that changed them, so the access log has them
 -- however the stream ends. llm.stream:done becomes true once the engine's own end marker has
--- passed (`data: [DONE]`, or a Responses-API response.completed / failed / incomplete).
+-- passed (`data: [DONE]`, a Responses-API response.completed / failed / incomplete, or an
+-- Anthropic message_stop); llm.stream:failed once the engine reported a failure inside the
+-- stream (an event with a "type":"error" member: Anthropic's and the Responses API's).
 -- Events end at a blank line ("\n\n" or "\n\r\n", so "\r\n\r\n" too; lone-"\r" line ends are
 -- not recognised). Upstream reads split anywhere: inside an event, a CRLF, a UTF-8 character.
 
@@ -60,13 +62,17 @@ local OUTPUT_TEXT_DELTA = '"type"%s*:%s*"response%.output_text%.delta"'
 local TEXT_KEYS = {
   { '"content"', '"content"%s*:%s*"' },
   { '"reasoning_content"', '"reasoning_content"%s*:%s*"' },
-  { '"text"', '"text"%s*:%s*"' },
+  { '"text"', '"text"%s*:%s*"' }, -- completions, and Anthropic's text_delta
+  { '"thinking"', '"thinking"%s*:%s*"' }, -- Anthropic's thinking_delta
+  { '"partial_json"', '"partial_json"%s*:%s*"' }, -- Anthropic's input_json_delta (tool use)
 }
 local DELTA_KEY = { { '"delta"', '"delta"%s*:%s*"' } }
 -- The engine's own end marker: a client that hangs up right after it still got everything
 -- (the sidecar then records `completed`, not `client_cancelled`).
 local DONE = "^%s*data:%s*%[DONE%]"
 local RESPONSES_END = '"type"%s*:%s*"response%.[cfi][oan][mic][a-z]*"' -- completed/failed/incomplete
+local MESSAGE_STOP = '"type"%s*:%s*"message_stop"' -- Anthropic Messages API
+local ERROR_EVENT = '"type"%s*:%s*"error"'
 
 -- ext_authz's facts as a Lua table, or nil when it wrote none. Envoy converts the Struct:
 -- numbers arrive as Lua numbers (doubles), booleans as booleans, a missing namespace as nil.
@@ -167,7 +173,13 @@ local function is_end(ev)
   if find(ev, "[DONE]", 1, true) then
     return find(ev, DONE) ~= nil
   end
-  return find(ev, '"type"', 1, true) ~= nil and find(ev, RESPONSES_END) ~= nil
+  return find(ev, '"type"', 1, true) ~= nil and
+    (find(ev, RESPONSES_END) ~= nil or find(ev, MESSAGE_STOP) ~= nil)
+end
+
+-- Whether one complete event is the engine reporting a failure mid-stream.
+local function is_error(ev)
+  return find(ev, '"error"', 1, true) ~= nil and find(ev, ERROR_EVENT) ~= nil
 end
 
 -- Content bytes one complete event carries (0: not a content event).
@@ -240,12 +252,15 @@ end
 -- script holds once it suspends between chunks ("object used outside of proper scope"). A
 -- script error mid-stream lets the rest of the body through untouched, but whatever this
 -- filter was holding back at that moment is lost to the client.
-local function publish(handle, events, chars, done)
+local function publish(handle, events, chars, done, failed)
   local meta = handle:streamInfo():dynamicMetadata()
   meta:set(STREAM_NS, "content_events", events)
   meta:set(STREAM_NS, "content_chars", chars)
   if done then
     meta:set(STREAM_NS, "done", true)
+  end
+  if failed then
+    meta:set(STREAM_NS, "failed", true)
   end
 end
 
@@ -270,8 +285,8 @@ function envoy_on_response(handle)
     handle:headers():remove("content-length")
   end
 
-  local events, chars, done = 0, 0, false
-  publish(handle, 0, 0, false)
+  local events, chars, done, failed = 0, 0, false, false
+  publish(handle, 0, 0, false, false)
 
   -- The unterminated tail: pieces in a table, joined only once an event completes, so a big
   -- event arriving in many reads is copied once, not once per read. `tail2` is its last two
@@ -312,7 +327,7 @@ function envoy_on_response(handle)
         held[#held + 1] = data
         buf = concat(held)
       end
-      local pos, before, was_done = 1, events, done
+      local pos, before, was_done, was_failed = 1, events, done, failed
       while true do
         local _, stop = find(buf, BOUNDARY, pos)
         if stop == nil then
@@ -325,6 +340,8 @@ function envoy_on_response(handle)
           chars = chars + c
         elseif not done and is_end(ev) then
           done = true
+        elseif not failed and is_error(ev) then
+          failed = true
         end
         if rewriting then
           parts[#parts + 1] = rewrite(ev, hide_usage, hide_continuous)
@@ -338,8 +355,8 @@ function envoy_on_response(handle)
       if rewriting then
         out = concat(parts)
       end
-      if events ~= before or done ~= was_done then
-        publish(handle, events, chars, done)
+      if events ~= before or done ~= was_done or failed ~= was_failed then
+        publish(handle, events, chars, done, failed)
       end
     end
     if rewriting then

@@ -60,6 +60,7 @@ def event_json(e: UsageEvent) -> bytes:
             "prompt_tokens": str(u.prompt_tokens), "completion_tokens": str(u.completion_tokens),
             "total_tokens": str(u.total_tokens), "cached_tokens": str(u.cached_tokens),
             "reasoning_tokens": str(u.reasoning_tokens),
+            "cache_creation_tokens": str(u.cache_creation_tokens),
         },
         "usage_source": e.usage_source,
         "timing": {"ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms, "duration_ms": e.duration_ms},
@@ -76,7 +77,7 @@ def to_proto(e: UsageEvent) -> usage_pb2.UsageEvent:
         usage=usage_pb2.Usage(
             prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
             total_tokens=u.total_tokens, cached_tokens=u.cached_tokens,
-            reasoning_tokens=u.reasoning_tokens),
+            reasoning_tokens=u.reasoning_tokens, cache_creation_tokens=u.cache_creation_tokens),
         usage_source=e.usage_source,
         timing=usage_pb2.Timing(ttft_ms=e.ttft_ms, tpot_ms=e.tpot_ms, duration_ms=e.duration_ms),
     )

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import orjson
 
-STREAMING_USAGE_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+from gateway.endpoints import ENDPOINTS
+
+STREAMING_USAGE_ENDPOINTS = frozenset(e.path for e in ENDPOINTS.values() if e.injects_usage)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,10 +14,11 @@ from typing import Any
 
 import orjson
 
+from gateway.endpoints import Reader, reader_of
 from gateway.metering import usage as usage_mod
 from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
-from gateway.metering.usage import Usage
+from gateway.metering.usage import MessagesStream, Usage
 
 __all__ = ["Injected", "Meter", "Result"]
 
@@ -49,7 +50,10 @@ class Meter:
     first_token: float | None = None
     last_token: float | None = None
     malformed: int = 0
-    saw_end: bool = False  # the engine's own end marker: [DONE] or a terminal Responses event
+    saw_end: bool = False  # the engine's own end marker: [DONE], a terminal Responses event,
+    # or Anthropic's message_stop
+    engine_error: bool = False  # the engine reported a failure inside its stream
+    _messages: MessagesStream = field(default_factory=MessagesStream)
     _decoder: SseDecoder = field(default_factory=SseDecoder)
     _body: list[bytes] = field(default_factory=list)
     _body_len: int = 0
@@ -113,13 +117,19 @@ class Meter:
                 model = inner.get("model") if isinstance(inner, dict) else None
             if isinstance(model, str):
                 self.served_model = model
-        if self.endpoint == "/v1/responses":
+        reader = reader_of(self.endpoint)
+        if reader is Reader.MESSAGES:
+            self._message_event(obj)
+            return obj
+        if reader is Reader.RESPONSES:
             kind = obj.get("type", "")
             if kind == "response.output_text.delta":
                 self._token(obj.get("delta"))
             elif kind in ("response.completed", "response.incomplete", "response.failed"):
                 self._usage(obj)
                 self.saw_end = True
+            elif kind == "error":  # the engine failed mid-stream
+                self.engine_error = True
             return obj
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict):
@@ -131,6 +141,27 @@ class Meter:
         if obj.get("usage") is not None:
             self._usage(obj)
         return obj
+
+    def _message_event(self, obj: dict[str, Any]) -> None:
+        """One event of an Anthropic Messages stream."""
+        kind = obj.get("type")
+        if kind == "content_block_delta":
+            d = obj.get("delta")
+            if isinstance(d, dict):
+                self._token(d.get("text") or d.get("thinking") or d.get("partial_json"))
+        elif kind == "message_start":
+            message = obj.get("message")
+            self._messages.start(message)
+            if isinstance(message, dict) and isinstance(message.get("model"), str):
+                self.served_model = message["model"]
+        elif kind == "message_delta":
+            self._messages.delta(obj.get("usage"))
+            if (u := self._messages.usage()) is not None:
+                self.reported = u
+        elif kind == "message_stop":
+            self.saw_end = True
+        elif kind == "error":
+            self.engine_error = True
 
     def _token(self, text: Any) -> None:
         if isinstance(text, str) and text:
@@ -175,7 +206,9 @@ class Meter:
         elif self.status and self.status >= 400 and not completion:
             u, source = Usage(), "reported"  # an error answer: nothing was generated
         else:
-            prompt = self.prompt_estimate if self.status or completion else 0
+            prompt = self._messages.prompt()  # exact, when an Anthropic stream said it
+            if prompt is None:
+                prompt = self.prompt_estimate if self.status or completion else 0
             u = Usage(prompt, completion, prompt + completion)
             source = "estimated"
         ttft = (self.first_token - self.started) * 1000 if self.first_token else 0.0

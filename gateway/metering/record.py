@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from gateway.endpoints import Reader, reader_of
 from gateway.metering.meter import Result
 from gateway.metering.recorder import RequestFacts
 from gateway.metering.usage import Usage
@@ -93,7 +94,7 @@ def read(attrs: dict[str, str]) -> Record | None:
     if facts.denied_status or not facts.key_id:
         outcome = "denied"  # ext_authz said no, or Envoy answered itself (413, 503, ...)
         status = facts.denied_status or status
-    elif flags & UPSTREAM_FLAGS or status >= 500:
+    elif flags & UPSTREAM_FLAGS or status >= 500 or counted.get("failed") is True:
         outcome = "upstream_error"
     elif flags & CLIENT_FLAGS and counted.get("done") is not True:
         outcome = "client_cancelled"
@@ -114,7 +115,19 @@ def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: di
         return Result(Usage(), "reported", served_model, 0.0, 0.0), "reported"
     events, chars = _int(counted.get("content_events")), _int(counted.get("content_chars"))
     completion = max(events, math.ceil(chars / 4))
-    if "prompt_tokens" in usage or "completion_tokens" in usage:
+    messages = reader_of(facts.endpoint) is Reader.MESSAGES
+    if messages and "completion_tokens" in usage:  # message_delta, or a whole answer
+        read, created = (_int(usage.get(k)) for k in (
+            "cache_read_input_tokens", "cache_creation_input_tokens"))
+        p = _int(usage.get("prompt_tokens")) + read + created
+        c = _int(usage.get("completion_tokens"))
+        u = Usage(p, c, p + c, cached_tokens=read, cache_creation_tokens=created)
+        source = "reported"
+    elif messages and "prompt_tokens" in usage:  # only message_start: the input side is exact
+        prompt = sum(_int(usage.get(k)) for k in (
+            "prompt_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        u, source = Usage(prompt, completion, prompt + completion), "estimated"
+    elif "prompt_tokens" in usage or "completion_tokens" in usage:
         p, c = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
         u = Usage(p, c, _int(usage.get("total_tokens")) or p + c,
                   _int(usage.get("cached_tokens")), _int(usage.get("reasoning_tokens")))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import orjson
 from google.protobuf.struct_pb2 import Struct
 
+from gateway.endpoints import billed
 from gateway.errors import StoreUnavailable
 from gateway.limits.types import Orphan
 from gateway.log import log
@@ -122,6 +123,8 @@ class Recorder:
              ended: float, source: str) -> UsageEvent:
         """The event, into the spool; the leases freed now, the reservation settled once the
         event is durable. Both metering sources end here."""
+        if not billed(facts.endpoint):  # e.g. count_tokens: admitted as a request, no tokens
+            r, source = Result(Usage(), "reported", r.served_model, r.ttft_ms, 0.0), "reported"
         if facts.leased:
             self.lifecycle.release(facts.request_id)
         seq = self.spool.next_seq()

@@ -5,14 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.endpoints import Reader, reader_of
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    cached_tokens: int = 0
-    reasoning_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, read from the engine's prompt cache
+    reasoning_tokens: int = 0  # of completion_tokens
+    cache_creation_tokens: int = 0  # of prompt_tokens, written to the cache (Anthropic)
 
 
 def _n(v: Any) -> int:
@@ -50,11 +53,72 @@ def from_responses(u: Any) -> Usage | None:
                   "output_tokens_details")
 
 
+# Anthropic's usage fields. Its input_tokens leaves out the tokens read from or written to
+# the prompt cache; the gateway's prompt_tokens counts every input token, as OpenAI's does.
+MESSAGES_INPUT = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+MESSAGES_FIELDS = (*MESSAGES_INPUT, "output_tokens")
+
+
+def from_messages(u: Any) -> Usage | None:
+    """Anthropic Messages API `usage` (a whole answer's, or a stream's merged pieces)."""
+    if not isinstance(u, dict):
+        return None
+    read, created = _n(u.get("cache_read_input_tokens")), _n(u.get("cache_creation_input_tokens"))
+    p = _n(u.get("input_tokens")) + read + created
+    c = _n(u.get("output_tokens"))
+    return Usage(p, c, p + c, cached_tokens=read, cache_creation_tokens=created)
+
+
+class MessagesStream:
+    """An Anthropic stream's usage, which comes in pieces: `message_start` carries the input
+    side (its output_tokens is only the count so far), each `message_delta` the cumulative
+    output_tokens and, from newer engines, the input side again. A field a later event
+    carries replaces the earlier value; a field it leaves out keeps it (merging the
+    message_delta over message_start wholesale loses the cache counts: a peer's bug)."""
+
+    __slots__ = ("fields", "final")
+
+    def __init__(self) -> None:
+        self.fields: dict[str, int] = {}
+        self.final = False  # a message_delta came: the output count is the engine's
+
+    def start(self, message: Any) -> None:
+        u = message.get("usage") if isinstance(message, dict) else None
+        self._merge(u, MESSAGES_INPUT)
+
+    def delta(self, u: Any) -> None:
+        if isinstance(u, dict):
+            self._merge(u, MESSAGES_FIELDS)
+            self.final = self.final or "output_tokens" in u
+
+    def _merge(self, u: Any, names: tuple[str, ...]) -> None:
+        if isinstance(u, dict):
+            for name in names:
+                if name in u:
+                    self.fields[name] = _n(u[name])
+
+    def usage(self) -> Usage | None:
+        """The whole usage once the output count is the engine's; None before."""
+        return from_messages(self.fields) if self.final else None
+
+    def prompt(self) -> int | None:
+        """The input side alone, exact, as soon as message_start came."""
+        if "input_tokens" not in self.fields:
+            return None
+        return sum(self.fields.get(n, 0) for n in MESSAGES_INPUT)
+
+
 def from_body(endpoint: str, obj: Any) -> tuple[Usage | None, str]:
     """(usage, served model) of a complete non-stream JSON response, or of one SSE event."""
     if not isinstance(obj, dict):
         return None, ""
-    if endpoint == "/v1/responses":
+    reader = reader_of(endpoint)
+    if reader is Reader.NONE:
+        return None, ""
+    if reader is Reader.MESSAGES:
+        model = obj.get("model")
+        return from_messages(obj.get("usage")), model if isinstance(model, str) else ""
+    if reader is Reader.RESPONSES:
         inner = obj.get("response") if "response" in obj else obj
         if isinstance(inner, dict):
             model = inner.get("model")

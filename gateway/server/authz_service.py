@@ -20,6 +20,7 @@ from gateway.authz import answers
 from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
+from gateway.endpoints import api_of
 from gateway.log import log
 from gateway.server import check_wire, metrics
 
@@ -98,7 +99,7 @@ def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
         # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
         remove=[*_STRIP,
                 *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
-        response_headers=answers.rate_headers(allow.rate).items(),
+        response_headers=answers.allowed_headers(allow.rate, api_of(c.endpoint)).items(),
         metadata=metadata,
         also=_fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased,
                     c.stream_options, c.include_usage, c.continuous_usage),
@@ -122,7 +123,8 @@ def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckRes
     resp = pb.CheckResponse(status=_DENIED)
     denied = resp.denied_response
     denied.status.code = deny.status  # type: ignore[assignment,unused-ignore]
-    _set_headers(denied.headers, [("content-type", "application/json"), *deny.headers.items()])
+    _set_headers(denied.headers, [("content-type", "application/json"),
+                                  *answers.denial_headers(deny).items()])
     denied.body = answers.error_body(deny, req.request_id).decode()
     metadata: dict[str, str | int | bool] = {
         "request_id": req.request_id, "denied": deny.reason, "status": deny.status,

@@ -138,7 +138,7 @@ class RequestStream:
             return "denied"
         if f is None or not f.key_id:
             return "denied"  # an Envoy local reply (e.g. 413) that no key was admitted for
-        if self.meter.status >= 500:
+        if self.meter.status >= 500 or self.meter.engine_error:
             return "upstream_error"
         return "completed" if self.ended or self.meter.finished() else "client_cancelled"
 

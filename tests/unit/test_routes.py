@@ -75,7 +75,9 @@ def test_routes() -> None:
     assert route("GET", "/tokenize", tok).kind is Kind.UNKNOWN
     assert route("GET", "/v1/files/a/b", tok).kind is Kind.PASSTHROUGH
     assert route("POST", "/v1/chat/completions/", tok).kind is Kind.UNKNOWN
-    assert route("POST", "/v1/messages").kind is Kind.UNKNOWN
+    assert route("POST", "/v1/messages").kind is Kind.INFERENCE
+    assert route("POST", "/v1/messages/count_tokens").kind is Kind.INFERENCE
+    assert route("POST", "/v1/messages/batches").kind is Kind.UNKNOWN
 
 
 def test_passthrough_paths_in_the_policy_must_be_canonical() -> None:

@@ -1,0 +1,70 @@
+"""The inference endpoints the gateway knows, in one list that both services consult.
+
+An entry says everything that differs between API shapes: which family of answers its
+clients expect (errors, rate-limit headers), how its usage is read, whether it generates
+tokens to reserve, whether it is billed at all, and whether its streams report usage only
+when asked. The next API shape is one entry here, plus its usage reader if it is new
+(gateway/metering/usage.py, and the Envoy rules in gateway/envoy_metering.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Api(Enum):
+    OPENAI = "openai"  # {"error": {...}} bodies, x-ratelimit-* headers
+    ANTHROPIC = "anthropic"  # {"type": "error", "error": {...}}, anthropic-ratelimit-*
+
+
+class Reader(Enum):
+    """How usage is read from an answer, and how its stream ends."""
+
+    CHAT = "chat"  # `usage` in the body / last SSE chunk; the stream ends with `data: [DONE]`
+    RESPONSES = "responses"  # Responses API: `usage` of the response; response.completed ends
+    MESSAGES = "messages"  # Anthropic: message_start + cumulative message_delta; message_stop
+    NONE = "none"  # nothing to bill (count_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    path: str
+    api: Api
+    reader: Reader
+    generates: bool = True  # completion tokens are reserved (max_tokens or the default)
+    billed: bool = True  # False: admitted and rate-limited as a request, no tokens at all
+    injects_usage: bool = False  # a stream reports usage only if asked (stream_options)
+    requires_max_tokens: bool = False  # the API itself requires it (Anthropic)
+
+
+ENDPOINTS: dict[str, Endpoint] = {e.path: e for e in (
+    Endpoint("/v1/chat/completions", Api.OPENAI, Reader.CHAT, injects_usage=True),
+    Endpoint("/v1/completions", Api.OPENAI, Reader.CHAT, injects_usage=True),
+    Endpoint("/v1/embeddings", Api.OPENAI, Reader.CHAT, generates=False),
+    Endpoint("/v1/responses", Api.OPENAI, Reader.RESPONSES),
+    Endpoint("/v1/messages", Api.ANTHROPIC, Reader.MESSAGES, requires_max_tokens=True),
+    Endpoint("/v1/messages/count_tokens", Api.ANTHROPIC, Reader.NONE, generates=False,
+             billed=False),
+)}
+
+_ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def api_of(path: str) -> Api:
+    """The answer family for a request path as sent (even one that does not canonicalize):
+    Anthropic's under /v1/messages, OpenAI's everywhere else."""
+    endpoint = ENDPOINTS.get(path)
+    if endpoint is not None:
+        return endpoint.api
+    return Api.ANTHROPIC if path.startswith(_ANTHROPIC_PREFIX) else Api.OPENAI
+
+
+def reader_of(path: str) -> Reader:
+    endpoint = ENDPOINTS.get(path)
+    return endpoint.reader if endpoint is not None else Reader.CHAT
+
+
+def billed(path: str) -> bool:
+    endpoint = ENDPOINTS.get(path)
+    return endpoint is None or endpoint.billed
