@@ -2,9 +2,14 @@
 
 It generates "tok0 tok1 ..." at a steady pace and reports honest usage (a token is a word; see
 `mock_tokens`), so tests can check the gateway metered exactly what the engine reported.
+Like vLLM and SGLang it also speaks Anthropic's Messages API (/v1/messages, streamed or not,
+and /v1/messages/count_tokens), with Anthropic's usage, events and error shape.
 Per-request headers steer it through Envoy: x-mock-ttft-ms, x-mock-tokens-per-s,
 x-mock-cut-after (die after N tokens with a TCP reset), x-mock-fail-after (die after N tokens
-with a plain close) and x-mock-status (answer that status with an OpenAI-shaped error).
+with a plain close) and x-mock-status (answer that status with an OpenAI-shaped error, or an
+Anthropic-shaped one on /v1/messages*). On /v1/messages only: x-mock-cache-read-tokens and
+x-mock-cache-creation-tokens (how much of the prompt the cache served or stored) and
+x-mock-error-after (after N tokens a stream ends with an `error` event, a plain answer is 529).
 GET /mock/stats reports what the engine saw; POST /mock/reset zeroes it.
 """
 
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import secrets
@@ -40,14 +46,19 @@ class MockConfig:
 
 CONFIG = web.AppKey("config", MockConfig)
 STATS = web.AppKey("stats", MockStats)
-USAGE = web.RequestKey("usage", dict)  # the last usage object this request sent to the client
+# The usage this request told the client: later usage objects update earlier ones (as
+# Anthropic's message_delta updates message_start's).
+USAGE = web.RequestKey("usage", dict)
 
 
 class Died(ConnectionResetError):
     """The engine stopped mid-generation on purpose; the connection is already gone."""
 
 
-def _error(status: int, message: str) -> web.Response:
+def _error(request: web.Request, status: int, message: str) -> web.Response:
+    """OpenAI's error shape, or Anthropic's on the Messages API."""
+    if request.path.startswith("/v1/messages"):
+        return web.json_response(mt.anthropic_error(status, message), status=status)
     kind = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return web.json_response(body, status=status)
@@ -95,9 +106,9 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
             return await handler(request)
         if not 100 <= forced < 600:
             raise RequestError(f"x-mock-status must be an HTTP status, got {forced:g}")
-        return _error(int(forced), f"mock engine failure (x-mock-status: {int(forced)})")
+        return _error(request, int(forced), f"mock engine failure (x-mock-status: {int(forced)})")
     except RequestError as exc:
-        return _error(400, str(exc))
+        return _error(request, 400, str(exc))
     finally:
         stats.leave(request.get(USAGE))
 
@@ -116,8 +127,16 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _job(request: web.Request, body: dict[str, Any], prefix: str, prompt: int) -> Job:
-    n, limited = mt.completion_budget(body, request.app[CONFIG].default_max_tokens)
+def _job(
+    request: web.Request,
+    body: dict[str, Any],
+    prefix: str,
+    prompt: int,
+    budget: tuple[int, bool] | None = None,
+) -> Job:
+    """One generation; `budget` (tokens, client-limited) defaults to the OpenAI fields'."""
+    cfg = request.app[CONFIG]
+    n, limited = budget or mt.completion_budget(body, cfg.default_max_tokens)
     return Job(
         id=prefix + secrets.token_hex(12),
         model=body["model"],
@@ -185,9 +204,10 @@ class Sse:
         head = f"event: {event}\n" if event else ""
         await self.resp.write(f"{head}data: {text}\n\n".encode())
         if isinstance(data, dict):
-            usage = data.get("usage") or (data.get("response") or {}).get("usage")
+            inner = data.get("response") or data.get("message") or {}
+            usage = data.get("usage") or inner.get("usage")
             if usage:
-                self.request[USAGE] = usage
+                self.request[USAGE] = {**self.request.get(USAGE, {}), **usage}
 
     async def event(self, kind: str, **fields: Any) -> None:
         """A Responses-API event: typed, numbered, and named on the `event:` line."""
@@ -300,6 +320,68 @@ async def _stream_response(request: web.Request, job: Job) -> web.StreamResponse
     return sse.resp
 
 
+def _header_count(request: web.Request, name: str) -> int | None:
+    value = _header_number(request, name)
+    return None if value is None else int(value)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """Anthropic's Messages API; the cache headers say how the prompt's usage splits."""
+    body = await _body(request)
+    budget = (mt.messages_budget(body), True)
+    job = _job(request, body, "msg_", mt.messages_prompt_tokens(body), budget)
+    read = _header_count(request, "x-mock-cache-read-tokens") or 0
+    made = _header_count(request, "x-mock-cache-creation-tokens") or 0
+    split = mt.prompt_split(job.prompt, read, made)
+    error_after = _header_count(request, "x-mock-error-after")
+    if body.get("stream"):
+        return await _stream_message(request, job, split, error_after)
+    if error_after is not None:
+        job = dataclasses.replace(job, n=min(job.n, error_after))
+    if not await _generate(request, job):
+        return web.Response()
+    if error_after is not None:
+        return _error(request, 529, "Overloaded")
+    usage = split | {"output_tokens": job.n}
+    return _reply(request, mt.message_object(job, mt.generated_text(job.n), usage))
+
+
+async def _stream_message(
+    request: web.Request, job: Job, split: dict[str, int], error_after: int | None
+) -> web.StreamResponse:
+    """The Messages event sequence: start, one text block of deltas, delta with usage, stop."""
+    sse = Sse(request)
+
+    async def send(kind: str, **fields: Any) -> None:
+        await sse.send({"type": kind, **fields}, event=kind)
+
+    start = mt.message_object(job, None, split | {"output_tokens": 1})
+    try:
+        await send("message_start", message=start)
+        await send("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        await send("ping")
+        async for i in _tokens(request, job):
+            if i == error_after:
+                break
+            delta = {"type": "text_delta", "text": mt.token_text(i)}
+            await send("content_block_delta", index=0, delta=delta)
+        if error_after is not None:  # the engine failed after N tokens (or after them all)
+            await sse.send(mt.OVERLOADED, event="error")
+            return sse.resp
+        await send("content_block_stop", index=0)
+        stop = {"stop_reason": mt.STOP_REASONS[job.finish], "stop_sequence": None}
+        await send("message_delta", delta=stop, usage={"output_tokens": job.n})
+        await send("message_stop")
+    except ConnectionError:
+        pass  # the engine died on purpose, or the client went away
+    return sse.resp
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    body = await _body(request)
+    return web.json_response({"input_tokens": mt.messages_prompt_tokens(body)})
+
+
 async def list_models(request: web.Request) -> web.Response:
     names = sorted({DEFAULT_MODEL, *request.app[STATS].models})
     data = [{"id": n, "object": "model", "created": 0, "owned_by": "mock"} for n in names]
@@ -323,6 +405,8 @@ def create_app(config: MockConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/mock/stats", get_stats)
     app.router.add_post("/mock/reset", reset_stats)

@@ -1,4 +1,4 @@
-"""The mock engine's accounting: deterministic tokens, OpenAI wire shapes, and its ledger.
+"""The mock engine's accounting: deterministic tokens, OpenAI and Anthropic wire shapes, its ledger.
 
 A "token" is a whitespace-separated word, so a test can compute the expected usage of any
 request by hand and check that the gateway metered exactly what the engine reported.
@@ -59,6 +59,14 @@ def chat_prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, _items_words(messages))
 
 
+def messages_prompt_tokens(body: dict[str, Any]) -> int:
+    """Anthropic Messages: `system` (text or text blocks) plus the messages, counted as chat is."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise RequestError("messages: Field required (an array of messages)")
+    return max(1, _items_words(messages) + _content_words(body.get("system")))
+
+
 def completion_prompt_tokens(body: dict[str, Any]) -> int:
     """`prompt` may be text, a list of texts, or token ids (each id counts as one token)."""
     return max(1, sum(_input_words(x) for x in _as_list(body.get("prompt", ""))))
@@ -113,6 +121,14 @@ def completion_budget(body: dict[str, Any], default: int) -> tuple[int, bool]:
     return default, False
 
 
+def messages_budget(body: dict[str, Any]) -> int:
+    """Anthropic requires `max_tokens`, at least 1; it is the length asked for, as in chat."""
+    value = body.get("max_tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError("max_tokens: Field required (an integer >= 1)")
+    return value
+
+
 def token_text(i: int) -> str:
     """The i-th generated piece; joined pieces read "tok0 tok1 ..." (one word per token)."""
     return f"tok{i}" if i == 0 else f" tok{i}"
@@ -159,6 +175,51 @@ def responses_usage(prompt: int, completion: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def prompt_split(prompt: int, cache_read: int, cache_creation: int) -> dict[str, int]:
+    """Anthropic's prompt usage: `input_tokens` is what neither came from nor went into the
+    cache, so the three fields add up to the prompt."""
+    read = min(cache_read, prompt)
+    made = min(cache_creation, prompt - read)
+    return {
+        "input_tokens": prompt - read - made,
+        "cache_creation_input_tokens": made,
+        "cache_read_input_tokens": read,
+    }
+
+
+ANTHROPIC_ERRORS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    fallback = "api_error" if status >= 500 else "invalid_request_error"
+    kind = ANTHROPIC_ERRORS.get(status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def message_object(job: Job, text: str | None, usage: dict[str, int]) -> dict[str, Any]:
+    """An Anthropic `message`: empty and unfinished while `text` is still unknown."""
+    return {
+        "id": job.id,
+        "type": "message",
+        "role": "assistant",
+        "model": job.model,
+        "content": [] if text is None else [{"type": "text", "text": text}],
+        "stop_reason": None if text is None else STOP_REASONS[job.finish],
+        "stop_sequence": None,
+        "usage": usage,
     }
 
 
@@ -271,6 +332,18 @@ def _history() -> deque[dict[str, str]]:
     return deque(maxlen=HEADER_HISTORY)
 
 
+MESSAGES_USAGE = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+)
+
+
+def _messages_ledger() -> dict[str, int]:
+    return dict.fromkeys(MESSAGES_USAGE, 0)
+
+
 @dataclass
 class MockStats:
     """Engine-side observations, so tests can assert what actually reached the engine."""
@@ -282,6 +355,7 @@ class MockStats:
     completion_tokens: int = 0
     last_headers: deque[dict[str, str]] = field(default_factory=_history)
     models: set[str] = field(default_factory=set)
+    messages_usage: dict[str, int] = field(default_factory=_messages_ledger)
 
     def enter(self, headers: Mapping[str, str]) -> None:
         self.requests += 1
@@ -294,16 +368,24 @@ class MockStats:
         self.last_headers.append(seen)
 
     def leave(self, usage: Mapping[str, Any] | None) -> None:
+        """Tally the usage the client was told; an Anthropic prompt is its three parts."""
         self.in_flight -= 1
-        if usage:
-            self.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
-            self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
+        if not usage:
+            return
+        self.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
+        self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
+        if "cache_read_input_tokens" in usage:  # a Messages API usage
+            self.prompt_tokens += usage["cache_read_input_tokens"]
+            self.prompt_tokens += usage.get("cache_creation_input_tokens", 0)
+            for key in MESSAGES_USAGE:
+                self.messages_usage[key] += usage.get(key, 0)
 
     def reset(self) -> None:
         """Zero the counters; in_flight is a live gauge, so it only seeds the high-water mark."""
         self.requests = self.prompt_tokens = self.completion_tokens = 0
         self.max_in_flight = self.in_flight
         self.last_headers.clear()
+        self.messages_usage = _messages_ledger()
 
     def snapshot(self) -> dict[str, Any]:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
@@ -311,6 +393,7 @@ class MockStats:
             "in_flight": self.in_flight,
             "max_in_flight": self.max_in_flight,
             "requests": self.requests,
-            "usage_reported": usage,
+            "usage_reported": usage,  # OpenAI's sense: prompt_tokens includes cached tokens
+            "messages_usage_reported": dict(self.messages_usage),  # Anthropic fields, summed
             "last_headers": list(self.last_headers),
         }

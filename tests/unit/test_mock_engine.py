@@ -344,6 +344,7 @@ async def test_stats_track_concurrency_headers_and_reset(client: httpx.AsyncClie
         "max_in_flight": 0,
         "requests": 0,
         "usage_reported": {"prompt_tokens": 0, "completion_tokens": 0},
+        "messages_usage_reported": ANTHROPIC_ZERO,
         "last_headers": [],
     }
 
@@ -399,6 +400,175 @@ async def test_openai_sdk_consumes_the_streams(base_url: str, client: httpx.Asyn
     headers = (await stats(client))["last_headers"]
     assert headers[0]["authorization"] == "Bearer sk-test"
     await sdk.close()
+
+
+MSGS = "/v1/messages"
+ANTHROPIC = {
+    "model": "claude-m",
+    "system": [{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}],
+    "messages": [
+        {"role": "user", "content": "one two three"},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+        {"role": "user", "content": [{"type": "text", "text": "go on"}]},
+    ],
+    "max_tokens": 3,
+    "metadata": {"user_id": "u"},  # unknown to the mock: ignored
+}  # 8 words
+ANTHROPIC_ZERO = {
+    "input_tokens": 0,
+    "output_tokens": 0,
+    "cache_read_input_tokens": 0,
+    "cache_creation_input_tokens": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("read", "made", "split"),
+    [(None, None, (8, 0, 0)), ("3", "2", (3, 2, 3)), ("6", "9", (0, 2, 6)), ("99", "1", (0, 0, 8))],
+)
+async def test_messages_usage_splits_the_prompt_by_cache(
+    client: httpx.AsyncClient, read: str | None, made: str | None, split: tuple[int, int, int]
+) -> None:
+    headers = {"x-mock-cache-read-tokens": read, "x-mock-cache-creation-tokens": made}
+    headers = {k: v for k, v in headers.items() if v is not None}
+    resp = await client.post(MSGS, json=ANTHROPIC, headers=headers)
+    out = resp.json()
+    assert resp.status_code == 200
+    assert out["id"].startswith("msg_") and len(out["id"]) > len("msg_")
+    assert {k: out[k] for k in ("type", "role", "model", "stop_sequence")} == {
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-m",
+        "stop_sequence": None,
+    }
+    assert out["content"] == [{"type": "text", "text": "tok0 tok1 tok2"}]
+    assert out["stop_reason"] == "max_tokens"
+    usage = {
+        "input_tokens": split[0],
+        "cache_creation_input_tokens": split[1],
+        "cache_read_input_tokens": split[2],
+        "output_tokens": 3,
+    }
+    assert out["usage"] == usage
+    seen = await settled(client)
+    assert seen["usage_reported"] == {"prompt_tokens": 8, "completion_tokens": 3}
+    assert seen["messages_usage_reported"] == usage
+
+
+async def test_messages_stream_events(client: httpx.AsyncClient) -> None:
+    headers = {"x-mock-cache-read-tokens": "5"}
+    events, clean = await sse(client, MSGS, ANTHROPIC | {"stream": True}, headers)
+    assert clean
+    parsed = chunks(events)
+    names = [name for name, _ in events]
+    assert [p["type"] for p in parsed] == names
+    assert names == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * 3,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    message = parsed[0]["message"]
+    assert (message["content"], message["stop_reason"], message["model"]) == ([], None, "claude-m")
+    assert message["usage"] == {
+        "input_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 5,
+        "output_tokens": 1,
+    }
+    assert parsed[1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    deltas = [p for p in parsed if p["type"] == "content_block_delta"]
+    assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for d in deltas)
+    assert "".join(d["delta"]["text"] for d in deltas) == "tok0 tok1 tok2"
+    assert parsed[-2] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+        "usage": {"output_tokens": len(deltas)},
+    }
+    assert parsed[-1] == {"type": "message_stop"}
+    seen = await settled(client)
+    assert seen["usage_reported"] == {"prompt_tokens": 8, "completion_tokens": 3}
+    assert seen["messages_usage_reported"] == message["usage"] | {"output_tokens": 3}
+
+
+@pytest.mark.parametrize("after", [0, 2, 3])
+async def test_messages_error_after_ends_the_stream_cleanly(
+    client: httpx.AsyncClient, after: int
+) -> None:
+    body = ANTHROPIC | {"stream": True}
+    events, clean = await sse(client, MSGS, body, {"x-mock-error-after": str(after)})
+    assert clean
+    names = [name for name, _ in events]
+    assert names == ["message_start", "content_block_start", "ping"] + [
+        "content_block_delta"
+    ] * after + ["error"]
+    assert json.loads(events[-1][1]) == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "Overloaded"},
+    }
+    # the client was only ever told message_start's usage
+    assert (await settled(client))["messages_usage_reported"]["output_tokens"] == 1
+    plain = await client.post(MSGS, json=ANTHROPIC, headers={"x-mock-error-after": "1"})
+    assert plain.status_code == 529
+    assert plain.json()["error"]["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize("max_tokens", [None, 0, -1, "3", True, 1.5])
+async def test_messages_need_max_tokens(client: httpx.AsyncClient, max_tokens: Any) -> None:
+    body = {k: v for k, v in ANTHROPIC.items() if k != "max_tokens"}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    resp = await client.post(MSGS, json=body)
+    assert resp.status_code == 400
+    out = resp.json()
+    assert out["type"] == "error"
+    assert out["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in out["error"]["message"]
+    assert (await settled(client))["messages_usage_reported"] == ANTHROPIC_ZERO
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (403, "permission_error"),
+        (404, "not_found_error"),
+        (413, "request_too_large"),
+        (429, "rate_limit_error"),
+        (500, "api_error"),
+        (529, "overloaded_error"),
+    ],
+)
+async def test_messages_forced_status_is_anthropic_shaped(
+    client: httpx.AsyncClient, status: int, kind: str
+) -> None:
+    for path in (MSGS, MSGS + "/count_tokens"):
+        resp = await client.post(path, json=ANTHROPIC, headers={"x-mock-status": str(status)})
+        assert resp.status_code == status
+        assert resp.json() == {
+            "type": "error",
+            "error": {"type": kind, "message": f"mock engine failure (x-mock-status: {status})"},
+        }
+
+
+async def test_count_tokens(client: httpx.AsyncClient) -> None:
+    resp = await client.post(MSGS + "/count_tokens", json=ANTHROPIC)
+    assert resp.json() == {"input_tokens": 8}
+    plain = {"model": "m", "system": "a b c", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await client.post(MSGS + "/count_tokens", json=plain)).json() == {"input_tokens": 4}
+    bad = await client.post(MSGS + "/count_tokens", json={"model": "m"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    seen = await settled(client)
+    assert seen["requests"] == 3
+    assert seen["usage_reported"] == {"prompt_tokens": 0, "completion_tokens": 0}  # no generation
 
 
 def test_base64_embeddings_decode_to_the_float_vector() -> None:
