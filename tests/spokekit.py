@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import yaml
@@ -132,3 +133,12 @@ def read_events(bootstrap: str, want: set[str] | None = None, timeout: float = 1
         return out
 
     return asyncio.run(go())
+
+
+def anthropic_client(spoke: Spoke, key: str | None, bearer: bool = False,
+                     **kw: Any) -> anthropic.Anthropic:
+    """The official anthropic SDK through the spoke's Envoy: the key as `x-api-key` (the
+    SDK's default), or as `Authorization: Bearer` with `bearer`."""
+    auth = {"auth_token": key} if bearer else {"api_key": key or ""}
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{spoke.listen_port}", max_retries=0,
+                               **auth, **kw)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 
+import anthropic
 import httpx
 import openai
 import pytest
-from spokekit import chat, client, read_events
+from spokekit import anthropic_client, chat, client, read_events
 
 from gateway.dev.stack import Spoke
 
@@ -75,48 +77,88 @@ def test_400_invalid_request(spoke: Spoke, keys: dict[str, str], body: bytes) ->
     assert r.json()["error"]["code"] == "invalid_request_error"
 
 
-def test_429_rps_names_tier_and_carries_headers(spoke: Spoke, keys: dict[str, str]) -> None:
-    c = client(spoke, keys["rps1"])
-    with pytest.raises(openai.RateLimitError) as exc:
-        for _ in range(3):
-            chat(c)
-    e = exc.value
-    assert e.code == "rate_limit_exceeded"
+# The limit tests run against both API shapes: the tiers are the same, only the answer's
+# shape differs (OpenAI's on chat completions, Anthropic's on the Messages API).
+APIS = ["openai", "anthropic"]
+HELLO = [{"role": "user", "content": "hello there"}]
+
+
+def _ask(spoke: Spoke, key: str, api: str, max_tokens: int = 4) -> None:
+    if api == "openai":
+        chat(client(spoke, key), max_tokens=max_tokens)
+    else:
+        anthropic_client(spoke, key).messages.create(
+            model="mock-model", max_tokens=max_tokens, messages=HELLO)  # type: ignore[arg-type]
+
+
+def _limited(spoke: Spoke, key: str, api: str, tries: int = 3, max_tokens: int = 4
+             ) -> openai.RateLimitError | anthropic.RateLimitError:
+    """The SDK's own typed 429, raised within `tries` requests."""
+    kind = openai.RateLimitError if api == "openai" else anthropic.RateLimitError
+    with pytest.raises(kind) as exc:
+        for _ in range(tries):
+            _ask(spoke, key, api, max_tokens)
+    return exc.value
+
+
+def _error_type(e: openai.RateLimitError | anthropic.RateLimitError) -> str:
+    body = e.body if isinstance(e.body, dict) else {}
+    return str(body.get("error", {}).get("type") if "error" in body else body.get("type"))
+
+
+def _rate_header(api: str, what: str, name: str) -> str:
+    """x-ratelimit-limit-requests, or anthropic-ratelimit-requests-limit."""
+    return f"x-ratelimit-{name}-{what}" if api == "openai" else \
+        f"anthropic-ratelimit-{what}-{name}"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_429_rps_names_tier_and_carries_headers(spoke: Spoke, keys: dict[str, str],
+                                                api: str) -> None:
+    e = _limited(spoke, keys["rps1"], api)
     assert "key tier" in e.message and "rps" in e.message
     h = e.response.headers
     assert int(h["retry-after"]) >= 1
     assert h["x-gateway-limit-tier"] == "key"
     for name in ("limit", "remaining", "reset"):
-        assert f"x-ratelimit-{name}-requests" in h
-    assert e.type == "requests"
+        assert _rate_header(api, "requests", name) in h
+    if api == "openai":
+        assert isinstance(e, openai.RateLimitError)
+        assert e.code == "rate_limit_exceeded" and e.type == "requests"
+    else:
+        assert _error_type(e) == "rate_limit_error"
+        assert not any(k.startswith("x-ratelimit-") for k in h)  # one family of headers
+        datetime.strptime(h["anthropic-ratelimit-requests-reset"], "%Y-%m-%dT%H:%M:%SZ")
 
 
-def test_429_team_tier(spoke: Spoke, keys: dict[str, str]) -> None:
-    c = client(spoke, keys["teamrps"])
-    with pytest.raises(openai.RateLimitError) as exc:
-        for _ in range(3):
-            chat(c)
-    assert exc.value.response.headers["x-gateway-limit-tier"] == "team"
+@pytest.mark.parametrize("api", APIS)
+def test_429_team_tier(spoke: Spoke, keys: dict[str, str], api: str) -> None:
+    e = _limited(spoke, keys["teamrps"], api)
+    assert e.response.headers["x-gateway-limit-tier"] == "team"
 
 
-def test_429_tokens_per_minute_is_rate_limit(spoke: Spoke, keys: dict[str, str]) -> None:
-    c = client(spoke, keys["tpm"])
-    with pytest.raises(openai.RateLimitError) as exc:
-        for _ in range(5):
-            chat(c, max_tokens=300)  # reserves ~300 + prompt of a 400-token minute
-    assert exc.value.code == "rate_limit_exceeded" and exc.value.type == "tokens"
-    assert "tokens_per_minute" in exc.value.message
-    assert "x-ratelimit-limit-tokens" in exc.value.response.headers
-    assert "x-ratelimit-limit-requests" not in exc.value.response.headers  # binding tier only
+@pytest.mark.parametrize("api", APIS)
+def test_429_tokens_per_minute_is_rate_limit(spoke: Spoke, keys: dict[str, str],
+                                             api: str) -> None:
+    e = _limited(spoke, keys["tpm"], api, tries=5, max_tokens=300)  # ~300 + prompt of 400/min
+    assert "tokens_per_minute" in e.message
+    assert _rate_header(api, "tokens", "limit") in e.response.headers
+    assert _rate_header(api, "requests", "limit") not in e.response.headers  # binding tier
+    if api == "openai":
+        assert isinstance(e, openai.RateLimitError)
+        assert e.code == "rate_limit_exceeded" and e.type == "tokens"
 
 
-def test_429_tokens_per_day_is_insufficient_quota(spoke: Spoke, keys: dict[str, str]) -> None:
-    c = client(spoke, keys["tpd"])
-    with pytest.raises(openai.RateLimitError) as exc:
-        for _ in range(5):
-            chat(c, max_tokens=300)
-    assert exc.value.code == "insufficient_quota"
-    assert exc.value.response.headers["x-gateway-limit-tier"] == "key"
+@pytest.mark.parametrize("api", APIS)
+def test_429_tokens_per_day_is_insufficient_quota(spoke: Spoke, keys: dict[str, str],
+                                                  api: str) -> None:
+    e = _limited(spoke, keys["tpd"], api, tries=5, max_tokens=300)
+    assert e.response.headers["x-gateway-limit-tier"] == "key"
+    assert "Quota exhausted" in e.message
+    if api == "openai":
+        assert isinstance(e, openai.RateLimitError) and e.code == "insufficient_quota"
+    else:
+        assert _error_type(e) == "rate_limit_error"
 
 
 def test_spoofed_context_headers_are_replaced(spoke: Spoke, keys: dict[str, str]) -> None:

@@ -418,7 +418,8 @@ async def test_any_spelling_of_an_inference_path_gets_the_model_checks(path: str
 
 @pytest.mark.parametrize(("method", "path"), [
     ("POST", "/v1/messages/batches"), ("POST", "/v1/chat/completions/"),
-    ("GET", "/v1/chat/completions"), ("PUT", "/v1/completions"), ("POST", "/V1/CHAT/COMPLETIONS"), ("POST", "/health")])
+    ("GET", "/v1/chat/completions"), ("PUT", "/v1/completions"),
+    ("POST", "/V1/CHAT/COMPLETIONS"), ("POST", "/health")])
 async def test_unknown_routes_are_404_before_any_body_is_read_or_budget_spent(
         method: str, path: str) -> None:
     gate = Gate(policy(team_limits="{rps: 1}"))

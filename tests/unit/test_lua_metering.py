@@ -782,3 +782,36 @@ def test_the_engines_end_marker_is_published_as_done() -> None:
         ev = b'data: {"type":"' + kind + b'","response":{}}\n\n'
         assert "done" not in run_response([ev], {}).meta["llm.stream"], kind
     assert "done" not in run_response([b'data: {"content":"[DONE]"}\n\n'], {}).meta["llm.stream"]
+
+
+ANTHROPIC = [
+    b'event: message_start\ndata: {"type":"message_start","message":{"model":"m","content":[],'
+    b'"usage":{"input_tokens":5,"output_tokens":1}}}\n\n',
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+    b'"content_block":{"type":"text","text":""}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hello"}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":1,'
+    b'"delta":{"type":"thinking_delta","thinking":"hmm"}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":2,'
+    b'"delta":{"type":"input_json_delta","partial_json":"{\\"a\\":"}}\n\n',
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+    b'"usage":{"output_tokens":3}}\n\n',
+]
+MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+         b'"message":"Overloaded"}}\n\n')
+
+
+def test_anthropic_streams_count_their_deltas_end_at_message_stop_and_fail_on_error() -> None:
+    cut = run_response(ANTHROPIC, {})
+    stream = cut.meta["llm.stream"]
+    assert (stream["content_events"], stream["content_chars"]) == (3, 5 + 3 + 7)
+    assert "done" not in stream and "failed" not in stream
+    assert cut.body == b"".join(ANTHROPIC)  # never rewritten, nothing held back
+    assert run_response([*ANTHROPIC, MESSAGE_STOP], {}).meta["llm.stream"]["done"] is True
+    failed = run_response([*ANTHROPIC[:3], ERROR], {}).meta["llm.stream"]
+    assert failed["failed"] is True and "done" not in failed
+    # the nested error object's own "type" is not the event's
+    ok = b'data: {"type":"x","error":{"type":"overloaded_error"}}\n\n'
+    assert "failed" not in run_response([ok], {}).meta["llm.stream"]
