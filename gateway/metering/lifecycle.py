@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gateway import batching
+from gateway import batching, metrics
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
 from gateway.limits.types import RELEASE, VOID, Limiter, first_lease
 from gateway.log import log
-from gateway.server import metrics
 
 
 class Lifecycle:

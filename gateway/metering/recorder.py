@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import orjson
 from google.protobuf.struct_pb2 import Struct
 
+from gateway import metrics
 from gateway.errors import StoreUnavailable
 from gateway.limits.types import Orphan
 from gateway.log import log
@@ -18,7 +19,6 @@ from gateway.metering.inject import Injected, Splice
 from gateway.metering.lifecycle import Lifecycle
 from gateway.metering.meter import Meter, Result
 from gateway.metering.usage import Usage
-from gateway.server import metrics
 from gateway.sinks.spool import Spool
 
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from redis.asyncio import Redis
 
+from gateway import metrics
 from gateway.addresses import split_hostport
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
@@ -28,7 +29,6 @@ from gateway.metering.lifecycle import Lifecycle
 from gateway.metering.recorder import Recorder
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.store import PolicyStore
-from gateway.server import metrics
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.http import serve_http

@@ -15,13 +15,13 @@ from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from gateway import tracing
+from gateway import metrics, tracing
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
-from gateway.server import check_wire, metrics
+from gateway.server import check_wire
 
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
@@ -29,6 +29,19 @@ _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
 _STRIP = ("authorization", "x-api-key")
 METADATA_NS = "envoy.filters.http.ext_authz"
 SERVICE = "envoy.service.auth.v3.Authorization"
+
+_ALLOWED = metrics.DECISIONS.labels("allowed", "", "")
+_ANSWERED = metrics.DECISIONS.labels("answered", "", "")  # our own answer (GET /v1/models)
+
+
+def observe_decision(decision: Decision, seconds: float) -> None:
+    metrics.CHECK_SECONDS.observe(seconds)
+    if isinstance(decision, Deny):
+        metrics.DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
+    elif isinstance(decision, Allow):
+        _ALLOWED.inc()
+    else:
+        _ANSWERED.inc()
 
 
 def to_request(check: pb.CheckRequest) -> AuthzRequest:
@@ -203,7 +216,7 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, "cancelled by Envoy"))
                 span.end()
             raise
-        metrics.observe_decision(decision, time.perf_counter() - t0)
+        observe_decision(decision, time.perf_counter() - t0)
         if isinstance(decision, Allow) and decision.context.leased and context is not None:
             # Cancelled before our answer reached Envoy: no ext_proc stream will follow to
             # release the lease, so undo the admission now rather than at the lease TTL.

@@ -23,11 +23,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-from gateway import tracing
+from gateway import metrics, tracing
 from gateway.metering.events import UsageEvent
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder, RequestFacts
-from gateway.server import metrics
 
 AUTHZ_NS = "envoy.filters.http.ext_authz"
 ATTR_NS = "envoy.filters.http.ext_proc"
