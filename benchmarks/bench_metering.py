@@ -359,8 +359,8 @@ def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, f
     serialize the answer; then Meter.result(). Median over `repeats` streams."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+    from gateway.metering.handoff import RequestFacts
     from gateway.metering.meter import Injected, Meter
-    from gateway.metering.recorder import RequestFacts
     from gateway.server.extproc_service import RequestStream
 
     wire = [ep.ProcessingRequest(response_body=ep.HttpBody(

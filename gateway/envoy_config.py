@@ -56,6 +56,7 @@ import yaml
 from gateway import envoy_metering
 from gateway.addresses import is_ip, split_hostport
 from gateway.envoy_filters import (
+    AUTHZ_NAMESPACE,
     EXT_AUTHZ,
     EXT_PROC,
     SIDECAR_CLUSTER,
@@ -142,7 +143,7 @@ ACCESS_LOG_FORMAT = {
     "details": "%RESPONSE_CODE_DETAILS%",
     "duration_ms": "%DURATION%",
     "upstream": "%UPSTREAM_HOST%",
-    "authz": f"%DYNAMIC_METADATA({EXT_AUTHZ})%",
+    "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
     "usage": f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
 }
 

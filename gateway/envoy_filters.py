@@ -47,6 +47,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from gateway.envoy_yaml import quiet_imports
+from gateway.metering import handoff
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.core.v3 import ApiVersion, GrpcService, GrpcServiceEnvoyGrpc
@@ -63,6 +64,7 @@ with quiet_imports():
     from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
+AUTHZ_NAMESPACE = handoff.NAMESPACE  # where Envoy files the Check's metadata
 EXT_PROC = "envoy.filters.http.ext_proc"
 SIDECAR_CLUSTER = "sidecar"
 USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may write
@@ -109,7 +111,7 @@ def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
         request_attributes=["request.id", "request.path"],
         response_attributes=["request.id", "response.code"],
         metadata_options=MetadataOptions(
-            forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[EXT_AUTHZ]),
+            forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[AUTHZ_NAMESPACE]),
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[USAGE_NAMESPACE]),
         ),
     )

@@ -27,7 +27,7 @@ import warnings
 from datetime import timedelta
 
 from gateway import envoy_lua
-from gateway.envoy_filters import EXT_AUTHZ, SIDECAR_CLUSTER
+from gateway.envoy_filters import AUTHZ_NAMESPACE, SIDECAR_CLUSTER
 from gateway.envoy_yaml import quiet_imports
 
 with quiet_imports():
@@ -111,7 +111,7 @@ RECORD_ATTRIBUTES = {
     "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
     "ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     "gen_us": "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
-    "authz": f"%DYNAMIC_METADATA({EXT_AUTHZ})%",
+    "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
     "usage": f"%DYNAMIC_METADATA({USAGE_NS})%",
     "counted": f"%DYNAMIC_METADATA({STREAM_NS})%",
 }

@@ -21,13 +21,13 @@ from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
+from gateway.metering import handoff
 from gateway.server import check_wire
 
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
 _STRIP = ("authorization", "x-api-key")
-METADATA_NS = "envoy.filters.http.ext_authz"
 SERVICE = "envoy.service.auth.v3.Authorization"
 
 _ALLOWED = metrics.DECISIONS.labels("allowed", "", "")
@@ -83,7 +83,7 @@ def _set_headers(field: Any, items: Iterable[tuple[str, str]]) -> None:
         h.append_action = OVERWRITE
 
 
-def _set_metadata(md: struct_pb2.Struct, values: dict[str, str | int | bool]) -> None:
+def _set_metadata(md: struct_pb2.Struct, values: handoff.Metadata) -> None:
     fields = md.fields
     for k, v in values.items():
         if isinstance(v, str):
@@ -97,22 +97,14 @@ def _set_metadata(md: struct_pb2.Struct, values: dict[str, str | int | bool]) ->
 def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
     """The OK answer, already serialized (see check_wire: the hot path's biggest cost)."""
     c = allow.context
-    metadata: dict[str, str | int | bool] = {
-        "request_id": c.request_id, "reserved": c.reserved, "prompt_estimate": c.prompt_estimate}
-    if traceparent:
-        metadata["traceparent"] = traceparent
-    if c.splice is not None:  # applied by the Lua filter, or by ext_proc
-        sp = c.splice
-        metadata.update(splice=sp.insert.decode(), splice_at=sp.at, splice_cut=sp.cut,
-                        hide_usage=sp.injected.include_usage,
-                        hide_continuous=sp.injected.continuous)
     return check_wire.allowed(
         upstream=(("x-gateway-request-id", c.request_id),),
         # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
         remove=[*_STRIP,
                 *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
         response_headers=answers.rate_headers(allow.rate).items(),
-        metadata=metadata,
+        metadata=handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent,
+                                 c.splice),
         also=_fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased,
                     c.stream_options, c.include_usage, c.continuous_usage),
     )
@@ -126,9 +118,8 @@ def _fixed(key_id: str, team: str, model: str, endpoint: str, stream: bool, leas
     return check_wire.fixed(
         upstream=(("x-gateway-key-id", key_id), ("x-gateway-team", team),
                   ("x-gateway-model", model)),
-        metadata={"key_id": key_id, "team": team, "model": model, "stream": stream,
-                  "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
-                  "include_usage": include_usage, "continuous_usage": continuous_usage})
+        metadata=handoff.caller(key_id, team, model, endpoint, stream, leased, stream_options,
+                                include_usage, continuous_usage))
 
 
 def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckResponse:
@@ -137,12 +128,9 @@ def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckRes
     denied.status.code = deny.status  # type: ignore[assignment,unused-ignore]
     _set_headers(denied.headers, [("content-type", "application/json"), *deny.headers.items()])
     denied.body = answers.error_body(deny, req.request_id).decode()
-    metadata: dict[str, str | int | bool] = {
-        "request_id": req.request_id, "denied": deny.reason, "status": deny.status,
-        "key_id": deny.key_id, "team": deny.team, "model": deny.model, "endpoint": req.path}
-    if traceparent:
-        metadata["traceparent"] = traceparent
-    _set_metadata(resp.dynamic_metadata, metadata)
+    _set_metadata(resp.dynamic_metadata, handoff.denied(
+        req.request_id, deny.reason, deny.status, deny.key_id, deny.team, deny.model, req.path,
+        traceparent))
     return resp
 
 
@@ -155,12 +143,8 @@ def _replied(reply: Reply, req: AuthzRequest, traceparent: str = "") -> pb.Check
     local.status.code = reply.status  # type: ignore[assignment,unused-ignore]
     _set_headers(local.headers, [("content-type", "application/json")])
     local.body = reply.body.decode()
-    metadata: dict[str, str | int | bool] = {
-        "request_id": req.request_id, "key_id": reply.key_id, "team": reply.team,
-        "model": reply.model, "endpoint": req.path}
-    if traceparent:
-        metadata["traceparent"] = traceparent
-    _set_metadata(resp.dynamic_metadata, metadata)
+    _set_metadata(resp.dynamic_metadata, handoff.replied(
+        req.request_id, reply.key_id, reply.team, reply.model, req.path, traceparent))
     return resp
 
 

@@ -22,13 +22,15 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
 
 from gateway import metrics, tracing
+from gateway.metering import handoff
 from gateway.metering.events import UsageEvent
+from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
-from gateway.metering.recorder import Recorder, RequestFacts
+from gateway.metering.recorder import Recorder
 
-AUTHZ_NS = "envoy.filters.http.ext_authz"
 ATTR_NS = "envoy.filters.http.ext_proc"
 HVO = base_pb2.HeaderValueOption
 
@@ -50,6 +52,23 @@ def _echo(body: bytes, end: bool) -> ep.ProcessingResponse:
         body=body, end_of_stream=end))
     return ep.ProcessingResponse(response_body=ep.BodyResponse(
         response=ep.CommonResponse(body_mutation=mutation)))
+
+
+def _plain(md: struct_pb2.Struct | None) -> dict[str, object]:
+    """A Struct's scalar fields as Python values (the handoff reads plain values)."""
+    if md is None:
+        return {}
+    out: dict[str, object] = {}
+    for k, v in md.fields.items():
+        kind = v.WhichOneof("kind")
+        if kind in ("string_value", "bool_value", "number_value"):
+            out[k] = getattr(v, kind)
+    return out
+
+
+def _text(values: dict[str, object], key: str) -> str:
+    v = values.get(key)
+    return v if isinstance(v, str) else ""
 
 
 class RequestStream:
@@ -83,13 +102,10 @@ class RequestStream:
         return _CONTINUE[kind]
 
     def _learn(self, msg: ep.ProcessingRequest) -> None:
-        facts = RequestFacts.from_struct(msg.metadata_context.filter_metadata.get(AUTHZ_NS))
-        attrs = msg.attributes.get(ATTR_NS)
-        if attrs is not None:
-            if not facts.request_id:
-                facts.request_id = attrs.fields["request.id"].string_value
-            if not facts.endpoint:
-                facts.endpoint = attrs.fields["request.path"].string_value.partition("?")[0]
+        attrs = _plain(msg.attributes.get(ATTR_NS))
+        facts = handoff.read(
+            _plain(msg.metadata_context.filter_metadata.get(handoff.NAMESPACE)),
+            _text(attrs, "request.path"), _text(attrs, "request.id"))
         self.facts = facts
         self.meter = Meter(endpoint=facts.endpoint, stream=facts.stream,
                            prompt_estimate=facts.prompt_estimate)
