@@ -8,21 +8,21 @@ from collections.abc import Callable
 
 from gateway import metrics
 from gateway.errors import StoreUnavailable
+from gateway.limits.leases import Leases
 from gateway.limits.types import Orphan
 from gateway.log import log
 from gateway.metering.events import UsageEvent, event_json, rfc3339
 from gateway.metering.handoff import RequestFacts, orphan_facts
-from gateway.metering.lifecycle import Lifecycle
 from gateway.metering.meter import Meter, Result
 from gateway.metering.usage import Usage
 from gateway.sinks.spool import Spool
 
 
 class Recorder:
-    def __init__(self, spool: Spool, spoke: str, lifecycle: Lifecycle) -> None:
+    def __init__(self, spool: Spool, spoke: str, leases: Leases) -> None:
         self.spool = spool
         self.spoke = spoke
-        self.lifecycle = lifecycle
+        self.leases = leases
 
     async def run_sweeper(self, interval: float, grace: float = 0.0) -> None:
         """Give every orphaned request (its sidecar died mid-request) its one event, once
@@ -30,7 +30,7 @@ class Recorder:
         while True:
             await asyncio.sleep(interval)
             try:
-                for o in await self.lifecycle.limiter.sweep(time.time() - grace):
+                for o in await self.leases.limiter.sweep(time.time() - grace):
                     self.orphan(o)
             except StoreUnavailable:
                 continue
@@ -48,7 +48,7 @@ class Recorder:
     def _settlement(self, facts: RequestFacts, tokens: int) -> Callable[[], None] | None:
         if not facts.leased:
             return None
-        return lambda: self.lifecycle.settle(facts.request_id, tokens)
+        return lambda: self.leases.settle(facts.request_id, tokens)
 
     def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float,
                source: str | None = None) -> UsageEvent:
@@ -64,7 +64,7 @@ class Recorder:
         """The event, into the spool; the leases freed now, the reservation settled once the
         event is durable. Both metering sources end here."""
         if facts.leased:
-            self.lifecycle.release(facts.request_id)
+            self.leases.release(facts.request_id)
         seq = self.spool.next_seq()
         event = UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,

@@ -165,7 +165,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 response = stream.handle(msg)
                 if first and stream.facts:
                     if stream.facts.leased:
-                        self.recorder.lifecycle.begin(stream.facts.request_id)
+                        self.recorder.leases.begin(stream.facts.request_id)
                     if self.tracing is not None:
                         tp, ts = tracing.trace_context(
                             context.invocation_metadata(), stream.facts.traceparent)

@@ -82,5 +82,5 @@ class RecordsService(ls_grpc.LogsServiceServicer):
             # Envoy answered itself: perhaps the Check never came back (a sidecar killed
             # mid-Check), having committed an admission nobody will use: void it now rather
             # than leave it to the orphan sweep (a no-op when there is none).
-            self.recorder.lifecycle.void(rec.request_id)
+            self.recorder.leases.void(rec.request_id)
         return event.seq

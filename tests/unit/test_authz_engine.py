@@ -464,7 +464,7 @@ async def test_a_concurrency_denial_waits_for_ends_on_their_way() -> None:
 
     async def ends_settled(timeout: float) -> None:
         waits.append(timeout)
-        await lim.settle("first", 0, NOW)  # the release lands meanwhile
+        await lim.settle("first", 0)  # the release lands meanwhile
 
     authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
                        AdmissionSettings(concurrency_grace_s=0.1), ends_settled=ends_settled)
