@@ -14,16 +14,14 @@ import prometheus_client
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-from redis.asyncio import Redis
 
-from gateway import metrics
+from gateway import metrics, redis_clients
 from gateway.addresses import split_hostport
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
 from gateway.limits.leases import Leases
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
-from gateway.limits.resp import RespClient
 from gateway.limits.types import Limiter
 from gateway.log import log
 from gateway.metering.recorder import Recorder
@@ -39,13 +37,6 @@ from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool, choose_instance, orphans
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
-
-
-def redis_client(url: str, deadline: float) -> Redis:
-    # Socket timeouts bound a stalled Redis; the admission deadline is the limiter's.
-    return Redis.from_url(url, socket_timeout=max(deadline * 4, 1.0),
-                          socket_connect_timeout=max(deadline * 2, 0.5),
-                          health_check_interval=0)
 
 
 @dataclass
@@ -77,11 +68,10 @@ class App:
         else:
             assert s.redis_url
             deadline = s.redis_deadline_ms / 1000
-            self.limiter = RedisLimiter(RespClient(
-                s.redis_url, timeout=max(deadline * 4, 1.0),
-                connect_timeout=max(deadline * 2, 0.5)), s.lease_ttl_s, s.lease_start_ttl_s,
-                deadline, orphan_grace=s.orphan_grace_s)
-            store = PolicyStore(redis_client(s.redis_url, deadline))
+            self.limiter = RedisLimiter(
+                redis_clients.limiter_client(s.redis_url, deadline), s.lease_ttl_s,
+                s.lease_start_ttl_s, deadline, orphan_grace=s.orphan_grace_s)
+            store = PolicyStore(redis_clients.policy_client(s.redis_url, deadline))
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
         self.sync.start()
