@@ -191,7 +191,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from gateway.envoy_config import EnvoyPorts, render
+    from gateway.envoyconf.bootstrap import EnvoyPorts, render
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
                                        engine=args.engine, admin=args.admin, otlp=args.otlp),
                             metering=args.metering))

@@ -4,7 +4,7 @@ The Check's verdict reaches metering three ways, all through this module: as Env
 metadata (a Struct under `NAMESPACE`, forwarded on every ext_proc message), as the same
 Struct rendered to JSON in Envoy's per-request record, and, for an admission nobody
 settled, as the `meta` string the limiter stores with it (read back by the orphan sweep).
-The Lua filter (gateway/envoy_lua/metering.lua) reads the splice keys under the same names.
+The Lua filter (gateway/envoyconf/lua/metering.lua) reads the splice keys under the same names.
 Writer and readers share the key names here, so they cannot drift apart.
 """
 

@@ -1,7 +1,7 @@
 """Envoy's one record per request (GATEWAY_METERING=envoy), read into the facts of its event.
 
 Sans-I/O: the logs service hands over the record's attributes, as the access-log formatter
-rendered them (gateway/envoy_metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
+rendered them (gateway/envoyconf/metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
 metadata namespaces as JSON). What ext_proc learns chunk by chunk, Envoy's filters have
 put in the record: usage from sse_to_metadata / json_to_metadata, content counters from
 the Lua filter, the status, the response flags and the timings.

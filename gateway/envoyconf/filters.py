@@ -1,7 +1,7 @@
 """The sidecar's two HTTP filters (ext_authz, ext_proc) and the gRPC service they call.
 
 Why each setting that differs from Envoy's default (the rest of the bootstrap is explained
-in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy.md):
+in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
 
 * **Fail closed everywhere.** Both filters say `failure_mode_allow: false` (the default,
   spelled out because it is the security property) and `status_on_error: 503`: a sidecar
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from gateway.envoy_yaml import quiet_imports
+from gateway.envoyconf.plain import quiet_imports
 from gateway.metering import handoff
 
 with quiet_imports():
