@@ -334,7 +334,7 @@ async def test_store_past_the_deadline_fails_closed_and_voids_the_admission() ->
     gate = Gate(policy(key_limits="{rps: 100}"), LateLimiter())
     d = denied(await gate.check(chat()), 503, "service_unavailable")
     assert "timed out" in d.message
-    assert len(gate.abandoned) == 1  # it may commit later: the lifecycle voids it
+    assert len(gate.abandoned) == 1  # it may commit later: the leases void it
 
 
 async def test_no_policy_denies_everything() -> None:
