@@ -25,6 +25,7 @@ unit: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check gateway tests benchmarks
 	$(BIN)/mypy gateway
+	$(BIN)/lint-imports
 
 protos: $(STAMP)
 	$(BIN)/python -m gateway.protos_build

@@ -55,7 +55,7 @@ from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.otlp_receiver import Receiver, otlp_receiver
 from gateway.dev.procs import Service, free_port, redis_service
 from gateway.dev.stack import Spoke, sidecar_service
-from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+from gateway.envoyconf.bootstrap import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
 from gateway.policy import secrets
 from gateway.policy.admin import RedisBackend, apply
 from gateway.policy.store import PolicyStore

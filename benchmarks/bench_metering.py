@@ -5,7 +5,7 @@ the sidecar (ext_authz + ext_proc FULL_DUPLEX_STREAMED, spool, Kafka) vs plain E
 
 Two paths to one mock engine, measured in one run:
 * `metered`: the whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
-  Envoy from gateway.envoy_config.render);
+  Envoy from gateway.envoyconf.bootstrap.render);
 * `plain`: a second Envoy rendered from the same config with the ext_authz and ext_proc
   http_filters deleted.
 
@@ -66,7 +66,7 @@ from redis.asyncio import Redis
 from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import Service, free_port
 from gateway.dev.stack import Spoke
-from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+from gateway.envoyconf.bootstrap import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
 from gateway.policy import secrets
 from gateway.policy.admin import RedisBackend, apply
 from gateway.policy.store import PolicyStore
@@ -359,8 +359,8 @@ def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, f
     serialize the answer; then Meter.result(). Median over `repeats` streams."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+    from gateway.metering.handoff import RequestFacts
     from gateway.metering.meter import Injected, Meter
-    from gateway.metering.recorder import RequestFacts
     from gateway.server.extproc_service import RequestStream
 
     wire = [ep.ProcessingRequest(response_body=ep.HttpBody(

@@ -53,8 +53,9 @@ from typing import Any
 from common import git_state, markdown_table
 
 from gateway.dev.procs import Service, free_port, tansu_service
+from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
-from gateway.metering.recorder import Recorder, RequestFacts
+from gateway.metering.recorder import Recorder
 from gateway.metering.usage import Usage
 from gateway.sinks.producers import KafkaProducer, Record
 from gateway.sinks.shipper import Shipper

@@ -37,10 +37,9 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 def _backend(s: Settings) -> Any:
     from gateway.policy.admin import FileBackend, RedisBackend
     if s.redis_url:
-        from redis.asyncio import Redis
-
         from gateway.policy.store import PolicyStore
-        return RedisBackend(PolicyStore(Redis.from_url(s.redis_url)))
+        from gateway.redis_clients import policy_client
+        return RedisBackend(PolicyStore(policy_client(s.redis_url, s.redis_deadline_ms / 1000)))
     if s.policy_file:
         return FileBackend(s.policy_file)
     raise SystemExit("set GATEWAY_REDIS_URL (spoke) or GATEWAY_POLICY_FILE (embedded)")
@@ -116,12 +115,11 @@ def cmd_policy_status(args: argparse.Namespace) -> int:
         rev, _ = _run_value(_backend(s).read())
         print(f"embedded mode: {s.policy_file} revision {rev} (no per-instance status)")
         return 0
-    from redis.asyncio import Redis
-
     from gateway.policy.store import PolicyStore
+    from gateway.redis_clients import policy_client
 
     async def fetch() -> tuple[int, dict[str, dict[str, Any]]]:
-        store = PolicyStore(Redis.from_url(s.redis_url or ""))
+        store = PolicyStore(policy_client(s.redis_url or "", s.redis_deadline_ms / 1000))
         return await store.current_revision(), await store.statuses()
 
     current, rows = _run_value(fetch())
@@ -193,7 +191,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
-    from gateway.envoy_config import EnvoyPorts, render
+    from gateway.envoyconf.bootstrap import EnvoyPorts, render
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
                                        engine=args.engine, admin=args.admin, otlp=args.otlp),
                             metering=args.metering))

@@ -1,12 +1,22 @@
-"""The gateway's exceptions, modelled once at each boundary.
+"""Every exception the gateway raises, in one tree (a second base, in brackets, keeps the
+stdlib's meaning for callers that catch that).
 
     GatewayError
      ├── PolicyError        an invalid policy document; carries the path of each problem
      ├── StoreUnavailable   the limiter/policy store (Redis) is down or slower than the deadline
      │    └── StoreTimeout  ... slower: the store may still commit what it was asked
      ├── BodyError          a request body that is not the JSON the endpoint expects
-     └── PathError          a request path no engine should see (not absolute, bad encoding)
+     ├── PathError          a request path no engine should see (not absolute, bad encoding)
+     ├── RedisGone          [ConnectionError] the limiter's connection failed or timed out
+     ├── RedisReplyError    Redis answered one command with an error reply
+     ├── RevisionConflict   the policy revision moved while it was being edited
+     ├── ApplyRefused       [ValueError] `policy apply` would do harm nobody asked for
+     ├── SinkUnavailable    not delivered to Kafka/JSONL: try again later
+     ├── SpoolLocked        the spool directory belongs to a live instance
+     └── ReportError        [ValueError] a usage report that cannot be answered
 
+The limiter turns RedisGone/RedisReplyError into StoreUnavailable at its edge. The dev
+harness (gateway/dev) keeps its own: ServiceError, mock_tokens.RequestError, mock_engine.Died.
 A denial is not an exception: it is a value (`gateway.authz.decision.Deny`).
 """
 
@@ -40,3 +50,31 @@ class BodyError(GatewayError):
 
 class PathError(GatewayError):
     pass
+
+
+class RedisGone(GatewayError, ConnectionError):
+    """The connection failed, timed out or could not be made."""
+
+
+class RedisReplyError(GatewayError):
+    """Redis answered this command with an error reply."""
+
+
+class RevisionConflict(GatewayError):
+    pass
+
+
+class ApplyRefused(GatewayError, ValueError):
+    """`policy apply` would do harm the operator did not ask for; nothing was published."""
+
+
+class SinkUnavailable(GatewayError):
+    pass
+
+
+class SpoolLocked(GatewayError):
+    pass
+
+
+class ReportError(GatewayError, ValueError):
+    """A request for a report that cannot be answered (a bad date, an empty database)."""

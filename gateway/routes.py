@@ -3,7 +3,7 @@
 No side door (DESIGN §6): the sidecar must judge a request by what the *engine* will make
 of it, not by how the client spelled it. Engines behind uvicorn/Starlette percent-decode
 the path before routing, so `/v1/chat/%63ompletions` is a chat completion to them. Envoy
-is configured to hand over one canonical path (gateway/envoy_config.py), and the sidecar
+is configured to hand over one canonical path (gateway/envoyconf/bootstrap.py), and the sidecar
 canonicalizes again here, so an Envoy without those settings (a managed gateway) or the
 embedded mode is no weaker.
 

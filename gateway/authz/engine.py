@@ -12,8 +12,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
-import orjson
-
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Context, Decision, Deny, Reply
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
@@ -21,7 +19,7 @@ from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.errors import BodyError, PathError, StoreTimeout, StoreUnavailable
 from gateway.limits.types import CONCURRENCY, AdmitRequest, Limiter, Verdict
-from gateway.metering import inject
+from gateway.metering import handoff, inject
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
 from gateway.routes import Kind, canonical_path, route
@@ -110,8 +108,8 @@ class Authorizer:
             try:
                 verdict = await self._admit(AdmitRequest(
                     req.request_id, tiers, reserve, now,
-                    meta=orjson.dumps([key.key_id, key.team, facts.model or "", path,
-                                       facts.stream]).decode()))
+                    meta=handoff.orphan_meta(key.key_id, key.team, facts.model or "", path,
+                                             facts.stream)))
             except StoreUnavailable as exc:
                 if isinstance(exc, StoreTimeout):
                     self.abandon(req.request_id)  # it may still commit: undo it

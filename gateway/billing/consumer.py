@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaConsumer
 
 from gateway.billing.db import UsageDb
 from gateway.log import log
-from gateway.metering.events import from_json
+from gateway.sinks.usage_proto import from_json
 
 
 def _consumer(bootstrap: str, topic: str, group: str | None) -> AIOKafkaConsumer:

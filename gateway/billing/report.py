@@ -15,13 +15,10 @@ from datetime import UTC, date, datetime
 import orjson
 
 from gateway.billing.db import UsageDb
+from gateway.errors import ReportError
 
 OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
 GROUPS = {"team": "team", "key": "key_id", "model": "model"}
-
-
-class ReportError(ValueError):
-    """A request for a report that cannot be answered (a bad date, an empty database)."""
 
 
 @dataclass(frozen=True)

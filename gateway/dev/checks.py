@@ -17,7 +17,7 @@ def check_request(
     extra_headers: dict[str, str] | None = None,
     request_id: str | None = None,
 ) -> pb.CheckRequest:
-    # Only what Envoy forwards under the ext_authz filter's allowed_headers (envoy_filters):
+    # Only what Envoy forwards under the ext_authz filter's allowed_headers (envoyconf/filters.py):
     # the key headers, the request id, x-gateway-* and Envoy's own partial-body flag.
     # Method, path and host arrive in their own fields, not as pseudo-headers.
     headers = {

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import Service, free_port, redis_service, tansu_service
-from gateway.envoy_config import EnvoyPorts, render
+from gateway.envoyconf.bootstrap import EnvoyPorts, render
 from gateway.settings import DEFAULT_METERING, Metering
 
 LOOP = "127.0.0.1"

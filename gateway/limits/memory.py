@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.limits import maths
 from gateway.limits.tightest import Tightest
 from gateway.limits.types import (
     CONCURRENCY,
-    RELEASE,
     RPS,
     TPD,
     TPM,
     TPMO,
     AdmitRequest,
+    Ending,
+    Limiter,
     Orphan,
     RateInfo,
+    Release,
+    Settle,
     Verdict,
     first_lease,
 )
@@ -32,7 +36,7 @@ class _Held:
 
 
 @dataclass
-class MemoryLimiter:
+class MemoryLimiter(Limiter):
     lease_ttl: float = 60.0
     start_ttl: float | None = None  # the first lease, until renewed (default: lease_ttl)
     tat: dict[str, float] = field(default_factory=dict)
@@ -121,25 +125,27 @@ class MemoryLimiter:
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
         return Verdict(True, rate=rate, leased=leased)
 
-    async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
-        if actual_tokens == RELEASE:
-            held = self.held.get(request_id)
-            for key in held.lease_keys if held else []:
-                self.leases.get(key, {}).pop(request_id, None)
-            return
+    async def end_many(self, ends: Sequence[Ending]) -> None:
+        for end in ends:
+            if isinstance(end, Release):
+                held = self.held.get(end.request_id)
+                for key in held.lease_keys if held else []:
+                    self.leases.get(key, {}).pop(end.request_id, None)
+            elif isinstance(end, Settle):
+                self._settle(end.request_id, end.actual_tokens)
+            else:  # Void: one process, so no admission can commit after its void
+                self._settle(end.request_id, 0)
+
+    def _settle(self, request_id: str, actual_tokens: int | None) -> None:
         held = self.held.pop(request_id, None)
         if held is None:
             return
         for key in held.lease_keys:
             self.leases.get(key, {}).pop(request_id, None)
         if actual_tokens is not None:
-            delta = max(actual_tokens, 0) - held.reserved  # VOID (-2) charges nothing
+            delta = max(actual_tokens, 0) - held.reserved
             for wk in held.token_keys:
                 self.tokens[wk] = max(0.0, self.tokens.get(wk, 0) + delta)
-
-    async def settle_many(self, items: list[tuple[str, int | None]]) -> None:
-        for rid, actual in items:
-            await self.settle(rid, actual, 0.0)
 
     async def renew(self, request_ids: list[str], now: float) -> list[str]:
         gone = []

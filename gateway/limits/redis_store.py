@@ -8,6 +8,7 @@ lone request never waits. Every Redis failure becomes StoreUnavailable here, onc
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
@@ -18,9 +19,13 @@ from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.types import (
     LIMIT_CODES,
     AdmitRequest,
+    Ending,
+    Limiter,
     Orphan,
     RateInfo,
+    Release,
     Verdict,
+    Void,
     first_lease,
 )
 from gateway.policy.model import TierLimit
@@ -41,7 +46,16 @@ def _none(v: int) -> int | None:
     return None if v < 0 else v
 
 
-class RedisLimiter:
+def _settle_code(end: Ending) -> int:
+    """settle.lua's `actual_tokens`: a count, -1 keep the reservation, -2 void, -3 release."""
+    if isinstance(end, Release):
+        return -3
+    if isinstance(end, Void):
+        return -2
+    return -1 if end.actual_tokens is None else max(end.actual_tokens, 0)
+
+
+class RedisLimiter(Limiter):
     def __init__(self, redis: RespClient, lease_ttl: float = 60.0,
                  start_ttl: float | None = None, deadline: float = 0.25,
                  orphan_grace: float = 0.0) -> None:
@@ -138,13 +152,10 @@ class RedisLimiter:
         value = getattr(tier.spec, limit) if limit else None
         return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate)
 
-    async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
-        await self.settle_many([(request_id, actual_tokens)])
-
-    async def settle_many(self, items: list[tuple[str, int | None]]) -> None:
-        args: list[Any] = [len(items)]
-        for rid, actual in items:
-            args += [rid, -1 if actual is None else actual]
+    async def end_many(self, ends: Sequence[Ending]) -> None:
+        args: list[Any] = [len(ends)]
+        for end in ends:
+            args += [end.request_id, _settle_code(end)]
         try:
             await self._settle(*args)
         except REDIS_ERRORS as exc:

@@ -22,13 +22,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import hiredis
 
-
-class RedisGone(ConnectionError):
-    """The connection failed, timed out or could not be made."""
-
-
-class RedisReplyError(Exception):
-    """Redis answered this command with an error reply."""
+from gateway.errors import RedisGone, RedisReplyError
 
 
 class _Connection(asyncio.Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -12,8 +13,6 @@ RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "t
     "tokens_per_month"
 VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
 LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED)
-VOID = -2  # `actual_tokens` that voids an admission (see settle.lua)
-RELEASE = -3  # `actual_tokens` that only frees the concurrency slots (see settle.lua)
 
 
 def first_lease(lease_ttl: float, start_ttl: float | None) -> float:
@@ -67,6 +66,34 @@ class Verdict:
 ALLOW_UNLIMITED = Verdict(True)
 
 
+# How an admission ends: what `Limiter.end_many` is given, in order, one store call a batch.
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The response ended: free its concurrency slots now (its settlement follows)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Free what is still held and replace the reservation with `actual_tokens` (None =
+    unknown: keep the reservation). Idempotent: a second settlement changes nothing."""
+
+    request_id: str
+    actual_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Void:
+    """Undo an admission whose caller gave up waiting: whatever the store committed, or
+    commits later, is released and charged nothing."""
+
+    request_id: str
+
+
+Ending = Release | Settle | Void
+
+
 class Limiter(Protocol):
     """Admission store. Redis for a spoke, in-process for the embedded mode.
 
@@ -78,14 +105,18 @@ class Limiter(Protocol):
 
     async def admit(self, req: AdmitRequest) -> Verdict: ...
 
-    async def settle(self, request_id: str, actual_tokens: int | None, now: float) -> None:
-        """Release the request's leases; replace its reservation with `actual_tokens`
-        (None = unknown: keep the reservation). Idempotent: a second call does nothing."""
+    async def end_many(self, ends: Sequence[Ending]) -> None:
+        """Apply several endings, in order, in one store call."""
         ...
 
-    async def settle_many(self, items: list[tuple[str, int | None]]) -> None:
-        """`settle` for several requests in one store call."""
-        ...
+    async def release(self, request_id: str) -> None:
+        await self.end_many([Release(request_id)])
+
+    async def settle(self, request_id: str, actual_tokens: int | None) -> None:
+        await self.end_many([Settle(request_id, actual_tokens)])
+
+    async def void(self, request_id: str) -> None:
+        await self.end_many([Void(request_id)])
 
     async def renew(self, request_ids: list[str], now: float) -> list[str]:
         """Extend the leases of requests still streaming; return those that hold nothing

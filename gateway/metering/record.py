@@ -1,7 +1,7 @@
 """Envoy's one record per request (GATEWAY_METERING=envoy), read into the facts of its event.
 
 Sans-I/O: the logs service hands over the record's attributes, as the access-log formatter
-rendered them (gateway/envoy_metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
+rendered them (gateway/envoyconf/metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
 metadata namespaces as JSON). What ext_proc learns chunk by chunk, Envoy's filters have
 put in the record: usage from sse_to_metadata / json_to_metadata, content counters from
 the Lua filter, the status, the response flags and the timings.
@@ -16,8 +16,9 @@ from typing import Any
 import orjson
 
 from gateway.endpoints import Reader, reader_of
+from gateway.metering import handoff
+from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Result
-from gateway.metering.recorder import RequestFacts
 from gateway.metering.usage import Usage
 
 # %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
@@ -62,28 +63,13 @@ def _int(v: Any) -> int:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
 
 
-def facts_of(authz: dict[str, Any], path: str, rid: str) -> RequestFacts:
-    """The Check's decision, as ext_authz wrote it (the only context trusted)."""
-    def text(k: str) -> str:
-        v = authz.get(k)
-        return v if isinstance(v, str) else ""
-
-    return RequestFacts(
-        request_id=text("request_id") or rid, key_id=text("key_id"), team=text("team"),
-        model=text("model"), endpoint=text("endpoint") or path.partition("?")[0],
-        stream=authz.get("stream") is True, leased=authz.get("leased") is True,
-        prompt_estimate=_int(authz.get("prompt_estimate")),
-        denied_status=_int(authz.get("status")) if "denied" in authz else 0,
-        traceparent=text("traceparent"))
-
-
 def read(attrs: dict[str, str]) -> Record | None:
     """One record; None if it names no request (nothing to bill it to)."""
     rid = attrs.get("rid", "-")
     if not rid or rid == "-":
         return None
     authz = _json(attrs.get("authz"))
-    facts = facts_of(authz, attrs.get("path", ""), rid)
+    facts = handoff.read(authz, attrs.get("path", ""), rid)
     status = int(_num(attrs.get("code")) or 0)
     flags = set((attrs.get("flags") or "-").split(","))
     counted = _json(attrs.get("counted"))

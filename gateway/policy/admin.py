@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.errors import ApplyRefused
 from gateway.policy import secrets
 from gateway.policy.loader import dump_yaml, parse_doc, to_data
 from gateway.policy.schema import PolicyDoc
@@ -85,10 +86,6 @@ class NewKey:
     key_id: str
     secret: str
     revision: int
-
-
-class ApplyRefused(ValueError):
-    """`policy apply` would do harm the operator did not ask for; nothing was published."""
 
 
 @dataclass(frozen=True)

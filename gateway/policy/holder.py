@@ -14,12 +14,12 @@ from pathlib import Path
 
 from redis import exceptions as redis_errors
 
+from gateway import metrics
 from gateway.errors import PolicyError
 from gateway.log import log
 from gateway.policy import loader
 from gateway.policy.model import Policy
 from gateway.policy.store import ANNOUNCE, PolicyStore
-from gateway.server import metrics
 
 _REDIS_DOWN = (redis_errors.RedisError, OSError, TimeoutError)
 

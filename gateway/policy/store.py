@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from gateway.errors import RevisionConflict
 from gateway.policy.loader import parse_doc, to_data
 from gateway.policy.schema import PolicyDoc
 
@@ -32,10 +33,6 @@ redis.call('HSET', KEYS[1], 'revision', new, 'doc', ARGV[2])
 redis.call('PUBLISH', KEYS[2], new)
 return {new, cur}
 """
-
-
-class RevisionConflict(Exception):
-    pass
 
 
 @dataclass(frozen=True)

@@ -14,21 +14,19 @@ import prometheus_client
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-from redis.asyncio import Redis
 
+from gateway import metrics, redis_clients
 from gateway.addresses import split_hostport
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
+from gateway.limits.leases import Leases
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
-from gateway.limits.resp import RespClient
 from gateway.limits.types import Limiter
 from gateway.log import log
-from gateway.metering.lifecycle import Lifecycle
 from gateway.metering.recorder import Recorder
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.store import PolicyStore
-from gateway.server import metrics
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.http import serve_http
@@ -41,13 +39,6 @@ from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 
 
-def redis_client(url: str, deadline: float) -> Redis:
-    # Socket timeouts bound a stalled Redis; the admission deadline is the limiter's.
-    return Redis.from_url(url, socket_timeout=max(deadline * 4, 1.0),
-                          socket_connect_timeout=max(deadline * 2, 0.5),
-                          health_check_interval=0)
-
-
 @dataclass
 class App:
     settings: Settings
@@ -55,7 +46,7 @@ class App:
     holder: PolicyHolder = field(default_factory=PolicyHolder)
     limiter: Limiter | None = None
     sync: RedisPolicySync | FilePolicySync | None = None
-    lifecycle: Lifecycle | None = None
+    leases: Leases | None = None
     server: grpc.aio.Server | None = None
     http: asyncio.Server | None = None
     health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
@@ -77,27 +68,26 @@ class App:
         else:
             assert s.redis_url
             deadline = s.redis_deadline_ms / 1000
-            self.limiter = RedisLimiter(RespClient(
-                s.redis_url, timeout=max(deadline * 4, 1.0),
-                connect_timeout=max(deadline * 2, 0.5)), s.lease_ttl_s, s.lease_start_ttl_s,
-                deadline, orphan_grace=s.orphan_grace_s)
-            store = PolicyStore(redis_client(s.redis_url, deadline))
+            self.limiter = RedisLimiter(
+                redis_clients.limiter_client(s.redis_url, deadline), s.lease_ttl_s,
+                s.lease_start_ttl_s, deadline, orphan_grace=s.orphan_grace_s)
+            store = PolicyStore(redis_clients.policy_client(s.redis_url, deadline))
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
         self.sync.start()
-        self.lifecycle = Lifecycle(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s)
-        self.lifecycle.start()
-        recorder = self._start_usage_pipeline(self.lifecycle)
+        self.leases = Leases(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s)
+        self.leases.start()
+        recorder = self._start_usage_pipeline(self.leases)
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
             default_completion_tokens=s.default_completion_tokens,
             reserve_cap=s.reserve_cap_tokens,
             continuous_models=s.continuous_models,
             concurrency_grace_s=s.concurrency_grace_s,
-        ), on_abandoned=self.lifecycle.void,
+        ), on_abandoned=self.leases.void,
             # Envoy-fed metering has no stream in the sidecar to renew a lease from: the
             # admitting instance renews it until the request's record arrives.
-            on_admitted=self.lifecycle.begin if s.metering == "envoy" else None,
-            ends_settled=self.lifecycle.next_flush)
+            on_admitted=self.leases.begin if s.metering == "envoy" else None,
+            ends_settled=self.leases.next_flush)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -124,7 +114,7 @@ class App:
                  mode="embedded" if s.embedded else "redis",
                  revision=self.holder.policy.revision if self.holder.policy else None)
 
-    def _start_usage_pipeline(self, lifecycle: Lifecycle) -> Recorder:
+    def _start_usage_pipeline(self, leases: Leases) -> Recorder:
         """Spool (ours, plus any a dead instance left behind) → shipper → Kafka or JSONL."""
         s = self.settings
         self.spool = Spool(s.spool_dir, self.instance_id).open()
@@ -140,7 +130,7 @@ class App:
         if len(spools) > 1:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
-        recorder = Recorder(self.spool, s.spoke, lifecycle)
+        recorder = Recorder(self.spool, s.spoke, leases)
         self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3,
                                                                     s.orphan_grace_s)))
         return recorder
@@ -197,8 +187,8 @@ class App:
             await self.server.stop(grace)
         if self.spool:
             await self.spool.commit()  # events reach the disk, and queue their settlements,
-        if self.lifecycle:
-            await self.lifecycle.stop()  # ... which are flushed here
+        if self.leases:
+            await self.leases.stop()  # ... which are flushed here
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -15,21 +15,34 @@ from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from google.rpc import code_pb2, status_pb2
 
-from gateway import tracing
+from gateway import metrics, tracing
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.endpoints import api_of
 from gateway.log import log
-from gateway.server import check_wire, metrics
+from gateway.metering import handoff
+from gateway.server import check_wire
 
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
 _STRIP = ("authorization", "x-api-key")
-METADATA_NS = "envoy.filters.http.ext_authz"
 SERVICE = "envoy.service.auth.v3.Authorization"
+
+_ALLOWED = metrics.DECISIONS.labels("allowed", "", "")
+_ANSWERED = metrics.DECISIONS.labels("answered", "", "")  # our own answer (GET /v1/models)
+
+
+def observe_decision(decision: Decision, seconds: float) -> None:
+    metrics.CHECK_SECONDS.observe(seconds)
+    if isinstance(decision, Deny):
+        metrics.DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
+    elif isinstance(decision, Allow):
+        _ALLOWED.inc()
+    else:
+        _ANSWERED.inc()
 
 
 def to_request(check: pb.CheckRequest) -> AuthzRequest:
@@ -71,7 +84,7 @@ def _set_headers(field: Any, items: Iterable[tuple[str, str]]) -> None:
         h.append_action = OVERWRITE
 
 
-def _set_metadata(md: struct_pb2.Struct, values: dict[str, str | int | bool]) -> None:
+def _set_metadata(md: struct_pb2.Struct, values: handoff.Metadata) -> None:
     fields = md.fields
     for k, v in values.items():
         if isinstance(v, str):
@@ -85,22 +98,14 @@ def _set_metadata(md: struct_pb2.Struct, values: dict[str, str | int | bool]) ->
 def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
     """The OK answer, already serialized (see check_wire: the hot path's biggest cost)."""
     c = allow.context
-    metadata: dict[str, str | int | bool] = {
-        "request_id": c.request_id, "reserved": c.reserved, "prompt_estimate": c.prompt_estimate}
-    if traceparent:
-        metadata["traceparent"] = traceparent
-    if c.splice is not None:  # applied by the Lua filter, or by ext_proc
-        sp = c.splice
-        metadata.update(splice=sp.insert.decode(), splice_at=sp.at, splice_cut=sp.cut,
-                        hide_usage=sp.injected.include_usage,
-                        hide_continuous=sp.injected.continuous)
     return check_wire.allowed(
         upstream=(("x-gateway-request-id", c.request_id),),
         # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
         remove=[*_STRIP,
                 *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
         response_headers=answers.allowed_headers(allow.rate, api_of(c.endpoint)).items(),
-        metadata=metadata,
+        metadata=handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent,
+                                 c.splice),
         also=_fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased,
                     c.stream_options, c.include_usage, c.continuous_usage),
     )
@@ -114,9 +119,8 @@ def _fixed(key_id: str, team: str, model: str, endpoint: str, stream: bool, leas
     return check_wire.fixed(
         upstream=(("x-gateway-key-id", key_id), ("x-gateway-team", team),
                   ("x-gateway-model", model)),
-        metadata={"key_id": key_id, "team": team, "model": model, "stream": stream,
-                  "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
-                  "include_usage": include_usage, "continuous_usage": continuous_usage})
+        metadata=handoff.caller(key_id, team, model, endpoint, stream, leased, stream_options,
+                                include_usage, continuous_usage))
 
 
 def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckResponse:
@@ -126,12 +130,9 @@ def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckRes
     _set_headers(denied.headers, [("content-type", "application/json"),
                                   *answers.denial_headers(deny).items()])
     denied.body = answers.error_body(deny, req.request_id).decode()
-    metadata: dict[str, str | int | bool] = {
-        "request_id": req.request_id, "denied": deny.reason, "status": deny.status,
-        "key_id": deny.key_id, "team": deny.team, "model": deny.model, "endpoint": req.path}
-    if traceparent:
-        metadata["traceparent"] = traceparent
-    _set_metadata(resp.dynamic_metadata, metadata)
+    _set_metadata(resp.dynamic_metadata, handoff.denied(
+        req.request_id, deny.reason, deny.status, deny.key_id, deny.team, deny.model, req.path,
+        traceparent))
     return resp
 
 
@@ -144,12 +145,8 @@ def _replied(reply: Reply, req: AuthzRequest, traceparent: str = "") -> pb.Check
     local.status.code = reply.status  # type: ignore[assignment,unused-ignore]
     _set_headers(local.headers, [("content-type", "application/json")])
     local.body = reply.body.decode()
-    metadata: dict[str, str | int | bool] = {
-        "request_id": req.request_id, "key_id": reply.key_id, "team": reply.team,
-        "model": reply.model, "endpoint": req.path}
-    if traceparent:
-        metadata["traceparent"] = traceparent
-    _set_metadata(resp.dynamic_metadata, metadata)
+    _set_metadata(resp.dynamic_metadata, handoff.replied(
+        req.request_id, reply.key_id, reply.team, reply.model, req.path, traceparent))
     return resp
 
 
@@ -205,7 +202,7 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
                 span.set_status(tracing.Status(tracing.StatusCode.ERROR, "cancelled by Envoy"))
                 span.end()
             raise
-        metrics.observe_decision(decision, time.perf_counter() - t0)
+        observe_decision(decision, time.perf_counter() - t0)
         if isinstance(decision, Allow) and decision.context.leased and context is not None:
             # Cancelled before our answer reached Envoy: no ext_proc stream will follow to
             # release the lease, so undo the admission now rather than at the lease TTL.

@@ -15,21 +15,21 @@ reset just ends the gRPC stream, so the event is emitted in `finally`, without a
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf import struct_pb2
 
-from gateway import tracing
+from gateway import metrics, tracing
+from gateway.metering import handoff
 from gateway.metering.events import UsageEvent
-from gateway.metering.meter import Meter
-from gateway.metering.recorder import Recorder, RequestFacts
-from gateway.server import metrics
+from gateway.metering.exchange import Exchange
+from gateway.metering.handoff import RequestFacts
+from gateway.metering.recorder import Recorder
 
-AUTHZ_NS = "envoy.filters.http.ext_authz"
 ATTR_NS = "envoy.filters.http.ext_proc"
 HVO = base_pb2.HeaderValueOption
 
@@ -53,15 +53,26 @@ def _echo(body: bytes, end: bool) -> ep.ProcessingResponse:
         response=ep.CommonResponse(body_mutation=mutation)))
 
 
-class RequestStream:
-    """The protocol state of one ext_proc stream (request facts, meter, how it ended)."""
+def _plain(md: struct_pb2.Struct | None) -> dict[str, object]:
+    """A Struct's scalar fields as Python values (the handoff reads plain values)."""
+    if md is None:
+        return {}
+    out: dict[str, object] = {}
+    for k, v in md.fields.items():
+        kind = v.WhichOneof("kind")
+        if kind in ("string_value", "bool_value", "number_value"):
+            out[k] = getattr(v, kind)
+    return out
 
-    def __init__(self) -> None:
-        self.started = time.time()
-        self.facts: RequestFacts | None = None
-        self.meter = Meter(endpoint="", stream=False)
-        self.ended = False  # end_of_stream seen on the response
-        self.sniffed = False  # the response's kind (SSE or not) is known
+
+def _text(values: dict[str, object], key: str) -> str:
+    v = values.get(key)
+    return v if isinstance(v, str) else ""
+
+
+class RequestStream(Exchange):
+    """One ext_proc stream: each message read into a phase of the Exchange, each answer
+    wrapped back into a message."""
 
     def handle(self, msg: ep.ProcessingRequest) -> ep.ProcessingResponse:
         if self.facts is None:
@@ -70,56 +81,32 @@ class RequestStream:
         _COUNT[kind].inc()
         if kind == "response_body":
             b = msg.response_body
-            if not self.sniffed:
-                self._response_start(msg, b.body)
-            out = self.meter.chunk(b.body, b.end_of_stream)
-            self.ended = self.ended or b.end_of_stream
-            return _echo(b.body if out is None else out, b.end_of_stream)
+            status = None if self.sniffed else _status(msg)
+            return _echo(self.response_body(b.body, b.end_of_stream, status), b.end_of_stream)
         if kind == "request_body":
             return self._request_body(msg.request_body.body)
         if kind == "response_headers":
             self._response_headers(msg.response_headers)
         elif kind == "response_trailers":
-            self.ended = True
+            self.response_trailers()
         return _CONTINUE[kind]
 
     def _learn(self, msg: ep.ProcessingRequest) -> None:
-        facts = RequestFacts.from_struct(msg.metadata_context.filter_metadata.get(AUTHZ_NS))
-        attrs = msg.attributes.get(ATTR_NS)
-        if attrs is not None:
-            if not facts.request_id:
-                facts.request_id = attrs.fields["request.id"].string_value
-            if not facts.endpoint:
-                facts.endpoint = attrs.fields["request.path"].string_value.partition("?")[0]
-        self.facts = facts
-        self.meter = Meter(endpoint=facts.endpoint, stream=facts.stream,
-                           prompt_estimate=facts.prompt_estimate)
+        attrs = _plain(msg.attributes.get(ATTR_NS))
+        self.learn(handoff.read(
+            _plain(msg.metadata_context.filter_metadata.get(handoff.NAMESPACE)),
+            _text(attrs, "request.path"), _text(attrs, "request.id")))
 
     def _request_body(self, body: bytes) -> ep.ProcessingResponse:
-        """Apply the splice the Check planned (gateway/metering/inject.py), if any."""
-        sp = self.facts.splice if self.facts is not None else None
-        if sp is None or len(body) < sp.at + sp.cut:
+        new = self.request_body(body)
+        if new is None:
             return _CONTINUE["request_body"]
-        new = sp.apply(body)
-        self.meter.injected = sp.injected
         length = HVO(header=base_pb2.HeaderValue(key="content-length",
                                                  raw_value=str(len(new)).encode()),
                      append_action=HVO.OVERWRITE_IF_EXISTS_OR_ADD)
         common = ep.CommonResponse(body_mutation=ep.BodyMutation(body=new),
                                    header_mutation=ep.HeaderMutation(set_headers=[length]))
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
-
-    def _response_start(self, msg: ep.ProcessingRequest, first: bytes) -> None:
-        """Response headers are skipped (one message fewer per request): the status comes as
-        an attribute with the first response message, SSE is recognised by its first bytes."""
-        attrs = msg.attributes.get(ATTR_NS)
-        if attrs is not None and "response.code" in attrs.fields:
-            self.meter.status = int(attrs.fields["response.code"].number_value)
-        head = first[:64].lstrip()[:6]
-        if head:  # an empty first chunk says nothing yet
-            self.sniffed = True
-            sse = head.startswith((b"data:", b"event:", b":", b"id:", b"retry:"))
-            self.meter.response_headers(self.meter.status, "text/event-stream" if sse else "")
 
     def _response_headers(self, h: ep.HttpHeaders) -> None:
         status, ctype = 0, ""
@@ -128,19 +115,15 @@ class RequestStream:
                 status = int(hv.raw_value or hv.value or 0)
             elif hv.key == "content-type":
                 ctype = (hv.raw_value or hv.value.encode()).decode("latin-1")
-        self.meter.response_headers(status, ctype)
-        self.sniffed = True
-        self.ended = self.ended or h.end_of_stream
+        self.response_headers(status, ctype, h.end_of_stream)
 
-    def outcome(self) -> str:
-        f = self.facts
-        if f is not None and f.denied_status:
-            return "denied"
-        if f is None or not f.key_id:
-            return "denied"  # an Envoy local reply (e.g. 413) that no key was admitted for
-        if self.meter.status >= 500 or self.meter.engine_error:
-            return "upstream_error"
-        return "completed" if self.ended or self.meter.finished() else "client_cancelled"
+
+def _status(msg: ep.ProcessingRequest) -> int | None:
+    """The response status Envoy sends as an attribute with the first response message."""
+    attrs = msg.attributes.get(ATTR_NS)
+    if attrs is not None and "response.code" in attrs.fields:
+        return int(attrs.fields["response.code"].number_value)
+    return None
 
 
 def _annotate(span: tracing.Span, e: UsageEvent) -> None:
@@ -182,7 +165,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 response = stream.handle(msg)
                 if first and stream.facts:
                     if stream.facts.leased:
-                        self.recorder.lifecycle.begin(stream.facts.request_id)
+                        self.recorder.leases.begin(stream.facts.request_id)
                     if self.tracing is not None:
                         tp, ts = tracing.trace_context(
                             context.invocation_metadata(), stream.facts.traceparent)

@@ -18,10 +18,10 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as ls
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
+from gateway import metrics
 from gateway.log import log
 from gateway.metering import record
 from gateway.metering.recorder import Recorder
-from gateway.server import metrics
 
 SEEN_MAX = 200_000  # request ids remembered for dedup (~20 MB): minutes of traffic
 
@@ -82,5 +82,5 @@ class RecordsService(ls_grpc.LogsServiceServicer):
             # Envoy answered itself: perhaps the Check never came back (a sidecar killed
             # mid-Check), having committed an admission nobody will use: void it now rather
             # than leave it to the orphan sweep (a no-op when there is none).
-            self.recorder.lifecycle.void(rec.request_id)
+            self.recorder.leases.void(rec.request_id)
         return event.seq

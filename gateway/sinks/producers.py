@@ -14,11 +14,9 @@ from typing import Protocol
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from gateway.errors import SinkUnavailable
+
 Record = tuple[bytes, bytes, list[tuple[str, bytes]]]  # key, value, headers
-
-
-class SinkUnavailable(Exception):
-    pass
 
 
 class Producer(Protocol):

@@ -12,9 +12,9 @@ import time
 
 import orjson
 
+from gateway import metrics
 from gateway.log import log
 from gateway.metering.events import CE_TYPE
-from gateway.server import metrics
 from gateway.sinks.producers import Producer, Record
 from gateway.sinks.spool import Spool
 

@@ -24,15 +24,13 @@ from pathlib import Path
 
 import orjson
 
+from gateway.errors import SpoolLocked
+
 SEGMENT_BYTES = 64 << 20
 
 
 def _seg_name(first_seq: int) -> str:
     return f"{first_seq:020d}.log"
-
-
-class SpoolLocked(Exception):
-    pass
 
 
 class Spool:

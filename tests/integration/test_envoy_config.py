@@ -24,7 +24,7 @@ from google.rpc import status_pb2
 
 from gateway.dev.envoy_proc import envoy_binary, envoy_service
 from gateway.dev.procs import free_port
-from gateway.envoy_config import EXT_AUTHZ, HCM, EnvoyPorts, render
+from gateway.envoyconf.bootstrap import EXT_AUTHZ, HCM, EnvoyPorts, render
 from gateway.settings import METERING_SOURCES
 
 REPO = Path(__file__).resolve().parents[2]

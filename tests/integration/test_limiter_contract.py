@@ -64,7 +64,7 @@ async def test_team_denial_does_not_consume_key_rps(limiter: Limiter) -> None:
     denied = await limiter.admit(req("r2", [team, key], T0))
     assert not denied.allowed and denied.tier == "team" and denied.limit == "concurrency"
     # The key's single RPS cell was not spent by the denied request:
-    await limiter.settle("r1", None, T0)
+    await limiter.settle("r1", None)
     ok = await limiter.admit(req("r3", [team, key], T0))
     assert ok.allowed
 
@@ -84,7 +84,7 @@ async def test_lease_released_on_settle_and_expires_after_crash(limiter: Limiter
     for rid in ("a", "b"):
         assert (await limiter.admit(req(rid, [key]))).allowed
     assert not (await limiter.admit(req("c", [key]))).allowed
-    await limiter.settle("a", None, T0)
+    await limiter.settle("a", None)
     assert (await limiter.admit(req("c", [key]))).allowed
     # 'b' and 'c' are never settled (a crashed sidecar): slots come back after the lease TTL.
     assert not (await limiter.admit(req("d", [key], T0 + 59))).allowed
@@ -120,7 +120,7 @@ async def test_renew_names_the_requests_that_hold_nothing_any_more(limiter: Limi
     key = tier("key", "k1", concurrency=2)
     assert (await limiter.admit(req("live", [key]))).allowed
     assert (await limiter.admit(req("done", [key]))).allowed
-    await limiter.settle("done", 0, T0)
+    await limiter.settle("done", 0)
     gone = await limiter.renew(["live", "done", "never-seen"], T0 + 1)
     assert sorted(gone) == ["done", "never-seen"]
 
@@ -147,19 +147,19 @@ async def test_reservation_then_settlement(limiter: Limiter) -> None:
     assert (await limiter.admit(req("a", [key], reserve=600))).allowed
     v = await limiter.admit(req("b", [key], reserve=600))  # 600 + 600 > 1000: reserved
     assert not v.allowed and v.limit == "tokens_per_day"
-    await limiter.settle("a", 100, T0)  # actual 100 replaces the 600 reserved
+    await limiter.settle("a", 100)  # actual 100 replaces the 600 reserved
     assert (await limiter.admit(req("b", [key], reserve=600))).allowed
-    await limiter.settle("b", 850, T0)  # 100 + 850 = 950 used
+    await limiter.settle("b", 850)  # 100 + 850 = 950 used
     v = await limiter.admit(req("c", [key], reserve=100))
     assert not v.allowed
-    await limiter.settle("b", 850, T0)  # a second settlement changes nothing
+    await limiter.settle("b", 850)  # a second settlement changes nothing
     assert (await limiter.admit(req("c", [key], reserve=50))).allowed
 
 
 async def test_unknown_usage_keeps_the_reservation(limiter: Limiter) -> None:
     key = tier("key", "k1", tokens_per_minute=100)
     assert (await limiter.admit(req("a", [key], reserve=80))).allowed
-    await limiter.settle("a", None, T0)
+    await limiter.settle("a", None)
     assert not (await limiter.admit(req("b", [key], reserve=30))).allowed
 
 
@@ -207,21 +207,20 @@ async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url:
     assert await lim.sweep(T0 + 62) == []  # claimed exactly once
     v = await lim.admit(req("next", [key], T0 + 62, reserve=1000))
     assert v.allowed  # the slot is free and the 600 reserved were given back
-    await lim.settle("lost", 500, T0 + 63)  # a late settlement finds nothing to change
+    await lim.settle("lost", 500)  # a late settlement finds nothing to change
     assert not (await lim.admit(req("more", [key], T0 + 64, reserve=1))).allowed
     await lim.close()
 
 
 async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:
-    from gateway.limits.types import VOID
     lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
     key = tier("key", "k1", concurrency=1, tokens_per_day=100)
     # the admission ran, then its caller gave up: the void releases it
     assert (await lim.admit(req("late", [key], reserve=100))).allowed
-    await lim.settle_many([("late", VOID)])
+    await lim.void("late")
     assert (await lim.sweep(T0 + 120)) == []  # nothing left to orphan
     # the void arrived first: the admission, when it finally runs, is refused
-    await lim.settle_many([("later", VOID)])
+    await lim.void("later")
     v = await lim.admit(req("later", [key], reserve=100))
     assert not v.allowed and v.limit == "voided"
     assert (await lim.admit(req("next", [key], reserve=100))).allowed  # all 100 still there

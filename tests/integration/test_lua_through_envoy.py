@@ -1,4 +1,4 @@
-"""gateway/envoy_lua/metering.lua in the real Envoy 1.40, between a client and a tiny engine.
+"""gateway/envoyconf/lua/metering.lua in the real Envoy 1.40, between a client and a tiny engine.
 
 No ext_authz here: a test-only Lua filter ahead of the product filter writes the facts the
 sidecar would (namespace envoy.filters.http.ext_authz) from x-facts-* request headers, and a
@@ -27,9 +27,9 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway import envoy_lua
 from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import LOOPBACK, Service, free_port
+from gateway.envoyconf import lua as envoy_lua
 
 AUTHZ_NS = "envoy.filters.http.ext_authz"
 PAUSE = 0.003  # between upstream writes: long enough for Envoy to see separate reads

@@ -20,7 +20,7 @@ from gateway.dev.procs import (
     redis_service,
     tansu_service,
 )
-from gateway.envoy_config import EnvoyPorts, render
+from gateway.envoyconf.bootstrap import EnvoyPorts, render
 
 
 def ping(port: int, timeout: float = 2.0) -> bytes:

@@ -334,7 +334,7 @@ async def test_store_past_the_deadline_fails_closed_and_voids_the_admission() ->
     gate = Gate(policy(key_limits="{rps: 100}"), LateLimiter())
     d = denied(await gate.check(chat()), 503, "service_unavailable")
     assert "timed out" in d.message
-    assert len(gate.abandoned) == 1  # it may commit later: the lifecycle voids it
+    assert len(gate.abandoned) == 1  # it may commit later: the leases void it
 
 
 async def test_no_policy_denies_everything() -> None:
@@ -465,7 +465,7 @@ async def test_a_concurrency_denial_waits_for_ends_on_their_way() -> None:
 
     async def ends_settled(timeout: float) -> None:
         waits.append(timeout)
-        await lim.settle("first", 0, NOW)  # the release lands meanwhile
+        await lim.settle("first", 0)  # the release lands meanwhile
 
     authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
                        AdmissionSettings(concurrency_grace_s=0.1), ends_settled=ends_settled)

@@ -6,8 +6,9 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.metering.events import UsageEvent, event_json, from_json, proto_json, to_proto
+from gateway.metering.events import UsageEvent, event_json
 from gateway.metering.usage import Usage
+from gateway.sinks.usage_proto import from_json, proto_json, to_proto
 
 text = st.text(max_size=20)
 count = st.integers(min_value=0, max_value=2**62)

@@ -1,4 +1,4 @@
-"""gateway/envoy_lua/metering.lua under LuaJIT (lupa), against a small fake of Envoy's Lua API.
+"""gateway/envoyconf/lua/metering.lua under LuaJIT (lupa), against a small fake of Envoy's Lua API.
 
 The fake keeps the parts of Envoy 1.40's behaviour the filter depends on, as measured through
 the real Envoy (tests/integration/test_lua_through_envoy.py):
@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway import envoy_lua
+from gateway.envoyconf import lua as envoy_lua
 
 try:
     import lupa.luajit21 as lupa_rt  # the runtime Envoy uses

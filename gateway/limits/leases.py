@@ -1,6 +1,6 @@
 """Leases of admitted requests: renewed while they stream, settled exactly once when they end.
 
-ext_proc handlers call `begin` and `end`; they never await the store themselves (a stream
+Metering calls `begin`, `release`, `settle` and `void`; it never awaits the store itself (a stream
 that Envoy reset must not wait on Redis in its `finally`). Settlements are queued and sent
 in batches by one background task, retried while the store is down; leases that are never
 settled still expire on their own (crash safety).
@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from gateway import batching
+from gateway import batching, metrics
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
-from gateway.limits.types import RELEASE, VOID, Limiter, first_lease
+from gateway.limits.types import Ending, Limiter, Release, Settle, Void, first_lease
 from gateway.log import log
-from gateway.server import metrics
 
 
-class Lifecycle:
+class Leases:
     def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float,
                  start_ttl: float | None = None) -> None:
         self.limiter = limiter
@@ -30,7 +29,7 @@ class Lifecycle:
         self.tick = max(first_lease(lease_ttl, start_ttl) / 3, 0.05)
         self.active: set[str] = set()
         self.fresh: set[str] = set()
-        self._pending: list[tuple[str, int | None]] = []
+        self._pending: list[Ending] = []
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
         self._tasks: list[asyncio.Task[None]] = []
@@ -58,7 +57,7 @@ class Lifecycle:
         if request_id in self.active:
             self.active.discard(request_id)
             self.fresh.discard(request_id)
-            self._pending.append((request_id, RELEASE))
+            self._pending.append(Release(request_id))
             self._wake.set()
 
     def settle(self, request_id: str, actual_tokens: int | None) -> None:
@@ -67,7 +66,7 @@ class Lifecycle:
         the request still gets exactly one event."""
         self.active.discard(request_id)
         self.fresh.discard(request_id)
-        self._pending.append((request_id, actual_tokens))
+        self._pending.append(Settle(request_id, actual_tokens))
         self._wake.set()
 
     def void(self, request_id: str) -> None:
@@ -75,7 +74,7 @@ class Lifecycle:
         the store committed, or commits later, is released and charged nothing."""
         self.active.discard(request_id)
         self.fresh.discard(request_id)
-        self._pending.append((request_id, VOID))
+        self._pending.append(Void(request_id))
         self._wake.set()
 
     async def _flush(self) -> None:
@@ -83,7 +82,7 @@ class Lifecycle:
             return
         batch, self._pending = self._pending, []
         try:
-            await self.limiter.settle_many(batch)
+            await self.limiter.end_many(batch)
         except Exception:
             self._pending = batch + self._pending
             raise

@@ -1,7 +1,7 @@
 """The sidecar's two HTTP filters (ext_authz, ext_proc) and the gRPC service they call.
 
 Why each setting that differs from Envoy's default (the rest of the bootstrap is explained
-in gateway/envoy_config.py; Envoy 1.40 behaviour in docs/envoy.md):
+in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
 
 * **Fail closed everywhere.** Both filters say `failure_mode_allow: false` (the default,
   spelled out because it is the security property) and `status_on_error: 503`: a sidecar
@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from gateway.envoy_yaml import quiet_imports
+from gateway.envoyconf.plain import quiet_imports
+from gateway.metering import handoff
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.core.v3 import ApiVersion, GrpcService, GrpcServiceEnvoyGrpc
@@ -63,6 +64,7 @@ with quiet_imports():
     from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
+AUTHZ_NAMESPACE = handoff.NAMESPACE  # where Envoy files the Check's metadata
 EXT_PROC = "envoy.filters.http.ext_proc"
 SIDECAR_CLUSTER = "sidecar"
 USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may write
@@ -109,7 +111,7 @@ def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
         request_attributes=["request.id", "request.path"],
         response_attributes=["request.id", "response.code"],
         metadata_options=MetadataOptions(
-            forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[EXT_AUTHZ]),
+            forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[AUTHZ_NAMESPACE]),
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[USAGE_NAMESPACE]),
         ),
     )

@@ -1,16 +1,27 @@
-"""MemoryLimiter (embedded mode): all-or-nothing over three tiers, leases, token reservations."""
+"""Limiter behaviour, run against both stores (limits/memory.py and the Redis Lua): all or
+nothing over three tiers, leases, token reservations and their settlement, the windows.
+
+Time is the harness's FakeClock, passed in as `now`: Redis is given the same instants, so
+nothing sleeps. The probes (`in_flight`, `windows`, ...) read each store's own state.
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import redis
 
 from gateway.clock import FakeClock
 from gateway.limits.memory import MemoryLimiter
-from gateway.limits.types import AdmitRequest, Verdict
+from gateway.limits.redis_store import RedisLimiter
+from gateway.limits.resp import RespClient
+from gateway.limits.types import AdmitRequest, Limiter, Release, Settle, Verdict, Void
 from gateway.policy.model import LimitSpec, TierLimit
+
+T0 = 1_800_000_000.0
 
 
 def spec(**kw: Any) -> LimitSpec:
@@ -32,8 +43,9 @@ def model(**kw: Any) -> TierLimit:
 
 
 class Harness:
-    def __init__(self, lease_ttl: float = 60.0, start: float = 1_800_000_000.0) -> None:
-        self.lim = MemoryLimiter(lease_ttl=lease_ttl)
+    def __init__(self, lim: Limiter, start: float, db: redis.Redis | None = None) -> None:
+        self.lim = lim
+        self.db = db  # the Redis behind `lim`, or None for the memory store
         self.clock = FakeClock(start)
         self.n = 0
 
@@ -43,7 +55,7 @@ class Harness:
         return await self.lim.admit(req)
 
     async def settle(self, rid: str, actual: int | None) -> None:
-        await self.lim.settle(rid, actual, self.clock.now())
+        await self.lim.settle(rid, actual)
 
     async def used(self, tier: TierLimit) -> int:
         """Tokens counted in the tier's (single) token window, observed with a 0-token probe."""
@@ -51,10 +63,60 @@ class Harness:
         assert v.allowed and v.rate.tok_limit is not None and v.rate.tok_remaining is not None
         return v.rate.tok_limit - v.rate.tok_remaining
 
+    def in_flight(self, tier: str, name: str) -> int:
+        now = self.clock.now()
+        if isinstance(self.lim, MemoryLimiter):
+            return self.lim.in_flight(tier, name, now)
+        assert self.db is not None
+        return int(self.db.zcount(f"gw:conc:{tier}:{name}", f"({int(now * 1000)}", "+inf"))
+
+    def holds_nothing(self) -> bool:
+        if isinstance(self.lim, MemoryLimiter):
+            return self.lim.held == {}
+        assert self.db is not None
+        return not self.db.keys("gw:req:*") and not self.db.zcard("gw:reqs")
+
+    def windows(self) -> dict[str, int]:
+        """Tokens counted per window, by window kind and tier (the period dropped)."""
+        if isinstance(self.lim, MemoryLimiter):
+            return {w.rsplit(":", 1)[0]: int(v) for w, v in self.lim.tokens.items()}
+        assert self.db is not None
+        return {k.decode()[3:].rsplit(":", 1)[0]: int(self.db.get(k) or 0)
+                for k in self.db.keys("gw:tp*")}
+
+    def forget_tokens(self) -> None:
+        """Lose every token window (a day rolled over between admission and settlement)."""
+        if isinstance(self.lim, MemoryLimiter):
+            self.lim.tokens.clear()
+        elif keys := self.db.keys("gw:tp*") if self.db is not None else []:
+            assert self.db is not None
+            self.db.delete(*keys)
+
+
+Make = Callable[..., Harness]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make(request: pytest.FixtureRequest) -> AsyncIterator[Make]:
+    """A harness factory over one store; the Redis one on the session's server, flushed."""
+    made: list[RedisLimiter] = []
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+
+    def build(lease_ttl: float = 60.0, start: float = T0) -> Harness:
+        if not url:
+            return Harness(MemoryLimiter(lease_ttl=lease_ttl), start)
+        lim = RedisLimiter(RespClient(url), lease_ttl=lease_ttl)
+        made.append(lim)
+        return Harness(lim, start, redis.Redis.from_url(url))
+
+    yield build
+    for lim in made:
+        await lim.close()
+
 
 @pytest.fixture
-def h() -> Harness:
-    return Harness()
+def h(make: Make) -> Harness:
+    return make()
 
 
 # --- atomicity across tiers ----------------------------------------------------------------
@@ -82,7 +144,7 @@ async def test_denial_at_key_tier_consumes_nothing_at_earlier_tiers(h: Harness) 
 
     # model and team checked first and passed, but committed nothing: no rps spent,
     # no lease held, no tokens reserved
-    assert h.lim.in_flight("model", "qwen3-coder", h.clock.now()) == 0
+    assert h.in_flight("model", "qwen3-coder") == 0
     assert await h.used(TierLimit("team", "team-a", spec(tokens_per_day=1000))) == 0
     assert (await h.admit(m, t, key("k2"), reserve=100)).allowed
 
@@ -93,14 +155,14 @@ async def test_token_denial_takes_no_lease_and_no_rps(h: Harness) -> None:
     assert (await h.admit(k1, reserve=100)).allowed  # k1's day budget now used
     denied = await h.admit(t, k1, reserve=10)
     assert (denied.tier, denied.limit) == ("key", "tokens_per_day")
-    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 0
+    assert h.in_flight("team", "team-a") == 0
     assert (await h.admit(t)).allowed  # the team's one rps cell and its slot are still free
 
 
 async def test_no_tiers_allows_and_owes_nothing(h: Harness) -> None:
     v = await h.admit()
     assert v.allowed and not v.leased
-    assert h.lim.held == {}
+    assert h.holds_nothing()
 
 
 # --- denials carry tier, limit and retry_after -----------------------------------------------
@@ -138,8 +200,8 @@ async def test_tokens_per_minute_slides(h: Harness) -> None:
     assert (await h.admit(tpm, reserve=700)).allowed
 
 
-async def test_tokens_per_day_resets_at_utc_midnight() -> None:
-    h = Harness(start=datetime(2027, 1, 15, 23, 59, tzinfo=UTC).timestamp())
+async def test_tokens_per_day_resets_at_utc_midnight(make: Make) -> None:
+    h = make(start=datetime(2027, 1, 15, 23, 59, tzinfo=UTC).timestamp())
     k = key(tokens_per_day=1000)
     assert (await h.admit(k, reserve=1000)).allowed
     v = await h.admit(k, reserve=1)
@@ -152,8 +214,8 @@ async def test_tokens_per_day_resets_at_utc_midnight() -> None:
     assert (await h.admit(k, reserve=1000)).allowed
 
 
-async def test_tokens_per_month_resets_at_month_start() -> None:
-    h = Harness(start=datetime(2028, 2, 29, 12, tzinfo=UTC).timestamp())
+async def test_tokens_per_month_resets_at_month_start(make: Make) -> None:
+    h = make(start=datetime(2028, 2, 29, 12, tzinfo=UTC).timestamp())
     k = key(tokens_per_month=500)
     assert (await h.admit(k, reserve=500)).allowed
     v = await h.admit(k, reserve=1)
@@ -188,35 +250,35 @@ async def test_concurrency_limit_and_release_on_settle(h: Harness) -> None:
     assert c.retry_after > 0
 
     await h.settle("a", None)
-    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 1
+    assert h.in_flight("team", "team-a") == 1
     assert (await h.admit(t, rid="d")).allowed
     assert not (await h.admit(t, rid="e")).allowed
 
 
-async def test_lease_expires_without_settle() -> None:
-    h = Harness(lease_ttl=10.0)
+async def test_lease_expires_without_settle(make: Make) -> None:
+    h = make(lease_ttl=10.0)
     t = team(concurrency=2)
     assert (await h.admit(t)).allowed and (await h.admit(t)).allowed
     h.clock.advance(9.9)
     assert not (await h.admit(t)).allowed
     h.clock.advance(0.1)  # both leases are now lease_ttl old: the slots come back
-    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 0
+    assert h.in_flight("team", "team-a") == 0
     assert (await h.admit(t)).allowed and (await h.admit(t)).allowed
 
 
-async def test_renew_extends_a_lease() -> None:
-    h = Harness(lease_ttl=10.0)
+async def test_renew_extends_a_lease(make: Make) -> None:
+    h = make(lease_ttl=10.0)
     t = team(concurrency=2)
     assert (await h.admit(t, rid="long")).allowed
     assert (await h.admit(t, rid="short")).allowed
     h.clock.advance(5)
     await h.lim.renew(["long"], h.clock.now())  # still streaming: good until t+15
     h.clock.advance(5)
-    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 1  # "short" expired
+    assert h.in_flight("team", "team-a") == 1  # "short" expired
     assert (await h.admit(t)).allowed
     assert not (await h.admit(t)).allowed
     h.clock.advance(5)
-    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 1  # "long" ran out too
+    assert h.in_flight("team", "team-a") == 1  # "long" ran out too
 
 
 async def test_renew_of_settled_or_unknown_request_does_nothing(h: Harness) -> None:
@@ -224,18 +286,17 @@ async def test_renew_of_settled_or_unknown_request_does_nothing(h: Harness) -> N
     assert (await h.admit(t, rid="a")).allowed
     await h.settle("a", None)
     await h.lim.renew(["a", "never-seen"], h.clock.now())
-    assert h.lim.in_flight("team", "team-a", h.clock.now()) == 0
+    assert h.in_flight("team", "team-a") == 0
     assert (await h.admit(t, rid="b")).allowed
 
 
 async def test_lease_held_at_every_tier_with_concurrency(h: Harness) -> None:
     tiers = (model(concurrency=5), team(concurrency=5), key(concurrency=1))
     assert (await h.admit(*tiers, rid="a")).allowed
-    now = h.clock.now()
-    assert [h.lim.in_flight(*tn, now) for tn in
+    assert [h.in_flight(*tn) for tn in
             (("model", "qwen3-coder"), ("team", "team-a"), ("key", "k1"))] == [1, 1, 1]
     await h.settle("a", 10)
-    assert [h.lim.in_flight(*tn, now) for tn in
+    assert [h.in_flight(*tn) for tn in
             (("model", "qwen3-coder"), ("team", "team-a"), ("key", "k1"))] == [0, 0, 0]
 
 
@@ -267,8 +328,7 @@ async def test_settle_applies_to_every_token_window_and_tier(h: Harness) -> None
     k = key(tokens_per_month=10_000)
     assert (await h.admit(t, k, reserve=400, rid="a")).allowed
     await h.settle("a", 1500)
-    windows = {w.rsplit(":", 1)[0]: used for w, used in h.lim.tokens.items()}
-    assert windows == {"tpm:team:team-a": 1500, "tpd:team:team-a": 1500, "tpmo:key:k1": 1500}
+    assert h.windows() == {"tpm:team:team-a": 1500, "tpd:team:team-a": 1500, "tpmo:key:k1": 1500}
 
 
 async def test_settle_twice_is_idempotent(h: Harness) -> None:
@@ -281,8 +341,8 @@ async def test_settle_twice_is_idempotent(h: Harness) -> None:
     assert (await h.admit(key(concurrency=1), rid="b")).allowed
 
 
-async def test_settle_after_lease_expiry_still_settles_tokens() -> None:
-    h = Harness(lease_ttl=5.0)
+async def test_settle_after_lease_expiry_still_settles_tokens(make: Make) -> None:
+    h = make(lease_ttl=5.0)
     k = key(tokens_per_day=1000, concurrency=1)
     assert (await h.admit(k, reserve=400, rid="a")).allowed
     h.clock.advance(30)
@@ -290,21 +350,50 @@ async def test_settle_after_lease_expiry_still_settles_tokens() -> None:
     assert await h.used(key(tokens_per_day=1000)) == 50
 
 
-async def test_settle_many_settles_each(h: Harness) -> None:
+async def test_end_many_applies_each_in_order(h: Harness) -> None:
     k = key(tokens_per_day=1000, concurrency=3)
     for rid in "abc":
         assert (await h.admit(k, reserve=100, rid=rid)).allowed
-    await h.lim.settle_many([("a", 10), ("b", None), ("a", 999)])
-    assert h.lim.in_flight("key", "k1", h.clock.now()) == 1  # only c still holds a slot
+    await h.lim.end_many([Settle("a", 10), Settle("b", None), Settle("a", 999)])
+    assert h.in_flight("key", "k1") == 1  # only c still holds a slot
     assert await h.used(key(tokens_per_day=1000)) == 10 + 100 + 100
 
 
 async def test_actual_below_zero_never_drives_counter_negative(h: Harness) -> None:
     k = key(tokens_per_day=1000)
     assert (await h.admit(k, reserve=400, rid="a")).allowed
-    h.lim.tokens.clear()  # e.g. the day window rolled over between admission and settlement
+    h.forget_tokens()  # e.g. the day window rolled over between admission and settlement
     await h.settle("a", 0)
-    assert all(v >= 0 for v in h.lim.tokens.values())
+    assert all(v >= 0 for v in h.windows().values())
+
+
+async def test_release_frees_the_slots_and_keeps_the_reservation(h: Harness) -> None:
+    k = key(tokens_per_day=1000, concurrency=1)
+    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    await h.lim.release("a")  # the response ended; its event is not yet durable
+    assert h.in_flight("key", "k1") == 0
+    assert await h.used(key(tokens_per_day=1000)) == 400
+    await h.settle("a", 30)  # ... now it is
+    assert await h.used(key(tokens_per_day=1000)) == 30
+
+
+async def test_void_charges_nothing_and_frees_everything(h: Harness) -> None:
+    k = key(tokens_per_day=1000, concurrency=1)
+    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    await h.lim.void("a")
+    assert h.in_flight("key", "k1") == 0 and h.holds_nothing()
+    assert await h.used(key(tokens_per_day=1000)) == 0
+    await h.settle("a", 900)  # a settlement after the void finds nothing
+    assert await h.used(key(tokens_per_day=1000)) == 0
+
+
+async def test_endings_of_one_batch_apply_in_order(h: Harness) -> None:
+    k = key(tokens_per_day=1000, concurrency=2)
+    assert (await h.admit(k, reserve=100, rid="a")).allowed
+    assert (await h.admit(k, reserve=100, rid="b")).allowed
+    await h.lim.end_many([Release("a"), Settle("a", 5), Void("b"), Settle("b", 70)])
+    assert h.in_flight("key", "k1") == 0 and h.holds_nothing()
+    assert await h.used(key(tokens_per_day=1000)) == 5
 
 
 # --- x-ratelimit numbers: the tightest tier --------------------------------------------------

@@ -1,10 +1,12 @@
-"""Prometheus metrics of one instance (or, with several workers, of all of them, merged)."""
+"""Prometheus metrics of one instance (or, with several workers, of all of them, merged).
+
+A leaf: it imports nothing of the gateway, so any layer may count without depending on the
+servers. What a metric means is decided by the code that increments it.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
-
-from gateway.authz.decision import Allow, Decision, Deny
 
 DECISIONS = Counter(
     "gateway_authz_decisions_total", "ext_authz decisions", ["outcome", "reason", "tier"])
@@ -18,20 +20,6 @@ STREAMS_ACTIVE = Gauge(
     "gateway_extproc_streams_active", "ext_proc streams open", multiprocess_mode="livesum")
 SETTLE_ERRORS = Counter("gateway_settle_errors_total", "Settlements the store refused")
 READY = Gauge("gateway_ready", "1 when this worker has a policy", multiprocess_mode="livemin")
-
-
-_ALLOWED = DECISIONS.labels("allowed", "", "")
-_ANSWERED = DECISIONS.labels("answered", "", "")  # the gateway's own answer (GET /v1/models)
-
-
-def observe_decision(decision: Decision, seconds: float) -> None:
-    CHECK_SECONDS.observe(seconds)
-    if isinstance(decision, Deny):
-        DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
-    elif isinstance(decision, Allow):
-        _ALLOWED.inc()
-    else:
-        _ANSWERED.inc()
 SINK_ERRORS = Counter("gateway_usage_sink_errors_total", "Failed deliveries to Kafka/JSONL")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
 EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])

@@ -4,7 +4,7 @@ The sidecar still decides at the Check; Envoy does the byte work and sends one r
 request, at its end, to the sidecar, which builds the usage event (gateway/metering/record.py).
 Why each piece (docs/envoy.md §6):
 
-* **Lua** (`gateway/envoy_lua/metering.lua`): splices `stream_options` into the request
+* **Lua** (`gateway/envoyconf/lua/metering.lua`): splices `stream_options` into the request
   where the Check said (`splice`, `splice_at`, `splice_cut` in ext_authz's metadata: no
   search of the body, byte-exact); on `text/event-stream` responses hides what was
   injected (the usage-only chunk, `"usage": null`, continuous usage) and counts content
@@ -26,9 +26,9 @@ from __future__ import annotations
 import warnings
 from datetime import timedelta
 
-from gateway import envoy_lua
-from gateway.envoy_filters import EXT_AUTHZ, SIDECAR_CLUSTER
-from gateway.envoy_yaml import quiet_imports
+from gateway.envoyconf import lua as envoy_lua
+from gateway.envoyconf.filters import AUTHZ_NAMESPACE, SIDECAR_CLUSTER
+from gateway.envoyconf.plain import quiet_imports
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
@@ -121,7 +121,7 @@ RECORD_ATTRIBUTES = {
     "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
     "ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     "gen_us": "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
-    "authz": f"%DYNAMIC_METADATA({EXT_AUTHZ})%",
+    "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
     "usage": f"%DYNAMIC_METADATA({USAGE_NS})%",
     "counted": f"%DYNAMIC_METADATA({STREAM_NS})%",
 }

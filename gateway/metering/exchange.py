@@ -1,0 +1,78 @@
+"""One request as ext_proc sees it, phase by phase, without gRPC (sans-I/O).
+
+The ext_proc server (gateway/server/extproc_service.py) only translates: it reads each
+message into one call here and wraps the answer back into a message. Everything decided
+about the request lives here: the splice applied to its body, how its response is
+recognised, and how it ended (the event's outcome).
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.metering.handoff import RequestFacts
+from gateway.metering.meter import Meter
+
+SSE_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
+
+
+class Exchange:
+    """The request's facts, its meter, and how far its response got."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.facts: RequestFacts | None = None  # known from the first message on
+        self.meter = Meter(endpoint="", stream=False)
+        self.ended = False  # end_of_stream seen on the response
+        self.sniffed = False  # the response's kind (SSE or not) is known
+
+    def learn(self, facts: RequestFacts) -> None:
+        self.facts = facts
+        self.meter = Meter(endpoint=facts.endpoint, stream=facts.stream,
+                           prompt_estimate=facts.prompt_estimate)
+
+    def request_body(self, body: bytes) -> bytes | None:
+        """The body with the splice the Check planned (gateway/metering/inject.py) applied,
+        or None to pass it unchanged (no splice, or a body shorter than the plan)."""
+        sp = self.facts.splice if self.facts is not None else None
+        if sp is None or len(body) < sp.at + sp.cut:
+            return None
+        self.meter.injected = sp.injected
+        return sp.apply(body)
+
+    def response_start(self, status: int | None, first: bytes) -> None:
+        """The response's first body bytes, with the status when Envoy sent it along (response
+        headers are skipped: SSE is recognised by its first bytes)."""
+        if status is not None:
+            self.meter.status = status
+        head = first[:64].lstrip()[:6]
+        if head:  # an empty first chunk says nothing yet
+            self.sniffed = True
+            sse = head.startswith(SSE_STARTS)
+            self.meter.response_headers(self.meter.status, "text/event-stream" if sse else "")
+
+    def response_headers(self, status: int, content_type: str, end: bool) -> None:
+        self.meter.response_headers(status, content_type)
+        self.sniffed = True
+        self.ended = self.ended or end
+
+    def response_body(self, chunk: bytes, end: bool, status: int | None = None) -> bytes:
+        """The bytes to send on for this chunk (changed only to hide what was injected)."""
+        if not self.sniffed:
+            self.response_start(status, chunk)
+        out = self.meter.chunk(chunk, end)
+        self.ended = self.ended or end
+        return chunk if out is None else out
+
+    def response_trailers(self) -> None:
+        self.ended = True
+
+    def outcome(self) -> str:
+        f = self.facts
+        if f is not None and f.denied_status:
+            return "denied"
+        if f is None or not f.key_id:
+            return "denied"  # an Envoy local reply (e.g. 413) that no key was admitted for
+        if self.meter.status >= 500 or self.meter.engine_error:  # 5xx, or an error event
+            return "upstream_error"
+        return "completed" if self.ended or self.meter.finished() else "client_cancelled"

@@ -1,0 +1,138 @@
+"""The ext_authz → metering contract: what the Check hands over, and how it is read back.
+
+The Check's verdict reaches metering three ways, all through this module: as Envoy dynamic
+metadata (a Struct under `NAMESPACE`, forwarded on every ext_proc message), as the same
+Struct rendered to JSON in Envoy's per-request record, and, for an admission nobody
+settled, as the `meta` string the limiter stores with it (read back by the orphan sweep).
+The Lua filter (gateway/envoyconf/lua/metering.lua) reads the splice keys under the same names.
+Writer and readers share the key names here, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.metering.inject import Injected, Splice
+
+# Envoy files ext_authz's dynamic metadata under this namespace, whatever the filter is named.
+NAMESPACE = "envoy.filters.http.ext_authz"
+
+Metadata = dict[str, str | int | bool]
+
+
+@dataclass
+class RequestFacts:
+    """What ext_authz decided, forwarded by Envoy as metadata: the only context trusted."""
+
+    request_id: str = ""
+    key_id: str = ""
+    team: str = ""
+    model: str = ""
+    endpoint: str = ""
+    stream: bool = False
+    leased: bool = False
+    prompt_estimate: int = 0
+    stream_options: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    denied_status: int = 0
+    traceparent: str = ""  # the W3C trace context of a traced request
+    splice: Splice | None = None  # what the Check planned to splice into the request
+
+
+# -- written by the Check (gateway/server/authz_service.py) --------------------------------
+
+def allowed(request_id: str, reserved: int, prompt_estimate: int, traceparent: str = "",
+            splice: Splice | None = None) -> Metadata:
+    """An allowed request's per-request entries (the rest: `caller`)."""
+    md: Metadata = {"request_id": request_id, "reserved": reserved,
+                    "prompt_estimate": prompt_estimate}
+    if traceparent:
+        md["traceparent"] = traceparent
+    if splice is not None:  # applied by the Lua filter, or by ext_proc
+        md.update(splice=splice.insert.decode(), splice_at=splice.at, splice_cut=splice.cut,
+                  hide_usage=splice.injected.include_usage,
+                  hide_continuous=splice.injected.continuous)
+    return md
+
+
+def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
+           stream_options: bool, include_usage: bool, continuous_usage: bool) -> Metadata:
+    """An allowed request's entries that repeat for every request of a caller and model shape
+    (the Check encodes them once)."""
+    return {"key_id": key_id, "team": team, "model": model, "stream": stream,
+            "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
+            "include_usage": include_usage, "continuous_usage": continuous_usage}
+
+
+def denied(request_id: str, reason: str, status: int, key_id: str, team: str, model: str,
+           endpoint: str, traceparent: str = "") -> Metadata:
+    """A denial: `denied` (the reason) marks it, `status` is what the client got."""
+    md: Metadata = {"request_id": request_id, "denied": reason, "status": status,
+                    "key_id": key_id, "team": team, "model": model, "endpoint": endpoint}
+    if traceparent:
+        md["traceparent"] = traceparent
+    return md
+
+
+def replied(request_id: str, key_id: str, team: str, model: str, endpoint: str,
+            traceparent: str = "") -> Metadata:
+    """The gateway's own answer: names the caller, without `denied` (a completed request
+    that cost no tokens)."""
+    md: Metadata = {"request_id": request_id, "key_id": key_id, "team": team, "model": model,
+                    "endpoint": endpoint}
+    if traceparent:
+        md["traceparent"] = traceparent
+    return md
+
+
+# -- read by metering (ext_proc, or Envoy's record) ----------------------------------------
+
+def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> RequestFacts:
+    """The facts from the metadata as plain values (a Struct's, or the record's JSON).
+    A value of the wrong type reads as absent; `request_id` and `path` (Envoy's own) fill
+    in what a Check that never answered could not say."""
+    def text(k: str) -> str:
+        v = md.get(k)
+        return v if isinstance(v, str) else ""
+
+    def flag(k: str) -> bool:
+        return md.get(k) is True
+
+    def num(k: str) -> int:
+        v = md.get(k)
+        return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
+
+    return RequestFacts(
+        request_id=text("request_id") or request_id, key_id=text("key_id"), team=text("team"),
+        model=text("model"), endpoint=text("endpoint") or path.partition("?")[0],
+        stream=flag("stream"), leased=flag("leased"), prompt_estimate=num("prompt_estimate"),
+        stream_options=flag("stream_options"), include_usage=flag("include_usage"),
+        continuous_usage=flag("continuous_usage"),
+        denied_status=num("status") if "denied" in md else 0,
+        traceparent=text("traceparent"),
+        splice=Splice(num("splice_at"), num("splice_cut"), text("splice").encode(),
+                      Injected(flag("hide_usage"), flag("hide_continuous")))
+        if "splice" in md else None,
+    )
+
+
+# -- stored with an admission, read by the orphan sweep ------------------------------------
+
+def orphan_meta(key_id: str, team: str, model: str, endpoint: str, stream: bool) -> str:
+    """Who and what, for the event of a request nobody settles. A positional JSON array:
+    records already in Redis are written so, keep it readable across versions."""
+    return orjson.dumps([key_id, team, model, endpoint, stream]).decode()
+
+
+def orphan_facts(request_id: str, meta: str) -> RequestFacts:
+    try:
+        key_id, team, model, endpoint, stream = orjson.loads(meta)
+    except (orjson.JSONDecodeError, ValueError, TypeError):
+        key_id = team = model = endpoint = ""
+        stream = False
+    return RequestFacts(request_id=request_id, key_id=key_id, team=team, model=model,
+                        endpoint=endpoint, stream=bool(stream))

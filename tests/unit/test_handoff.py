@@ -1,0 +1,85 @@
+"""The ext_authz → metering contract round-trips (gateway/metering/handoff.py): what the Check
+writes is what ext_proc, Envoy's record and the orphan sweep read back, through the same
+encodings Envoy uses (a Struct on the wire, the Struct as JSON in the access log)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.service.auth.v3 import external_auth_pb2 as pb
+from google.protobuf import json_format
+
+from gateway.metering import handoff
+from gateway.metering.handoff import RequestFacts
+from gateway.metering.inject import Injected, Splice
+from gateway.server import check_wire
+from gateway.server.extproc_service import _plain
+
+SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
+
+ALLOWED = handoff.allowed("r1", 1200, 37, "00-abc-def-01", SPLICE) | handoff.caller(
+    "k1", "team-a", "m", "/v1/chat/completions", True, True, False, False, True)
+ALLOWED_FACTS = RequestFacts(
+    request_id="r1", key_id="k1", team="team-a", model="m", endpoint="/v1/chat/completions",
+    stream=True, leased=True, prompt_estimate=37, continuous_usage=True,
+    traceparent="00-abc-def-01", splice=SPLICE)
+
+
+def via_struct(md: handoff.Metadata) -> dict[str, object]:
+    """As ext_proc sees it: the Check's hand-written bytes, parsed, then made plain."""
+    wire = check_wire.allowed(upstream=(), remove=(), response_headers=(), metadata=md)
+    return _plain(pb.CheckResponse.FromString(wire).dynamic_metadata)
+
+
+def via_record(md: handoff.Metadata) -> dict[str, object]:
+    """As Envoy's record carries it: the Struct rendered as JSON (%DYNAMIC_METADATA%)."""
+    wire = check_wire.allowed(upstream=(), remove=(), response_headers=(), metadata=md)
+    value: dict[str, object] = orjson.loads(json_format.MessageToJson(
+        pb.CheckResponse.FromString(wire).dynamic_metadata))
+    return value
+
+
+@pytest.mark.parametrize("carry", [dict, via_struct, via_record])
+def test_an_allowed_request_reads_back_as_written(carry: object) -> None:
+    assert handoff.read(carry(ALLOWED)) == ALLOWED_FACTS  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("carry", [dict, via_struct, via_record])
+def test_a_denial_reads_back_with_its_status(carry: object) -> None:
+    md = handoff.denied("r2", "rps", 429, "k1", "team-a", "m", "/v1/completions")
+    assert handoff.read(carry(md)) == RequestFacts(  # type: ignore[operator]
+        request_id="r2", key_id="k1", team="team-a", model="m", endpoint="/v1/completions",
+        denied_status=429)
+
+
+@pytest.mark.parametrize("carry", [dict, via_struct, via_record])
+def test_the_gateways_own_answer_is_not_a_denial(carry: object) -> None:
+    md = handoff.replied("r3", "k1", "team-a", "", "/v1/models", "00-t-s-01")
+    facts = handoff.read(carry(md))  # type: ignore[operator]
+    assert facts.denied_status == 0 and facts.key_id == "k1" and facts.traceparent
+
+
+def test_envoys_own_ids_fill_in_what_no_check_said() -> None:
+    facts = handoff.read({}, path="/v1/embeddings?x=1", request_id="envoy-rid")
+    assert (facts.request_id, facts.endpoint, facts.key_id) == ("envoy-rid", "/v1/embeddings", "")
+    facts = handoff.read(ALLOWED, path="/other", request_id="envoy-rid")
+    assert (facts.request_id, facts.endpoint) == ("r1", "/v1/chat/completions")
+
+
+def test_values_of_the_wrong_type_read_as_absent() -> None:
+    facts = handoff.read({"key_id": 5, "stream": "yes", "prompt_estimate": True,
+                          "leased": 1, "status": 429})
+    assert facts == RequestFacts()
+
+
+def test_an_orphans_meta_round_trips() -> None:
+    meta = handoff.orphan_meta("k1", "team-a", "m", "/v1/chat/completions", True)
+    assert meta == '["k1","team-a","m","/v1/chat/completions",true]'  # as stored in Redis
+    assert handoff.orphan_facts("r9", meta) == RequestFacts(
+        request_id="r9", key_id="k1", team="team-a", model="m",
+        endpoint="/v1/chat/completions", stream=True)
+
+
+@pytest.mark.parametrize("meta", ["", "not json", "[1, 2]", '{"key_id": "k"}'])
+def test_an_unreadable_orphan_meta_still_names_the_request(meta: str) -> None:
+    assert handoff.orphan_facts("r9", meta) == RequestFacts(request_id="r9")
