@@ -50,15 +50,15 @@ from common import git_state, pin, proc_cpu_s
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
-from gateway.dev.checks import check_request
 from gateway.dev.envoy_proc import envoy_service
-from gateway.dev.otlp_receiver import Receiver, otlp_receiver
 from gateway.dev.procs import Service, free_port, redis_service
 from gateway.dev.stack import Spoke, sidecar_service
 from gateway.envoy_config import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
 from gateway.policy import secrets
 from gateway.policy.admin import RedisBackend, apply
 from gateway.policy.store import PolicyStore
+from testkit.check_requests import check_request
+from testkit.otlp_receiver import Receiver, otlp_receiver
 
 HERE = Path(__file__).resolve().parent
 LOOP = "127.0.0.1"

@@ -29,8 +29,8 @@ from bench_authz import FULL, QUICK, SMALL_BODY, Bench, LoadGen, policy_doc, pub
 from common import git_state, markdown_table
 from stage_server import STAGES
 
-from gateway.dev.checks import check_request
 from gateway.dev.procs import Service, free_port, redis_service
+from testkit.check_requests import check_request
 
 HERE = Path(__file__).resolve().parent
 

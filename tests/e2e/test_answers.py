@@ -8,9 +8,9 @@ import time
 import httpx
 import openai
 import pytest
-from spokekit import chat, client, read_events
 
 from gateway.dev.stack import Spoke
+from testkit.spoke import chat, client, read_events
 
 AUTHZ_ONLY = True  # the answers are the Check's: one metering source proves it
 
