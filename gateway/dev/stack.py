@@ -1,7 +1,8 @@
 """A whole local spoke: Redis, the mock engine, the sidecar and Envoy, each a real process.
 
 `gateway dev` runs one for people; the end-to-end tests run one per session and kill its
-parts to prove the failure modes. Every port is free-picked except Envoy's when asked.
+parts to prove the failure modes; the benchmarks measure through one. Every port is
+free-picked except Envoy's when asked.
 """
 
 from __future__ import annotations
