@@ -23,8 +23,8 @@ unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway tests benchmarks
-	$(BIN)/mypy gateway
+	$(BIN)/ruff check gateway testkit tests benchmarks
+	$(BIN)/mypy gateway testkit
 	$(BIN)/lint-imports
 
 protos: $(STAMP)

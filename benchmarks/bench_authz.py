@@ -21,15 +21,10 @@ and every process is stopped at the end, also on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import contextlib
-import dataclasses
 import json
 import os
-import platform
-import resource
-import select
 import shutil
 import signal
 import statistics
@@ -45,20 +40,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import common
 import yaml
-from common import git_state, pin, proc_cpu_s
-from redis import Redis as SyncRedis
-from redis.asyncio import Redis
+from common import Processes, git_state, pin, split_cpus
+from loadgen_client import LoadGen
+from redis_probe import RedisProbe
+from wrk import WRK_MAX_REQUESTS, WRK_SCRIPT, run_wrk, wrk_version
 
-from gateway.dev.checks import check_request
-from gateway.dev.envoy_proc import envoy_service
-from gateway.dev.otlp_receiver import Receiver, otlp_receiver
 from gateway.dev.procs import Service, free_port, redis_service
-from gateway.dev.stack import Spoke, sidecar_service
-from gateway.envoyconf.bootstrap import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+from gateway.dev.publish import publish
+from gateway.dev.stack import Spoke, sidecar_service, wait_ready
 from gateway.policy import secrets
-from gateway.policy.admin import RedisBackend, apply
-from gateway.policy.store import PolicyStore
+from testkit.check_requests import check_request
+from testkit.envoys import WITHOUT_EXT_PROC, WITHOUT_GATEWAY, access_log_outcomes, envoy_without
+from testkit.otlp_receiver import Receiver, otlp_receiver
 
 HERE = Path(__file__).resolve().parent
 LOOP = "127.0.0.1"
@@ -74,7 +69,6 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # sampl
 SMALL_BODY = b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}'
 CHAT_BODY = (b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}],'
              b'"max_tokens":1,"stream":false}')
-WRK_MAX_REQUESTS = 2_000_000  # per wrk thread: a count bound on top of wrk's time bound
 
 
 def big_body(size: int = 16 * 1024) -> bytes:
@@ -155,67 +149,8 @@ def policy_doc(secret: str, key_concurrency: int | None,
     return doc
 
 
-def publish(redis_url: str, doc: dict[str, Any]) -> int:
-    async def go() -> int:
-        client = Redis.from_url(redis_url)
-        try:
-            return await apply(RedisBackend(PolicyStore(client)),
-                               yaml.safe_dump(doc).encode(), "bench")
-        finally:
-            await client.aclose()
-
-    return asyncio.run(go())
-
-
-class RedisProbe:
-    """Reads what the sidecar did to Redis: Lua calls (batching) and held concurrency leases."""
-
-    def __init__(self, url: str) -> None:
-        self.client = SyncRedis.from_url(url, socket_timeout=5)
-
-    def lua_calls(self) -> int:
-        stats = self.client.info("commandstats")
-        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0))
-                   for c in ("evalsha", "eval"))
-
-    def live_leases(self) -> int:
-        """Unexpired leases of the bench key once they stop draining: admissions whose
-        client left before ext_proc began hold theirs for the start TTL (5 s), so wait up to
-        that long for the count to reach 0."""
-        deadline = time.monotonic() + START_TTL_S + 1.5
-        while True:
-            now_ms = int(time.time() * 1000)
-            n = int(self.client.zcount(f"gw:conc:key:{KEY_ID}", now_ms, "+inf"))
-            if n == 0 or time.monotonic() > deadline:
-                return n
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        self.client.close()
-
-
-# --------------------------------------------------------------------------- processes
-
-
-
-
-def wait_ready(metrics_port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{LOOP}:{metrics_port}/readyz", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            last = f"{exc.code} {exc.read().decode(errors='replace').strip()}"
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.05)
-    raise TimeoutError(f"sidecar on metrics port {metrics_port} never became ready: {last}")
-
-
 def post(port: int, body: bytes, secret: str) -> tuple[int, dict[str, str], bytes]:
+    """One request through an Envoy, checked before any load: (status, headers, body)."""
     req = urllib.request.Request(
         f"http://{LOOP}:{port}/v1/chat/completions", data=body, method="POST",
         headers={"content-type": "application/json", "authorization": f"Bearer {secret}"})
@@ -224,138 +159,6 @@ def post(port: int, body: bytes, secret: str) -> tuple[int, dict[str, str], byte
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
-
-
-class LoadGen:
-    """benchmarks/loadgen.py as a long-lived worker: one JSON job line in, one result out."""
-
-    def __init__(self, cpus: set[int] | None, log_path: Path) -> None:
-        argv = [sys.executable, str(HERE / "loadgen.py")]
-        if cpus:
-            argv += ["--cpus", ",".join(map(str, sorted(cpus)))]
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, start_new_session=True)
-
-    def run(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.close()
-            raise RuntimeError(f"load generator gave no answer within {timeout:.0f}s "
-                               f"(see {self._log.name})")
-        result: dict[str, Any] = json.loads(line)
-        if "fatal" in result:
-            raise RuntimeError(f"load generator failed: {result['fatal']}")
-        return result
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"kind": "quit"}\n')
-                self.proc.stdin.flush()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-WRK_SCRIPT = """\
-wrk.method = "POST"
-wrk.body = [==[{body}]==]
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer {secret}"
-local threads = {{}}
-function setup(thread)
-  table.insert(threads, thread)
-end
-n = 0
-bad = ""
-first_bad = ""
-response = function(status, headers, body)
-  n = n + 1
-  if status < 200 or status > 299 then
-    bad = bad .. status .. ","
-    if first_bad == "" then first_bad = status .. " " .. string.sub(body or "", 1, 300) end
-  end
-  if n >= {max_requests} then wrk.thread:stop() end
-end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  local statuses, first = "", ""
-  for _, t in ipairs(threads) do
-    statuses = statuses .. (t:get("bad") or "")
-    if first == "" then first = t:get("first_bad") or "" end
-  end
-  io.write(string.format(
-    'WRKJSON {{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,' ..
-    '"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"max_us":%d,' ..
-    '"mean_us":%f,"min_us":%d,"bad_statuses":"%s"}}\\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max,
-    latency.mean, latency.min, statuses))
-  io.write("WRKFIRSTBAD " .. string.gsub(first, "\\n", " ") .. "\\n")
-end
-"""
-
-
-
-
-def run_wrk(script: Path, port: int, conc: int, duration_s: int, cpus: set[int] | None,
-            cpu_pids: dict[str, int | None]) -> dict[str, Any]:
-    argv = ["wrk", "-t1", f"-c{conc}", f"-d{duration_s}s", "--timeout", "5s", "-s", str(script),
-            f"http://{LOOP}:{port}/v1/chat/completions"]
-    if cpus and shutil.which("taskset"):
-        argv = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *argv]
-    before = {k: proc_cpu_s(p) for k, p in cpu_pids.items()}
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration_s + 30,
-                          start_new_session=True)
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    after = {k: proc_cpu_s(p) for k, p in cpu_pids.items()}
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("WRKJSON ")), None)
-    if done.returncode != 0 or line is None:
-        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stdout}\n{done.stderr}")
-    w = json.loads(line.removeprefix("WRKJSON "))
-    elapsed = w["duration_us"] / 1e6
-    kinds = {k: w[k] for k in ("connect", "read", "write", "timeout") if w[k]}
-    for status in filter(None, w["bad_statuses"].split(",")):  # non-2xx, by status code
-        kinds[f"status:{status}"] = kinds.get(f"status:{status}", 0) + 1
-    first_bad = next((ln.removeprefix("WRKFIRSTBAD ").strip() for ln in done.stdout.splitlines()
-                      if ln.startswith("WRKFIRSTBAD ")), "")
-    return {
-        "calls": w["requests"], "elapsed_s": elapsed, "rps": w["requests"] / elapsed,
-        "errors": sum(kinds.values()), "error_kinds": kinds, "first_error": first_bad,
-        "latency": {"p50_ms": w["p50_us"] / 1e3, "p90_ms": w["p90_us"] / 1e3,
-                    "p99_ms": w["p99_us"] / 1e3, "max_ms": w["max_us"] / 1e3,
-                    "mean_ms": w["mean_us"] / 1e3, "min_ms": w["min_us"] / 1e3},
-        "cpu_s": {k: after[k] - b for k, b in before.items()  # type: ignore[operator]
-                  if b is not None and after[k] is not None},
-        "loadgen_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime),
-        "capped": w["requests"] >= WRK_MAX_REQUESTS,
-    }
-
-
-def access_log_outcomes(path: Path) -> dict[str, int]:
-    """Envoy's JSON access log, counted by "status flags details" (warm-ups included)."""
-    counts: dict[str, int] = {}
-    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.startswith("{"):
-                continue
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            key = f"{d.get('status')} {d.get('flags')} {d.get('details')}"
-            counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 # --------------------------------------------------------------------------- results
@@ -443,7 +246,7 @@ class Bench:
         self.baseline = baseline  # a git revision whose sidecar runs beside this one
         self.kafka = kafka
         self.workdir = workdir
-        self.services: list[Service] = []
+        self.procs = Processes()
         self.spoke: Spoke | None = None
         self.loadgen: LoadGen | None = None
         self.secret = secrets.new_secret(KEY_ID)
@@ -455,12 +258,7 @@ class Bench:
         self.spans = Receiver()
         self.access_log: dict[str, dict[str, int]] = {}
         self.loadavg_start = os.getloadavg()
-        avail = sorted(os.sched_getaffinity(0))
-        if pin_cpus and len(avail) >= 2:
-            self.server_cpus: set[int] | None = {avail[0]}
-            self.load_cpus: set[int] | None = {avail[1]}
-        else:
-            self.server_cpus = self.load_cpus = None
+        self.server_cpus, self.load_cpus = split_cpus(pin_cpus)
         if http_client == "auto":
             http_client = "wrk" if shutil.which("wrk") else "python"
         if http_client == "wrk" and not shutil.which("wrk"):
@@ -471,12 +269,6 @@ class Bench:
 
     def scenario(self, name: str, conc: int) -> Scenario:
         return self.scenarios.setdefault((name, conc), Scenario(name, conc))
-
-    def start(self, svc: Service, cpus: set[int] | None) -> Service:
-        self.services.append(svc)
-        svc.start()
-        pin(svc.pid, cpus)
-        return svc
 
     def sink_env(self, name: str) -> dict[str, str]:
         """Usage spool and JSONL sink inside the workdir (their defaults are relative to cwd)."""
@@ -510,10 +302,10 @@ class Bench:
     def direct(self) -> None:
         mode = self.mode
         print("A) direct gRPC Check", flush=True)
-        redis = self.start(redis_service(free_port(), self.workdir), self.load_cpus)
+        redis = self.procs.start(redis_service(free_port(), self.workdir), self.load_cpus)
         redis_url = f"redis://{redis.address}/0"
         doc = policy_doc(self.secret, key_concurrency=None)  # no ext_proc here to free leases
-        publish(redis_url, doc)
+        publish(redis_url, doc, "bench")
         policy_file = self.workdir / "policy-embedded.yaml"
         policy_file.write_text(yaml.safe_dump(doc))
         common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1"}
@@ -535,14 +327,14 @@ class Bench:
             env |= self.sink_env(backend)
             svc = sidecar_service(free_port(), metrics_port, self.workdir, {**common, **env})
             svc.name = f"sidecar-{backend}"
-            self.start(svc, self.server_cpus)
+            self.procs.start(svc, self.server_cpus)
             sidecars[backend] = (svc, metrics_port)
         for _, metrics_port in sidecars.values():
-            wait_ready(metrics_port)
+            wait_ready(f"http://{LOOP}:{metrics_port}")
         floor_port = free_port()
         floor = Service("floor", [sys.executable, str(HERE / "floor_server.py"), str(floor_port)],
                         floor_port, self.workdir)
-        sidecars["floor"] = (self.start(floor, self.server_cpus), 0)
+        sidecars["floor"] = (self.procs.start(floor, self.server_cpus), 0)
 
         marker = str(uuid.uuid4())
         templates = {d.name: base64.b64encode(
@@ -550,7 +342,7 @@ class Bench:
                           extra_headers=dict(d.headers)).SerializeToString()
         ).decode() for d in self.direct_scenarios()}
         assert self.loadgen is not None
-        probe = RedisProbe(redis_url)
+        probe = RedisProbe(redis_url, KEY_ID, START_TTL_S)
         for rnd in range(mode.rounds):
             scenarios = self.direct_scenarios()
             order = scenarios if rnd % 2 == 0 else scenarios[::-1]
@@ -600,41 +392,26 @@ class Bench:
     def through_envoy(self) -> None:
         mode = self.mode
         print(f"B) through Envoy (HTTP client: {self.http_client})", flush=True)
-        extra: dict[str, Any] = {}
-        if "kafka" in {f.name for f in dataclasses.fields(Spoke)}:
-            extra["kafka"] = self.kafka  # newer Spokes start a Kafka broker unless told not to
-        elif self.kafka:
-            self.note("--kafka ignored: this Spoke has no Kafka broker")
         self.spoke = Spoke(workdir=self.workdir / "spoke", listen_port=free_port(),
-                           engine_ttft_ms=0, engine_tokens_per_s=0,
+                           engine_ttft_ms=0, engine_tokens_per_s=0, kafka=self.kafka,
                            sidecar_env={"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1",
-                                        **self.sink_env("spoke")},
-                           **extra)
+                                        **self.sink_env("spoke")})
         self.spoke.start()
         for svc in self.spoke.services.values():
             pin(svc.pid, self.server_cpus)
-        publish(self.spoke.redis_url, policy_doc(self.secret, key_concurrency=KEY_CONCURRENCY,
-                                                 authz_secret=self.authz_secret))
-        wait_ready(self.spoke.metrics_port)
+        self.spoke.publish(policy_doc(self.secret, key_concurrency=KEY_CONCURRENCY,
+                                      authz_secret=self.authz_secret), "bench")
+        self.spoke.wait_ready()
 
         engine, sidecar = self.spoke["engine"], self.spoke["sidecar"]
         envoys = {FULL_PATH: self.spoke["envoy"]}
         ports = {FULL_PATH: self.spoke.listen_port}
         # The same rendered bootstrap without both ext filters (plain), or without ext_proc.
-        for path, drop in ((PLAIN, (EXT_AUTHZ, EXT_PROC)), (AUTHZ_ONLY, (EXT_PROC,))):
-            port, admin = free_port(), free_port()
-            config = yaml.safe_load(render(EnvoyPorts(  # the ext_proc layout: drop filters
-                listen=f"{LOOP}:{port}", sidecar=sidecar.address, engine=engine.address,
-                admin=f"{LOOP}:{admin}"), metering="ext_proc"))
-            hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-            filters = hcm["typed_config"]["http_filters"]
-            hcm["typed_config"]["http_filters"] = [f for f in filters if f["name"] not in drop]
-            assert len(hcm["typed_config"]["http_filters"]) == len(filters) - len(drop)
-            envoy = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port,
-                                  self.workdir)
-            envoy.name = f"envoy-{path.replace(' ', '-').replace('+', '-')}"
-            self.start(envoy, self.server_cpus)
-            envoys[path], ports[path] = envoy, port
+        for path, drop in ((PLAIN, WITHOUT_GATEWAY), (AUTHZ_ONLY, WITHOUT_EXT_PROC)):
+            envoy = envoy_without(drop, sidecar.address, engine.address, self.workdir,
+                                  f"envoy-{path.replace(' ', '-').replace('+', '-')}")
+            self.procs.start(envoy, self.server_cpus)
+            envoys[path], ports[path] = envoy, envoy.port
 
         bodies = {PLAIN: CHAT_BODY, FULL_PATH: CHAT_BODY, AUTHZ_ONLY: AUTHZ_BODY}
         keys = {PLAIN: self.secret, FULL_PATH: self.secret, AUTHZ_ONLY: self.authz_secret}
@@ -657,7 +434,7 @@ class Bench:
                 f"Content-Type: application/json\r\nAuthorization: Bearer {keys[path]}\r\n"
                 f"Content-Length: {len(bodies[path])}\r\n\r\n").encode() + bodies[path]
         paths = (PLAIN, AUTHZ_ONLY, FULL_PATH)
-        probe = RedisProbe(self.spoke.redis_url)
+        probe = RedisProbe(self.spoke.redis_url, KEY_ID, START_TTL_S)
         try:
             for rnd in range(mode.rounds):
                 for conc in CONCURRENCIES:
@@ -718,9 +495,7 @@ class Bench:
         self.stack.close()
         if self.spoke is not None:
             self.spoke.stop()
-        for svc in reversed(self.services):
-            with contextlib.suppress(Exception):
-                svc.stop()
+        self.procs.stop()
         if (self.workdir / "baseline").exists():
             subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force",
                             str(self.workdir / "baseline")], capture_output=True)
@@ -825,32 +600,11 @@ def derived_lines(d: dict[str, Any]) -> str:
 
 
 def machine_info(bench: Bench) -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    wrk_version = ""
-    if shutil.which("wrk"):
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["wrk", "--version"], capture_output=True, text=True, timeout=5)
-            wrk_version = (out.stdout or out.stderr).splitlines()[0]
-    return {
-        "nproc": os.cpu_count(),
-        "cpus_available": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "loadavg_start": bench.loadavg_start,
-        "loadavg_end": os.getloadavg(),
-        "server_cpus": sorted(bench.server_cpus) if bench.server_cpus else None,
-        "load_cpus": sorted(bench.load_cpus) if bench.load_cpus else None,
-        "http_client": bench.http_client,
-        "wrk": wrk_version,
-    }
-
-
+    return common.machine_info(
+        loadavg_start=bench.loadavg_start, loadavg_end=os.getloadavg(),
+        server_cpus=sorted(bench.server_cpus) if bench.server_cpus else None,
+        load_cpus=sorted(bench.load_cpus) if bench.load_cpus else None,
+        http_client=bench.http_client, wrk=wrk_version())
 
 
 def main() -> int:

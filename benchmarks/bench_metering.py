@@ -50,272 +50,48 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import yaml
-from common import git_state, markdown_table, pin, proc_cpu_s
-from redis.asyncio import Redis
+from common import git_state, markdown_table, pin, proc_cpu_s, scan_log, sched_ns
+from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 
-from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import Service, free_port
 from gateway.dev.stack import Spoke
-from gateway.envoyconf.bootstrap import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+from gateway.dev.usage_topic import read_topic
 from gateway.policy import secrets
-from gateway.policy.admin import RedisBackend, apply
-from gateway.policy.store import PolicyStore
+from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
 HERE = Path(__file__).resolve().parent
 LOOP = "127.0.0.1"
-TOPIC = "llm.usage.v1"
 METERED, PLAIN = "metered", "plain"
 PATHS = (METERED, PLAIN)
 GATEWAY_CPU, OTHER_CPU = 0, 1
 TARGET_RATIO = 1.02
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Workload:
-    max_tokens: int = 64
-    tokens_per_s: float = 200.0
-    ttft_ms: float = 50.0
-    model: str = "mock-model"
-
-    def body(self) -> bytes:
-        return orjson.dumps({
-            "model": self.model, "stream": True, "max_tokens": self.max_tokens,
-            "messages": [{"role": "user", "content": "hello there, write me a story"}]})
-
-    def headers(self, key: str) -> dict[str, str]:
-        return {"authorization": f"Bearer {key}", "content-type": "application/json",
-                "x-mock-ttft-ms": f"{self.ttft_ms:g}",
-                "x-mock-tokens-per-s": f"{self.tokens_per_s:g}"}
-
-
-# --------------------------------------------------------------------------- client
-
-
-@dataclass
-class Sample:
-    status: int = 0
-    error: str = ""
-    request_id: str = ""
-    hdr_s: float = 0.0
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    content_events: int = 0
-    events: int = 0  # every SSE event, [DONE] included
-    reads: int = 0  # body reads (what arrived together)
-    done: bool = False
-    usage_chunks: int = 0
-
-    def problem(self, want_tokens: int) -> str:
-        if self.error:
-            return self.error
-        if self.status != 200:
-            return f"status {self.status}"
-        if self.content_events != want_tokens:
-            return f"{self.content_events} content events, not {want_tokens}"
-        if not self.done:
-            return "no [DONE]"
-        if self.usage_chunks:
-            return "a usage chunk reached the client"
-        return ""
-
-
-def _event(sample: Sample, raw: bytes, now: float, t0: float, last: list[float]) -> None:
-    data = b"\n".join(line[5:].lstrip(b" ") for line in raw.splitlines()
-                      if line.startswith(b"data:"))
-    if not data:
-        return
-    sample.events += 1
-    if data == b"[DONE]":
-        sample.done = True
-        return
-    obj = orjson.loads(data)
-    if obj.get("usage"):
-        sample.usage_chunks += 1
-    for choice in obj.get("choices") or ():
-        if (choice.get("delta") or {}).get("content"):
-            sample.content_events += 1
-            if last:
-                sample.itl_s.append(now - last[0])
-                last[0] = now
-            else:
-                sample.ttft_s = now - t0
-                last.append(now)
-            break
-
-
-async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
-                      headers: dict[str, str]) -> Sample:
-    sample = Sample()
-    last: list[float] = []
-    t0 = time.perf_counter()
-    try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            sample.hdr_s = time.perf_counter() - t0
-            sample.status = resp.status
-            sample.request_id = resp.headers.get("x-request-id", "")
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                sample.reads += 1
-                buf += chunk
-                while True:
-                    end = buf.find(b"\n\n")
-                    if end < 0:
-                        break
-                    _event(sample, buf[:end], now, t0, last)
-                    buf = buf[end + 2:]
-            if buf.strip():
-                _event(sample, buf, time.perf_counter(), t0, last)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        sample.error = f"{type(exc).__name__}: {exc}"[:200]
-    return sample
-
-
-def scenario(label: str) -> tuple[int, bool]:
-    """'16' -> 16 clients starting together; '16s' -> 16 clients with staggered starts."""
-    return int(label.rstrip("s")), label.endswith("s")
-
-
-async def closed_loop(session: aiohttp.ClientSession, url: str, wl: Workload, key: str,
-                      label: str, per_worker: int, deadline_s: float) -> list[Sample]:
-    """`per_worker` requests from each of the scenario's clients, back to back. Staggered
-    clients start spread over one request's duration, so arrivals are spread out instead of
-    coming in waves of all the clients at once."""
-    concurrency, stagger = scenario(label)
-    body, headers = wl.body(), wl.headers(key)
-    deadline = time.monotonic() + deadline_s
-    out: list[Sample] = []
-    duration_s = wl.ttft_ms / 1000 + max(0, wl.max_tokens - 1) / wl.tokens_per_s
-
-    async def worker(i: int) -> None:
-        if stagger:
-            await asyncio.sleep(i * duration_s / concurrency)
-        for _ in range(per_worker):
-            if time.monotonic() > deadline:
-                return
-            out.append(await one_request(session, url, body, headers))
-
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return out
-
-
-# --------------------------------------------------------------------------- processes
-
-
-
-
-def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
-    """(on-CPU ns, waiting-for-a-CPU ns) summed over the live threads of `pid`, and the main
-    thread's wait, from /proc/<pid>/task/*/schedstat: the run-queue wait shows CPU
-    contention directly (for the sidecar the main thread is the event loop)."""
-    if pid is None:
-        return None
-    run = wait = main_wait = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        with contextlib.suppress(OSError, ValueError):
-            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                a, b, _ = f.read().split()
-            run += int(a)
-            wait += int(b)
-            if tid == str(pid):
-                main_wait = int(b)
-    return run, wait, main_wait
-
-
-
-
-def policy_doc(secret: str, model: str) -> dict[str, Any]:
-    """One key with no limits that could trip (like tests/e2e/conftest.py's `good`)."""
-    return {"models": {model: {}}, "teams": {"bench": {"models": [model]}},
-            "keys": {"bench": {"team": "bench", "sha256": secrets.digest(secret).hex()}}}
-
-
-def publish(redis_url: str, doc: dict[str, Any]) -> None:
-    async def go() -> None:
-        client = Redis.from_url(redis_url)
-        try:
-            await apply(RedisBackend(PolicyStore(client)), yaml.safe_dump(doc).encode(), "bench")
-        finally:
-            await client.aclose()
-
-    asyncio.run(go())
-
-
-def wait_ready(metrics_url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with (contextlib.suppress(OSError, urllib.error.URLError),
-              urllib.request.urlopen(f"{metrics_url}/readyz", timeout=1) as r):
-            if r.status == 200:
-                return
-        time.sleep(0.05)
-    raise TimeoutError("sidecar never became ready (policy not loaded?)")
-
-
-def plain_envoy(spoke: Spoke, workdir: Path) -> Service:
-    """The ext_proc spoke's Envoy config with ext_authz and ext_proc removed, same engine."""
-    port, admin = free_port(), free_port()
-    config = yaml.safe_load(render(EnvoyPorts(
-        listen=f"{LOOP}:{port}", sidecar=spoke["sidecar"].address,
-        engine=spoke["engine"].address, admin=f"{LOOP}:{admin}"), metering="ext_proc"))
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    filters = hcm["typed_config"]["http_filters"]
-    hcm["typed_config"]["http_filters"] = [
-        f for f in filters if f["name"] not in (EXT_AUTHZ, EXT_PROC)]
-    assert len(hcm["typed_config"]["http_filters"]) == len(filters) - 2
-    svc = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port, workdir)
-    svc.name = "envoy-plain"
-    return svc
 
 
 async def read_back(bootstrap: str, metered: set[str], plain: set[str], timeout_s: float,
                     ) -> dict[str, Any]:
     """Every metered request id on the topic exactly once; no plain request id at all."""
-    from aiokafka import AIOKafkaConsumer
-
     counts: dict[str, int] = {}
     bad: list[str] = []
-    c = AIOKafkaConsumer(TOPIC, bootstrap_servers=bootstrap, group_id=None,
-                         auto_offset_reset="earliest", enable_auto_commit=False)
-    await c.start()
-    try:
-        deadline = time.monotonic() + timeout_s
-        quiet_since: float | None = None
-        while time.monotonic() < deadline:
-            batch = await c.getmany(timeout_ms=200)
-            got = 0
-            for msgs in batch.values():
-                for m in msgs:
-                    got += 1
-                    ev = orjson.loads(m.value or b"{}")
-                    rid = ev.get("event_id", "")
-                    counts[rid] = counts.get(rid, 0) + 1
-                    if rid in metered and (ev.get("outcome") != "completed" or int(
-                            (ev.get("usage") or {}).get("completion_tokens", 0)) == 0):
-                        bad.append(f"{rid}: {ev.get('outcome')} {ev.get('usage')}")
-            if metered <= counts.keys():
-                if got or quiet_since is None:
-                    quiet_since = time.monotonic()
-                elif time.monotonic() - quiet_since > 0.5:
-                    break
-    finally:
-        await c.stop()
+
+    def keep(m: Any) -> bool:
+        ev = orjson.loads(m.value or b"{}")
+        rid = ev.get("event_id", "")
+        counts[rid] = counts.get(rid, 0) + 1
+        if rid in metered and (ev.get("outcome") != "completed" or int(
+                (ev.get("usage") or {}).get("completion_tokens", 0)) == 0):
+            bad.append(f"{rid}: {ev.get('outcome')} {ev.get('usage')}")
+        return True
+
+    await read_topic(bootstrap, keep, lambda: metered <= counts.keys(), timeout=timeout_s)
     missing = metered - counts.keys()
     dups = sum(n - 1 for rid, n in counts.items() if rid in metered and n > 1)
     return {"metered_requests": len(metered), "events_found": len(metered) - len(missing),
@@ -323,22 +99,6 @@ async def read_back(bootstrap: str, metered: set[str], plain: set[str], timeout_
             "duplicates": dups, "plain_ids_metered": len(plain & counts.keys()),
             "bad_events": len(bad), "bad_sample": bad[:5], "events_on_topic": sum(counts.values()),
             "ok": not missing and not dups and not bad and not plain & counts.keys()}
-
-
-def scan_log(path: Path, start: int) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return {}
-    lines = text.splitlines()
-    tb = [i for i, ln in enumerate(lines) if ln.startswith("Traceback")]
-    errors = [ln for ln in lines if "AssertionError" in ln or '"level": "error"' in ln
-              or "level=error" in ln]
-    return {"tracebacks": len(tb), "error_lines": len(errors),
-            "first_traceback": "\n".join(lines[tb[0]:tb[0] + 30]) if tb else "",
-            "error_sample": errors[:3]}
 
 
 def engine_chunks(engine_url: str, wl: Workload) -> list[bytes]:
@@ -387,13 +147,6 @@ def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, f
 
 
 # --------------------------------------------------------------------------- stats
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(p / 100 * len(s) + 0.999999) - 1))]
 
 
 def phase_stats(samples: list[Sample]) -> dict[str, Any]:
@@ -449,9 +202,10 @@ class Bench:
         self.spoke = Spoke(workdir=self.workdir / "spoke", listen_port=free_port(),
                            sidecar_env=env, metering="ext_proc")  # this harness: ext_proc's cost
         self.spoke.start()
-        publish(self.spoke.redis_url, policy_doc(self.secret, self.wl.model))
-        wait_ready(self.spoke.metrics_url)
-        self.plain = plain_envoy(self.spoke, self.workdir / "spoke").start()
+        serve_one_key(self.spoke, self.secret, self.wl.model)
+        self.plain = envoy_without(WITHOUT_GATEWAY, self.spoke["sidecar"].address,
+                                   self.spoke["engine"].address, self.workdir / "spoke",
+                                   "envoy-plain").start()
         if self.pinned:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
@@ -675,8 +429,6 @@ def render_table(rows: list[dict[str, Any]], ratios: dict[str, dict[str, Any]]) 
             f"{min(rr, default=0):.3f}..{max(rr, default=0):.3f}, ITL p50 ratios "
             f"{min(ri, default=0):.3f}..{max(ri, default=0):.3f}")
     return "\n".join(out)
-
-
 
 
 def main() -> int:

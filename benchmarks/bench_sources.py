@@ -5,7 +5,7 @@ and throughput of each, against an Envoy with no gateway at all.
 
 Three paths, measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
-  (bench_metering.plain_envoy), to the ext_proc spoke's mock engine;
+  (testkit.envoys.envoy_without), to the ext_proc spoke's mock engine;
 * `ext_proc`: a whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
   Envoy) with metering=ext_proc: every SSE chunk goes through the sidecar;
 * `envoy`: a second spoke with metering=envoy: Envoy's Lua, sse_to_metadata and
@@ -66,18 +66,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import bench_metering as bm
 import orjson
-from bench_metering import Sample, Workload
-from common import git_state, markdown_table, pin, proc_cpu_s
+from common import git_state, markdown_table, pin, proc_cpu_s, scan_log, sched_ns
+from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 
 from gateway.dev.procs import Service, free_port
 from gateway.dev.stack import Spoke
+from gateway.dev.usage_topic import read_topic
 from gateway.policy import secrets
+from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
 HERE = Path(__file__).resolve().parent
 LOOP = "127.0.0.1"
-TOPIC = "llm.usage.v1"
 PLAIN, EXT_PROC, ENVOY = "plain", "ext_proc", "envoy"
 PATHS = (PLAIN, EXT_PROC, ENVOY)
 GATEWAY_CPU, OTHER_CPU = 0, 1
@@ -127,9 +127,11 @@ class Bench:
                           metering=source,  # type: ignore[arg-type]
                           engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S)
             self.spokes[source] = spoke.start()
-            bm.publish(spoke.redis_url, bm.policy_doc(self.secret, "mock-model"))
-            bm.wait_ready(spoke.metrics_url)
-        self.plain = bm.plain_envoy(self.spokes[EXT_PROC], self.workdir / PLAIN).start()
+            serve_one_key(spoke, self.secret)
+        ext_proc = self.spokes[EXT_PROC]
+        self.plain = envoy_without(WITHOUT_GATEWAY, ext_proc["sidecar"].address,
+                                   ext_proc["engine"].address, self.workdir / PLAIN,
+                                   "envoy-plain").start()
         if self.pinned:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
@@ -161,7 +163,7 @@ class Bench:
                 cols = [int(x) for x in line.split()[1:8]]
                 snap[line.split()[0].decode()] = (sum(cols) - cols[3] - cols[4]) / CLK
         for name, svc in self.procs().items():
-            sched, ticks = bm.sched_ns(svc.pid), proc_cpu_s(svc.pid)
+            sched, ticks = sched_ns(svc.pid), proc_cpu_s(svc.pid)
             if (cpu := sched[0] / 1e9 if sched else ticks) is not None:
                 snap[name] = cpu
         return snap
@@ -171,7 +173,7 @@ class Bench:
         conc, chunks = PHASES[kind]
         wl = Workload(chunks, TOKENS_PER_S, TTFT_MS)
         before, t0 = self.cpu(), time.perf_counter()
-        samples = await bm.closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
+        samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
                                        per_worker, PHASE_TIMEOUT_S)
         wall = time.perf_counter() - t0
         await asyncio.sleep(SETTLE_S)
@@ -252,15 +254,15 @@ class Bench:
             "requests": {k: sum(len(p.samples) for p in v) for k, v in ph.items()},
             "requests_total": len(every),
             "ok": sum(1 for s in every if s.status == 200 and not s.error),
-            "ttft_p50_ms": statistics.median(bm.pct(t, 50) for t in ttft),
-            "ttft_p99_ms": bm.pct([x for t in ttft for x in t], 99),
-            "ttft_round_p50s_ms": [bm.pct(t, 50) for t in ttft],
+            "ttft_p50_ms": statistics.median(pct(t, 50) for t in ttft),
+            "ttft_p99_ms": pct([x for t in ttft for x in t], 99),
+            "ttft_round_p50s_ms": [pct(t, 50) for t in ttft],
             "c8_pace_ms": statistics.fmean(statistics.fmean(s.itl_s) * 1000 for s in c8),
             "c8_reads_per_stream": statistics.fmean(s.reads for s in c8),
             "c8_gateway_cpu_pct": load("c8x64", gateway), "c8_cpu1_pct": load("c8x64", side),
             "c32_rps": len(c32) / sum(p.wall_s for p in ph["c32x64"]),
             "c32_pace_ms": statistics.fmean(pace),
-            "c32_ttft_p50_ms": bm.pct([s.ttft_s * 1000 for s in c32], 50),
+            "c32_ttft_p50_ms": pct([s.ttft_s * 1000 for s in c32], 50),
             "c32_reads_per_stream": statistics.fmean(s.reads for s in c32),
             "c32_gateway_cpu_pct": load("c32x64", gateway), "c32_cpu1_pct": load("c32x64", side),
             "others_cpu_pct": {k: (load(k, ["cpu0"]) - load(k, gw_all),  # (CPU 0, CPU 1)
@@ -282,41 +284,28 @@ class Bench:
         return rows
 
 
-async def read_topic(bootstrap: str, want: dict[str, int], foreign: set[str], refused: set[str],
-                     timeout_s: float) -> dict[str, Any]:
+async def check_topic(bootstrap: str, want: dict[str, int], foreign: set[str], refused: set[str],
+                      timeout_s: float) -> dict[str, Any]:
     """Every wanted id once, outcome completed, usage_source reported, the right tokens; no
     foreign (plain) id. Refused ids (answered other than 200) found are only counted."""
-    from aiokafka import AIOKafkaConsumer
-
     counts: Counter[str] = Counter()
     sources: Counter[str] = Counter()
     bad: list[str] = []
-    c = AIOKafkaConsumer(TOPIC, bootstrap_servers=bootstrap, group_id=None,
-                         auto_offset_reset="earliest", enable_auto_commit=False)
-    await c.start()
-    try:
-        deadline, quiet_since = time.monotonic() + timeout_s, None
-        while time.monotonic() < deadline:
-            batch = await c.getmany(timeout_ms=200)
-            msgs = [m for ms in batch.values() for m in ms]
-            for m in msgs:
-                ev = orjson.loads(m.value or b"{}")
-                rid = ev.get("event_id", "")
-                src = ev.get("usage_source", "")
-                counts[rid] += 1
-                sources[src] += 1
-                tokens = int((ev.get("usage") or {}).get("completion_tokens", -1))
-                if rid in want and (ev.get("outcome") != "completed" or src != "reported"
-                                    or tokens != want[rid]):
-                    bad.append(f"{rid}: outcome {ev.get('outcome')}, usage_source {src!r}, "
-                               f"completion_tokens {tokens} (want {want[rid]})")
-            if want.keys() <= counts.keys():
-                if msgs or quiet_since is None:
-                    quiet_since = time.monotonic()
-                elif time.monotonic() - quiet_since > 0.5:
-                    break
-    finally:
-        await c.stop()
+
+    def keep(m: Any) -> bool:
+        ev = orjson.loads(m.value or b"{}")
+        rid = ev.get("event_id", "")
+        src = ev.get("usage_source", "")
+        counts[rid] += 1
+        sources[src] += 1
+        tokens = int((ev.get("usage") or {}).get("completion_tokens", -1))
+        if rid in want and (ev.get("outcome") != "completed" or src != "reported"
+                            or tokens != want[rid]):
+            bad.append(f"{rid}: outcome {ev.get('outcome')}, usage_source {src!r}, "
+                       f"completion_tokens {tokens} (want {want[rid]})")
+        return True
+
+    await read_topic(bootstrap, keep, lambda: want.keys() <= counts.keys(), timeout=timeout_s)
     missing, plain = want.keys() - counts.keys(), foreign & counts.keys()
     dups = sum(n - 1 for rid, n in counts.items() if rid in want and n > 1)
     return {"requests": len(want), "found": len(want) - len(missing), "missing": len(missing),
@@ -449,10 +438,10 @@ def main() -> int:
               f" {args.rounds} rounds", flush=True)
         uvloop.run(bench.measure())
         for source, spoke in bench.spokes.items():
-            checks[source] = uvloop.run(read_topic(spoke.kafka_bootstrap, bench.sent[source],
-                                                   set(bench.sent[PLAIN]), set(bench.refused),
-                                                   30.0))
-            logs[source] = bm.scan_log(spoke["sidecar"].log_path, 0)
+            checks[source] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[source],
+                                                    set(bench.sent[PLAIN]), set(bench.refused),
+                                                    30.0))
+            logs[source] = scan_log(spoke["sidecar"].log_path, 0)
         bench.problem_sample += explain(bench)[:10]
     finally:
         bench.stop()

@@ -50,9 +50,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from common import git_state, markdown_table
+from common import git_state, markdown_table, pin
 
 from gateway.dev.procs import Service, free_port, tansu_service
+from gateway.dev.usage_topic import USAGE_TOPIC, read_topic
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
@@ -62,7 +63,6 @@ from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
 
 HERE = Path(__file__).resolve().parent
-TOPIC = "llm.usage.v1"
 TARGET_EVENTS_PER_S = 5000
 BENCH_CPU, BROKER_CPU = 1, 0
 VARIANTS = (("build+ship", False), ("ship only", True))
@@ -338,40 +338,26 @@ async def warm_up(root: Path, producer: KafkaProducer, timeout_s: float = 30.0) 
 async def read_back(bootstrap: str, want: dict[str, set[str]], timeout_s: float,
                     ) -> dict[str, Any]:
     """Read the topic from the beginning until every wanted id is seen (or timeout)."""
-    from aiokafka import AIOKafkaConsumer
-
     total_want = sum(len(v) for v in want.values())
     owner = {eid: name for name, ids in want.items() for eid in ids}
     seen: dict[str, set[str]] = {name: set() for name in want}
     messages = matched = 0
-    c = AIOKafkaConsumer(TOPIC, bootstrap_servers=bootstrap, group_id=None,
-                         auto_offset_reset="earliest", enable_auto_commit=False,
-                         max_partition_fetch_bytes=8 << 20, fetch_max_bytes=64 << 20)
-    await c.start()
+
+    def keep(m: Any) -> bool:
+        nonlocal messages, matched
+        messages += 1
+        key = (m.key or b"").decode()
+        name = owner.get(key)
+        if name is not None:
+            matched += 1
+            seen[name].add(key)
+        return True
+
     t0 = time.perf_counter()
-    try:
-        deadline = time.monotonic() + timeout_s
-        quiet_since: float | None = None
-        while time.monotonic() < deadline:
-            batch = await c.getmany(timeout_ms=200, max_records=50_000)
-            got = 0
-            for msgs in batch.values():
-                for m in msgs:
-                    got += 1
-                    key = (m.key or b"").decode()
-                    name = owner.get(key)
-                    if name is not None:
-                        matched += 1
-                        seen[name].add(key)
-            messages += got
-            if sum(len(v) for v in seen.values()) >= total_want:
-                # all there; one more quiet poll so that trailing duplicates would show
-                if got or quiet_since is None:
-                    quiet_since = time.monotonic()
-                elif time.monotonic() - quiet_since > 0.5:
-                    break
-    finally:
-        await c.stop()
+    # all there, then one more quiet poll so that trailing duplicates would show
+    await read_topic(bootstrap, keep, lambda: sum(len(v) for v in seen.values()) >= total_want,
+                     timeout=timeout_s, max_records=50_000, max_partition_fetch_bytes=8 << 20,
+                     fetch_max_bytes=64 << 20)
     per = {name: {"wanted": len(want[name]), "distinct_seen": len(seen[name]),
                   "missing": len(want[name] - seen[name])} for name in want}
     distinct = sum(len(v) for v in seen.values())
@@ -389,8 +375,6 @@ def fs_type(path: Path) -> str:
                              text=True, timeout=5)
         return out.stdout.strip()
     return ""
-
-
 
 
 def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -445,17 +429,8 @@ def pin_self() -> dict[str, Any]:
     return {"pinned": True, "bench_cpu": BENCH_CPU, "broker_cpu": BROKER_CPU}
 
 
-def pin_pid(pid: int | None, cpu: int) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), {cpu})
-
-
 async def bench(args: argparse.Namespace, bootstrap: str, root: Path) -> dict[str, Any]:
-    producer = KafkaProducer(bootstrap, TOPIC, idempotence=False)
+    producer = KafkaProducer(bootstrap, USAGE_TOPIC, idempotence=False)
     rows: list[dict[str, Any]] = []
     want: dict[str, set[str]] = {}
     if await put_during_commit_breaks(root):
@@ -510,7 +485,7 @@ def main() -> int:
         cost = build_cost_us(5_000 if args.quick else 20_000)
         broker = tansu_service(free_port(), workdir).start()
         if placement.get("pinned"):
-            pin_pid(broker.pid, BROKER_CPU)
+            pin(broker.pid, {BROKER_CPU})
         print(f"tansu on {broker.address}; N={args.n:,} per variant; {placement}", flush=True)
         coro = bench(args, broker.address, workdir / "spool")
         if args.no_uvloop:

@@ -25,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_authz import FULL, QUICK, SMALL_BODY, Bench, LoadGen, policy_doc, publish
-from common import git_state, markdown_table
+from bench_authz import FULL, KEY_ID, QUICK, SMALL_BODY, policy_doc
+from common import Processes, git_state, markdown_table, split_cpus
+from loadgen_client import LoadGen
 from stage_server import STAGES
 
-from gateway.dev.checks import check_request
 from gateway.dev.procs import Service, free_port, redis_service
+from gateway.dev.publish import publish
+from gateway.policy import secrets
+from testkit.check_requests import check_request
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,14 +49,17 @@ def main() -> int:
     mode = QUICK if args.quick else FULL
     rounds = args.rounds or mode.rounds
     workdir = Path(tempfile.mkdtemp(prefix="bench-stages-"))
-    bench = Bench(mode, workdir, "python", pin_cpus=True)
+    server_cpus, load_cpus = split_cpus()
+    procs = Processes()
+    secret = secrets.new_secret(KEY_ID)
+    loadgen: LoadGen | None = None
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STAGES}
     try:
-        bench.loadgen = LoadGen(bench.load_cpus, workdir / "loadgen.log")
-        redis = bench.start(redis_service(free_port(), workdir), bench.load_cpus)
+        loadgen = LoadGen(load_cpus, workdir / "loadgen.log")
+        redis = procs.start(redis_service(free_port(), workdir), load_cpus)
         redis_url = f"redis://{redis.address}/0"
-        doc = policy_doc(bench.secret, key_concurrency=None)
-        publish(redis_url, doc)
+        doc = policy_doc(secret, key_concurrency=None)
+        publish(redis_url, doc, "bench")
         policy_file = workdir / "policy.yaml"
         policy_file.write_text(yaml.safe_dump(doc))
         servers = {}
@@ -61,11 +67,11 @@ def main() -> int:
             port = free_port()
             argv = [sys.executable, str(HERE / "stage_server.py"), str(port), stage,
                     str(policy_file), redis_url]
-            servers[stage] = bench.start(Service(f"stage-{stage}", argv, port, workdir),
-                                         bench.server_cpus)
+            servers[stage] = procs.start(Service(f"stage-{stage}", argv, port, workdir),
+                                         server_cpus)
         marker = str(uuid.uuid4())
         template = base64.b64encode(check_request(
-            bench.secret, body=SMALL_BODY, request_id=marker).SerializeToString()).decode()
+            secret, body=SMALL_BODY, request_id=marker).SerializeToString()).decode()
         for rnd in range(rounds):
             for stage in STAGES if rnd % 2 == 0 else STAGES[::-1]:
                 svc = servers[stage]
@@ -73,14 +79,16 @@ def main() -> int:
                        "template_b64": template, "concurrency": args.concurrency,
                        "warmup_s": mode.warmup_s, "duration_s": mode.duration_s,
                        "max_calls": mode.max_calls, "cpu_pids": {"server": svc.pid}}
-                result = bench.loadgen.run(job, mode.warmup_s + mode.duration_s + 60)
+                result = loadgen.run(job, mode.warmup_s + mode.duration_s + 60)
                 if result["errors"]:
                     raise RuntimeError(f"{stage}: {result['errors']} errors, first: "
                                        f"{result['first_error']}")
                 runs[stage].append(result)
                 print(f"  {stage:<10} {result['rps']:8.0f}/s", flush=True)
     finally:
-        bench.stop()
+        if loadgen is not None:
+            loadgen.close()
+        procs.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     rows, before = [], None

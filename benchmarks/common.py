@@ -1,12 +1,18 @@
-"""Helpers every benchmark shares: the commit measured, CPU accounting, CPU pinning."""
+"""Helpers every benchmark shares: the commit and machine measured, CPU accounting, CPU
+pinning, the processes a bench started, its tables."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gateway.dev.procs import Service
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -48,6 +54,88 @@ def pin(pid: int | None, cpus: set[int] | None) -> None:
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(tid), cpus)
+
+
+def split_cpus(enabled: bool = True) -> tuple[set[int] | None, set[int] | None]:
+    """(servers' CPUs, load generator's CPUs): the first and second available CPU, so the
+    client does not steal the servers' core; (None, None) with fewer than two or not enabled."""
+    avail = sorted(os.sched_getaffinity(0))
+    if enabled and len(avail) >= 2:
+        return {avail[0]}, {avail[1]}
+    return None, None
+
+
+class Processes:
+    """The services a bench started: each pinned once it is up, all stopped at the end,
+    newest first, even after a failure."""
+
+    def __init__(self) -> None:
+        self.services: list[Service] = []
+
+    def start(self, svc: Service, cpus: set[int] | None) -> Service:
+        self.services.append(svc)
+        svc.start()
+        pin(svc.pid, cpus)
+        return svc
+
+    def stop(self) -> None:
+        for svc in reversed(self.services):
+            with contextlib.suppress(Exception):
+                svc.stop()
+
+
+def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
+    """(on-CPU ns, waiting-for-a-CPU ns) summed over the live threads of `pid`, and the main
+    thread's wait, from /proc/<pid>/task/*/schedstat: the run-queue wait shows CPU
+    contention directly (for the sidecar the main thread is the event loop)."""
+    if pid is None:
+        return None
+    run = wait = main_wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                a, b, _ = f.read().split()
+            run += int(a)
+            wait += int(b)
+            if tid == str(pid):
+                main_wait = int(b)
+    return run, wait, main_wait
+
+
+def scan_log(path: Path, start: int) -> dict[str, Any]:
+    """Tracebacks and error lines in a service's log from byte `start` on."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return {}
+    lines = text.splitlines()
+    tb = [i for i, ln in enumerate(lines) if ln.startswith("Traceback")]
+    errors = [ln for ln in lines if "AssertionError" in ln or '"level": "error"' in ln
+              or "level=error" in ln]
+    return {"tracebacks": len(tb), "error_lines": len(errors),
+            "first_traceback": "\n".join(lines[tb[0]:tb[0] + 30]) if tb else "",
+            "error_sample": errors[:3]}
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """The machine and its load, for the JSON (`extra` appended: the bench's placement)."""
+    return {"nproc": os.cpu_count(), "cpus_available": len(os.sched_getaffinity(0)),
+            "cpu_model": cpu_model(), "python": sys.version.split()[0],
+            "platform": platform.platform(), **extra}
 
 
 def markdown_table(head: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "faults")]
+from testkit.invariants import check
+from testkit.load import Load
+from testkit.spoke import policy_doc, publish, start_spoke
 
-from invariants import check  # noqa: E402
-from load import Load  # noqa: E402
-from spokekit import policy_doc, publish, start_spoke  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rss_mib(pid: int) -> float:

@@ -4,7 +4,7 @@ An entry says everything that differs between API shapes: which family of answer
 clients expect (errors, rate-limit headers), how its usage is read, whether it generates
 tokens to reserve, whether it is billed at all, and whether its streams report usage only
 when asked. The next API shape is one entry here, plus its usage reader if it is new
-(gateway/metering/usage.py, and the Envoy rules in gateway/envoy_metering.py).
+(gateway/metering/usage.py, and the Envoy rules in gateway/envoyconf/metering.py).
 """
 
 from __future__ import annotations

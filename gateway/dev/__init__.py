@@ -1,1 +1,2 @@
-"""Local development spoke: process launchers and mock services for `gateway dev` and the tests."""
+"""Local development spoke: process launchers, mock services, policy publishing and the usage
+topic read back, for `gateway dev`, the tests and the benchmarks."""

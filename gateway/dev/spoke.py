@@ -12,23 +12,19 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from redis.asyncio import Redis
-
+from gateway.dev.publish import policy_backend
 from gateway.dev.stack import Spoke
+from gateway.dev.usage_topic import USAGE_TOPIC, find_event
 from gateway.policy import admin
-from gateway.policy.store import PolicyStore
 from gateway.settings import DEFAULT_METERING, Metering
 
 
 async def apply_demo_policy(redis_url: str) -> admin.NewKey:
     text = resources.files("gateway.dev").joinpath("demo_policy.yaml").read_bytes()
-    client = Redis.from_url(redis_url)
-    backend = admin.RedisBackend(PolicyStore(client))
-    await admin.apply(backend, text, "demo_policy.yaml")
-    key = await admin.create_key(backend, "demo", key_id="demo",
-                                 limits={"rps": 20, "concurrency": 8})
-    await client.aclose()
-    return key
+    async with policy_backend(redis_url) as backend:
+        await admin.apply(backend, text, "demo_policy.yaml")
+        return await admin.create_key(backend, "demo", key_id="demo",
+                                      limits={"rps": 20, "concurrency": 8})
 
 
 def run_spoke(port: int, workdir: Path, otlp: str | None = None,
@@ -43,7 +39,10 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
     spoke.start()
     try:
         key = asyncio.run(apply_demo_policy(spoke.redis_url))
-        time.sleep(0.5)  # the sidecar picks the announcement up in milliseconds
+        try:
+            spoke.wait_ready(timeout=10)  # the sidecar picks the announcement up in ms
+        except TimeoutError as exc:
+            print(f"  ({exc}; see {spoke['sidecar'].log_path})", flush=True)
         _banner(spoke, key.secret)
         _demo_request(spoke, key.secret)
         stop = {"now": False}
@@ -73,31 +72,12 @@ def _demo_request(spoke: Spoke, secret: str) -> None:
                          "messages": [{"role": "user", "content": "hello from gateway dev"}]})
     rid = r.headers.get("x-request-id", "")
     print(f"  demo request: HTTP {r.status_code}, x-request-id {rid}", flush=True)
-    event = asyncio.run(_find_event(spoke.kafka_bootstrap, rid))
+    event = asyncio.run(find_event(spoke.kafka_bootstrap, rid))
     if event is None:
         print("  (its usage event did not arrive within 10 s; see the sidecar log)", flush=True)
         return
-    print("  its usage event on llm.usage.v1:\n", flush=True)
+    print(f"  its usage event on {USAGE_TOPIC}:\n", flush=True)
     print(orjson.dumps(orjson.loads(event), option=orjson.OPT_INDENT_2).decode(), flush=True)
-
-
-async def _find_event(bootstrap: str, request_id: str) -> bytes | None:
-    from aiokafka import AIOKafkaConsumer
-
-    consumer = AIOKafkaConsumer("llm.usage.v1", bootstrap_servers=bootstrap, group_id=None,
-                                auto_offset_reset="earliest")
-    await consumer.start()
-    try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=300)
-            for msgs in batches.values():
-                for m in msgs:
-                    if m.key == request_id.encode() and m.value:
-                        return m.value
-    finally:
-        await consumer.stop()
-    return None
 
 
 def _port_taken(port: int) -> str:

@@ -1,18 +1,24 @@
 """A whole local spoke: Redis, the mock engine, the sidecar and Envoy, each a real process.
 
 `gateway dev` runs one for people; the end-to-end tests run one per session and kill its
-parts to prove the failure modes. Every port is free-picked except Envoy's when asked.
+parts to prove the failure modes; the benchmarks measure through one. Every port is
+free-picked except Envoy's when asked.
 """
 
 from __future__ import annotations
 
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import Service, free_port, redis_service, tansu_service
+from gateway.dev.publish import publish
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
 from gateway.settings import DEFAULT_METERING, Metering
 
@@ -27,6 +33,24 @@ def sidecar_service(port: int, metrics_port: int, workdir: Path, env: dict[str, 
         **env,
     }
     return Service("sidecar", argv, port, workdir, env=full_env)
+
+
+def wait_ready(metrics_url: str, timeout: float = 30.0) -> None:
+    """Block until the sidecar's /readyz answers 200: it is up and has a policy. A sidecar
+    accepts Checks before that, and answers them 503."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{metrics_url}/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"{exc.code} {exc.read().decode(errors='replace').strip()}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.05)
+    raise TimeoutError(f"sidecar at {metrics_url} never became ready: {last}")
 
 
 def engine_service(port: int, workdir: Path, ttft_ms: float = 20, tokens_per_s: float = 500,
@@ -87,6 +111,13 @@ class Spoke:
     def stop(self) -> None:
         for svc in reversed(list(self.services.values())):
             svc.stop()
+
+    def publish(self, doc: dict[str, Any], source: str, *, prune: bool = False) -> int:
+        """Publish a policy (gateway.dev.publish) to this spoke's Redis; its revision."""
+        return publish(self.redis_url, doc, source, prune=prune)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        wait_ready(self.metrics_url, timeout)
 
     @property
     def redis_url(self) -> str:

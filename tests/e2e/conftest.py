@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from spokekit import start_spoke
 
 from gateway.dev.stack import Spoke
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES
+from testkit.spoke import start_spoke
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 import redis
-from spokekit import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
 
 from gateway.dev.stack import Spoke
 from gateway.settings import METERING_SOURCES
+from testkit.spoke import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
 
 
 async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:

@@ -10,9 +10,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from spokekit import anthropic_client, chat, client, read_events
 
 from gateway.dev.stack import Spoke
+from testkit.spoke import anthropic_client, chat, client, read_events
 
 AUTHZ_ONLY = True  # the answers are the Check's: one metering source proves it
 

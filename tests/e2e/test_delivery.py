@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
-from spokekit import client, read_events, start_spoke
 
 from gateway.cli import main as gateway
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES
+from testkit.spoke import client, read_events, start_spoke
 
 MSG = [{"role": "user", "content": "hello there"}]
 

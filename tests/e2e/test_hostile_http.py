@@ -7,9 +7,9 @@ import socket
 
 import httpx
 import redis
-from spokekit import read_events
 
 from gateway.dev.stack import Spoke
+from testkit.spoke import read_events
 
 AUTHZ_ONLY = True  # refused at the Check or by Envoy: one metering source proves it
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from spokekit import anthropic_client, read_events
 
 from gateway.dev.stack import Spoke
+from testkit.spoke import anthropic_client, read_events
 
 AUTHZ_ONLY = True  # the answers are the Check's: one metering source proves it
 

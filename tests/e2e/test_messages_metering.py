@@ -14,9 +14,9 @@ import httpx
 import httpx2  # the anthropic SDK's HTTP client (a fork of httpx)
 import pytest
 import redis
-from spokekit import anthropic_client, read_events
 
 from gateway.dev.stack import Spoke
+from testkit.spoke import anthropic_client, read_events
 
 MSG: Any = [{"role": "user", "content": "count these five words"}]
 CACHE = {"x-mock-cache-read-tokens": "2", "x-mock-cache-creation-tokens": "1"}

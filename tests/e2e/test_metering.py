@@ -7,9 +7,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from spokekit import client, read_events
 
 from gateway.dev.stack import Spoke
+from testkit.spoke import client, read_events
 
 MSG = [{"role": "user", "content": "count these five words"}]
 

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spokekit import client, start_spoke
 
-from gateway.dev.otlp_receiver import Receiver, Span, otlp_receiver
 from gateway.dev.procs import free_port
 from gateway.dev.stack import Spoke
 from gateway.settings import METERING_SOURCES
+from testkit.otlp_receiver import Receiver, Span, otlp_receiver
+from testkit.spoke import client, start_spoke
 
 MSG = [{"role": "user", "content": "trace me"}]
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # ms between the sidecar's exports

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spokekit import start_spoke
 
 from gateway.dev.stack import Spoke
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES
+from testkit.spoke import start_spoke
 
 LEASE_TTL = 3.0
 # `make faults` sets this to 60 for the full minute-long Kafka outage.

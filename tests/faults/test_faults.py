@@ -7,12 +7,12 @@ import time
 import httpx
 import pytest
 from conftest import KAFKA_OUTAGE_S, LEASE_TTL
-from invariants import check
-from load import Load
 from proxy import SlowProxy
 
 from gateway.cli import main as gateway
 from gateway.dev.stack import Spoke
+from testkit.invariants import check
+from testkit.load import Load
 
 Spk = tuple[Spoke, dict[str, str]]
 

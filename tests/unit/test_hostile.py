@@ -102,7 +102,7 @@ def test_api_key_parser_never_returns_whitespace_or_commas(value: str) -> None:
 
 @given(st.dictionaries(st.text(max_size=20), st.text(max_size=20), max_size=10))
 def test_check_request_conversion_accepts_any_header_map(headers: dict[str, str]) -> None:
-    from gateway.dev.checks import check_request
+    from testkit.check_requests import check_request
     check = check_request("k", extra_headers=headers)
     req = to_request(check)
     assert req.method == "POST"

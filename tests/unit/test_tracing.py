@@ -15,12 +15,12 @@ from opentelemetry.trace import StatusCode
 from gateway import tracing
 from gateway.authz.engine import Authorizer
 from gateway.clock import FakeClock
-from gateway.dev.checks import check_request
 from gateway.limits.memory import MemoryLimiter
 from gateway.policy import secrets
 from gateway.policy.loader import load
 from gateway.policy.model import Policy
 from gateway.server.authz_service import AuthorizationService
+from testkit.check_requests import check_request
 
 SECRET = secrets.new_secret("alice")
 TRACE, PARENT = pysecrets.token_hex(16), pysecrets.token_hex(8)

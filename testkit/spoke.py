@@ -1,24 +1,21 @@
-"""Helpers for tests that run a whole spoke: a policy with a key per case, publishing it,
-reading usage events back from the topic, openai clients."""
+"""A whole spoke for tests: the test policy with one key per case, published and served;
+openai clients; the usage events read back from the topic."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
-import yaml
-from redis.asyncio import Redis
+import orjson
 
 from gateway.dev.procs import free_port
+from gateway.dev.publish import publish as publish_policy
 from gateway.dev.stack import Spoke
+from gateway.dev.usage_topic import read_topic
 from gateway.policy import secrets
-from gateway.policy.admin import RedisBackend, apply
-from gateway.policy.store import PolicyStore
 
 KEY_LIMITS: dict[str, dict[str, Any]] = {
     "good": {},
@@ -55,37 +52,17 @@ def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
 
 
 def publish(redis_url: str, doc: dict[str, Any]) -> int:
-    async def go() -> int:
-        client = Redis.from_url(redis_url)
-        try:
-            done = await apply(RedisBackend(PolicyStore(client)), yaml.safe_dump(doc).encode(),
-                               "t", prune=True)
-            assert done.revision is not None
-            return done.revision
-        finally:
-            await client.aclose()
-
-    return asyncio.run(go())
-
-
-def wait_ready(spoke: Spoke, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{spoke.metrics_url}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("sidecar never became ready")
+    """The whole test policy as the next revision (keys it no longer names are dropped)."""
+    return publish_policy(redis_url, doc, "t", prune=True)
 
 
 def start_spoke(workdir: Path, **kw: Any) -> tuple[Spoke, dict[str, str]]:
+    """A started Spoke (its keyword arguments) serving the test policy; its secrets by key id."""
     kw.setdefault("sidecar_env", {}).setdefault("GATEWAY_CONTINUOUS_USAGE_MODELS", "mock-other")
     spoke = Spoke(workdir=workdir, listen_port=free_port(), **kw).start()
     keys = {k: secrets.new_secret(k) for k in KEY_LIMITS}
     publish(spoke.redis_url, policy_doc(keys))
-    wait_ready(spoke)
+    spoke.wait_ready(timeout=10)
     return spoke, keys
 
 
@@ -106,33 +83,22 @@ def read_events(bootstrap: str, want: set[str] | None = None, timeout: float = 1
     Returns once every wanted id has been seen and `settle` more seconds brought nothing
     new (so a duplicate would show), or at `timeout`.
     """
-    import orjson
-    from aiokafka import AIOKafkaConsumer
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
 
-    async def go() -> list[dict[str, Any]]:
-        c = AIOKafkaConsumer("llm.usage.v1", bootstrap_servers=bootstrap, group_id=None,
-                             auto_offset_reset="earliest", enable_auto_commit=False)
-        await c.start()
-        out: list[dict[str, Any]] = []
-        quiet_since = None
-        deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                batch = await c.getmany(timeout_ms=200)
-                got = [orjson.loads(m.value) for ms in batch.values() for m in ms if m.value]
-                got = [e for e in got if want is None or e["event_id"] in want]
-                out += got
-                seen = {e["event_id"] for e in out}
-                if want is not None and want <= seen:
-                    if got or quiet_since is None:
-                        quiet_since = time.monotonic()
-                    elif time.monotonic() - quiet_since >= settle:
-                        break
-        finally:
-            await c.stop()
-        return out
+    def keep(m: Any) -> bool:
+        if not m.value:
+            return False
+        event = orjson.loads(m.value)
+        if want is not None and event["event_id"] not in want:
+            return False
+        out.append(event)
+        seen.add(event["event_id"])
+        return True
 
-    return asyncio.run(go())
+    done = None if want is None else (lambda: want <= seen)
+    asyncio.run(read_topic(bootstrap, keep, done, timeout=timeout, settle=settle))
+    return out
 
 
 def anthropic_client(spoke: Spoke, key: str | None, bearer: bool = False,

@@ -9,11 +9,11 @@ from typing import Any
 
 import httpx
 import redis
-from load import Result
-from spokekit import read_events
 
 from gateway.dev.stack import Spoke
 from gateway.limits import maths
+from testkit.load import Result
+from testkit.spoke import read_events
 
 
 def _wait(cond: Any, timeout: float, what: str) -> None:

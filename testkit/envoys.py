@@ -1,0 +1,50 @@
+"""Envoys beside a spoke's own, for comparison: the spoke's rendered bootstrap with some of
+its HTTP filters taken out (plain Envoy, or ext_authz alone), and what their access logs say."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import yaml
+
+from gateway.dev.envoy_proc import envoy_service
+from gateway.dev.procs import LOOPBACK, Service, free_port
+from gateway.envoyconf.bootstrap import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
+
+WITHOUT_GATEWAY = (EXT_AUTHZ, EXT_PROC)  # plain Envoy: straight to the engine
+WITHOUT_EXT_PROC = (EXT_PROC,)  # the Check alone, no ext_proc stream
+
+
+def envoy_without(drop: tuple[str, ...], sidecar: str, engine: str, workdir: Path,
+                  name: str) -> Service:
+    """An Envoy (not started) on a free port, rendered as the ext_proc spoke's but without the
+    `drop` filters, to the same sidecar and engine addresses. Its port is `.port`."""
+    port, admin = free_port(), free_port()
+    config = yaml.safe_load(render(EnvoyPorts(
+        listen=f"{LOOPBACK}:{port}", sidecar=sidecar, engine=engine,
+        admin=f"{LOOPBACK}:{admin}"), metering="ext_proc"))
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    hcm["typed_config"]["http_filters"] = [f for f in filters if f["name"] not in drop]
+    assert len(hcm["typed_config"]["http_filters"]) == len(filters) - len(drop)
+    svc = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port, workdir)
+    svc.name = name
+    return svc
+
+
+def access_log_outcomes(path: Path) -> dict[str, int]:
+    """Envoy's JSON access log, counted by "status flags details" (warm-ups included)."""
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.startswith("{"):
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            key = f"{d.get('status')} {d.get('flags')} {d.get('details')}"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
