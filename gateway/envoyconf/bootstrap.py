@@ -65,6 +65,7 @@ from gateway.envoyconf.filters import (
     ext_proc,
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
+from gateway.metering.record import CUT_FLAGS
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES, Metering
 
 with quiet_imports():
@@ -258,7 +259,8 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
             HttpFilter(name=ROUTER, typed_config=Any.pack(Router())),
         ],
         access_log=[_stdout_access_log(limits.metering),
-                    *([envoy_metering.record_log()] if limits.metering == "envoy" else [])],
+                    envoy_metering.record_log() if limits.metering == "envoy" else
+                    envoy_metering.record_log(only_flags=CUT_FLAGS)],
         use_remote_address=True,
         preserve_external_request_id=False,
         always_set_request_id_in_response=True,

@@ -24,6 +24,7 @@ Why each piece (docs/envoy.md §6):
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from datetime import timedelta
 
 from gateway.envoyconf import lua as envoy_lua
@@ -31,7 +32,11 @@ from gateway.envoyconf.filters import AUTHZ_NAMESPACE, SIDECAR_CLUSTER
 from gateway.envoyconf.plain import quiet_imports
 
 with quiet_imports():
-    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+    from envoy_data_plane.envoy.config.accesslog.v3 import (
+        AccessLog,
+        AccessLogFilter,
+        ResponseFlagFilter,
+    )
     from envoy_data_plane.envoy.config.core.v3 import (
         ApiVersion,
         BackoffStrategy,
@@ -155,8 +160,12 @@ def json_to_metadata() -> JsonToMetadata:
         rules=rules, allow_content_types_regex=RegexMatcher(regex=r"^application/json\b.*")))
 
 
-def record_log() -> AccessLog:
-    """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s."""
+def record_log(only_flags: Iterable[str] = ()) -> AccessLog:
+    """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s.
+
+    `only_flags`: send a record only for requests with one of these response flags. The
+    ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
+    DC: the client), which ext_proc itself cannot see."""
     retry = RetryPolicy(
         retry_back_off=BackoffStrategy(base_interval=timedelta(milliseconds=250),
                                        max_interval=timedelta(seconds=2)),
@@ -167,7 +176,10 @@ def record_log() -> AccessLog:
                        retry_policy=retry)
     with warnings.catch_warnings():  # common_config is deprecated, but the only place
         warnings.simplefilter("ignore", DeprecationWarning)  # 1.40 honours buffering
-        return AccessLog(name=OTEL_ACCESS_LOG, typed_config=Any.pack(_otel_config(grpc)))
+        only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
+            flags=sorted(only_flags))) if only_flags else None
+        return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
+                         typed_config=Any.pack(_otel_config(grpc)))
 
 
 def _otel_config(grpc: GrpcService) -> OpenTelemetryAccessLogConfig:

@@ -25,6 +25,7 @@ from gateway.metering.usage import Usage
 # cut its stream after the headers; the rest fail before or while connecting.
 UPSTREAM_FLAGS = frozenset({"UPE", "UR", "UC", "UF", "URX", "UT", "UO", "UH", "NR", "UMSDR"})
 CLIENT_FLAGS = frozenset({"DC", "DPE"})  # the client left, or broke the protocol
+CUT_FLAGS = UPSTREAM_FLAGS | CLIENT_FLAGS  # a stream that ended early: who ended it
 
 
 @dataclass(frozen=True, slots=True)

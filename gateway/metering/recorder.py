@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from gateway import metrics
@@ -15,8 +16,14 @@ from gateway.log import log
 from gateway.metering.events import UsageEvent, event_json, rfc3339
 from gateway.metering.handoff import RequestFacts, orphan_facts
 from gateway.metering.meter import Meter, Result
+from gateway.metering.record import UPSTREAM_FLAGS
 from gateway.metering.usage import Usage
 from gateway.sinks.spool import Spool
+
+# How long a stream ext_proc saw end early waits for Envoy's word on why (its access-log
+# record, flushed every 50 ms), and how many such words are kept for streams not ended yet.
+CUT_WAIT_S = 1.0
+TOLD_MAX = 10_000
 
 
 class Recorder:
@@ -24,6 +31,10 @@ class Recorder:
         self.spool = spool
         self.spoke = spoke
         self.leases = leases
+        # ext_proc: streams that ended early, waiting to learn who ended them; and the
+        # words that came before their stream's end did.
+        self._waiting: dict[str, tuple[Callable[[str], None], asyncio.TimerHandle]] = {}
+        self._told: OrderedDict[str, frozenset[str]] = OrderedDict()
 
     async def run_sweeper(self, interval: float, grace: float = 0.0) -> None:
         """Give every orphaned request (its sidecar died mid-request) its one event, once
@@ -60,6 +71,47 @@ class Recorder:
         return self.emit(facts, r, meter.status or facts.denied_status, outcome, started,
                          time.time(), source or r.source)
 
+    def finish_cut(self, facts: RequestFacts, meter: Meter, started: float,
+                   then: Callable[[UsageEvent], None] | None = None,
+                   wait_s: float = CUT_WAIT_S) -> None:
+        """A stream that ended before its end (ext_proc source). ext_proc sees an engine
+        that cut it and a client that left the same way; Envoy knows (response flags UPE
+        vs DC) and says so in an access-log record (`told`). The slot is freed now; the
+        event waits for that word, or `wait_s`, then says upstream_error or
+        client_cancelled. (An Envoy without that log, a managed gateway: client_cancelled.)"""
+        rid = facts.request_id
+        if facts.leased:
+            self.leases.release(rid)  # its next request must find the slot free
+        ended = time.time()
+
+        def emit(outcome: str) -> None:
+            self._waiting.pop(rid, None)
+            r = meter.result()
+            if not facts.endpoint:
+                facts.endpoint = meter.endpoint
+            event = self.emit(facts, r, meter.status, outcome, started, ended, r.source)
+            if then is not None:
+                then(event)
+
+        flags = self._told.pop(rid, None)
+        if flags is not None:
+            emit(_cut_outcome(flags))
+            return
+        timer = asyncio.get_running_loop().call_later(wait_s, emit, "client_cancelled")
+        self._waiting[rid] = (emit, timer)
+
+    def told(self, request_id: str, flags: frozenset[str]) -> None:
+        """Envoy's record of how a stream ended, for a stream ext_proc saw end early."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is None:  # its stream has not ended here yet: keep the word for it
+            self._told[request_id] = flags
+            if len(self._told) > TOLD_MAX:
+                self._told.popitem(last=False)
+            return
+        emit, timer = waiting
+        timer.cancel()
+        emit(_cut_outcome(flags))
+
     def emit(self, facts: RequestFacts, r: Result, status: int, outcome: str, started: float,
              ended: float, source: str) -> UsageEvent:
         """The event, into the spool; the leases freed now, the reservation settled once the
@@ -90,3 +142,7 @@ class Recorder:
         if r.tpot_ms:
             metrics.TPOT.labels(facts.model).observe(r.tpot_ms / 1000)
         return event
+
+
+def _cut_outcome(flags: frozenset[str]) -> str:
+    return "upstream_error" if flags & UPSTREAM_FLAGS else "client_cancelled"

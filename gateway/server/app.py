@@ -99,7 +99,8 @@ class App:
         AuthorizationService(authorizer, self.tracing).register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, self.tracing), self.server)
-        RecordsService(recorder).register(self.server)  # Envoy-fed metering's records
+        # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
+        RecordsService(recorder, emits=s.metering == "envoy").register(self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)

@@ -153,11 +153,17 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         finished = False
         span: tracing.Span | None = None
 
-        def finish(facts: RequestFacts) -> None:
-            event = self.recorder.finish(facts, stream.meter, stream.outcome(), stream.started)
+        def annotate(event: UsageEvent) -> None:
             if span is not None:
                 _annotate(span, event)
                 span.end()
+
+        def finish(facts: RequestFacts) -> None:
+            outcome = stream.outcome()
+            if outcome == "client_cancelled":  # or the engine cut it: Envoy will say which
+                self.recorder.finish_cut(facts, stream.meter, stream.started, annotate)
+            else:
+                annotate(self.recorder.finish(facts, stream.meter, outcome, stream.started))
 
         try:
             async for msg in request_iterator:

@@ -41,8 +41,13 @@ def _scopes(resource_logs: object) -> Iterable[object]:
 
 
 class RecordsService(ls_grpc.LogsServiceServicer):
-    def __init__(self, recorder: Recorder) -> None:
+    """`emits`: the records are the requests' events (GATEWAY_METERING=envoy). Otherwise
+    (ext_proc, which emits its own) Envoy sends records only for streams that ended early,
+    and each only tells the recorder who ended it (the response flags)."""
+
+    def __init__(self, recorder: Recorder, emits: bool = True) -> None:
         self.recorder = recorder
+        self.emits = emits
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -63,6 +68,11 @@ class RecordsService(ls_grpc.LogsServiceServicer):
     def _one(self, attrs: dict[str, str]) -> int:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""
         metrics.RECORDS.inc()
+        if not self.emits:
+            rid = attrs.get("rid", "-")
+            if rid and rid != "-":
+                self.recorder.told(rid, frozenset((attrs.get("flags") or "-").split(",")))
+            return 0
         try:
             rec = record.read(attrs)
         except Exception:  # a record we cannot read must not fail the batch (Envoy retries it)

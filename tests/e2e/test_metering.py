@@ -145,9 +145,10 @@ def test_denied_request_has_its_event(spoke: Spoke, keys: dict[str, str]) -> Non
 
 @pytest.mark.parametrize("how", ["x-mock-cut-after", "x-mock-fail-after"])  # RST, or FIN
 def test_engine_cut_mid_stream(spoke: Spoke, keys: dict[str, str], how: str) -> None:
-    """The engine dies after 5 of 40 tokens. The Envoy source tells it from a client that
-    left (UPE, not DC): upstream_error. ext_proc sees both the same way (its stream just
-    ends) and records client_cancelled: a known limit of that source."""
+    """The engine dies after 5 of 40 tokens: upstream_error, not client_cancelled. Envoy
+    flags it UPE (a client that left is DC). The Envoy source reads that from its record;
+    ext_proc, which sees both ends the same way, borrows the flag from a record Envoy sends
+    for streams that ended early."""
     c = client(spoke, keys["good"], default_headers={how: "5", "x-mock-tokens-per-s": "200"})
     raw = c.chat.completions.with_raw_response.create(model="mock-model", messages=MSG,
                                                       max_tokens=40, stream=True)
@@ -156,8 +157,7 @@ def test_engine_cut_mid_stream(spoke: Spoke, keys: dict[str, str], how: str) -> 
         for _ in raw.parse():
             got += 1
     [event] = read_events(spoke.kafka_bootstrap, {_rid(raw)})
-    expected = "upstream_error" if spoke.metering == "envoy" else "client_cancelled"
-    assert event["outcome"] == expected
+    assert event["outcome"] == "upstream_error"
     assert event["usage_source"] == "estimated"
     assert 4 <= int(event["usage"]["completion_tokens"]) < 40
     assert event["served_model"] == "mock-model"  # the first chunk named it

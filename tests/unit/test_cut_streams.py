@@ -1,0 +1,71 @@
+"""ext_proc's early-ended streams wait for Envoy's word on who ended them (Recorder.finish_cut
+and told): the engine (UPE) → upstream_error, the client (DC) or no word → client_cancelled.
+The spool is a fake: what is tested is the recorder's choice, not delivery."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.clock import SystemClock
+from gateway.limits.leases import Leases
+from gateway.limits.memory import MemoryLimiter
+from gateway.metering.events import UsageEvent
+from gateway.metering.handoff import RequestFacts
+from gateway.metering.meter import Meter
+from gateway.metering.recorder import Recorder
+
+
+class FakeSpool:
+    instance_id = "test"
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+
+    def next_seq(self) -> int:
+        return len(self.events) + 1
+
+    def put(self, seq: int, data: bytes, on_durable: Any = None) -> None:
+        self.events.append(data)
+
+
+def recorder() -> tuple[Recorder, FakeSpool]:
+    spool = FakeSpool()
+    clock = SystemClock()
+    return Recorder(spool, "s", Leases(MemoryLimiter(clock), clock, 30.0)), spool  # type: ignore[arg-type]
+
+
+def facts(rid: str) -> RequestFacts:
+    return RequestFacts(request_id=rid, key_id="k", team="t", model="m",
+                        endpoint="/v1/chat/completions", stream=True)
+
+
+def meter() -> Meter:
+    m = Meter("/v1/chat/completions", True)
+    m.response_headers(200, "text/event-stream")
+    m.chunk(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', False)
+    return m
+
+
+async def test_the_word_decides_the_outcome_whichever_comes_first() -> None:
+    rec, _ = recorder()
+    got: list[UsageEvent] = []
+    rec.finish_cut(facts("engine"), meter(), 0.0, got.append, wait_s=5)
+    rec.finish_cut(facts("client"), meter(), 0.0, got.append, wait_s=5)
+    assert got == []  # waiting for Envoy's record
+    rec.told("engine", frozenset({"UPE"}))
+    rec.told("client", frozenset({"DC"}))
+    rec.told("early", frozenset({"UPE"}))  # the record came before ext_proc saw the end
+    rec.finish_cut(facts("early"), meter(), 0.0, got.append, wait_s=5)
+    assert [(e.event_id, e.outcome) for e in got] == [
+        ("engine", "upstream_error"), ("client", "client_cancelled"), ("early", "upstream_error")]
+    assert got[0].usage.completion_tokens == 1  # what streamed, estimated
+    rec.told("engine", frozenset({"UPE"}))  # a duplicate record emits nothing more
+    assert len(got) == 3
+
+
+async def test_no_word_is_a_client_cancel_after_the_wait() -> None:
+    rec, spool = recorder()
+    rec.finish_cut(facts("quiet"), meter(), 0.0, wait_s=0.05)
+    await asyncio.sleep(0.1)
+    assert len(spool.events) == 1 and b'"client_cancelled"' in spool.events[0]
