@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from gateway import batching, metrics
 from gateway.clock import Clock
@@ -33,6 +34,9 @@ class Leases:
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
         self._tasks: list[asyncio.Task[None]] = []
+        # What each stream has used so far, read at every renewal and kept with its lease:
+        # a sidecar that dies mid-stream leaves the orphan sweep that much to bill.
+        self.progress: dict[str, Callable[[], tuple[int, int] | None]] = {}
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._settle_loop()),
@@ -47,13 +51,19 @@ class Leases:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def begin(self, request_id: str) -> None:
+    def begin(self, request_id: str,
+              progress: Callable[[], tuple[int, int] | None] | None = None) -> None:
+        """Renew this request's leases from now on; `progress` (prompt, completion tokens
+        so far) is checkpointed with each renewal."""
         self.active.add(request_id)
         self.fresh.add(request_id)
+        if progress is not None:
+            self.progress[request_id] = progress
 
     def release(self, request_id: str) -> None:
         """The response ended: free its concurrency slots at once (its next request must
         find them free). The rest of the settlement waits for the usage event (`settle`)."""
+        self.progress.pop(request_id, None)
         if request_id in self.active:
             self.active.discard(request_id)
             self.fresh.discard(request_id)
@@ -64,6 +74,7 @@ class Leases:
         """Replace the reservation with the actual count, once the request's usage event is
         durable: a sidecar killed before that leaves the admission to the orphan sweep, so
         the request still gets exactly one event."""
+        self.progress.pop(request_id, None)
         self.active.discard(request_id)
         self.fresh.discard(request_id)
         self._pending.append(Settle(request_id, actual_tokens))
@@ -72,6 +83,7 @@ class Leases:
     def void(self, request_id: str) -> None:
         """Undo an admission whose answer came too late (the client got a 503): whatever
         the store committed, or commits later, is released and charged nothing."""
+        self.progress.pop(request_id, None)
         self.active.discard(request_id)
         self.fresh.discard(request_id)
         self._pending.append(Void(request_id))
@@ -114,6 +126,19 @@ class Leases:
                 backoff = min(backoff * 2, 0.5)
                 self._wake.set()
 
+    def _checkpoints(self, ids: list[str]) -> dict[str, tuple[int, int]]:
+        out = {}
+        for rid in ids:
+            read = self.progress.get(rid)
+            try:
+                seen = read() if read is not None else None
+            except Exception:  # a checkpoint is best effort; the renewal is not
+                log.exception("checkpoint_failed", request_id=rid)
+                continue
+            if seen is not None:
+                out[rid] = seen
+        return out
+
     async def _renew_loop(self) -> None:
         last_all = self.clock.now()
         while True:
@@ -126,7 +151,7 @@ class Leases:
                     last_all = now
                 continue
             try:
-                gone = await self.limiter.renew(ids, now)
+                gone = await self.limiter.renew(ids, now, self._checkpoints(ids))
             except Exception as exc:
                 log.warning("lease_renew_failed", active=len(ids), error=repr(exc))
                 continue

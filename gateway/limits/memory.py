@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.limits import maths
@@ -147,7 +147,8 @@ class MemoryLimiter(Limiter):
             for wk in held.token_keys:
                 self.tokens[wk] = max(0.0, self.tokens.get(wk, 0) + delta)
 
-    async def renew(self, request_ids: list[str], now: float) -> list[str]:
+    async def renew(self, request_ids: list[str], now: float,
+                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
         gone = []
         for rid in request_ids:
             held = self.held.get(rid)

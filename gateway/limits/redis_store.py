@@ -8,7 +8,7 @@ lone request never waits. Every Redis failure becomes StoreUnavailable here, onc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -161,12 +161,16 @@ class RedisLimiter(Limiter):
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
-    async def renew(self, request_ids: list[str], now: float) -> list[str]:
+    async def renew(self, request_ids: list[str], now: float,
+                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
         if not request_ids:
             return []
+        ck = checkpoints or {}
+        args = [f"{rid}\x1f{ck[rid][0]}:{ck[rid][1]}" if rid in ck else rid
+                for rid in request_ids]
         try:
             gone = await self._renew(int(now * 1000), self.lease_ttl_ms, self.record_ttl_ms,
-                                     *request_ids)
+                                     *args)
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         return [g.decode() if isinstance(g, bytes) else str(g) for g in gone or ()]
@@ -177,8 +181,8 @@ class RedisLimiter(Limiter):
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
-        return [Orphan(str(dec[i]), str(dec[i + 1]), int(dec[i + 2]))
-                for i in range(0, len(dec), 3)]
+        return [Orphan(str(dec[i]), str(dec[i + 1]), int(dec[i + 2]), _checkpoint(dec[i + 3]))
+                for i in range(0, len(dec), 4)]
 
     async def ping(self) -> bool:
         try:
@@ -190,3 +194,9 @@ class RedisLimiter(Limiter):
         if self._pump is not None:
             self._pump.cancel()
         await self.redis.close()
+
+
+def _checkpoint(raw: object) -> tuple[int, int] | None:
+    prompt, sep, completion = str(raw or "").partition(":")
+    return (int(prompt), int(completion)) if sep and prompt.isdigit() and completion.isdigit() \
+        else None

@@ -2,14 +2,19 @@
 -- A lease that already expired (the stream outlived it unrenewed) is not brought back.
 -- Returns the ids that hold nothing any more (settled, possibly by another instance that
 -- received their end): the caller stops renewing them.
+-- A request id may carry its usage so far, "rid\31prompt:completion": the checkpoint an
+-- orphan sweep bills if the sidecar following the stream dies (sweep.lua).
 -- ARGV[1] now_ms  ARGV[2] lease_ttl_ms  ARGV[3] record_ttl_ms  ARGV[4..] request ids
 local now, ttl, rec_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local gone = {}
 for i = 4, #ARGV do
-  local rid = ARGV[i]
+  local rid, ck = string.match(ARGV[i], '^([^\31]*)\31?(.*)$')
   local rk = 'gw:req:' .. rid
   local leases = redis.call('HGET', rk, 'c')
   if leases then
+    if ck ~= '' then
+      redis.call('HSET', rk, 'u', ck)
+    end
     for zk in string.gmatch(leases, '[^\n]+') do
       redis.call('ZADD', zk, 'XX', 'CH', now + ttl, rid)
       redis.call('PEXPIRE', zk, ttl * 2)

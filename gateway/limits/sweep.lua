@@ -1,18 +1,23 @@
 -- sweep.lua: claim requests whose lease ran out without a settlement: the sidecar that
 -- followed them died (or the client left between the Check and ext_proc). Each is claimed by
--- exactly one caller (ZREM), released, and its reservation is cancelled: the platform lost
--- track of it, so the customer is charged nothing. The caller emits its one usage event.
+-- exactly one caller (ZREM) and released. Its reservation is replaced by the usage of its
+-- last checkpoint (renew.lua), or cancelled when it has none: the platform lost track of it,
+-- so the customer is charged only what was seen. The caller emits its one usage event.
 -- ARGV[1] now_ms  ARGV[2] limit
--- Returns a flat list: rid, meta, charged, rid, meta, charged, ...
+-- Returns a flat list: rid, meta, charged, checkpoint, rid, meta, charged, checkpoint, ...
 local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out = {}
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT', 0, limit)) do
   if redis.call('ZREM', 'gw:reqs', rid) == 1 then
     local rk = 'gw:req:' .. rid
-    local rec = redis.call('HMGET', rk, 'r', 'c', 't', 'm')
+    local rec = redis.call('HMGET', rk, 'r', 'c', 't', 'm', 'u')
     if rec[1] then
       for zk in string.gmatch(rec[2] or '', '[^\n]+') do redis.call('ZREM', zk, rid) end
       local charged = 0
+      local p, c = string.match(rec[5] or '', '^(%d+):(%d+)$')
+      if p then
+        charged = tonumber(p) + tonumber(c)
+      end
       local delta = charged - tonumber(rec[1])
       for tk in string.gmatch(rec[3] or '', '[^\n]+') do
         if delta ~= 0 and redis.call('EXISTS', tk) == 1 then
@@ -23,6 +28,7 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT'
       out[#out + 1] = rid
       out[#out + 1] = rec[4] or ''
       out[#out + 1] = charged
+      out[#out + 1] = rec[5] or ''
     end
   end
 end

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,11 +33,13 @@ class AdmitRequest:
 @dataclass(frozen=True, slots=True)
 class Orphan:
     """An admitted request nobody settled: its sidecar died, or its client left before
-    ext_proc saw it. Its reservation is cancelled (`charged` is 0)."""
+    ext_proc saw it. Its reservation is replaced by its last checkpoint's tokens (`charged`),
+    or cancelled (0) when it has none."""
 
     request_id: str
     meta: str
     charged: int
+    checkpoint: tuple[int, int] | None = None  # (prompt, completion) seen at the last renewal
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,9 +120,11 @@ class Limiter(Protocol):
     async def void(self, request_id: str) -> None:
         await self.end_many([Void(request_id)])
 
-    async def renew(self, request_ids: list[str], now: float) -> list[str]:
-        """Extend the leases of requests still streaming; return those that hold nothing
-        any more (settled, perhaps by another instance): stop renewing them."""
+    async def renew(self, request_ids: list[str], now: float,
+                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
+        """Extend the leases of requests still streaming, keeping each one's usage so far
+        (`checkpoints`: prompt, completion) for the orphan sweep; return those that hold
+        nothing any more (settled, perhaps by another instance): stop renewing them."""
         ...
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:

@@ -196,6 +196,14 @@ class Meter:
                 self.malformed += 1
             self._body = []
 
+    def checkpoint(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens used so far by a stream, for its lease's checkpoint;
+        None before its first byte, or for a whole-JSON answer (read only at its end)."""
+        if not self.sse:
+            return None
+        u = self.result().usage
+        return u.prompt_tokens, u.completion_tokens
+
     def result(self) -> Result:
         """What was used: as reported if the engine said so, else estimated from what streamed."""
         if not self.sse:

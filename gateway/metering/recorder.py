@@ -52,10 +52,15 @@ class Recorder:
     def orphan(self, o: Orphan) -> UsageEvent:
         facts = orphan_facts(o.request_id, o.meta)
         meter = Meter(endpoint=facts.endpoint, stream=facts.stream)
-        meter.reported = Usage(prompt_tokens=o.charged, total_tokens=o.charged)
+        if o.checkpoint is not None:  # what its stream had used at its last lease renewal
+            prompt, completion = o.checkpoint
+            meter.reported = Usage(prompt, completion, prompt + completion)
+        else:
+            meter.reported = Usage(prompt_tokens=o.charged, total_tokens=o.charged)
         log.warning("orphaned_request", request_id=o.request_id, key_id=facts.key_id,
-                    charged=o.charged)
-        return self.finish(facts, meter, "upstream_error", time.time(), source="estimated")
+                    charged=o.charged, checkpoint=o.checkpoint)
+        return self.finish(facts, meter, "upstream_error", time.time(),
+                           source="checkpoint" if o.checkpoint is not None else "estimated")
 
     def _settlement(self, facts: RequestFacts, tokens: int) -> Callable[[], None] | None:
         if not facts.leased:

@@ -170,8 +170,9 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 first = stream.facts is None
                 response = stream.handle(msg)
                 if first and stream.facts:
-                    if stream.facts.leased:
-                        self.recorder.leases.begin(stream.facts.request_id)
+                    if stream.facts.leased:  # renewed, with the usage seen so far
+                        self.recorder.leases.begin(stream.facts.request_id,
+                                                   stream.meter.checkpoint)
                     if self.tracing is not None:
                         tp, ts = tracing.trace_context(
                             context.invocation_metadata(), stream.facts.traceparent)

@@ -15,7 +15,7 @@ import redis
 
 from gateway.dev.stack import Spoke
 from gateway.settings import METERING_SOURCES
-from testkit.spoke import KEY_LIMITS, chat, client, policy_doc, publish, start_spoke
+from testkit.spoke import KEY_LIMITS, chat, client, policy_doc, publish, read_events, start_spoke
 
 
 async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
@@ -122,13 +122,28 @@ def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path, meteri
         _until(lambda: r.zcard(leases) == 0, 2.0)
 
         # A stream whose sidecar dies: nobody settles it, the lease expires on its own.
-        stream = _three_second_stream(c)
-        next(iter(stream))
+        raw = c.chat.completions.with_raw_response.create(
+            model="mock-model", stream=True, max_tokens=30,
+            messages=[{"role": "user", "content": "hi"}])
+        stream = raw.parse()
+        for i, _ in enumerate(stream):
+            if i == 5:  # ~0.5 s in: renewed (every 1/3 s) with the usage seen so far
+                break
+        time.sleep(0.4)
         assert r.zcard(leases) == 1
         spoke["sidecar"].kill()
         spoke["sidecar"].restart()
         _until(lambda: _live(r, leases) == 0, 3.0)
         assert _status(spoke, keys["conc4"]) == 200
+        # Its one event: with ext_proc, the orphan sweep bills the last checkpoint (not 0);
+        # with the Envoy source, Envoy's record (retried until the sidecar is back) the rest.
+        [event] = read_events(spoke.kafka_bootstrap, {raw.headers["x-request-id"]}, timeout=20)
+        completion = int(event["usage"]["completion_tokens"])
+        if metering == "ext_proc":
+            assert (event["outcome"], event["usage_source"]) == ("upstream_error", "checkpoint")
+            assert 5 <= completion < 30 and int(event["usage"]["prompt_tokens"]) > 0
+        else:
+            assert (event["outcome"], completion) == ("completed", 30)
     finally:
         spoke.stop()
 

@@ -212,6 +212,24 @@ async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url:
     await lim.close()
 
 
+async def test_an_orphan_is_charged_its_last_checkpoint(redis_url: str) -> None:
+    """Renewals carry the stream's usage so far; a sidecar that dies leaves the sweep that
+    much to bill (the event's usage_source `checkpoint`), and the counters agree."""
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
+    key = tier("key", "ck", concurrency=2, tokens_per_day=1000)
+    meta = '["ck","t","m","/v1/chat/completions",true]'
+    assert (await lim.admit(AdmitRequest("streaming", (key,), 600, T0, meta=meta))).allowed
+    await lim.renew(["streaming"], T0 + 10, {"streaming": (12, 30)})
+    await lim.renew(["streaming"], T0 + 20, {"streaming": (12, 55)})  # the latest wins
+    await lim.renew(["streaming"], T0 + 30)  # a renewal without one keeps it
+    [orphan] = await lim.sweep(T0 + 91)
+    assert (orphan.request_id, orphan.checkpoint, orphan.charged) == ("streaming", (12, 55), 67)
+    # 1000 - 67 left for the day: 933 fit, 934 do not
+    assert not (await lim.admit(req("big", [key], T0 + 92, reserve=934))).allowed
+    assert (await lim.admit(req("fits", [key], T0 + 92, reserve=933))).allowed
+    await lim.close()
+
+
 async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:
     lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
     key = tier("key", "k1", concurrency=1, tokens_per_day=100)
