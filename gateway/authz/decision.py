@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gateway.endpoints import Api
 from gateway.limits.types import RateInfo
+from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.metering.inject import Splice
 
 
@@ -27,6 +28,7 @@ class Context:
     include_usage: bool = False
     continuous_usage: bool = False
     splice: Splice | None = None  # what to splice into the request body so usage is reported
+    cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule for a client cancel
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,7 @@ class Authorizer:
             splice=inject.plan(req.body, path, facts.model or "", facts.stream,
                                facts.stream_options, facts.include_usage,
                                facts.continuous_usage, s.continuous_models),
+            cancelled=key.cancelled,
         )
         return Allow(ctx, verdict.rate)
 

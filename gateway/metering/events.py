@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 
 import orjson
 
+from gateway.metering.cancel import NOT_CANCELLED, Cancellation
 from gateway.metering.usage import Usage
 
 CE_TYPE = "gateway.usage.v1"
@@ -45,10 +46,11 @@ class UsageEvent:
     ttft_ms: float
     tpot_ms: float
     duration_ms: float
+    cancellation: Cancellation = NOT_CANCELLED
 
 
 def event_json(e: UsageEvent) -> bytes:
-    u = e.usage
+    u, c = e.usage, e.cancellation
     return orjson.dumps({
         "event_id": e.event_id, "spoke": e.spoke, "instance_id": e.instance_id,
         "seq": str(e.seq), "started_at": e.started_at, "ended_at": e.ended_at,
@@ -63,4 +65,9 @@ def event_json(e: UsageEvent) -> bytes:
         },
         "usage_source": e.usage_source,
         "timing": {"ttft_ms": e.ttft_ms, "tpot_ms": e.tpot_ms, "duration_ms": e.duration_ms},
+        "cancellation": {
+            "billing_rule": c.billing_rule, "prompt_tokens": str(c.prompt_tokens),
+            "generated_completion_tokens": str(c.generated_completion_tokens),
+            "delivered_completion_tokens": str(c.delivered_completion_tokens),
+        },
     })

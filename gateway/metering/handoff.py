@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule, rule_of
 from gateway.metering.inject import Injected, Splice
 
 # Envoy files ext_authz's dynamic metadata under this namespace, whatever the filter is named.
@@ -41,6 +42,7 @@ class RequestFacts:
     denied_status: int = 0
     traceparent: str = ""  # the W3C trace context of a traced request
     splice: Splice | None = None  # what the Check planned to splice into the request
+    cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule, as admitted
 
 
 # -- written by the Check (gateway/server/authz_service.py) --------------------------------
@@ -60,12 +62,15 @@ def allowed(request_id: str, reserved: int, prompt_estimate: int, traceparent: s
 
 
 def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
-           stream_options: bool, include_usage: bool, continuous_usage: bool) -> Metadata:
+           stream_options: bool, include_usage: bool, continuous_usage: bool,
+           cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> Metadata:
     """An allowed request's entries that repeat for every request of a caller and model shape
-    (the Check encodes them once)."""
+    (the Check encodes them once). `cancelled`: how the team bills a stream its client
+    cancels (gateway/metering/cancel.py), fixed at admission."""
     return {"key_id": key_id, "team": team, "model": model, "stream": stream,
             "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
-            "include_usage": include_usage, "continuous_usage": continuous_usage}
+            "include_usage": include_usage, "continuous_usage": continuous_usage,
+            "cancelled": cancelled}
 
 
 def denied(request_id: str, reason: str, status: int, key_id: str, team: str, model: str,
@@ -117,6 +122,7 @@ def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> Requ
         splice=Splice(num("splice_at"), num("splice_cut"), text("splice").encode(),
                       Injected(flag("hide_usage"), flag("hide_continuous")))
         if "splice" in md else None,
+        cancelled=rule_of(md.get("cancelled")),
     )
 
 

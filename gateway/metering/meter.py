@@ -32,6 +32,9 @@ class Result:
     served_model: str
     ttft_ms: float
     tpot_ms: float
+    # completion tokens estimated from the content that passed towards the client
+    # (max(content events, ceil(chars / 4))): what a cancelled stream delivered
+    delivered: int = 0
 
 
 @dataclass
@@ -223,4 +226,4 @@ class Meter:
         tpot = 0.0
         if self.first_token and self.last_token and u.completion_tokens > 1:
             tpot = (self.last_token - self.first_token) * 1000 / (u.completion_tokens - 1)
-        return Result(u, source, self.served_model, ttft, tpot)
+        return Result(u, source, self.served_model, ttft, tpot, completion)

@@ -128,4 +128,4 @@ def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: di
     tpot = 0.0
     if facts.stream and gen_us is not None and u.completion_tokens > 1:
         tpot = gen_us / 1000 / (u.completion_tokens - 1)
-    return Result(u, source, served_model, ttft, tpot), source
+    return Result(u, source, served_model, ttft, tpot, completion), source

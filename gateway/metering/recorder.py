@@ -13,6 +13,7 @@ from gateway.errors import StoreUnavailable
 from gateway.limits.leases import Leases
 from gateway.limits.types import Orphan
 from gateway.log import log
+from gateway.metering.cancel import NOT_CANCELLED, bill
 from gateway.metering.events import UsageEvent, event_json, rfc3339
 from gateway.metering.handoff import RequestFacts, orphan_facts
 from gateway.metering.meter import Meter, Result
@@ -123,6 +124,9 @@ class Recorder:
         event is durable. Both metering sources end here."""
         if not billed(facts.endpoint):  # e.g. count_tokens: admitted as a request, no tokens
             r, source = Result(Usage(), "reported", r.served_model, r.ttft_ms, 0.0), "reported"
+        usage, cancellation = r.usage, NOT_CANCELLED
+        if outcome == "client_cancelled":  # billed by the team's rule, as admitted
+            usage, cancellation = bill(r.usage, r.delivered, facts.cancelled)
         if facts.leased:
             self.leases.release(facts.request_id)
         seq = self.spool.next_seq()
@@ -132,16 +136,17 @@ class Recorder:
             key_id=facts.key_id, team=facts.team, model=facts.model,
             served_model=r.served_model, endpoint=facts.endpoint,
             stream=facts.stream, status_code=status,
-            outcome=outcome, usage=r.usage, usage_source=source,
+            outcome=outcome, usage=usage, usage_source=source,
             ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
-            duration_ms=round((ended - started) * 1000, 3))
+            duration_ms=round((ended - started) * 1000, 3), cancellation=cancellation)
+        # The token counters settle to what is billed: the same rule as the event.
         self.spool.put(seq, event_json(event), on_durable=self._settlement(
-            facts, r.usage.total_tokens if outcome != "denied" else 0))
+            facts, usage.total_tokens if outcome != "denied" else 0))
         metrics.EVENTS.labels(outcome).inc()
-        if r.usage.total_tokens:
-            metrics.TOKENS.labels(facts.model, facts.team, "prompt").inc(r.usage.prompt_tokens)
+        if usage.total_tokens:
+            metrics.TOKENS.labels(facts.model, facts.team, "prompt").inc(usage.prompt_tokens)
             metrics.TOKENS.labels(facts.model, facts.team, "completion").inc(
-                r.usage.completion_tokens)
+                usage.completion_tokens)
         if r.ttft_ms:
             metrics.TTFT.labels(facts.model).observe(r.ttft_ms / 1000)
         if r.tpot_ms:

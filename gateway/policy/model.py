@@ -10,6 +10,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
+from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.schema import Limits, PolicyDoc
 from gateway.routes import PassThrough
 
@@ -95,6 +96,7 @@ class KeyRecord:
     limits: LimitSpec
     expires_at: float | None
     disabled: bool
+    cancelled: CancelRule = DEFAULT_CANCEL_RULE  # its team's rule for client-cancelled streams
 
     def may_use(self, model: str) -> bool:
         """The key narrows the team's ACL, never widens it: both must allow."""
@@ -130,6 +132,7 @@ class Policy:
                 limits=LimitSpec.of(k.limits),
                 expires_at=k.expires_at.timestamp() if k.expires_at else None,
                 disabled=k.disabled,
+                cancelled=doc.cancel_rule(k.team),
             )
             keys[key_id] = rec
             by_digest[bytes.fromhex(k.sha256)] = rec

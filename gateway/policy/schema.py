@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from gateway.errors import PathError
+from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.secrets import KEY_ID_PATTERN, KEY_ID_RULE
 from gateway.routes import canonical_path
 
@@ -72,6 +73,14 @@ class Limits(_Strict):
         return all(v is None for v in self.model_dump().values())
 
 
+class Billing(_Strict):
+    """How a stream the client cancelled is billed: what the engine `generated`, what was
+    `delivered` to the client, or `none`. Absent: the platform's rule (top level), whose
+    own default is `generated`."""
+
+    cancelled: CancelRule | None = None
+
+
 class ModelPolicy(_Strict):
     limits: Limits = Limits()
 
@@ -79,6 +88,7 @@ class ModelPolicy(_Strict):
 class TeamPolicy(_Strict):
     models: list[Glob] = Field(default_factory=list)
     limits: Limits = Limits()
+    billing: Billing = Billing()  # overrides the platform's, rule by rule
 
 
 class KeyPolicy(_Strict):
@@ -119,6 +129,13 @@ class PolicyDoc(_Strict):
     teams: dict[Name, TeamPolicy] = Field(default_factory=dict)
     keys: dict[KeyId, KeyPolicy] = Field(default_factory=dict)
     passthrough: list[PassThroughPolicy] = Field(default_factory=list)
+    billing: Billing = Billing()  # the platform default; teams may override it
+
+    def cancel_rule(self, team: str) -> CancelRule:
+        """The rule for `team`'s client-cancelled streams: its own, else the platform's."""
+        t = self.teams.get(team)
+        return (t.billing.cancelled if t is not None else None) or self.billing.cancelled \
+            or DEFAULT_CANCEL_RULE
 
     def cross_problems(self) -> list[str]:
         """Checks that span sections: pydantic reports per-field problems, these relate fields."""

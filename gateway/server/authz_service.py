@@ -23,6 +23,7 @@ from gateway.authz.request import AuthzRequest
 from gateway.endpoints import api_of
 from gateway.log import log
 from gateway.metering import handoff
+from gateway.metering.cancel import CancelRule
 from gateway.server import check_wire
 
 HVO = base_pb2.HeaderValueOption
@@ -107,20 +108,21 @@ def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
         metadata=handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent,
                                  c.splice),
         also=_fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased,
-                    c.stream_options, c.include_usage, c.continuous_usage),
+                    c.stream_options, c.include_usage, c.continuous_usage, c.cancelled),
     )
 
 
 @functools.lru_cache(maxsize=4096)
 def _fixed(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
-           stream_options: bool, include_usage: bool, continuous_usage: bool) -> check_wire.Fixed:
+           stream_options: bool, include_usage: bool, continuous_usage: bool,
+           cancelled: CancelRule) -> check_wire.Fixed:
     """The parts of an OK answer that repeat for every request of a caller and model shape,
     encoded once."""
     return check_wire.fixed(
         upstream=(("x-gateway-key-id", key_id), ("x-gateway-team", team),
                   ("x-gateway-model", model)),
         metadata=handoff.caller(key_id, team, model, endpoint, stream, leased, stream_options,
-                                include_usage, continuous_usage))
+                                include_usage, continuous_usage, cancelled))
 
 
 def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckResponse:

@@ -14,7 +14,7 @@ from gateway.metering.events import UsageEvent
 
 
 def to_proto(e: UsageEvent) -> usage_pb2.UsageEvent:
-    u = e.usage
+    u, c = e.usage, e.cancellation
     return usage_pb2.UsageEvent(
         event_id=e.event_id, spoke=e.spoke, instance_id=e.instance_id, seq=e.seq,
         started_at=e.started_at, ended_at=e.ended_at, key_id=e.key_id, team=e.team,
@@ -26,6 +26,10 @@ def to_proto(e: UsageEvent) -> usage_pb2.UsageEvent:
             reasoning_tokens=u.reasoning_tokens, cache_creation_tokens=u.cache_creation_tokens),
         usage_source=e.usage_source,
         timing=usage_pb2.Timing(ttft_ms=e.ttft_ms, tpot_ms=e.tpot_ms, duration_ms=e.duration_ms),
+        cancellation=usage_pb2.Cancellation(  # always set: every field is present in the JSON
+            billing_rule=c.billing_rule, prompt_tokens=c.prompt_tokens,
+            generated_completion_tokens=c.generated_completion_tokens,
+            delivered_completion_tokens=c.delivered_completion_tokens),
     )
 
 

@@ -313,3 +313,11 @@ def test_every_flag_of_every_command_says_what_it_is_and_its_default() -> None:
 
     assert walk(parser(), "gateway") == []
     assert parser().format_help().count("\n  gateway ") >= 3  # examples in the top help
+
+
+def test_diff_names_billing_rule_changes() -> None:
+    old = admin._validated({"teams": {"t": {}}})
+    new = admin._validated({"billing": {"cancelled": "none"},
+                            "teams": {"t": {"billing": {"cancelled": "delivered"}}}})
+    assert admin.diff(old, new).lines() == ["  ~ teams.t", "  + billing.cancelled"]
+    assert admin.diff(new, new).empty

@@ -6,6 +6,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.metering.cancel import Cancellation
 from gateway.metering.events import UsageEvent, event_json
 from gateway.metering.usage import Usage
 from gateway.sinks.usage_proto import from_json, proto_json, to_proto
@@ -21,7 +22,8 @@ ms = st.floats(min_value=0, max_value=1e9, allow_nan=False).map(lambda f: round(
     key_id=text, team=text, model=text, served_model=text, endpoint=text,
     stream=st.booleans(), status_code=st.integers(0, 599), outcome=text,
     usage=st.builds(Usage, count, count, count, count, count), usage_source=text,
-    ttft_ms=ms, tpot_ms=ms, duration_ms=ms))
+    ttft_ms=ms, tpot_ms=ms, duration_ms=ms,
+    cancellation=st.builds(Cancellation, text, count, count, count)))
 def test_event_json_is_the_proto3_json_mapping(event: UsageEvent) -> None:
     fast = event_json(event)
     assert orjson.loads(fast) == orjson.loads(proto_json(to_proto(event)))

@@ -18,11 +18,11 @@ from gateway.server.extproc_service import _plain
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
 
 ALLOWED = handoff.allowed("r1", 1200, 37, "00-abc-def-01", SPLICE) | handoff.caller(
-    "k1", "team-a", "m", "/v1/chat/completions", True, True, False, False, True)
+    "k1", "team-a", "m", "/v1/chat/completions", True, True, False, False, True, "delivered")
 ALLOWED_FACTS = RequestFacts(
     request_id="r1", key_id="k1", team="team-a", model="m", endpoint="/v1/chat/completions",
     stream=True, leased=True, prompt_estimate=37, continuous_usage=True,
-    traceparent="00-abc-def-01", splice=SPLICE)
+    traceparent="00-abc-def-01", splice=SPLICE, cancelled="delivered")
 
 
 def via_struct(md: handoff.Metadata) -> dict[str, object]:
@@ -83,3 +83,14 @@ def test_an_orphans_meta_round_trips() -> None:
 @pytest.mark.parametrize("meta", ["", "not json", "[1, 2]", '{"key_id": "k"}'])
 def test_an_unreadable_orphan_meta_still_names_the_request(meta: str) -> None:
     assert handoff.orphan_facts("r9", meta) == RequestFacts(request_id="r9")
+
+
+@pytest.mark.parametrize("value", [None, "", "everything", 3, True])
+def test_a_missing_or_unknown_cancel_rule_reads_as_the_default(value: object) -> None:
+    """A Check from a version that wrote no rule (or garbage) bills as before: generated."""
+    md = dict(ALLOWED)
+    if value is None:
+        del md["cancelled"]
+    else:
+        md["cancelled"] = value  # type: ignore[assignment]
+    assert handoff.read(md).cancelled == "generated"

@@ -283,3 +283,44 @@ def test_limit_spec_emptiness() -> None:
     assert not LimitSpec(tokens_per_month=5).empty
     assert LimitSpec(tokens_per_minute=1).has_tokens
     assert not LimitSpec(rps=1.0, burst=1, concurrency=1).has_tokens
+
+
+# --- billing rules for client-cancelled streams -------------------------------------------------
+
+
+def _billing_doc(platform: str | None, team_a: str | None) -> str:
+    top = f"billing: {{cancelled: {platform}}}\n" if platform else ""
+    team = f", billing: {{cancelled: {team_a}}}" if team_a else ""
+    return f"""{top}
+teams: {{team-a: {{models: ["*"]{team}}}, team-b: {{}}}}
+keys:
+  ka: {{team: team-a, sha256: "{DIGEST}"}}
+  kb: {{team: team-b, sha256: "{'0' * 64}"}}
+"""
+
+
+@pytest.mark.parametrize(("platform", "team_a", "rule_a", "rule_b"), [
+    (None, None, "generated", "generated"),  # the default: today's behaviour
+    ("none", None, "none", "none"),  # a platform rule applies to every team
+    (None, "delivered", "delivered", "generated"),  # a team's own overrides the default
+    ("none", "generated", "generated", "none"),  # ... and the platform's
+])
+def test_the_cancel_rule_compiles_into_each_key(platform: str | None, team_a: str | None,
+                                                rule_a: str, rule_b: str) -> None:
+    policy = load(_billing_doc(platform, team_a))
+    assert policy.keys["ka"].cancelled == rule_a
+    assert policy.keys["kb"].cancelled == rule_b
+    assert parse_doc(dump_yaml(policy.doc)) == policy.doc  # and survives show → apply
+
+
+@pytest.mark.parametrize(("text", "path"), [
+    ("billing: {cancelled: partial}", "billing.cancelled"),
+    ("billing: {canceled: none}", "billing.canceled"),
+    ("billing: none", "billing"),
+    ("teams: {t: {billing: {cancelled: delivred}}}", "teams.t.billing.cancelled"),
+    ("teams: {t: {billing: {completed: none}}}", "teams.t.billing.completed"),
+])
+def test_unknown_cancel_rules_and_keys_are_errors(text: str, path: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    assert problem_paths(info.value) == [path], info.value.problems

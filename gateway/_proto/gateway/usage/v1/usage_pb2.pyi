@@ -31,8 +31,20 @@ class Timing(_message.Message):
     duration_ms: float
     def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ...) -> None: ...
 
+class Cancellation(_message.Message):
+    __slots__ = ("billing_rule", "prompt_tokens", "generated_completion_tokens", "delivered_completion_tokens")
+    BILLING_RULE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    billing_rule: str
+    prompt_tokens: int
+    generated_completion_tokens: int
+    delivered_completion_tokens: int
+    def __init__(self, billing_rule: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_completion_tokens: _Optional[int] = ..., delivered_completion_tokens: _Optional[int] = ...) -> None: ...
+
 class UsageEvent(_message.Message):
-    __slots__ = ("event_id", "spoke", "instance_id", "seq", "started_at", "ended_at", "key_id", "team", "model", "served_model", "endpoint", "stream", "status_code", "outcome", "usage", "usage_source", "timing")
+    __slots__ = ("event_id", "spoke", "instance_id", "seq", "started_at", "ended_at", "key_id", "team", "model", "served_model", "endpoint", "stream", "status_code", "outcome", "usage", "usage_source", "timing", "cancellation")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     SPOKE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +62,7 @@ class UsageEvent(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     USAGE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    CANCELLATION_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     spoke: str
     instance_id: str
@@ -67,4 +80,5 @@ class UsageEvent(_message.Message):
     usage: Usage
     usage_source: str
     timing: Timing
-    def __init__(self, event_id: _Optional[str] = ..., spoke: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., started_at: _Optional[str] = ..., ended_at: _Optional[str] = ..., key_id: _Optional[str] = ..., team: _Optional[str] = ..., model: _Optional[str] = ..., served_model: _Optional[str] = ..., endpoint: _Optional[str] = ..., stream: _Optional[bool] = ..., status_code: _Optional[int] = ..., outcome: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., usage_source: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    cancellation: Cancellation
+    def __init__(self, event_id: _Optional[str] = ..., spoke: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., started_at: _Optional[str] = ..., ended_at: _Optional[str] = ..., key_id: _Optional[str] = ..., team: _Optional[str] = ..., model: _Optional[str] = ..., served_model: _Optional[str] = ..., endpoint: _Optional[str] = ..., stream: _Optional[bool] = ..., status_code: _Optional[int] = ..., outcome: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., usage_source: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ...) -> None: ...
