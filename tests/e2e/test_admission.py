@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -15,7 +16,16 @@ import redis
 
 from gateway.dev.stack import Spoke
 from gateway.settings import METERING_SOURCES
-from testkit.spoke import KEY_LIMITS, chat, client, policy_doc, publish, read_events, start_spoke
+from testkit.spoke import (
+    KEY_LIMITS,
+    anthropic_client,
+    chat,
+    client,
+    policy_doc,
+    publish,
+    read_events,
+    start_spoke,
+)
 
 
 async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
@@ -95,6 +105,11 @@ def test_redis_killed_fails_closed_then_recovers(
         chat(c)
     assert exc.value.status_code == 503
     assert exc.value.code == "service_unavailable"
+    with pytest.raises(anthropic.APIStatusError) as aexc:  # the same, in Anthropic's shape
+        anthropic_client(spoke, keys["conc4"]).messages.create(
+            model="mock-model", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert aexc.value.status_code == 503
+    assert aexc.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     # Authentication still works from the snapshot held: a bad key is 401, not 503.
     with pytest.raises(openai.AuthenticationError):
         chat(client(spoke, "sk-gw-nobody-" + "B" * 43))
