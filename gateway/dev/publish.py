@@ -9,16 +9,17 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import yaml
-from redis.asyncio import Redis
 
 from gateway.policy import admin
 from gateway.policy.store import PolicyStore
+from gateway.redis_clients import policy_client
+from gateway.settings import Settings
 
 
 @asynccontextmanager
 async def policy_backend(redis_url: str) -> AsyncIterator[admin.RedisBackend]:
     """The policy store on `redis_url`, its connection closed on the way out."""
-    client = Redis.from_url(redis_url)
+    client = policy_client(redis_url, Settings().redis_deadline_ms / 1000)
     try:
         yield admin.RedisBackend(PolicyStore(client))
     finally:

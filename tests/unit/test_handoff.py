@@ -94,3 +94,14 @@ def test_a_missing_or_unknown_cancel_rule_reads_as_the_default(value: object) ->
     else:
         md["cancelled"] = value  # type: ignore[assignment]
     assert handoff.read(md).cancelled == "generated"
+
+
+def test_the_lua_filter_reads_the_same_namespaces() -> None:
+    """The Lua cannot import this module: it spells the namespaces itself, and this keeps
+    the spellings equal (gateway/envoyconf/lua/metering.lua)."""
+    from gateway.envoyconf import lua
+    from gateway.envoyconf.metering import STREAM_NS
+
+    source = lua.source()
+    assert f'local AUTHZ_NS = "{handoff.NAMESPACE}"' in source
+    assert f'local STREAM_NS = "{STREAM_NS}"' in source
