@@ -28,7 +28,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from typing import Any
 
 import common
 import yaml
-from common import Processes, git_state, pin, split_cpus
+from common import Processes, baseline_tree, git_state, pin, split_cpus
 from loadgen_client import LoadGen
 from redis_probe import RedisProbe
 from wrk import WRK_MAX_REQUESTS, WRK_SCRIPT, run_wrk, wrk_version
@@ -319,9 +318,9 @@ class Bench:
         ]
         if self.baseline:
             # The older commit's package first on sys.path (PYTHONSAFEPATH: not the cwd's).
-            tree = self.baseline_tree()
-            backends.append(("baseline", {"GATEWAY_REDIS_URL": redis_url,
-                                          "PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}))
+            base = baseline_tree(self.baseline, self.workdir / "baseline")
+            self.note(f"baseline: {self.baseline} = {base.describe}")
+            backends.append(("baseline", {"GATEWAY_REDIS_URL": redis_url, **base.env}))
         for backend, env in backends:
             metrics_port = free_port()
             env |= self.sink_env(backend)
@@ -376,16 +375,6 @@ class Bench:
         if not self.baseline:
             return DIRECT
         return (*DIRECT, Direct(f"direct redis 70B @{self.baseline}", "baseline", SMALL_BODY))
-
-    def baseline_tree(self) -> Path:
-        """A detached git worktree of the baseline revision, inside the workdir."""
-        tree = self.workdir / "baseline"
-        subprocess.run(["git", "-C", str(HERE.parent), "worktree", "add", "--detach", "-f",
-                        str(tree), self.baseline], check=True, capture_output=True)
-        self.note(f"baseline: {self.baseline} = " + subprocess.run(
-            ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True,
-            text=True).stdout.strip())
-        return tree
 
     # -- B: through Envoy
 
@@ -496,9 +485,6 @@ class Bench:
         if self.spoke is not None:
             self.spoke.stop()
         self.procs.stop()
-        if (self.workdir / "baseline").exists():
-            subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force",
-                            str(self.workdir / "baseline")], capture_output=True)
 
     # -- report
 

@@ -153,7 +153,7 @@ class Bench:
     def url(self, path: str) -> str:
         assert self.plain is not None
         port = self.plain.port if path == PLAIN else self.spokes[path].listen_port
-        return f"http://{LOOP}:{port}/v1/chat/completions"
+        return f"http://{LOOP}:{port}"  # closed_loop adds the workload's API path
 
     def cpu(self) -> dict[str, float]:
         """On-CPU seconds: schedstat (ns) for every process, /proc stat ticks as a fallback."""

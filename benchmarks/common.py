@@ -1,5 +1,6 @@
-"""Helpers every benchmark shares: the commit and machine measured, CPU accounting, CPU
-pinning, the processes a bench started, its tables."""
+"""Helpers every benchmark shares: the commit and machine measured, an older revision's tree
+to run beside this one (--baseline), CPU accounting, CPU pinning, the processes a bench
+started, its tables."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,38 @@ def git_state() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD").strip(),
             "modified": [ln[3:] for ln in git("status", "--porcelain").splitlines()
                          if not ln[3:].startswith("benchmarks/")]}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Git revision `rev` unpacked into `tree` (git archive: no worktree to clean up, nothing
+    of this checkout's state). `env` runs the gateway of that revision: its package first on
+    sys.path, and PYTHONSAFEPATH so that the cwd's (this checkout's) `gateway` cannot win."""
+
+    rev: str
+    tree: Path
+    describe: str  # "<short hash> <subject>"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"PYTHONPATH": str(self.tree), "PYTHONSAFEPATH": "1"}
+
+    def gateway(self, *argv: str) -> str:
+        """`python -m gateway ARGV...` of that revision; its stdout."""
+        return subprocess.run([sys.executable, "-m", "gateway", *argv], check=True,
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **self.env}).stdout
+
+
+def baseline_tree(rev: str, dest: Path) -> Baseline:
+    """Unpack revision `rev` of this repository into `dest` (created; must not exist)."""
+    describe = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %s", rev],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return Baseline(rev, dest, describe)
 
 
 def proc_cpu_s(pid: int | None) -> float | None:

@@ -1,12 +1,13 @@
-"""What the streaming benchmarks (bench_metering, bench_sources) share: the workload, an SSE
-client that timestamps every event, closed loops of clients, and a spoke serving one key
-that no limit could trip."""
+"""What the streaming benchmarks (bench_metering, bench_sources) share: the workload (chat
+completions or Anthropic's Messages API), an SSE client that timestamps every event, closed
+loops of clients, and a spoke serving one key that no limit could trip."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -14,13 +15,24 @@ import orjson
 from gateway.dev.stack import Spoke
 from gateway.policy import secrets
 
+Api = Literal["chat", "messages"]
+PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+
 
 @dataclass(frozen=True)
 class Workload:
+    """A streamed request: chat completions (`chat`, Bearer key) or Anthropic's Messages API
+    (`messages`, x-api-key). The same prompt and max_tokens in both shapes."""
+
     max_tokens: int = 64
     tokens_per_s: float = 200.0
     ttft_ms: float = 50.0
     model: str = "mock-model"
+    api: Api = "chat"
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.api]
 
     def body(self) -> bytes:
         return orjson.dumps({
@@ -28,7 +40,9 @@ class Workload:
             "messages": [{"role": "user", "content": "hello there, write me a story"}]})
 
     def headers(self, key: str) -> dict[str, str]:
-        return {"authorization": f"Bearer {key}", "content-type": "application/json",
+        auth = ({"x-api-key": key, "anthropic-version": "2023-06-01"} if self.api == "messages"
+                else {"authorization": f"Bearer {key}"})
+        return {**auth, "content-type": "application/json",
                 "x-mock-ttft-ms": f"{self.ttft_ms:g}",
                 "x-mock-tokens-per-s": f"{self.tokens_per_s:g}"}
 
@@ -45,10 +59,11 @@ class Sample:
     ttft_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     content_events: int = 0
-    events: int = 0  # every SSE event, [DONE] included
+    events: int = 0  # every SSE event, the end marker included
     reads: int = 0  # body reads (what arrived together)
-    done: bool = False
-    usage_chunks: int = 0
+    done: bool = False  # the end marker: `data: [DONE]` (chat), message_stop (messages)
+    usage_chunks: int = 0  # chat only: Anthropic streams always carry usage
+    api: Api = "chat"
 
     def problem(self, want_tokens: int) -> str:
         if self.error:
@@ -58,10 +73,20 @@ class Sample:
         if self.content_events != want_tokens:
             return f"{self.content_events} content events, not {want_tokens}"
         if not self.done:
-            return "no [DONE]"
+            return "no [DONE]" if self.api == "chat" else "no message_stop"
         if self.usage_chunks:
             return "a usage chunk reached the client"
         return ""
+
+
+def _content(sample: Sample, now: float, t0: float, last: list[float]) -> None:
+    sample.content_events += 1
+    if last:
+        sample.itl_s.append(now - last[0])
+        last[0] = now
+    else:
+        sample.ttft_s = now - t0
+        last.append(now)
 
 
 def _event(sample: Sample, raw: bytes, now: float, t0: float, last: list[float]) -> None:
@@ -70,6 +95,15 @@ def _event(sample: Sample, raw: bytes, now: float, t0: float, last: list[float])
     if not data:
         return
     sample.events += 1
+    if sample.api == "messages":
+        # content_block_delta with text = a content event; message_stop ends the stream
+        msg: dict[str, Any] = orjson.loads(data)
+        kind = msg.get("type")
+        if kind == "content_block_delta" and (msg.get("delta") or {}).get("text"):
+            _content(sample, now, t0, last)
+        elif kind == "message_stop":
+            sample.done = True
+        return
     if data == b"[DONE]":
         sample.done = True
         return
@@ -78,19 +112,13 @@ def _event(sample: Sample, raw: bytes, now: float, t0: float, last: list[float])
         sample.usage_chunks += 1
     for choice in obj.get("choices") or ():
         if (choice.get("delta") or {}).get("content"):
-            sample.content_events += 1
-            if last:
-                sample.itl_s.append(now - last[0])
-                last[0] = now
-            else:
-                sample.ttft_s = now - t0
-                last.append(now)
+            _content(sample, now, t0, last)
             break
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
-                      headers: dict[str, str]) -> Sample:
-    sample = Sample()
+                      headers: dict[str, str], api: Api = "chat") -> Sample:
+    sample = Sample(api=api)
     last: list[float] = []
     t0 = time.perf_counter()
     try:
@@ -121,13 +149,14 @@ def scenario(label: str) -> tuple[int, bool]:
     return int(label.rstrip("s")), label.endswith("s")
 
 
-async def closed_loop(session: aiohttp.ClientSession, url: str, wl: Workload, key: str,
+async def closed_loop(session: aiohttp.ClientSession, base_url: str, wl: Workload, key: str,
                       label: str, per_worker: int, deadline_s: float) -> list[Sample]:
-    """`per_worker` requests from each of the scenario's clients, back to back. Staggered
+    """`per_worker` requests from each of the scenario's clients, back to back, to
+    `base_url` + the workload's API path (base_url: scheme, host and port). Staggered
     clients start spread over one request's duration, so arrivals are spread out instead of
     coming in waves of all the clients at once."""
     concurrency, stagger = scenario(label)
-    body, headers = wl.body(), wl.headers(key)
+    body, headers, url = wl.body(), wl.headers(key), base_url + wl.path
     deadline = time.monotonic() + deadline_s
     out: list[Sample] = []
     duration_s = wl.ttft_ms / 1000 + max(0, wl.max_tokens - 1) / wl.tokens_per_s
@@ -138,7 +167,7 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, wl: Workload, ke
         for _ in range(per_worker):
             if time.monotonic() > deadline:
                 return
-            out.append(await one_request(session, url, body, headers))
+            out.append(await one_request(session, url, body, headers, wl.api))
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     return out

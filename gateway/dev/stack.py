@@ -73,6 +73,9 @@ class Spoke:
     metrics_port: int = 0
     engine: Callable[[int, Path], Service] | None = None  # another engine (port, workdir)
     metering: Metering = DEFAULT_METERING  # who does the per-chunk work: Envoy or ext_proc
+    # Envoy's bootstrap YAML for these ports (default: this code's render); a benchmark's
+    # baseline spoke renders it with an older revision's code
+    envoy_config: Callable[[EnvoyPorts, Metering], str] | None = None
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +100,9 @@ class Spoke:
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
                            engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp)
-        envoy = envoy_service(render(ports, metering=self.metering),
+        config = (render(ports, metering=self.metering) if self.envoy_config is None
+                  else self.envoy_config(ports, self.metering))
+        envoy = envoy_service(config,
                               int(ports.admin.rsplit(":", 1)[1]), self.listen_port, self.workdir)
         self.services = {**pre, "engine": engine, "sidecar": sidecar, "envoy": envoy}
         try:
