@@ -278,8 +278,6 @@ def _metering_filters(limits: _Limits) -> list[HttpFilter]:
         return [HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout)))]
     return [
         HttpFilter(name=envoy_metering.LUA, typed_config=Any.pack(envoy_metering.lua())),
-        HttpFilter(name=envoy_metering.SSE_TO_METADATA,
-                   typed_config=Any.pack(envoy_metering.sse_to_metadata())),
         HttpFilter(name=envoy_metering.JSON_TO_METADATA,
                    typed_config=Any.pack(envoy_metering.json_to_metadata())),
     ]

@@ -815,3 +815,63 @@ def test_anthropic_streams_count_their_deltas_end_at_message_stop_and_fail_on_er
     # the nested error object's own "type" is not the event's
     ok = b'data: {"type":"x","error":{"type":"overloaded_error"}}\n\n'
     assert "failed" not in run_response([ok], {}).meta["llm.stream"]
+
+
+# --- usage and the served model, read from the stream (llm.usage) ---------------------------
+
+CHAT_USAGE = (b'data: {"id":"c","model":"served-\\/m","choices":[],"usage":{"prompt_tokens":7,'
+              b'"completion_tokens":3,"total_tokens":10,"prompt_tokens_details":'
+              b'{"cached_tokens":2},"completion_tokens_details":{"reasoning_tokens":1}}}\n\n')
+
+
+def usage_of(resp: Response) -> dict[str, Any]:
+    """llm.usage with Lua strings (bytes under lupa) decoded."""
+    return {k: v.decode() if isinstance(v, bytes) else v
+            for k, v in resp.meta.get("llm.usage", {}).items()}
+
+
+def test_usage_and_the_served_model_are_read_from_the_stream() -> None:
+    first = b'data: {"id":"c","model":"served-\\/m","choices":[{"delta":{"content":"a"}}]}\n\n'
+    usage = usage_of(run_response([first, CHAT_USAGE, b"data: [DONE]\n\n"], {}))
+    assert usage == {"model": "served-/m", "prompt_tokens": 7, "completion_tokens": 3,
+                     "total_tokens": 10, "cached_tokens": 2, "reasoning_tokens": 1}
+    # `"usage": null` chunks and streams that never report carry no numbers
+    assert usage_of(run_response(CHAT[:3], {})).keys() <= {"model"}
+
+
+def test_continuous_usage_leaves_the_latest_numbers() -> None:
+    chunks = [b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":4,'
+              b'"completion_tokens":%d,"total_tokens":%d}}\n\n' % (i, 4 + i) for i in (1, 2, 3)]
+    usage = usage_of(run_response(chunks, {}))
+    assert (usage["completion_tokens"], usage["total_tokens"]) == (3, 7)
+
+
+def test_responses_api_and_anthropic_usage() -> None:
+    done = (b'event: response.completed\ndata: {"type":"response.completed","response":{'
+            b'"model":"r","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":4},'
+            b'"output_tokens":5,"output_tokens_details":{"reasoning_tokens":2},'
+            b'"total_tokens":14}}}\n\n')
+    assert usage_of(run_response([done], {})) == {
+        "model": "r", "prompt_tokens": 9, "cached_tokens": 4, "completion_tokens": 5,
+        "reasoning_tokens": 2, "total_tokens": 14}
+    start = (b'event: message_start\ndata: {"type":"message_start","message":{"model":"a",'
+             b'"usage":{"input_tokens":5,"cache_creation_input_tokens":3,'
+             b'"cache_read_input_tokens":2,"output_tokens":1}}}\n\n')
+    delta = (b'event: message_delta\ndata: {"type":"message_delta","delta":{},'
+             b'"usage":{"output_tokens":12}}\n\n')
+    cut = usage_of(run_response([start], {}))
+    assert "completion_tokens" not in cut  # message_start's output count is not the answer's
+    assert cut["prompt_tokens"] == 5 and cut["cache_read_input_tokens"] == 2
+    whole = usage_of(run_response([start, delta, MESSAGE_STOP], {}))
+    assert whole == {"model": "a", "prompt_tokens": 5, "cache_creation_input_tokens": 3,
+                     "cache_read_input_tokens": 2, "completion_tokens": 12}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_split_reads_the_same_usage(data: st.DataObject) -> None:
+    body = (b'data: {"model":"m","choices":[{"delta":{"content":"hi"}}],"usage":null}\n\n'
+            + CHAT_USAGE + b"data: [DONE]\n\n")
+    whole = usage_of(run_response([body], {"hide_usage": True}))
+    parts = data.draw(splits(body))
+    assert usage_of(run_response(parts, {"hide_usage": True})) == whole

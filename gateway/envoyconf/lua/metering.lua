@@ -23,6 +23,14 @@
 -- passed (`data: [DONE]`, a Responses-API response.completed / failed / incomplete, or an
 -- Anthropic message_stop); llm.stream:failed once the engine reported a failure inside the
 -- stream (an event with a "type":"error" member: Anthropic's and the Responses API's).
+-- USAGE, every text/event-stream response: the numbers of an event's "usage" object are
+-- published in llm.usage (what the engine reported; later events replace earlier values key
+-- by key): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
+-- Anthropic's message_start, whose count is only the first token's), total_tokens,
+-- cached_tokens, reasoning_tokens (wherever they sit inside it), cache_read_input_tokens,
+-- cache_creation_input_tokens; and llm.usage:model, the first "model" string a stream names.
+-- (Envoy's sse_to_metadata could read these, but it JSON-parses every event: ~8 µs a chunk
+-- where this looks only at events that carry a "usage" object.)
 -- Events end at a blank line ("\n\n" or "\n\r\n", so "\r\n\r\n" too; lone-"\r" line ends are
 -- not recognised). Upstream reads split anywhere: inside an event, a CRLF, a UTF-8 character.
 
@@ -35,6 +43,7 @@ local tonumber, tostring, type, pcall = tonumber, tostring, type, pcall
 
 local AUTHZ_NS = "envoy.filters.http.ext_authz"
 local STREAM_NS = "llm.stream"
+local USAGE_NS = "llm.usage"
 
 -- An SSE event that grows past this without its blank line is not held any longer: it is sent
 -- on unchanged and uncounted up to its end. It bounds the memory a broken or hostile upstream
@@ -177,6 +186,71 @@ local function is_end(ev)
     (find(ev, RESPONSES_END) ~= nil or find(ev, MESSAGE_STOP) ~= nil)
 end
 
+-- The usage numbers an event's "usage" object carries: { metadata key, pattern } in order;
+-- a later pattern for the same key (the Responses/Anthropic spelling) wins when both match.
+-- Keys are matched with both quotes, so "input_tokens" never matches inside
+-- "cache_read_input_tokens" or "input_tokens_details".
+local USAGE_KEYS = {
+  { "prompt_tokens", '"prompt_tokens"%s*:%s*(%d+)' },
+  { "prompt_tokens", '"input_tokens"%s*:%s*(%d+)' },
+  { "completion_tokens", '"completion_tokens"%s*:%s*(%d+)' },
+  { "completion_tokens", '"output_tokens"%s*:%s*(%d+)' },
+  { "total_tokens", '"total_tokens"%s*:%s*(%d+)' },
+  { "cached_tokens", '"cached_tokens"%s*:%s*(%d+)' },
+  { "reasoning_tokens", '"reasoning_tokens"%s*:%s*(%d+)' },
+  { "cache_read_input_tokens", '"cache_read_input_tokens"%s*:%s*(%d+)' },
+  { "cache_creation_input_tokens", '"cache_creation_input_tokens"%s*:%s*(%d+)' },
+}
+local MESSAGE_START = '"type"%s*:%s*"message_start"'
+
+-- { key = number } from the event's usage object, or nil when it has none ("usage": null).
+local function usage_of(ev)
+  local s = find(ev, '"usage"', 1, true)
+  if s == nil then
+    return nil
+  end
+  local _, _, obj = find(ev, "^%s*:%s*(%b{})", s + 7)
+  if obj == nil then
+    _, _, obj = find(ev, '"usage"%s*:%s*(%b{})', s + 7) -- a later one (rare)
+    if obj == nil then
+      return nil
+    end
+  end
+  local starting = find(ev, '"message_start"', 1, true) ~= nil and find(ev, MESSAGE_START) ~= nil
+  local out, any = {}, false
+  for i = 1, #USAGE_KEYS do
+    local key = USAGE_KEYS[i][1]
+    if not (starting and key == "completion_tokens") then
+      local _, _, n = find(obj, USAGE_KEYS[i][2])
+      if n ~= nil then
+        out[key] = tonumber(n)
+        any = true
+      end
+    end
+  end
+  if any then
+    return out
+  end
+  return nil
+end
+
+-- The served model named by an event ("model": "..."), or nil.
+local function model_of(ev)
+  local _, e = find(ev, '"model"%s*:%s*"')
+  if e == nil then
+    return nil
+  end
+  local close = string_end(ev, e)
+  if close == nil then
+    return nil
+  end
+  local name = sub(ev, e + 1, close - 1)
+  if find(name, "\\", 1, true) then
+    name = gsub(name, "\\(.)", "%1") -- \" \\ \/ (a \u escape keeps its letters)
+  end
+  return name
+end
+
 -- Whether one complete event is the engine reporting a failure mid-stream.
 local function is_error(ev)
   return find(ev, '"error"', 1, true) ~= nil and find(ev, ERROR_EVENT) ~= nil
@@ -264,6 +338,13 @@ local function publish(handle, events, chars, done, failed)
   end
 end
 
+local function publish_usage(handle, usage)
+  local meta = handle:streamInfo():dynamicMetadata()
+  for key, n in pairs(usage) do
+    meta:set(USAGE_NS, key, n)
+  end
+end
+
 local function starts_with_sse(content_type)
   return content_type ~= nil and find(lower(content_type), "text/event-stream", 1, true) == 1
 end
@@ -286,6 +367,7 @@ function envoy_on_response(handle)
   end
 
   local events, chars, done, failed = 0, 0, false, false
+  local named = false -- llm.usage:model published
   publish(handle, 0, 0, false, false)
 
   -- The unterminated tail: pieces in a table, joined only once an event completes, so a big
@@ -334,6 +416,19 @@ function envoy_on_response(handle)
           break
         end
         local ev = sub(buf, pos, stop)
+        if not named and find(ev, '"model"', 1, true) then
+          local model = model_of(ev)
+          if model ~= nil then
+            handle:streamInfo():dynamicMetadata():set(USAGE_NS, "model", model)
+            named = true
+          end
+        end
+        if find(ev, '"usage"', 1, true) then
+          local usage = usage_of(ev)
+          if usage ~= nil then
+            publish_usage(handle, usage)
+          end
+        end
         local c = content_bytes(ev)
         if c > 0 then
           events = events + 1
