@@ -13,17 +13,19 @@ Three paths, measured in one run against one workload:
   goes to the sidecar, which builds the usage event.
 
 Workload: streaming chat completions (`stream: true`, no stream_options), the engine paced by
-x-mock-ttft-ms 20 and x-mock-tokens-per-s 1000 (content chunks 1 ms apart), max_tokens =
+x-mock-ttft-ms 20 and x-mock-tokens-per-s 1000 (content chunks 1 ms apart; see c8x4), max_tokens =
 content chunks; closed loops of c clients starting together (bench_metering's SSE client:
 aiohttp on uvloop in this process). After a warm-up of every path, each round runs three
 phases, each through the three paths in turn (A B C, then C B A next round, ...):
 * `c8x4`, `c8x64`: 8 clients, as many requests each, 4- and 64-chunk streams. On-CPU time
   (schedstat, every live thread) per request of the path's Envoy and of its sidecar, summed
   over rounds, gives per_chunk = (cpu64/req - cpu4/req) / 60 and fixed = cpu4/req -
-  4 * per_chunk (for the sidecar: Check, record, event). Caveat: 4-chunk requests are ~5x as
-  short, so they come ~5x as often, and what the sidecar batches (Redis admissions, the
-  records Envoy flushes every 50 ms, Kafka sends) costs less per request: the split counts
-  that rate effect as per-chunk. TTFT = first content event - request sent, from c8x64:
+  4 * per_chunk (for the sidecar: Check, record, event). The 4-chunk streams start their
+  first chunk 60 ms later (x-mock-ttft-ms 80), so both last ~83 ms and come at the same
+  rate: what the sidecar batches (Redis admissions, the records Envoy flushes every 50 ms,
+  Kafka sends) costs the same per request in both, and the split measures chunks, not a
+  rate effect (with equal TTFTs the 4-chunk requests came ~5x as often, which the split
+  counted as per-chunk cost). TTFT = first content event - request sent, from c8x64:
   p50 = median of the rounds' p50s, p99 pooled, +p50 = minus plain's.
 * `c32x64`: 32 clients, 64-chunk streams: throughput = requests / wall time of the phases,
   pace = each stream's mean gap between content events, averaged over streams; both also
@@ -171,7 +173,7 @@ class Bench:
     async def phase(self, sessions: dict[str, aiohttp.ClientSession], rnd: int, path: str,
                     kind: str, per_worker: int) -> None:
         conc, chunks = PHASES[kind]
-        wl = Workload(chunks, TOKENS_PER_S, TTFT_MS)
+        wl = Workload(chunks, TOKENS_PER_S, TTFT_MS + (LONG - chunks) * 1000 / TOKENS_PER_S)
         before, t0 = self.cpu(), time.perf_counter()
         samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
                                        per_worker, PHASE_TIMEOUT_S)
