@@ -43,18 +43,36 @@ class Shipper:
         self.persist_every = persist_every  # the delivered mark hits the disk this often
         self._persisted_at = 0.0
 
+    def _persist_due(self, now: float) -> bool:
+        """Persist the delivered mark if `persist_every` has passed; whether it still has
+        to be written (it changed since, and was not yet due)."""
+        if now - self._persisted_at >= self.persist_every:
+            self.spool.persist_delivered()
+            self._persisted_at = now
+            return False
+        return self.spool.delivered_unpersisted
+
     async def run(self, until_empty: bool = False) -> None:
         backoff = 0.1
         while True:
             lines = self.spool.read_batch(self.batch)
             if not lines:
                 if until_empty and self.spool.depth == 0:
+                    self.spool.persist_delivered()
                     return
-                self.spool.persist_delivered()
+                # Caught up. The delivered mark still hits the disk at most every
+                # `persist_every` (a write and a rename each time the queue empties cost
+                # ~6 % of the sidecar's CPU at ~100 req/s), and at the latest that long
+                # after the last delivery when no new event comes.
+                dirty = self._persist_due(time.monotonic())
                 self.spool.durable.clear()
                 if self.spool.read_batch(1):
                     continue
-                await self.spool.durable.wait()
+                try:
+                    await asyncio.wait_for(self.spool.durable.wait(),
+                                           self.persist_every if dirty else None)
+                except TimeoutError:
+                    continue
                 await asyncio.sleep(self.linger)
                 continue
             try:
@@ -67,9 +85,6 @@ class Shipper:
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
-            now = time.monotonic()
-            persist = now - self._persisted_at >= self.persist_every
-            self.spool.mark_delivered(lines[-1][0], persist=persist)
-            if persist:
-                self._persisted_at = now
+            self.spool.mark_delivered(lines[-1][0], persist=False)
+            self._persist_due(time.monotonic())
             metrics.EVENTS_DELIVERED.inc(len(lines))

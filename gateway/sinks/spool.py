@@ -206,6 +206,10 @@ class Spool:
         self._cursor = (seg, offset, seq)
         return out
 
+    @property
+    def delivered_unpersisted(self) -> bool:
+        return self._persisted != self.delivered
+
     def persist_delivered(self) -> None:
         if self._persisted == self.delivered:
             return

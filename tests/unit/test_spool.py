@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -123,3 +124,40 @@ async def test_the_oldest_undelivered_events_age(tmp_path: Path) -> None:
     again = Spool(tmp_path, "i").open()  # recovered from disk: counted from the segment's write
     assert again.depth == 1 and again.oldest_age(time.time() + 30) >= 29
     again.close()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send_batch(self, records: list[Any]) -> None:
+        self.sent += len(records)
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_the_delivered_mark_is_written_at_most_and_at_latest_every_persist_every(
+        tmp_path: Path) -> None:
+    """Not once per drained batch (a write and a rename each): at most every persist_every,
+    and, when no more events come, that long after the last delivery."""
+    from gateway.sinks.shipper import Shipper
+
+    sp = Spool(tmp_path, "i").open()
+    writer = asyncio.create_task(sp.run_writer())
+    sink = _Sink()
+    shipper = asyncio.create_task(Shipper(sp, sink, linger=0.0, persist_every=0.3).run())
+    mark = sp.dir / "delivered"
+    writes = 0
+    last = None
+    for _ in range(20):  # 20 small batches, each drained at once, within ~0.2 s
+        _put(sp, 1)
+        await asyncio.sleep(0.01)
+        now = mark.read_text() if mark.exists() else None
+        writes += now != last
+        last = now
+    assert sink.sent == 20 and writes <= 2
+    await asyncio.sleep(0.5)  # idle: the last delivery still reaches the disk
+    assert mark.read_text() == "20"
+    shipper.cancel()
+    writer.cancel()
