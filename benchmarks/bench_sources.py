@@ -8,7 +8,7 @@ Three paths, measured in one run against one workload:
   (testkit.envoys.envoy_without), to the ext_proc spoke's mock engine;
 * `ext_proc`: a whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
   Envoy) with metering=ext_proc: every SSE chunk goes through the sidecar;
-* `envoy`: a second spoke with metering=envoy: Envoy's Lua, sse_to_metadata and
+* `envoy`: a second spoke with metering=envoy: Envoy's Lua and
   json_to_metadata filters do the byte work, one OpenTelemetry access-log record per request
   goes to the sidecar, which builds the usage event.
 

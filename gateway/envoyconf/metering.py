@@ -68,7 +68,7 @@ with quiet_imports():
 LUA = "envoy.filters.http.lua"
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 OTEL_ACCESS_LOG = "envoy.access_loggers.open_telemetry"
-USAGE_NS = "llm.usage"  # sse_to_metadata / json_to_metadata write usage here
+USAGE_NS = "llm.usage"  # the Lua filter (streams) and json_to_metadata write usage here
 STREAM_NS = "llm.stream"  # the Lua filter writes its content counters here
 RECORD_LOG_NAME = "gateway.usage"
 FLUSH = timedelta(milliseconds=50)

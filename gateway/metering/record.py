@@ -3,7 +3,7 @@
 Sans-I/O: the logs service hands over the record's attributes, as the access-log formatter
 rendered them (gateway/envoyconf/metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
 metadata namespaces as JSON). What ext_proc learns chunk by chunk, Envoy's filters have
-put in the record: usage from sse_to_metadata / json_to_metadata, content counters from
+put in the record: usage from the Lua filter / json_to_metadata, content counters from
 the Lua filter, the status, the response flags and the timings.
 """
 
