@@ -41,12 +41,15 @@ ANTHROPIC_TYPES = {
 }
 
 
+def anthropic_error_type(status: int) -> str:
+    return ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
 def error_body(deny: Deny, request_id: str) -> bytes:
     if deny.api is Api.ANTHROPIC:
-        kind = ANTHROPIC_TYPES.get(deny.status, "api_error" if deny.status >= 500 else
-                                   "invalid_request_error")
-        return orjson.dumps({"type": "error", "error": {"type": kind, "message": deny.message},
-                             "request_id": request_id})
+        return orjson.dumps({"type": "error", "error": {
+            "type": anthropic_error_type(deny.status), "message": deny.message},
+            "request_id": request_id})
     err = {
         "message": deny.message,
         "type": deny.error_type or ERROR_TYPES.get(deny.code, "invalid_request_error"),

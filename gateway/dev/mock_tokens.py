@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.authz.answers import anthropic_error_type
+
 EMBEDDING_DIM = 8
 FINGERPRINT = "fp_mock"
 HEADER_HISTORY = 50
@@ -190,23 +192,13 @@ def prompt_split(prompt: int, cache_read: int, cache_creation: int) -> dict[str,
     }
 
 
-ANTHROPIC_ERRORS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
 OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    fallback = "api_error" if status >= 500 else "invalid_request_error"
-    kind = ANTHROPIC_ERRORS.get(status, fallback)
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    """The error an Anthropic-style engine answers: the gateway's own table of types."""
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
 
 
 def message_object(job: Job, text: str | None, usage: dict[str, int]) -> dict[str, Any]:
