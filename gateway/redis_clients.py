@@ -1,7 +1,8 @@
 """Every Redis client of the gateway, built from the one URL (GATEWAY_REDIS_URL).
 
 Two clients read it: the limiter's lean RespClient (gateway/limits/resp.py: the hot path)
-and redis-py for policy sync and the CLI. Both get the same timeout policy, derived from
+and redis-py for policy sync and the CLI. Both read the URL with redis-py's parser
+(`gateway.limits.resp.parse`) and get the same timeout policy, derived from
 the admission deadline (GATEWAY_REDIS_DEADLINE_MS): a stalled Redis fails a command, it
 never hangs one.
 """

@@ -18,9 +18,9 @@ import hashlib
 import ssl
 from collections import deque
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
 
 import hiredis
+from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 from gateway.errors import RedisGone, RedisReplyError
 
@@ -97,52 +97,56 @@ class _Connection(asyncio.Protocol):
                 fut.set_exception(exc)
 
 
+def parse(url: str) -> dict[str, Any]:
+    """The URL as redis-py reads it (`redis.asyncio.connection.parse_url`): one parser for
+    both clients (gateway/redis_clients.py), so a URL means the same to each."""
+    return dict(parse_url(url))
+
+
 def tls_context(url: str) -> ssl.SSLContext | None:
-    """TLS for a `rediss://` URL, from the query parameters redis-py reads too (so one URL
-    serves both clients): `ssl_ca_certs` (a CA bundle; default: the system's),
-    `ssl_cert_reqs` (required | optional | none), `ssl_check_hostname` (true | false),
-    `ssl_certfile` and `ssl_keyfile` (a client certificate)."""
-    u = urlparse(url)
-    if u.scheme != "rediss":
+    """TLS for a `rediss://` URL, from the query parameters redis-py reads too:
+    `ssl_ca_certs` (a CA bundle; default: the system's), `ssl_cert_reqs` (required |
+    optional | none), `ssl_check_hostname` (true | false), `ssl_certfile` and
+    `ssl_keyfile` (a client certificate)."""
+    return _tls(parse(url))
+
+
+def _tls(opts: dict[str, Any]) -> ssl.SSLContext | None:
+    if opts.get("connection_class") is not SSLConnection:
         return None
-    q = {k: v[-1] for k, v in parse_qs(u.query).items()}
-    reqs = q.get("ssl_cert_reqs", "required").lower()
+    reqs = str(opts.get("ssl_cert_reqs") or "required").lower()
     modes = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
     if reqs not in modes:
         raise ValueError(f"ssl_cert_reqs={reqs!r} in the Redis URL: expected one of "
                          f"{', '.join(modes)}")
-    ctx = ssl.create_default_context(cafile=q.get("ssl_ca_certs"))
-    ctx.check_hostname = reqs == "required" and q.get(
-        "ssl_check_hostname", "true").lower() not in ("false", "0", "no")
+    ctx = ssl.create_default_context(cafile=opts.get("ssl_ca_certs"))
+    ctx.check_hostname = reqs == "required" and opts.get("ssl_check_hostname") is not False
     ctx.verify_mode = modes[reqs]
-    if q.get("ssl_certfile"):
-        ctx.load_cert_chain(q["ssl_certfile"], q.get("ssl_keyfile"))
+    if opts.get("ssl_certfile"):
+        ctx.load_cert_chain(opts["ssl_certfile"], opts.get("ssl_keyfile"))
     return ctx
 
 
 class RespClient:
     """`redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS; see tls_context)
-    or `unix:///path/to/socket?db=N`."""
+    or `unix:///path/to/socket?db=N`, parsed as redis-py parses them (`parse`)."""
 
     def __init__(self, url: str, timeout: float = 1.0, connect_timeout: float = 0.5) -> None:
         self.url = url
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        u = urlparse(url)
-        if u.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported Redis URL scheme {u.scheme!r} (redis, rediss, unix)")
-        self._unix = u.path if u.scheme == "unix" else None
-        self._host = u.hostname or "127.0.0.1"
-        self._port = u.port or 6379
-        self._ssl = tls_context(url)
-        db = parse_qs(u.query).get("db", [""])[0] if u.scheme == "unix" else u.path.lstrip("/")
+        opts = parse(url)  # ValueError for any other scheme, naming the ones it knows
+        unix = opts.get("connection_class") is UnixDomainSocketConnection
+        self._unix: str | None = opts["path"] if unix else None
+        self._host = opts.get("host") or "127.0.0.1"
+        self._port = int(opts.get("port") or 6379)
+        self._ssl = _tls(opts)
         self._setup: list[tuple[Any, ...]] = []
-        if u.password is not None:
-            user = unquote(u.username) if u.username else None
-            pw = unquote(u.password)
+        if opts.get("password") is not None:
+            user, pw = opts.get("username"), opts["password"]
             self._setup.append(("AUTH", user, pw) if user else ("AUTH", pw))
-        if db and db != "0":
-            self._setup.append(("SELECT", int(db)))
+        if opts.get("db"):
+            self._setup.append(("SELECT", int(opts["db"])))
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[_Connection] | None = None
 
