@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gateway.dev.procs import LOOPBACK, Service, ServiceError
+from gateway.dev.procs import LOOPBACK, Service
+from gateway.errors import ServiceError
 
 
 def envoy_binary() -> str:

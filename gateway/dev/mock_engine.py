@@ -32,7 +32,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from gateway.dev import mock_tokens as mt
-from gateway.dev.mock_tokens import Job, MockStats, Pace, RequestError, StreamOpts
+from gateway.dev.mock_tokens import Job, MockStats, Pace, StreamOpts
+from gateway.errors import Died, RequestError
 
 DEFAULT_MODEL = "mock-model"
 
@@ -49,10 +50,6 @@ STATS = web.AppKey("stats", MockStats)
 # The usage this request told the client: later usage objects update earlier ones (as
 # Anthropic's message_delta updates message_start's).
 USAGE = web.RequestKey("usage", dict)
-
-
-class Died(ConnectionResetError):
-    """The engine stopped mid-generation on purpose; the connection is already gone."""
 
 
 def _error(request: web.Request, status: int, message: str) -> web.Response:

@@ -16,14 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.authz.answers import anthropic_error_type
+from gateway.errors import RequestError
 
 EMBEDDING_DIM = 8
 FINGERPRINT = "fp_mock"
 HEADER_HISTORY = 50
-
-
-class RequestError(ValueError):
-    """A request the engine rejects with 400, like a real OpenAI-compatible server would."""
 
 
 def words(text: str) -> int:

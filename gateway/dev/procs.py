@@ -27,12 +27,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from gateway.errors import ServiceError
+
 LOOPBACK = "127.0.0.1"
 LOG_TAIL_CHARS = 2000
-
-
-class ServiceError(RuntimeError):
-    """A service could not be found, did not start, or died while starting."""
 
 
 _handed_out: set[int] = set()
