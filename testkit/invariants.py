@@ -64,13 +64,15 @@ def check(spoke: Spoke, results: list[Result], key_id: str, *, lease_ttl: float,
     billed = sum(int(e["usage"]["total_tokens"]) for e in served)
     if token_check:
         assert counter == billed, f"token counter {counter} != billed {billed}"
-    # seq per instance: gap-free, from 1
-    by_instance: dict[str, list[int]] = {}
-    for e in distinct.values():
-        by_instance.setdefault(e["instance_id"], []).append(int(e["seq"]))
+    # seq per instance: gap-free, from 1, over every event on the topic. A request may have
+    # two events with two seqs (at-least-once: a record made durable just before a SIGKILL,
+    # whose ack died with the process, is sent again by Envoy and recorded again after the
+    # restart); consumers dedup those on event_id, so both seqs are on the topic.
+    by_instance: dict[str, set[int]] = {}
+    for e in events:
+        by_instance.setdefault(e["instance_id"], set()).add(int(e["seq"]))
     for inst, seqs in by_instance.items():
-        seqs.sort()
-        assert seqs == list(range(1, len(seqs) + 1)), f"seq gap in {inst}"
+        assert sorted(seqs) == list(range(1, len(seqs) + 1)), f"seq gap in {inst}"
     return {"requests": len(results), "admitted": len(admitted), "events": len(distinct),
             "duplicates": sum(ids.values()) - len(ids), "engine": engine,
             "billed_tokens": billed, "outcomes": Counter(e["outcome"] for e in mine),
