@@ -27,6 +27,12 @@ SCHEMA = [
         PRIMARY KEY (day, team, key_id, model))""",
     """CREATE TABLE IF NOT EXISTS ingest_stats (
         instance_id TEXT PRIMARY KEY, duplicates BIGINT NOT NULL)""",
+    # Every (instance, seq) received, duplicates of an event_id included: the gap check's
+    # input. A request's event recorded twice (its record made durable just before its
+    # sidecar was killed, sent again by Envoy after the restart) has two seqs; dropping
+    # the second with the event would show a gap that is not one.
+    """CREATE TABLE IF NOT EXISTS seen_seqs (
+        instance_id TEXT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (instance_id, seq))""",
 ]
 
 _INSERT = """INSERT INTO usage_events VALUES ({p},{p},{p},{p},{p},{p},{p},{p},{p},{p},{p},{p})
@@ -39,6 +45,7 @@ _TOTAL = """INSERT INTO usage_totals VALUES ({p},{p},{p},{p},1,{p},{p},{p})
               total_tokens = usage_totals.total_tokens + excluded.total_tokens"""
 _DUP = """INSERT INTO ingest_stats VALUES ({p}, 1) ON CONFLICT (instance_id)
           DO UPDATE SET duplicates = ingest_stats.duplicates + 1"""
+_SEEN = "INSERT INTO seen_seqs VALUES ({p},{p}) ON CONFLICT (instance_id, seq) DO NOTHING"
 
 
 @dataclass
@@ -62,6 +69,10 @@ class UsageDb:
             self.p = "?"
         for stmt in SCHEMA:
             self._exec(stmt)
+        if self._exec("SELECT 1 FROM seen_seqs LIMIT 1").fetchone() is None:
+            # a database from before seen_seqs: its events' seqs are what it saw
+            self._exec("INSERT INTO seen_seqs SELECT instance_id, seq FROM usage_events WHERE true "
+                       "ON CONFLICT (instance_id, seq) DO NOTHING")
         self._commit()
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
@@ -81,6 +92,7 @@ class UsageDb:
         try:
             for e in events:
                 u = e.usage
+                self._exec(_SEEN, (e.instance_id, e.seq))
                 cur = self._exec(_INSERT, (
                     e.event_id, e.instance_id, e.seq, e.ended_at, e.team, e.key_id, e.model,
                     e.outcome, u.prompt_tokens, u.completion_tokens, u.total_tokens,
@@ -138,7 +150,7 @@ class UsageDb:
     def seqs(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for inst, seq in self._exec(
-                "SELECT instance_id, seq FROM usage_events ORDER BY instance_id, seq").fetchall():
+                "SELECT instance_id, seq FROM seen_seqs ORDER BY instance_id, seq").fetchall():
             out.setdefault(inst, []).append(int(seq))
         return out
 

@@ -70,6 +70,27 @@ def test_a_failed_batch_leaves_nothing_behind(db: UsageDb) -> None:
     assert db.ingest([ev(5), ev(6)]).new == 2
 
 
+def test_an_event_recorded_twice_leaves_no_false_gap(db: UsageDb, tmp_path: Path) -> None:
+    """A request's record made durable just before its sidecar was killed is recorded
+    again after the restart, under a new seq: billed once, and both seqs count as seen."""
+    again = ev(3)
+    again.seq = 4  # the same event_id, re-recorded after the restart
+    got = db.ingest([ev(1), ev(2), ev(3), again, ev(5)])
+    assert (got.new, got.duplicates) == (4, 1)
+    assert db.seqs() == {"i1": [1, 2, 3, 4, 5]}
+    assert gaps(db.seqs()["i1"]) == []
+
+
+def test_a_database_from_before_seen_seqs_keeps_its_seqs(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    UsageDb(f"sqlite:///{path}").ingest([ev(1), ev(2)])
+    with sqlite3.connect(path) as c:  # as an older version left it: no seen_seqs
+        c.execute("DROP TABLE seen_seqs")
+    assert UsageDb(f"sqlite:///{path}").seqs() == {"i1": [1, 2]}
+
+
 def test_gaps() -> None:
     assert gaps([1, 2, 3]) == []
     assert gaps([2, 3, 7]) == [(1, 1), (4, 6)]
