@@ -57,9 +57,13 @@ class Meter:
     # or Anthropic's message_stop
     engine_error: bool = False  # the engine reported a failure inside its stream
     _messages: MessagesStream = field(default_factory=MessagesStream)
+    _reader: Reader = field(init=False)  # how this endpoint's usage reads, looked up once
     _decoder: SseDecoder = field(default_factory=SseDecoder)
     _body: list[bytes] = field(default_factory=list)
     _body_len: int = 0
+
+    def __post_init__(self) -> None:
+        self._reader = reader_of(self.endpoint)
 
     @property
     def rewrites(self) -> bool:
@@ -120,7 +124,7 @@ class Meter:
                 model = inner.get("model") if isinstance(inner, dict) else None
             if isinstance(model, str):
                 self.served_model = model
-        reader = reader_of(self.endpoint)
+        reader = self._reader
         if reader is Reader.MESSAGES:
             self._message_event(obj)
             return obj

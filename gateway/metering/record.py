@@ -19,7 +19,7 @@ from gateway.endpoints import Reader, reader_of
 from gateway.metering import handoff
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Result
-from gateway.metering.usage import Usage
+from gateway.metering.usage import Usage, from_messages
 
 # %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
 # cut its stream after the headers; the rest fail before or while connecting.
@@ -64,6 +64,11 @@ def _int(v: Any) -> int:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
 
 
+def flags_of(attrs: dict[str, str]) -> frozenset[str]:
+    """%RESPONSE_FLAGS% as a set ("-" when none)."""
+    return frozenset((attrs.get("flags") or "-").split(","))
+
+
 def read(attrs: dict[str, str]) -> Record | None:
     """One record; None if it names no request (nothing to bill it to)."""
     rid = attrs.get("rid", "-")
@@ -72,7 +77,7 @@ def read(attrs: dict[str, str]) -> Record | None:
     authz = _json(attrs.get("authz"))
     facts = handoff.read(authz, attrs.get("path", ""), rid)
     status = int(_num(attrs.get("code")) or 0)
-    flags = set((attrs.get("flags") or "-").split(","))
+    flags = flags_of(attrs)
     counted = _json(attrs.get("counted"))
     usage = _json(attrs.get("usage"))
     started = _num(attrs.get("start")) or 0.0
@@ -104,11 +109,11 @@ def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: di
     completion = max(events, math.ceil(chars / 4))
     messages = reader_of(facts.endpoint) is Reader.MESSAGES
     if messages and "completion_tokens" in usage:  # message_delta, or a whole answer
-        read, created = (_int(usage.get(k)) for k in (
-            "cache_read_input_tokens", "cache_creation_input_tokens"))
-        p = _int(usage.get("prompt_tokens")) + read + created
-        c = _int(usage.get("completion_tokens"))
-        u = Usage(p, c, p + c, cached_tokens=read, cache_creation_tokens=created)
+        u = from_messages({  # the Lua/json_to_metadata keys in Anthropic's names
+            "input_tokens": _int(usage.get("prompt_tokens")),
+            "output_tokens": _int(usage.get("completion_tokens")),
+            **{k: _int(usage.get(k)) for k in ("cache_read_input_tokens",
+                                              "cache_creation_input_tokens")}}) or Usage()
         source = "reported"
     elif messages and "prompt_tokens" in usage:  # only message_start: the input side is exact
         prompt = sum(_int(usage.get(k)) for k in (

@@ -69,13 +69,13 @@ class Recorder:
         return lambda: self.leases.settle(facts.request_id, tokens)
 
     def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float,
-               source: str | None = None) -> UsageEvent:
+               source: str | None = None, ended: float | None = None) -> UsageEvent:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         r = meter.result()
         if not facts.endpoint:
             facts.endpoint = meter.endpoint
         return self.emit(facts, r, meter.status or facts.denied_status, outcome, started,
-                         time.time(), source or r.source)
+                         time.time() if ended is None else ended, source or r.source)
 
     def finish_cut(self, facts: RequestFacts, meter: Meter, started: float,
                    then: Callable[[UsageEvent], None] | None = None,
@@ -92,10 +92,7 @@ class Recorder:
 
         def emit(outcome: str) -> None:
             self._waiting.pop(rid, None)
-            r = meter.result()
-            if not facts.endpoint:
-                facts.endpoint = meter.endpoint
-            event = self.emit(facts, r, meter.status, outcome, started, ended, r.source)
+            event = self.finish(facts, meter, outcome, started, ended=ended)
             if then is not None:
                 then(event)
 

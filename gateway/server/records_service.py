@@ -71,7 +71,7 @@ class RecordsService(ls_grpc.LogsServiceServicer):
         if not self.emits:
             rid = attrs.get("rid", "-")
             if rid and rid != "-":
-                self.recorder.told(rid, frozenset((attrs.get("flags") or "-").split(",")))
+                self.recorder.told(rid, record.flags_of(attrs))
             return 0
         try:
             rec = record.read(attrs)

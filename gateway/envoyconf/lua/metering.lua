@@ -423,11 +423,9 @@ function envoy_on_response(handle)
             named = true
           end
         end
-        if find(ev, '"usage"', 1, true) then
-          local usage = usage_of(ev)
-          if usage ~= nil then
-            publish_usage(handle, usage)
-          end
+        local usage = usage_of(ev) -- one plain find for events without usage
+        if usage ~= nil then
+          publish_usage(handle, usage)
         end
         local c = content_bytes(ev)
         if c > 0 then
