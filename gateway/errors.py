@@ -4,10 +4,11 @@ stdlib's meaning for callers that catch that).
     GatewayError
      ├── PolicyError        an invalid policy document; carries the path of each problem
      ├── StoreUnavailable   the limiter/policy store (Redis) is down or slower than the deadline
-     │    └── StoreTimeout  ... slower: the store may still commit what it was asked
+     │    └── StoreInDoubt  ... after it was asked: it may have committed, or still commit, it
      ├── BodyError          a request body that is not the JSON the endpoint expects
      ├── PathError          a request path no engine should see (not absolute, bad encoding)
      ├── RedisGone          [ConnectionError] the limiter's connection failed or timed out
+     │    └── RedisLost     ... with this command written: Redis may have run it
      ├── RedisReplyError    Redis answered one command with an error reply
      ├── RevisionConflict   the policy revision moved while it was being edited
      ├── ApplyRefused       [ValueError] `policy apply` would do harm nobody asked for
@@ -18,7 +19,8 @@ stdlib's meaning for callers that catch that).
      ├── RequestError       [ValueError] the mock engine refuses a request (its 400)
      └── Died               [ConnectionResetError] the mock engine stopped mid-answer on purpose
 
-The limiter turns RedisGone/RedisReplyError into StoreUnavailable at its edge.
+The limiter turns RedisLost into StoreInDoubt, and RedisGone/RedisReplyError into
+StoreUnavailable, at its edge.
 A denial is not an exception: it is a value (`gateway.authz.decision.Deny`).
 """
 
@@ -42,8 +44,9 @@ class StoreUnavailable(GatewayError):
     pass
 
 
-class StoreTimeout(StoreUnavailable):
-    pass
+class StoreInDoubt(StoreUnavailable):
+    """No answer (past the deadline, or the connection died) for a request the store was
+    sent: it may have committed it, so the caller undoes it (voids the admission)."""
 
 
 class BodyError(GatewayError):
@@ -56,6 +59,10 @@ class PathError(GatewayError):
 
 class RedisGone(GatewayError, ConnectionError):
     """The connection failed, timed out or could not be made."""
+
+
+class RedisLost(RedisGone):
+    """The connection failed after this command was written: Redis may have run it."""
 
 
 class RedisReplyError(GatewayError):

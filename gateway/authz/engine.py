@@ -17,7 +17,7 @@ from gateway.authz.decision import Allow, Context, Decision, Deny, Reply
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
-from gateway.errors import BodyError, PathError, StoreTimeout, StoreUnavailable
+from gateway.errors import BodyError, PathError, StoreInDoubt, StoreUnavailable
 from gateway.limits.types import CONCURRENCY, AdmitRequest, Limiter, Verdict
 from gateway.metering import handoff, inject
 from gateway.policy import secrets
@@ -111,7 +111,7 @@ class Authorizer:
                     meta=handoff.orphan_meta(key.key_id, key.team, facts.model or "", path,
                                              facts.stream)))
             except StoreUnavailable as exc:
-                if isinstance(exc, StoreTimeout):
+                if isinstance(exc, StoreInDoubt):
                     self.abandon(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
                     f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model)

@@ -13,7 +13,7 @@ from importlib import resources
 from typing import Any
 
 from gateway import batching
-from gateway.errors import StoreTimeout, StoreUnavailable
+from gateway.errors import RedisLost, StoreInDoubt, StoreUnavailable
 from gateway.limits import maths
 from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.types import (
@@ -60,8 +60,8 @@ class RedisLimiter(Limiter):
                  start_ttl: float | None = None, deadline: float = 0.25,
                  orphan_grace: float = 0.0) -> None:
         self.redis = redis
-        # An admission not answered within `deadline` fails with StoreTimeout (fail closed).
-        self._deadlines = batching.Deadlines(deadline, lambda: StoreTimeout(
+        # An admission not answered within `deadline` fails with StoreInDoubt (fail closed).
+        self._deadlines = batching.Deadlines(deadline, lambda: StoreInDoubt(
             f"redis: no answer within {deadline * 1000:g} ms (timed out)"))
         self.lease_ttl_ms = int(lease_ttl * 1000)
         self.start_ttl_ms = int(first_lease(lease_ttl, start_ttl) * 1000)
@@ -96,7 +96,9 @@ class RedisLimiter(Limiter):
             try:
                 rows = await self._admit(*self._args([r for r, _ in live]))
             except REDIS_ERRORS as exc:
-                err = StoreUnavailable(f"redis: {exc.__class__.__name__}: {exc}")
+                # Sent, then the connection died: it may have committed (the caller voids it).
+                kind = StoreInDoubt if isinstance(exc, RedisLost) else StoreUnavailable
+                err = kind(f"redis: {exc.__class__.__name__}: {exc}")
                 for _, f in live:
                     if not f.done():
                         f.set_exception(err)

@@ -7,8 +7,10 @@ the moment it is called (so concurrent callers pipeline), matches replies to cal
 order and parses them with hiredis.
 
 Failure model: any connection error, protocol error or reply slower than `timeout` closes
-the connection and fails every caller waiting on it with `RedisGone`; the next call
-reconnects. An error reply (`-ERR ...`) fails only its own caller, with `RedisReplyError`.
+the connection and fails every caller waiting on it with `RedisLost` (its command was
+written, so Redis may have run it); a call that could not be written fails with
+`RedisGone`; the next call reconnects. An error reply (`-ERR ...`) fails only its own
+caller, with `RedisReplyError`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
-from gateway.errors import RedisGone, RedisReplyError
+from gateway.errors import RedisGone, RedisLost, RedisReplyError
 
 
 class _Connection(asyncio.Protocol):
@@ -91,10 +93,11 @@ class _Connection(asyncio.Protocol):
             self._watchdog = None
         if self.transport is not None:
             self.transport.abort()
+        lost = RedisLost(str(exc))
         while self.waiting:
             fut, _ = self.waiting.popleft()
             if not fut.done():
-                fut.set_exception(exc)
+                fut.set_exception(lost)
 
 
 def parse(url: str) -> dict[str, Any]:

@@ -101,8 +101,8 @@ class Limiter(Protocol):
 
     `admit` checks every tier and commits all of them or none: a request denied at one
     tier consumes nothing at another. Raises StoreUnavailable if the store cannot answer,
-    and its StoreTimeout if it does not answer within the store's deadline (the admission
-    may still commit: the caller voids it).
+    and its StoreInDoubt if the admission was sent but not answered (past the store's
+    deadline, or the connection died): it may have committed, so the caller voids it.
     """
 
     async def admit(self, req: AdmitRequest) -> Verdict: ...

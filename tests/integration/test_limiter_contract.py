@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gateway.dev.procs import free_port, redis_service
-from gateway.errors import StoreTimeout
+from gateway.errors import RedisLost, StoreInDoubt
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
@@ -246,7 +246,7 @@ async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> N
 
 
 async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) -> None:
-    """Past its deadline an admission fails closed with StoreTimeout (the caller then voids
+    """Past its deadline an admission fails closed with StoreInDoubt (the caller then voids
     it), well before the connection's own stall timeout, and the limiter recovers."""
     redis = redis_service(free_port(), tmp_path).start()
     lim = RedisLimiter(RespClient(f"redis://{redis.address}/0", timeout=2.0), lease_ttl=60,
@@ -259,10 +259,37 @@ async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) 
         results = await asyncio.gather(*(lim.admit(req(f"r{i}", key)) for i in range(20)),
                                        return_exceptions=True)
         took = time.monotonic() - t0
-        assert all(isinstance(r, StoreTimeout) for r in results), results
+        assert all(isinstance(r, StoreInDoubt) for r in results), results
         assert 0.09 < took < 0.5, took  # the 0.1 s deadline, not the 2 s stall timeout
         redis.resume()
         assert (await lim.admit(req("after", key, T0 + 1))).allowed
+    finally:
+        redis.resume()
+        await lim.close()
+        redis.stop()
+
+
+async def test_an_admission_whose_connection_died_after_sending_is_in_doubt(
+        tmp_path: Path) -> None:
+    """A reply overdue on the shared connection closes it and fails every command written on
+    it, an admission sent a moment ago included: Redis may have run that one, so it fails
+    as in doubt (the caller voids it), never as a plain outage that leaks an admission."""
+    redis = redis_service(free_port(), tmp_path).start()
+    lim = RedisLimiter(RespClient(f"redis://{redis.address}/0", timeout=0.3), lease_ttl=60,
+                       deadline=5.0)
+    key = [tier("key", "k1", concurrency=1)]
+    try:
+        assert (await lim.ping())
+        redis.pause()
+        ping = asyncio.ensure_future(lim.redis.call("PING"))  # overdue first: closes it
+        await asyncio.sleep(0.1)
+        result = await asyncio.gather(lim.admit(req("sent", key)), return_exceptions=True)
+        assert isinstance(result[0], StoreInDoubt), result
+        with pytest.raises(RedisLost):
+            await ping
+        redis.resume()
+        await lim.void("sent")  # what the caller does with an admission in doubt
+        assert (await lim.admit(req("next", key, T0 + 1))).allowed  # its slot is free
     finally:
         redis.resume()
         await lim.close()

@@ -14,7 +14,7 @@ from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.clock import FakeClock
-from gateway.errors import StoreTimeout, StoreUnavailable
+from gateway.errors import StoreInDoubt, StoreUnavailable
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.types import AdmitRequest, RateInfo, Verdict
 from gateway.policy import secrets
@@ -69,7 +69,7 @@ class LateLimiter(CountingLimiter):
 
     async def admit(self, req: AdmitRequest) -> Verdict:
         self.calls += 1
-        raise StoreTimeout("redis: no answer within 250 ms (timed out)")
+        raise StoreInDoubt("redis: no answer within 250 ms (timed out)")
 
 
 class Gate:
