@@ -67,3 +67,10 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
     assert doc["checks_passed"] and all(c["ok"] for c in doc["kafka_check"].values())
     assert [r["path"] for r in doc["rows"]] == ["plain", "ext_proc", "envoy"]
     assert all(r["ok"] == r["requests_total"] > 0 for r in doc["rows"]), doc["rows"]
+
+
+def test_lua_per_chunk_quick(tmp_path: Path) -> None:
+    doc = run("lua_per_chunk.py", tmp_path)
+    assert [r["shape"] for r in doc["rows"]] == [
+        "count only", "hide usage:null", "hide continuous"]
+    assert all(r["this tree"] > 0 for r in doc["rows"])
