@@ -54,7 +54,7 @@ local MAX_HELD = 1024 * 1024
 -- SPEED: this runs for every chunk of every stream, so the per-chunk path uses plain finds
 -- and byte tests only. LuaJIT compiles those; a Lua pattern is matched by an interpreted C
 -- loop a character at a time and stops the JIT from compiling the loop around it (hiding
--- "usage": null from a chat chunk took 14.2 µs with patterns, 4.0 µs without, measured by
+-- "usage": null from a chat chunk took ~14 µs with patterns, ~4 µs without, measured by
 -- benchmarks/lua_per_chunk.py). Patterns remain only where an event is rare (a usage object
 -- outside the usual layout, an end marker, an error) or a plain find already found the key
 -- (whitespace-tolerant fallbacks).
