@@ -8,9 +8,11 @@ Envoy metering source, so its cost is most of what that source adds to Envoy per
 (bench_sources measures the whole of it through a real Envoy). Here the same script runs
 under the LuaJIT that Envoy embeds (lupa's luajit21), over one stream of N identical chat
 chunks as the mock engine writes them, with a minimal stand-in for Envoy's handle (a table
-store for metadata), in three shapes: counting only, hiding the injected `"usage": null`
-(include_usage added by the gateway), and hiding continuous usage. The figure is the best of
-7 runs, in µs per chunk; the stand-in's own cost is in it and is the same for every script.
+store for metadata), in five shapes: counting only, hiding the injected `"usage": null`
+(include_usage added by the gateway), hiding continuous usage, and, counted only, an
+Anthropic Messages `content_block_delta` and a Responses API `response.output_text.delta`.
+The figure is the best of 7 runs, in µs per chunk; the stand-in's own cost is in it and is
+the same for every script.
 With `--baseline REV`, REV's script runs in the same process, interleaved, and the table
 shows the ratio.
 """
@@ -44,6 +46,11 @@ SHAPES = {  # label -> (chunk, authz facts)
     "hide usage:null": (HEAD + b',"usage":null}\n\n', {"hide_usage": True}),
     "hide continuous": (HEAD + b',"usage":{"prompt_tokens":9,"completion_tokens":2,'
                         b'"total_tokens":11}}\n\n', {"hide_continuous": True}),
+    "messages delta": (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+                       b'"index":0,"delta":{"type":"text_delta","text":" tok1"}}\n\n', {}),
+    "responses delta": (b'event: response.output_text.delta\ndata: {"type":'
+                        b'"response.output_text.delta","item_id":"msg_1","output_index":0,'
+                        b'"content_index":0,"delta":" tok1","sequence_number":7}\n\n', {}),
 }
 
 HARNESS = rb"""

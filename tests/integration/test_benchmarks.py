@@ -72,5 +72,6 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
 def test_lua_per_chunk_quick(tmp_path: Path) -> None:
     doc = run("lua_per_chunk.py", tmp_path)
     assert [r["shape"] for r in doc["rows"]] == [
-        "count only", "hide usage:null", "hide continuous"]
+        "count only", "hide usage:null", "hide continuous", "messages delta",
+        "responses delta"]
     assert all(r["this tree"] > 0 for r in doc["rows"])
