@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import shutil
 import signal
@@ -34,6 +35,9 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
     if problem:
         print(f"gateway dev: {problem}", file=sys.stderr, flush=True)
         return 2
+    # Ctrl-C stops the spoke even when this process was started with SIGINT ignored (a
+    # background job of a script, a CI runner): a spoke nobody can interrupt outlives its user.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     spoke = Spoke(workdir=workdir, listen_port=port, otlp=otlp, metering=metering)
     print(f"starting the local spoke in {spoke.workdir} ({metering} metering) ...", flush=True)
     spoke.start()
@@ -56,7 +60,10 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
     except KeyboardInterrupt:
         pass
     finally:
-        print("\nstopping ...", flush=True)
+        # A closed terminal or pipe (its reader gone) must not skip the stop: a failed print
+        # here once left every service of the spoke running.
+        with contextlib.suppress(OSError):
+            print("\nstopping ...", flush=True)
         spoke.stop()
     return 0
 

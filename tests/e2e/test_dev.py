@@ -14,11 +14,18 @@ import httpx
 from gateway.dev.procs import free_port, port_open
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
     port = free_port()
+    # Started with SIGINT ignored, as a script's background job (or a CI runner) starts it:
+    # Ctrl-C must stop it all the same (a CI run found one left running after the test).
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway", "dev", "--port", str(port), "--workdir",
-         str(tmp_path / "dev")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         str(tmp_path / "dev")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_ignore_sigint)
     out = ""
     try:
         assert proc.stdout is not None
@@ -39,6 +46,9 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
                        json={"model": "mock-model", "messages": [], "max_tokens": 2})
         assert r.status_code == 200
     finally:
+        # Nobody reads its output any more (a closed terminal): stopping must not need it.
+        if proc.stdout is not None:
+            proc.stdout.close()
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert not port_open(port)  # Envoy is gone, and with it the rest
