@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,11 @@ try:
 except ImportError:  # pragma: no cover - wheels without LuaJIT
     import lupa.lua51 as lupa_rt
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from common import git_state, markdown_table  # noqa: E402
+from common import git_state, markdown_table
 
-from gateway.envoyconf import lua as envoy_lua  # noqa: E402
+from gateway.envoyconf import lua as envoy_lua
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LUA_PATH = "gateway/envoyconf/lua/metering.lua"
 HEAD = (b'data: {"id":"chatcmpl-8b95d192518ed3538679960a","object":"chat.completion.chunk",'

@@ -57,12 +57,12 @@ class _Connection(asyncio.Protocol):
             try:
                 reply = self.reader.gets()
             except hiredis.ProtocolError as exc:
-                self._fail(RedisGone(f"protocol error: {exc}"))
+                self._fail(RedisLost(f"protocol error: {exc}"))
                 return
             if reply is False:
                 return
             if not waiting:
-                self._fail(RedisGone("reply without a request"))
+                self._fail(RedisLost("reply without a request"))
                 return
             fut, _ = waiting.popleft()
             if fut.done():  # the caller gave up; the reply still keeps the order
@@ -73,7 +73,7 @@ class _Connection(asyncio.Protocol):
                 fut.set_result(reply)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._fail(RedisGone(f"connection closed: {exc or 'by the server'}"))
+        self._fail(RedisLost(f"connection closed: {exc or 'by the server'}"))
 
     def _check_overdue(self) -> None:
         self._watchdog = None
@@ -81,11 +81,11 @@ class _Connection(asyncio.Protocol):
             return
         deadline = self.waiting[0][1]
         if deadline <= self.loop.time():
-            self._fail(RedisGone(f"no reply within {self.timeout:g}s"))
+            self._fail(RedisLost(f"no reply within {self.timeout:g}s"))
         else:
             self._watchdog = self.loop.call_at(deadline, self._check_overdue)
 
-    def _fail(self, exc: RedisGone) -> None:
+    def _fail(self, exc: RedisLost) -> None:
         if self.lost is None:
             self.lost = exc
         if self._watchdog is not None:
@@ -93,11 +93,10 @@ class _Connection(asyncio.Protocol):
             self._watchdog = None
         if self.transport is not None:
             self.transport.abort()
-        lost = RedisLost(str(exc))
         while self.waiting:
             fut, _ = self.waiting.popleft()
             if not fut.done():
-                fut.set_exception(lost)
+                fut.set_exception(exc)
 
 
 def parse(url: str) -> dict[str, Any]:

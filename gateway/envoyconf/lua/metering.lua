@@ -39,7 +39,7 @@
 local find, sub, gsub, byte, lower = string.find, string.sub, string.gsub, string.byte, string.lower
 local concat = table.concat
 local floor, huge = math.floor, math.huge
-local tonumber, tostring, type, pcall = tonumber, tostring, type, pcall
+local tonumber, tostring, type, pcall, select = tonumber, tostring, type, pcall, select
 
 local AUTHZ_NS = "envoy.filters.http.ext_authz"
 local STREAM_NS = "llm.stream"
@@ -327,8 +327,7 @@ local function usage_of(ev)
     return nil -- "usage": null, the usual case, with no other usage member after it
   end
   if obj == nil then
-    local _
-    _, _, obj = find(ev, '"usage"%s*:%s*(%b{})', s + 7) -- a later one (rare)
+    obj = select(3, find(ev, '"usage"%s*:%s*(%b{})', s + 7)) -- a later one (rare)
     if obj == nil then
       return nil
     end
