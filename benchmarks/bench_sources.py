@@ -3,14 +3,17 @@ and throughput of each, against an Envoy with no gateway at all.
 
     .venv/bin/python benchmarks/bench_sources.py [--quick] [--out benchmarks/results/sources.json]
 
-Three paths, measured in one run against one workload:
+Three paths (four with --grpc-check), measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
   (testkit.envoys.envoy_without), to the ext_proc spoke's mock engine;
 * `ext_proc`: a whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
   Envoy) with metering=ext_proc: every SSE chunk goes through the sidecar;
 * `envoy`: a second spoke with metering=envoy: Envoy's Lua and
   json_to_metadata filters do the byte work, one OpenTelemetry access-log record per request
-  goes to the sidecar, which builds the usage event.
+  goes to the sidecar, which builds the usage event; ext_authz reaches the sidecar through
+  its HTTP door (as `gateway dev` runs it);
+* with `--grpc-check`, `envoy_grpc_check`: a third spoke, the same with ext_authz's gRPC
+  Check instead of the HTTP door: what the door saves, in the same run.
 
 Workload: streaming chat completions (`stream: true`, no stream_options), the engine paced by
 x-mock-ttft-ms 20 and x-mock-tokens-per-s 1000 (content chunks 1 ms apart; see c8x4), max_tokens =
@@ -81,6 +84,7 @@ from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 HERE = Path(__file__).resolve().parent
 LOOP = "127.0.0.1"
 PLAIN, EXT_PROC, ENVOY = "plain", "ext_proc", "envoy"
+ENVOY_GRPC = "envoy_grpc_check"  # --grpc-check: the envoy source with the gRPC Check
 PATHS = (PLAIN, EXT_PROC, ENVOY)
 GATEWAY_CPU, OTHER_CPU = 0, 1
 SHORT, LONG = 4, 64
@@ -117,16 +121,18 @@ class Bench:
         self.plain: Service | None = None
         self.pinned = not args.no_pin and {GATEWAY_CPU, OTHER_CPU} <= os.sched_getaffinity(0)
         self.phases: list[Phase] = []
-        self.sent: dict[str, dict[str, int]] = {p: {} for p in PATHS}  # rid -> content chunks
+        self.paths = PATHS + ((ENVOY_GRPC,) if args.grpc_check else ())
+        self.sent: dict[str, dict[str, int]] = {p: {} for p in self.paths}  # rid -> chunks
         self.problems: Counter[str] = Counter()
         self.problem_sample: list[str] = []
         self.refused: dict[str, int] = {}  # rid -> chunks, requests answered other than 200
         self.idle: dict[str, float] = {}
 
     def start(self) -> None:
-        for source in (EXT_PROC, ENVOY):
+        for source in self.paths[1:]:
             spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
-                          metering=source,  # type: ignore[arg-type]
+                          metering=EXT_PROC if source == EXT_PROC else ENVOY,
+                          authz_http=False if source == ENVOY_GRPC else None,
                           engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S)
             self.spokes[source] = spoke.start()
             serve_one_key(spoke, self.secret)
@@ -195,9 +201,9 @@ class Bench:
         a = self.args
         sessions = {p: aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=30.0)) for p in PATHS}
+            timeout=aiohttp.ClientTimeout(total=30.0)) for p in self.paths}
         try:
-            for path in PATHS:  # warm-up: connections, gRPC streams, Kafka producers, Lua
+            for path in self.paths:  # warm-up: connections, gRPC streams, Kafka producers, Lua
                 for kind in PHASES:
                     await self.phase(sessions, -1, path, kind, 1)
             before, t0 = self.cpu(), time.perf_counter()
@@ -205,14 +211,14 @@ class Bench:
             after, wall = self.cpu(), time.perf_counter() - t0
             self.idle = {k: (after[k] - v) / wall * 1e6 for k, v in before.items() if k in after}
             for rnd in range(a.rounds):
-                order = PATHS if rnd % 2 == 0 else PATHS[::-1]
+                order = self.paths if rnd % 2 == 0 else self.paths[::-1]
                 for kind in PHASES:
                     per = a.per_worker_c32 if kind == "c32x64" else a.per_worker_c8
                     for path in order:
                         await self.phase(sessions, rnd, path, kind, per)
                 print(f"  round {rnd} ({' '.join(order)}): " + "; ".join(
                     f"{p.path} {p.kind} {len(p.samples) / p.wall_s:.0f} req/s"
-                    for p in self.phases[-3:]), flush=True)
+                    for p in self.phases[-len(self.paths):]), flush=True)
         finally:
             for s in sessions.values():
                 await s.close()
@@ -276,7 +282,7 @@ class Bench:
         }
 
     def summary(self) -> list[dict[str, Any]]:
-        rows = [self.row(p) for p in PATHS]
+        rows = [self.row(p) for p in self.paths]
         base = rows[0]
         for r in rows:
             r["ttft_added_p50_ms"] = r["ttft_p50_ms"] - base["ttft_p50_ms"]
@@ -395,7 +401,7 @@ def report(bench: Bench, checks: dict[str, dict[str, Any]], logs: dict[str, dict
           f"included), errors/bad answers: {bad}" + (f" {dict(bench.problems)}, e.g.\n  "
                                                       + "\n  ".join(bench.problem_sample)
                                                       if bad else ""))
-    ok = not bad and len(checks) == 2
+    ok = not bad and len(checks) == len(bench.spokes)
     for source, c in checks.items():
         lg = logs.get(source) or {}
         ok = ok and c["ok"] and not lg.get("tracebacks")
@@ -421,6 +427,9 @@ def main() -> int:
     parser.add_argument("--per-worker-c32", type=int, default=None,
                         help="requests per client per path per round at c=32 (quick 2, full 8)")
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--grpc-check", action="store_true",
+                        help=f"also the envoy source with ext_authz's gRPC Check instead of "
+                             f"the sidecar's HTTP door (path {ENVOY_GRPC})")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 8)
@@ -436,7 +445,8 @@ def main() -> int:
     logs: dict[str, dict[str, Any]] = {}
     try:
         bench.start()
-        print(f"up: {', '.join(f'{p} {bench.url(p)}' for p in PATHS)}; pinned={bench.pinned};"
+        print(f"up: {', '.join(f'{p} {bench.url(p)}' for p in bench.paths)}; "
+              f"pinned={bench.pinned};"
               f" {args.rounds} rounds", flush=True)
         uvloop.run(bench.measure())
         for source, spoke in bench.spokes.items():

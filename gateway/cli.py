@@ -193,7 +193,8 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from gateway.envoyconf.bootstrap import EnvoyPorts, render
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
-                                       engine=args.engine, admin=args.admin, otlp=args.otlp),
+                                       engine=args.engine, admin=args.admin, otlp=args.otlp,
+                                       authz_http=args.authz_http),
                             metering=args.metering))
     return 0
 
@@ -238,6 +239,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=None,
                    help="ext_authz, ext_proc, records and health, gRPC "
                         "(default: $GATEWAY_LISTEN, else 127.0.0.1:9001)")
+    p.add_argument("--authz-http-listen", dest="authz_http_listen", default=None,
+                   help="ext_authz's HTTP door, for Envoy's http_service (default: "
+                        "$GATEWAY_AUTHZ_HTTP_LISTEN, else not served)")
     p.add_argument("--metrics-listen", dest="metrics_listen", default=None,
                    help="/metrics, /healthz, /readyz (default: $GATEWAY_METRICS_LISTEN, "
                         "else 127.0.0.1:9102)")
@@ -360,6 +364,10 @@ def parser() -> argparse.ArgumentParser:
                    help="Envoy's listener, an IP and port (default: %(default)s)")
     p.add_argument("--sidecar", default="127.0.0.1:9001",
                    help="the sidecar's gRPC address (default: %(default)s)")
+    p.add_argument("--authz-http", dest="authz_http", default=None, metavar="HOST:PORT",
+                   help="send ext_authz's Checks to the sidecar's HTTP door there (its "
+                        "GATEWAY_AUTHZ_HTTP_LISTEN): the same decisions at a fraction of "
+                        "gRPC's cost (default: the gRPC Check at --sidecar)")
     p.add_argument("--engine", default="127.0.0.1:8000",
                    help="the OpenAI-compatible engine, host:port (default: %(default)s)")
     p.add_argument("--admin", default="127.0.0.1:9901",

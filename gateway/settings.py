@@ -17,6 +17,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
 
     listen: str = "127.0.0.1:9001"
+    # ext_authz's HTTP door (`gateway envoy-config --authz-http`): the same Check, without
+    # gRPC's cost per call. Empty: not served.
+    authz_http_listen: str = ""
     metrics_listen: str = "127.0.0.1:9102"
     redis_url: str | None = None  # unset → embedded mode (policy file, in-process counters)
     policy_file: Path | None = None

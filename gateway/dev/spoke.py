@@ -119,9 +119,10 @@ def _banner(spoke: Spoke, secret: str) -> None:
     # The venv's own script, by its full path: pasteable without activating the venv.
     script = Path(sys.executable).with_name("gateway")
     gw = str(script) if script.exists() else shutil.which("gateway") or "gateway"
+    door = f"  ext_authz HTTP door {spoke.authz_http_address}" if spoke.authz_http_address else ""
     print(f"""
   Envoy        http://127.0.0.1:{spoke.listen_port}   (every request goes through the sidecar)
-  sidecar      {s['sidecar'].address}  metrics {spoke.metrics_url}/metrics
+  sidecar      {s['sidecar'].address}{door}  metrics {spoke.metrics_url}/metrics
   mock engine  {spoke.engine_url}      Redis {spoke.redis_url}
   Kafka        {spoke.kafka_bootstrap} (Tansu)  topic llm.usage.v1
   logs         {spoke.workdir}/

@@ -76,6 +76,10 @@ class Spoke:
     # Envoy's bootstrap YAML for these ports (default: this code's render); a benchmark's
     # baseline spoke renders it with an older revision's code
     envoy_config: Callable[[EnvoyPorts, Metering], str] | None = None
+    # ext_authz through the sidecar's HTTP door (default: with Envoy-fed metering, the
+    # cheaper pair; ext_proc's spoke keeps the portable gRPC Check)
+    authz_http: bool | None = None
+    authz_http_address: str | None = None  # the door's, once started with it
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -96,10 +100,15 @@ class Spoke:
         if self.otlp:
             env |= {"OTEL_TRACES_EXPORTER": "otlp",
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{self.otlp}"}
+        door = None
+        if self.authz_http if self.authz_http is not None else self.metering == "envoy":
+            door = env["GATEWAY_AUTHZ_HTTP_LISTEN"] = f"{LOOP}:{free_port()}"
+        self.authz_http_address = door
         env.update(self.sidecar_env)
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
-                           engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp)
+                           engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp,
+                           authz_http=door)
         config = (render(ports, metering=self.metering) if self.envoy_config is None
                   else self.envoy_config(ports, self.metering))
         envoy = envoy_service(config,

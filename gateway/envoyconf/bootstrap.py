@@ -56,6 +56,7 @@ import yaml
 from gateway.addresses import is_ip, split_hostport
 from gateway.envoyconf import metering as envoy_metering
 from gateway.envoyconf.filters import (
+    AUTHZ_HTTP_CLUSTER,
     AUTHZ_NAMESPACE,
     EXT_AUTHZ,
     EXT_PROC,
@@ -63,6 +64,7 @@ from gateway.envoyconf.filters import (
     USAGE_NAMESPACE,
     ext_authz,
     ext_proc,
+    http_door_replies,
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
 from gateway.metering.record import CUT_FLAGS
@@ -166,6 +168,8 @@ class EnvoyPorts:
     engine: str = "127.0.0.1:8000"
     admin: str = "127.0.0.1:9901"
     otlp: str | None = None  # an OTLP/gRPC collector for Envoy's spans; None: no tracing
+    # The sidecar's ext_authz HTTP door (its GATEWAY_AUTHZ_HTTP_LISTEN); None: gRPC Checks
+    authz_http: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,7 @@ class _Limits:
     authz_timeout: timedelta
     message_timeout: timedelta
     metering: Metering
+    authz_http: bool = False
 
 
 def render(
@@ -224,8 +229,12 @@ def bootstrap(
         authz_timeout=timedelta(seconds=authz_timeout_s),
         message_timeout=timedelta(seconds=message_timeout_s),
         metering=metering,
+        authz_http=bool(ports.authz_http),
     )
     clusters = [_sidecar_cluster(ports.sidecar), _engine_cluster(ports.engine, limits)]
+    if ports.authz_http:  # plain HTTP/1.1, keep-alive (Envoy's default upstream protocol)
+        clusters.append(_cluster(AUTHZ_HTTP_CLUSTER, ports.authz_http,
+                                 connect_timeout=timedelta(seconds=1)))
     if ports.otlp:
         clusters.append(_http2_cluster(OTLP_CLUSTER, ports.otlp))
     return Bootstrap(
@@ -254,7 +263,7 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         route_config=_route_config(),
         http_filters=[
             HttpFilter(name=EXT_AUTHZ, typed_config=Any.pack(
-                ext_authz(limits.authz_timeout, limits.max_request_bytes))),
+                ext_authz(limits.authz_timeout, limits.max_request_bytes, limits.authz_http))),
             *_metering_filters(limits),
             HttpFilter(name=ROUTER, typed_config=Any.pack(Router())),
         ],
@@ -268,6 +277,7 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         merge_slashes=True,
         path_with_escaped_slashes_action=(
             HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
+        local_reply_config=http_door_replies() if limits.authz_http else None,
     )
 
 

@@ -44,14 +44,35 @@ in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 
+from gateway.authz import http_door
 from gateway.envoyconf.plain import quiet_imports
 from gateway.metering import handoff
 
 with quiet_imports():
-    from envoy_data_plane.envoy.config.core.v3 import ApiVersion, GrpcService, GrpcServiceEnvoyGrpc
-    from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import BufferSettings, ExtAuthz
+    from envoy_data_plane.envoy.config.accesslog.v3 import (
+        AccessLogFilter,
+        AndFilter,
+        ComparisonFilter,
+        ComparisonFilterOp,
+        ResponseFlagFilter,
+        StatusCodeFilter,
+    )
+    from envoy_data_plane.envoy.config.core.v3 import (
+        ApiVersion,
+        GrpcService,
+        GrpcServiceEnvoyGrpc,
+        HttpUri,
+        RuntimeUInt32,
+    )
+    from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import (
+        AuthorizationResponse,
+        BufferSettings,
+        ExtAuthz,
+        HttpService,
+    )
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
         MetadataOptions,
@@ -60,6 +81,10 @@ with quiet_imports():
         ProcessingModeBodySendMode,
         ProcessingModeHeaderSendMode,
     )
+    from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
+        LocalReplyConfig,
+        ResponseMapper,
+    )
     from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
     from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 
@@ -67,6 +92,7 @@ EXT_AUTHZ = "envoy.filters.http.ext_authz"
 AUTHZ_NAMESPACE = handoff.NAMESPACE  # where Envoy files the Check's metadata
 EXT_PROC = "envoy.filters.http.ext_proc"
 SIDECAR_CLUSTER = "sidecar"
+AUTHZ_HTTP_CLUSTER = "sidecar_authz_http"  # ext_authz's HTTP door, when configured
 USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may write
 
 
@@ -75,9 +101,11 @@ USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may wr
 AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id", "traceparent", "tracestate")
 
 
-def ext_authz(timeout: timedelta, max_request_bytes: int) -> ExtAuthz:
+def ext_authz(timeout: timedelta, max_request_bytes: int, http: bool = False) -> ExtAuthz:
+    """The Check, over gRPC or (`http`) through the sidecar's HTTP door."""
     return ExtAuthz(
-        grpc_service=_sidecar_grpc(timeout=timeout),
+        grpc_service=None if http else _sidecar_grpc(timeout=timeout),
+        http_service=_http_door(timeout) if http else None,
         transport_api_version=ApiVersion.V3,
         failure_mode_allow=False,
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
@@ -86,11 +114,38 @@ def ext_authz(timeout: timedelta, max_request_bytes: int) -> ExtAuthz:
             allow_partial_message=False,
             pack_as_bytes=True,
         ),
-        allowed_headers=ListStringMatcher(patterns=[
-            *(StringMatcher(exact=name) for name in AUTHZ_HEADERS),
-            StringMatcher(prefix="x-gateway-"),
-        ]),
+        allowed_headers=_matchers(AUTHZ_HEADERS, ["x-gateway-"]),
     )
+
+
+def _matchers(exact: Iterable[str] = (), prefix: Iterable[str] = ()) -> ListStringMatcher:
+    return ListStringMatcher(patterns=[*(StringMatcher(exact=n) for n in exact),
+                                       *(StringMatcher(prefix=p) for p in prefix)])
+
+
+def _http_door(timeout: timedelta) -> HttpService:
+    """Which of the door's answer headers go where (gateway/authz/http_door.py)."""
+    return HttpService(
+        server_uri=HttpUri(uri=f"http://{AUTHZ_HTTP_CLUSTER}", cluster=AUTHZ_HTTP_CLUSTER,
+                           timeout=timeout),
+        authorization_response=AuthorizationResponse(
+            allowed_upstream_headers=_matchers(http_door.UPSTREAM),
+            allowed_client_headers=_matchers(http_door.CLIENT, http_door.CLIENT_PREFIXES),
+            allowed_client_headers_on_success=_matchers(prefix=http_door.ON_SUCCESS_PREFIXES),
+            dynamic_metadata_from_headers=_matchers(handoff.METADATA_KEYS)))
+
+
+def http_door_replies() -> LocalReplyConfig:
+    """The door's stand-in statuses turned back into the real ones (a 503 denial, the
+    gateway's own 200 answers): Envoy would read a 5xx from the door as its failure and a
+    200 as an allow. Only ext_authz's replies (flag UAEX) are touched."""
+    return LocalReplyConfig(mappers=[ResponseMapper(
+        filter=AccessLogFilter(and_filter=AndFilter(filters=[
+            AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+                op=ComparisonFilterOp.EQ, value=RuntimeUInt32(
+                    default_value=wire, runtime_key=f"gateway.door_status_{wire}")))),
+            AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=["UAEX"])),
+        ])), status_code=status) for status, wire in sorted(http_door.WIRE_STATUS.items())])
 
 
 def ext_proc(message_timeout: timedelta) -> ExternalProcessor:

@@ -22,6 +22,11 @@ from gateway.metering.inject import Injected, Splice
 NAMESPACE = "envoy.filters.http.ext_authz"
 
 Metadata = dict[str, str | int | bool]
+# Every key a Check may write (the HTTP door sends each as a header of this name).
+METADATA_KEYS = ("request_id", "reserved", "prompt_estimate", "traceparent", "splice",
+                 "splice_at", "splice_cut", "hide_usage", "hide_continuous", "key_id", "team",
+                 "model", "stream", "leased", "endpoint", "stream_options", "include_usage",
+                 "continuous_usage", "cancelled", "denied", "status")
 
 
 @dataclass
@@ -98,17 +103,21 @@ def replied(request_id: str, key_id: str, team: str, model: str, endpoint: str,
 
 def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> RequestFacts:
     """The facts from the metadata as plain values (a Struct's, or the record's JSON).
-    A value of the wrong type reads as absent; `request_id` and `path` (Envoy's own) fill
-    in what a Check that never answered could not say."""
+    A value of the wrong type reads as absent (flags and numbers may be strings: the HTTP
+    door's metadata); `request_id` and `path` (Envoy's own) fill in what a Check that never
+    answered could not say."""
     def text(k: str) -> str:
         v = md.get(k)
         return v if isinstance(v, str) else ""
 
-    def flag(k: str) -> bool:
-        return md.get(k) is True
-
-    def num(k: str) -> int:
+    def flag(k: str) -> bool:  # true, or "true" (the HTTP door's metadata are strings)
         v = md.get(k)
+        return v is True or v == "true"
+
+    def num(k: str) -> int:  # a number, or its decimal string
+        v = md.get(k)
+        if isinstance(v, str) and v.isascii() and v.isdigit():
+            return int(v)
         return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
 
     return RequestFacts(

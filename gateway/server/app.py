@@ -27,6 +27,7 @@ from gateway.log import log
 from gateway.metering.recorder import Recorder
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.store import PolicyStore
+from gateway.server import authz_http
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.http import serve_http
@@ -49,6 +50,7 @@ class App:
     leases: Leases | None = None
     server: grpc.aio.Server | None = None
     http: asyncio.Server | None = None
+    authz_http: asyncio.Server | None = None  # ext_authz's HTTP door, when configured
     health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
     spool: Spool | None = None
     producer: Producer | None = None
@@ -96,7 +98,8 @@ class App:
         ]
         self.tracing = tracing_from_env()
         self.server = grpc.aio.server(options=opts)
-        AuthorizationService(authorizer, self.tracing).register(self.server)
+        authz = AuthorizationService(authorizer, self.tracing)
+        authz.register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, self.tracing), self.server)
         # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
@@ -105,12 +108,16 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
         await self.server.start()
+        if s.authz_http_listen:
+            host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
+            self.authz_http = await authz_http.serve(authz, host, port, s.max_message_bytes)
         await self._set_health()
         if serve_http_endpoints:
             host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")
             self.http = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
-        log.info("serving", listen=s.listen, metrics=s.metrics_listen, instance=self.instance_id,
+        log.info("serving", listen=s.listen, authz_http=s.authz_http_listen or None,
+                 metrics=s.metrics_listen, instance=self.instance_id,
                  metering=s.metering,
                  mode="embedded" if s.embedded else "redis",
                  revision=self.holder.policy.revision if self.holder.policy else None)
@@ -184,6 +191,8 @@ class App:
     async def stop(self, grace: float = 2.0) -> None:
         if self.http:
             self.http.close()
+        if self.authz_http:
+            self.authz_http.close()
         if self.server:
             await self.server.stop(grace)
         if self.spool:

@@ -191,20 +191,9 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
     async def Check(
         self, request: pb.CheckRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckResponse | bytes:
-        t0 = time.perf_counter()
         req = to_request(request)
-        span = None
-        if self.tracing is not None:
-            span = self._span(req, context)
-        try:
-            decision = await self.authorizer.check(req)
-        except asyncio.CancelledError:  # Envoy cancelled the Check: its client left
-            self.authorizer.abandon(req.request_id)
-            if span is not None:
-                span.set_status(tracing.Status(tracing.StatusCode.ERROR, "cancelled by Envoy"))
-                span.end()
-            raise
-        observe_decision(decision, time.perf_counter() - t0)
+        span = self.span(req, context.invocation_metadata() if context is not None else None)
+        decision = await self.decide(req, span)
         if isinstance(decision, Allow) and decision.context.leased and context is not None:
             # Cancelled before our answer reached Envoy: no ext_proc stream will follow to
             # release the lease, so undo the admission now rather than at the lease TTL.
@@ -215,19 +204,37 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
                     self.authorizer.abandon(rid)
 
             context.add_done_callback(undo_if_cancelled)  # type: ignore[arg-type]
+        return to_response(decision, req, "" if span is None else
+                           req.headers.get("traceparent", ""))
+
+    async def decide(self, req: AuthzRequest, span: tracing.Span | None) -> Decision:
+        """The decision, whichever door asked: metrics, the denial log line and the span.
+        Cancelled (Envoy gave up on the Check: its client left, or its timeout passed), it
+        undoes whatever the admission took."""
+        t0 = time.perf_counter()
+        try:
+            decision = await self.authorizer.check(req)
+        except asyncio.CancelledError:
+            self.authorizer.abandon(req.request_id)
+            if span is not None:
+                span.set_status(tracing.Status(tracing.StatusCode.ERROR, "cancelled by Envoy"))
+                span.end()
+            raise
+        observe_decision(decision, time.perf_counter() - t0)
         if isinstance(decision, Deny):
             log.info("denied", request_id=req.request_id, key_id=decision.key_id or None,
                      status=decision.status, reason=decision.reason, tier=decision.tier)
-        if span is None:
-            return to_response(decision, req)
-        _annotate(span, decision)
-        span.end()
-        return to_response(decision, req, req.headers.get("traceparent", ""))
+        if span is not None:
+            _annotate(span, decision)
+            span.end()
+        return decision
 
-    def _span(self, req: AuthzRequest, context: grpc.aio.ServicerContext | None
+    def span(self, req: AuthzRequest, metadata: Iterable[tuple[str, str | bytes]] | None = None
               ) -> tracing.Span | None:
-        assert self.tracing is not None
-        tp, ts = tracing.trace_context(
-            context.invocation_metadata() if context is not None else None,
-            req.headers.get("traceparent", ""), req.headers.get("tracestate", ""))
+        """A span when tracing is on and the request is traced (the trace context from the
+        call's metadata, or the request's own headers)."""
+        if self.tracing is None:
+            return None
+        tp, ts = tracing.trace_context(metadata, req.headers.get("traceparent", ""),
+                                       req.headers.get("tracestate", ""))
         return self.tracing.start("ext_authz Check", tp, ts) if tp else None

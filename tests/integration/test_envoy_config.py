@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socketserver
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,9 +32,15 @@ from gateway.settings import METERING_SOURCES
 REPO = Path(__file__).resolve().parents[2]
 
 
-def random_ports() -> EnvoyPorts:
-    """Free ports for everything; sidecar and engine are never started (nothing listens)."""
-    return EnvoyPorts(*(f"127.0.0.1:{free_port()}" for _ in range(4)))
+def random_ports(door: str = "grpc") -> EnvoyPorts:
+    """Free ports for everything; sidecar and engine are never started (nothing listens).
+    `door`: how ext_authz reaches the sidecar, its gRPC Check or its HTTP door."""
+    ports = EnvoyPorts(*(f"127.0.0.1:{free_port()}" for _ in range(4)))
+    return dataclasses.replace(ports, authz_http=f"127.0.0.1:{free_port()}") \
+        if door == "http" else ports
+
+
+DOORS = ["grpc", "http"]
 
 
 def port_of(hostport: str) -> int:
@@ -70,12 +78,13 @@ def test_committed_envoy_yaml_is_render_output() -> None:
         "stale: run `gateway envoy-config --metering ext_proc > envoy/envoy-ext-proc.yaml`"
 
 
+@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("metering", METERING_SOURCES)
 @pytest.mark.parametrize("traced", [False, True])
-def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool, metering: str
-                                              ) -> None:
+def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool, metering: str,
+                                              door: str) -> None:
     config = tmp_path / "envoy.yaml"
-    ports = random_ports()
+    ports = random_ports(door)
     if traced:  # with Envoy's OpenTelemetry tracer and its collector cluster
         ports = dataclasses.replace(ports, otlp=f"127.0.0.1:{free_port()}")
     config.write_text(render(ports, metering=metering))  # type: ignore[arg-type]
@@ -89,15 +98,17 @@ def test_real_envoy_validates_rendered_config(tmp_path: Path, traced: bool, mete
     assert "OK" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("metering", METERING_SOURCES)
-def test_every_route_goes_through_ext_authz_failing_closed(metering: str) -> None:
-    config = yaml.safe_load(render(random_ports(), metering=metering))  # type: ignore[arg-type]
+def test_every_route_goes_through_ext_authz_failing_closed(metering: str, door: str) -> None:
+    config = yaml.safe_load(render(random_ports(door), metering=metering))  # type: ignore[arg-type]
     found = list(hcms(config))
     assert found, "no HTTP listener"
     for hcm in found:
         filters = hcm["http_filters"]
         assert filters[0]["name"] == EXT_AUTHZ, "ext_authz must run before any other filter"
         assert filters[0]["typed_config"]["failure_mode_allow"] is False
+        assert filters[0]["typed_config"]["status_on_error"] == {"code": "ServiceUnavailable"}
         for f in filters:
             assert not f.get("disabled") and not f.get("is_optional"), f
         assert "rds" not in hcm and "scoped_routes" not in hcm, "routes must be inspectable here"
@@ -186,3 +197,41 @@ def test_the_sidecar_sees_only_the_headers_a_check_reads(tmp_path: Path) -> None
     [headers] = seen
     assert {"authorization", "x-api-key", "x-request-id", "x-gateway-team"} <= set(headers)
     assert not {"cookie", "x-other", "user-agent"} & set(headers), headers
+
+
+def test_the_http_door_sees_only_the_headers_a_check_reads(tmp_path: Path) -> None:
+    """The same least privilege through ext_authz's HTTP door: a recording HTTP server
+    stands in for the sidecar's door and denies."""
+    seen: list[bytes] = []
+    ports = random_ports("http")
+    assert ports.authz_http
+
+    class Door(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += self.rfile.read(1)
+            seen.append(head)
+            self.wfile.write(b"HTTP/1.1 403 Forbidden\r\ncontent-length: 0\r\n"
+                             b"connection: close\r\n\r\n")
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", port_of(ports.authz_http)), Door)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    admin, listen = port_of(ports.admin), port_of(ports.listen)
+    try:
+        with envoy_service(render(ports), admin, listen, tmp_path):
+            request = urllib.request.Request(
+                f"http://{ports.listen}/v1/chat/completions", data=b'{"model": "m"}',
+                headers={"authorization": "Bearer sk-x", "x-api-key": "sk-y",
+                         "cookie": "s=1", "x-gateway-team": "forged", "x-other": "1",
+                         "user-agent": "t"})
+            with pytest.raises(urllib.error.HTTPError) as denied:
+                urllib.request.urlopen(request, timeout=10)
+            assert denied.value.code == 403
+    finally:
+        server.shutdown()
+        server.server_close()
+    [head] = seen
+    names = {line.split(b":")[0].lower().decode() for line in head.split(b"\r\n")[1:] if line}
+    assert {"authorization", "x-api-key", "x-request-id", "x-gateway-team"} <= names
+    assert not {"cookie", "x-other", "user-agent"} & names, names

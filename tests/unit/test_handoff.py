@@ -9,6 +9,7 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 from google.protobuf import json_format
 
+from gateway.authz import http_door
 from gateway.metering import handoff
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.inject import Injected, Splice
@@ -39,12 +40,32 @@ def via_record(md: handoff.Metadata) -> dict[str, object]:
     return value
 
 
-@pytest.mark.parametrize("carry", [dict, via_struct, via_record])
+def via_http_door(md: handoff.Metadata) -> dict[str, object]:
+    """As ext_authz's HTTP door carries it: a header per entry, which Envoy files as a string
+    (and the record renders as such)."""
+    lines = http_door.metadata_headers(md).decode().split("\r\n")
+    return dict(line.split(": ", 1) for line in lines if line)
+
+
+CARRIERS = [dict, via_struct, via_record, via_http_door]
+
+
+@pytest.mark.parametrize("carry", CARRIERS)
 def test_an_allowed_request_reads_back_as_written(carry: object) -> None:
     assert handoff.read(carry(ALLOWED)) == ALLOWED_FACTS  # type: ignore[operator]
 
 
-@pytest.mark.parametrize("carry", [dict, via_struct, via_record])
+def via_http_door(md: handoff.Metadata) -> dict[str, object]:
+    """As ext_authz's HTTP door carries it: a header per entry, which Envoy files as a string
+    (and the record renders as such)."""
+    lines = http_door.metadata_headers(md).decode().split("\r\n")
+    return dict(line.split(": ", 1) for line in lines if line)
+
+
+CARRIERS = [dict, via_struct, via_record, via_http_door]
+
+
+@pytest.mark.parametrize("carry", CARRIERS)
 def test_a_denial_reads_back_with_its_status(carry: object) -> None:
     md = handoff.denied("r2", "rps", 429, "k1", "team-a", "m", "/v1/completions")
     assert handoff.read(carry(md)) == RequestFacts(  # type: ignore[operator]
@@ -52,7 +73,17 @@ def test_a_denial_reads_back_with_its_status(carry: object) -> None:
         denied_status=429)
 
 
-@pytest.mark.parametrize("carry", [dict, via_struct, via_record])
+def via_http_door(md: handoff.Metadata) -> dict[str, object]:
+    """As ext_authz's HTTP door carries it: a header per entry, which Envoy files as a string
+    (and the record renders as such)."""
+    lines = http_door.metadata_headers(md).decode().split("\r\n")
+    return dict(line.split(": ", 1) for line in lines if line)
+
+
+CARRIERS = [dict, via_struct, via_record, via_http_door]
+
+
+@pytest.mark.parametrize("carry", CARRIERS)
 def test_the_gateways_own_answer_is_not_a_denial(carry: object) -> None:
     md = handoff.replied("r3", "k1", "team-a", "", "/v1/models", "00-t-s-01")
     facts = handoff.read(carry(md))  # type: ignore[operator]

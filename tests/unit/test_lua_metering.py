@@ -875,3 +875,16 @@ def test_any_split_reads_the_same_usage(data: st.DataObject) -> None:
     whole = usage_of(run_response([body], {"hide_usage": True}))
     parts = data.draw(splits(body))
     assert usage_of(run_response(parts, {"hide_usage": True})) == whole
+
+
+def test_the_http_doors_string_metadata_reads_as_the_grpc_checks() -> None:
+    """ext_authz's HTTP door hands every value over as a string (Envoy's
+    dynamic_metadata_from_headers): "true" and "12" act as true and 12."""
+    typed = {"hide_usage": True, "hide_continuous": False}
+    as_strings = {k: "true" if v else "false" for k, v in typed.items()}
+    assert run_response(CHAT, as_strings).body == run_response(CHAT, typed).body
+    at = BODY.index(b"{") + 1
+    spliced = {"splice": INJECT, "splice_at": at, "splice_cut": 0}
+    assert run_request(BODY, {k: str(v) if k != "splice" else v
+                              for k, v in spliced.items()})[0] \
+        == run_request(BODY, spliced)[0] != BODY

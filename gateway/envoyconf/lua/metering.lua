@@ -9,6 +9,7 @@
 --     usage-only event ("choices":[] and a "usage" key), remove "usage":null from the others.
 --   hide_continuous (bool), RESPONSE: the gateway injected continuous_usage_stats: remove the
 --     "usage":{...} member from every event that still has (non-empty) choices.
+--   From ext_authz's HTTP door every value is a string: flags "true", numbers "12".
 -- Responses are only ever touched when content-type starts with text/event-stream; with no
 -- hide flag their bytes never change and nothing is held back. When rewriting, the filter
 -- holds an unterminated event until its end arrives, flushes it at end of stream, and drops
@@ -93,6 +94,11 @@ local function authz_facts(handle)
     return facts
   end
   return nil
+end
+
+-- A flag from metadata: true from the gRPC Check, "true" from the HTTP door (strings only).
+local function truthy(v)
+  return v == true or v == "true"
 end
 
 -- A non-negative whole number from metadata (Struct numbers are doubles; accept "12" too).
@@ -485,8 +491,8 @@ function envoy_on_response(handle)
     return
   end
   local facts = authz_facts(handle)
-  local hide_usage = facts ~= nil and facts.hide_usage == true
-  local hide_continuous = facts ~= nil and facts.hide_continuous == true
+  local hide_usage = facts ~= nil and truthy(facts.hide_usage)
+  local hide_continuous = facts ~= nil and truthy(facts.hide_continuous)
   local rewriting = hide_usage or hide_continuous
   if rewriting then
     -- The rewritten body is shorter than any length the engine announced; a stale
