@@ -3,7 +3,10 @@ Envoy). Tests that kill parts of the spoke start their own (`fresh_spoke`).
 
 Every test runs against both metering sources, except in modules that set
 `AUTHZ_ONLY = True`: what they test happens before metering (the Check, Envoy's path
-handling), so one source (the default) proves it and the suite stays short."""
+handling), so they run against the default source only, once through each of the Check's
+doors: the sidecar's HTTP door (as `gateway dev` runs it) and the gRPC Check (as the
+reference envoy/envoy.yaml). Modules that set `ALSO_GRPC_CHECK = True` run against both
+sources and the default source with the gRPC Check too."""
 
 from __future__ import annotations
 
@@ -17,19 +20,30 @@ from gateway.dev.stack import Spoke
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES
 from testkit.spoke import start_spoke
 
+# A session spoke: (metering source, Check through the HTTP door? None: the spoke's default)
+FLAVOURS: dict[str, tuple[str, bool | None]] = {
+    **{source: (source, None) for source in METERING_SOURCES},
+    f"{DEFAULT_METERING}-grpc-check": (DEFAULT_METERING, False)}
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spoke_and_keys" in metafunc.fixturenames:
-        sources = (DEFAULT_METERING,) if getattr(metafunc.module, "AUTHZ_ONLY", False) \
-            else METERING_SOURCES
-        metafunc.parametrize("spoke_and_keys", sources, indirect=True, scope="session")
+        grpc_check = f"{DEFAULT_METERING}-grpc-check"
+        flavours: tuple[str, ...] = METERING_SOURCES
+        if getattr(metafunc.module, "AUTHZ_ONLY", False):
+            flavours = (DEFAULT_METERING, grpc_check)
+        elif getattr(metafunc.module, "ALSO_GRPC_CHECK", False):
+            flavours = (*METERING_SOURCES, grpc_check)
+        metafunc.parametrize("spoke_and_keys", flavours, indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")
 def spoke_and_keys(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Spoke, dict]]:
-    """One spoke per metering source (the parameter), shared by the session."""
-    spoke, keys = start_spoke(tmp_path_factory.mktemp("spoke"), metering=request.param)
+    """One spoke per flavour (the parameter), shared by the session."""
+    metering, door = FLAVOURS[request.param]
+    spoke, keys = start_spoke(tmp_path_factory.mktemp("spoke"), metering=metering,
+                              authz_http=door)
     yield spoke, keys
     spoke.stop()
 

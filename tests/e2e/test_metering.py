@@ -12,6 +12,7 @@ from gateway.dev.stack import Spoke
 from testkit.spoke import client, read_events
 
 MSG = [{"role": "user", "content": "count these five words"}]
+ALSO_GRPC_CHECK = True  # the Envoy source behind either of the Check's doors (conftest)
 
 
 def _rid(raw: Any) -> str:
