@@ -192,7 +192,9 @@ class AuthorizationService(pb_grpc.AuthorizationServicer):
         self, request: pb.CheckRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckResponse | bytes:
         req = to_request(request)
-        span = self.span(req, context.invocation_metadata() if context is not None else None)
+        span = None
+        if self.tracing is not None:  # the call's metadata only when a span may start
+            span = self.span(req, context.invocation_metadata() if context is not None else None)
         decision = await self.decide(req, span)
         if isinstance(decision, Allow) and decision.context.leased and context is not None:
             # Cancelled before our answer reached Envoy: no ext_proc stream will follow to

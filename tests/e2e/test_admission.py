@@ -43,6 +43,8 @@ async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
             return 200
         except openai.RateLimitError:
             return 429
+        except openai.InternalServerError as exc:  # 503: fail closed, never admitted
+            return exc.status_code
 
     try:
         return await asyncio.gather(*(one() for _ in range(n)))
@@ -54,7 +56,11 @@ def test_200_streams_never_exceed_concurrency_4(spoke: Spoke, keys: dict[str, st
     codes = asyncio.run(_stream_all(spoke, keys["conc4"], 200))
     stats = httpx.get(f"{spoke.engine_url}/mock/stats").json()
     assert codes.count(200) >= 4
-    assert codes.count(200) + codes.count(429) == 200
+    # A burst of 200 Checks at once can outlast Envoy's 500 ms ext_authz timeout on a slow
+    # machine (seen: 2 of 200, at 484 ms, on a CI run 4x slower than usual): Envoy then
+    # answers 503 and forwards nothing, which is fail-closed, not a breach. Only a few.
+    assert codes.count(200) + codes.count(429) + codes.count(503) == 200
+    assert codes.count(503) <= 10, codes
     assert 1 <= stats["max_in_flight"] <= 4
     # Every lease is released at the end of its stream, not merely left to expire.
     r = redis.Redis.from_url(spoke.redis_url)
