@@ -166,6 +166,19 @@ def wait_for_access_log_line(log: Path, path: str, timeout: float = 5.0) -> dict
     raise AssertionError(f"no access log entry for {path} in {log}:\n{log.read_text()[-2000:]}")
 
 
+def denied_through_envoy(ports: EnvoyPorts, tmp_path: Path) -> int:
+    """One request with a key, a cookie, a forged x-gateway-* and other headers through an
+    Envoy rendered for `ports`, whose Check denies it: the status the client got."""
+    with envoy_service(render(ports), port_of(ports.admin), port_of(ports.listen), tmp_path):
+        request = urllib.request.Request(
+            f"http://{ports.listen}/v1/chat/completions", data=b'{"model": "m"}',
+            headers={"authorization": "Bearer sk-x", "x-api-key": "sk-y", "cookie": "s=1",
+                     "x-gateway-team": "forged", "x-other": "1", "user-agent": "t"})
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(request, timeout=10)
+        return denied.value.code
+
+
 def test_the_sidecar_sees_only_the_headers_a_check_reads(tmp_path: Path) -> None:
     """allowed_headers: the key, the request id and x-gateway-* reach the Check; a cookie or
     any other header the client sent does not. A recording server stands in for the sidecar."""
@@ -182,16 +195,8 @@ def test_the_sidecar_sees_only_the_headers_a_check_reads(tmp_path: Path) -> None
     pb_grpc.add_AuthorizationServicer_to_server(Recorder(), server)
     server.add_insecure_port(ports.sidecar)
     server.start()
-    admin, listen = port_of(ports.admin), port_of(ports.listen)
     try:
-        with envoy_service(render(ports), admin, listen, tmp_path):
-            request = urllib.request.Request(
-                f"http://{ports.listen}/v1/chat/completions", data=b'{"model": "m"}',
-                headers={"authorization": "Bearer sk-x", "x-api-key": "sk-y",
-                         "cookie": "s=1", "x-gateway-team": "forged", "x-other": "1",
-                         "user-agent": "t"})
-            with pytest.raises(urllib.error.HTTPError):
-                urllib.request.urlopen(request, timeout=10)
+        assert denied_through_envoy(ports, tmp_path) == 403
     finally:
         server.stop(0)
     [headers] = seen
@@ -217,17 +222,8 @@ def test_the_http_door_sees_only_the_headers_a_check_reads(tmp_path: Path) -> No
 
     server = socketserver.ThreadingTCPServer(("127.0.0.1", port_of(ports.authz_http)), Door)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    admin, listen = port_of(ports.admin), port_of(ports.listen)
     try:
-        with envoy_service(render(ports), admin, listen, tmp_path):
-            request = urllib.request.Request(
-                f"http://{ports.listen}/v1/chat/completions", data=b'{"model": "m"}',
-                headers={"authorization": "Bearer sk-x", "x-api-key": "sk-y",
-                         "cookie": "s=1", "x-gateway-team": "forged", "x-other": "1",
-                         "user-agent": "t"})
-            with pytest.raises(urllib.error.HTTPError) as denied:
-                urllib.request.urlopen(request, timeout=10)
-            assert denied.value.code == 403
+        assert denied_through_envoy(ports, tmp_path) == 403
     finally:
         server.shutdown()
         server.server_close()

@@ -55,32 +55,12 @@ def test_an_allowed_request_reads_back_as_written(carry: object) -> None:
     assert handoff.read(carry(ALLOWED)) == ALLOWED_FACTS  # type: ignore[operator]
 
 
-def via_http_door(md: handoff.Metadata) -> dict[str, object]:
-    """As ext_authz's HTTP door carries it: a header per entry, which Envoy files as a string
-    (and the record renders as such)."""
-    lines = http_door.metadata_headers(md).decode().split("\r\n")
-    return dict(line.split(": ", 1) for line in lines if line)
-
-
-CARRIERS = [dict, via_struct, via_record, via_http_door]
-
-
 @pytest.mark.parametrize("carry", CARRIERS)
 def test_a_denial_reads_back_with_its_status(carry: object) -> None:
     md = handoff.denied("r2", "rps", 429, "k1", "team-a", "m", "/v1/completions")
     assert handoff.read(carry(md)) == RequestFacts(  # type: ignore[operator]
         request_id="r2", key_id="k1", team="team-a", model="m", endpoint="/v1/completions",
         denied_status=429)
-
-
-def via_http_door(md: handoff.Metadata) -> dict[str, object]:
-    """As ext_authz's HTTP door carries it: a header per entry, which Envoy files as a string
-    (and the record renders as such)."""
-    lines = http_door.metadata_headers(md).decode().split("\r\n")
-    return dict(line.split(": ", 1) for line in lines if line)
-
-
-CARRIERS = [dict, via_struct, via_record, via_http_door]
 
 
 @pytest.mark.parametrize("carry", CARRIERS)
