@@ -560,7 +560,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test, under a minute")
     parser.add_argument("--out", default=str(HERE / "results" / "metering.json"))
-    parser.add_argument("--rounds", type=int, default=None, help="quick 2, full 6")
+    parser.add_argument("--rounds", type=int, default=None, help="quick 1, full 6")
     parser.add_argument("--requests-c1", type=int, default=None,
                         help="requests per path per round at c=1 (quick 8, full 20)")
     parser.add_argument("--waves", type=int, default=None,
@@ -581,7 +581,7 @@ def main() -> int:
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
-    args.rounds = args.rounds or (2 if args.quick else 6)
+    args.rounds = args.rounds or (1 if args.quick else 6)
     args.requests_c1 = args.requests_c1 or (8 if args.quick else 20)
     args.waves = args.waves or (3 if args.quick else 6)
 

@@ -421,7 +421,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke test, well under 90 s")
     parser.add_argument("--out", default=str(HERE / "results" / "sources.json"))
-    parser.add_argument("--rounds", type=int, default=None, help="quick 2, full 8")
+    parser.add_argument("--rounds", type=int, default=None, help="quick 1, full 8")
     parser.add_argument("--per-worker-c8", type=int, default=None,
                         help="requests per client per path per round at c=8 (quick 3, full 20)")
     parser.add_argument("--per-worker-c32", type=int, default=None,
@@ -432,7 +432,7 @@ def main() -> int:
                              f"the sidecar's HTTP door (path {ENVOY_GRPC})")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
-    args.rounds = args.rounds or (2 if args.quick else 8)
+    args.rounds = args.rounds or (1 if args.quick else 8)
     args.per_worker_c8 = args.per_worker_c8 or (3 if args.quick else 20)
     args.per_worker_c32 = args.per_worker_c32 or (2 if args.quick else 8)
     args.idle_s = 1.0 if args.quick else 3.0
