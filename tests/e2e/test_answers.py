@@ -58,6 +58,22 @@ def test_404_model_not_found(spoke: Spoke, keys: dict[str, str]) -> None:
     assert exc.value.code == "model_not_found"
 
 
+@pytest.mark.parametrize("model", ["modèle-ü", "模型", "a\r\nx-evil: 1", "m" * 5000])
+def test_any_model_name_gets_its_404_and_its_event(spoke: Spoke, keys: dict[str, str],
+                                                    model: str) -> None:
+    """The client's model name travels back in the denial's metadata (a header of the HTTP
+    door's answer): non-ASCII, a CR LF or 5,000 characters still give the 404, its body
+    naming the model, and the denial's usage event."""
+    r = httpx.post(f"{spoke.base_url}/chat/completions",
+                   headers={"authorization": f"Bearer {keys['good']}"},
+                   json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "model_not_found" and model in r.json()["error"]["message"]
+    assert "x-evil" not in r.headers
+    [event] = read_events(spoke.kafka_bootstrap, {r.headers["x-request-id"]})
+    assert event["outcome"] == "denied" and event["status_code"] == 404
+
+
 def test_403_model_not_allowed_for_team_or_key(spoke: Spoke, keys: dict[str, str]) -> None:
     with pytest.raises(openai.PermissionDeniedError) as exc:
         chat(client(spoke, keys["good"]), model="other-model")  # team t1 allows mock-* only
