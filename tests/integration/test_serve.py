@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -41,6 +42,14 @@ def _check_code(port: int, key: str) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         resp = pb_grpc.AuthorizationStub(ch).Check(check_request(key), timeout=5)
     return resp.denied_response.status.code if resp.status.code else 200
+
+
+def _door_code(door: int, key: str) -> int:
+    """The same Check through ext_authz's HTTP door, as Envoy's http_service sends it."""
+    r = httpx.post(f"http://127.0.0.1:{door}/v1/chat/completions", timeout=5,
+                   headers={"authorization": f"Bearer {key}", "x-request-id": str(uuid.uuid4())},
+                   content=b'{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}')
+    return r.status_code
 
 
 def _until(cond: object, timeout: float) -> None:
@@ -84,16 +93,21 @@ def test_two_workers_share_one_port(tmp_path: Path, redis_url: str) -> None:
     from gateway.cli import main
     (tmp_path / "p.yaml").write_text(_policy())
     assert main(["policy", "apply", str(tmp_path / "p.yaml"), "--redis-url", redis_url]) == 0
+    door = free_port()
     svc, mport = _sidecar(tmp_path, {"GATEWAY_REDIS_URL": redis_url, "GATEWAY_WORKERS": "2",
-                                     "GATEWAY_INSTANCE_ID": "box"})
+                                     "GATEWAY_INSTANCE_ID": "box",
+                                     "GATEWAY_AUTHZ_HTTP_LISTEN": f"127.0.0.1:{door}"})
     try:
         _until(lambda: httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200, 10)
-        codes = [_check_code(svc.port, SECRET) for _ in range(40)]
+        codes = [_check_code(svc.port, SECRET) for _ in range(20)]
+        codes += [_door_code(door, SECRET) for _ in range(20)]  # both workers bind the door
         assert codes == [200] * 40
+        assert _door_code(door, "sk-wrong") == 401
         import redis
         statuses = redis.Redis.from_url(redis_url).hkeys("gw:policy:status")
         assert sorted(statuses) == [b"box-w0", b"box-w1"]
         text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
         assert 'gateway_authz_decisions_total{outcome="allowed",reason="",tier=""} 40.0' in text
+        assert 'outcome="denied",reason="invalid_api_key"' in text
     finally:
         svc.stop()
