@@ -52,15 +52,18 @@ async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
         await http.aclose()
 
 
-def test_200_streams_never_exceed_concurrency_4(spoke: Spoke, keys: dict[str, str]) -> None:
-    codes = asyncio.run(_stream_all(spoke, keys["conc4"], 200))
+def test_100_streams_never_exceed_concurrency_4(spoke: Spoke, keys: dict[str, str]) -> None:
+    """100 streams at once on a key limited to 4 in flight: 25x the limit. (200 at once
+    outlasted Envoy's 500 ms ext_authz timeout on a machine 4x slower than usual: up to 84
+    gRPC Checks of a freshly started ext_proc sidecar answered 503 in a full CI run.)"""
+    assert asyncio.run(_stream_all(spoke, keys["conc4"], 1)) == [200]  # a warm sidecar
+    codes = asyncio.run(_stream_all(spoke, keys["conc4"], 100))
     stats = httpx.get(f"{spoke.engine_url}/mock/stats").json()
     assert codes.count(200) >= 4
-    # A burst of 200 Checks at once can outlast Envoy's 500 ms ext_authz timeout on a slow
-    # machine (seen: 2 of 200, at 484 ms, on a CI run 4x slower than usual): Envoy then
-    # answers 503 and forwards nothing, which is fail-closed, not a breach. Only a few.
-    assert codes.count(200) + codes.count(429) + codes.count(503) == 200
-    assert codes.count(503) <= 10, codes
+    # A 503 is Envoy giving up on a Check (fail closed: nothing reached the engine), never
+    # a breach of the limit; a few are tolerated on a slow machine.
+    assert codes.count(200) + codes.count(429) + codes.count(503) == 100
+    assert codes.count(503) <= 5, codes
     assert 1 <= stats["max_in_flight"] <= 4
     # Every lease is released at the end of its stream, not merely left to expire.
     r = redis.Redis.from_url(spoke.redis_url)
