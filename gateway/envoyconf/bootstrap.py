@@ -31,10 +31,8 @@ sidecar are explained in gateway/envoyconf/filters.py):
   sidecar canonicalizes again (gateway/routes.py) for Envoys without these settings.
 * **Route `timeout: 0s`** (default 15 s): long generations stream for minutes.
   `stream_idle_timeout` (5 min) still cuts a stream that goes silent.
-* **Clusters**: gRPC to the sidecar needs HTTP/2, set through
-  `typed_extension_protocol_options` (`Cluster.http2_protocol_options` is deprecated).
-  Circuit breaker thresholds are raised from 1024 to 100000: the defaults would turn a
-  burst of long-lived SSE streams into 503s (`UO`) long before anything is overloaded.
+* **Clusters** (HTTP/2 for the sidecar's gRPC, raised circuit breakers): explained in
+  gateway/envoyconf/clusters.py.
 * **Access log**: JSON lines on stdout with the request id, status, flags, details,
   duration, upstream and ext_authz's metadata, so one line explains any answer.
 * **Tracing** (only when `EnvoyPorts.otlp` names a collector): Envoy's OpenTelemetry
@@ -48,19 +46,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any as AnyValue
 
 import betterproto2
 import yaml
 
-from gateway.addresses import is_ip, split_hostport
 from gateway.envoyconf import metering as envoy_metering
+from gateway.envoyconf.clusters import (
+    ENGINE_CLUSTER,
+    OTLP_CLUSTER,
+    authz_http_cluster,
+    engine_cluster,
+    http2_cluster,
+    listen_address,
+    sidecar_cluster,
+)
 from gateway.envoyconf.filters import (
-    AUTHZ_HTTP_CLUSTER,
     AUTHZ_NAMESPACE,
     EXT_AUTHZ,
     EXT_PROC,
-    SIDECAR_CLUSTER,
     USAGE_NAMESPACE,
     ext_authz,
     ext_proc,
@@ -77,25 +80,10 @@ with quiet_imports():
         Bootstrap,
         BootstrapStaticResources,
     )
-    from envoy_data_plane.envoy.config.cluster.v3 import (
-        CircuitBreakers,
-        CircuitBreakersThresholds,
-        Cluster,
-        ClusterDiscoveryType,
-    )
     from envoy_data_plane.envoy.config.core.v3 import (
-        Address,
         GrpcService,
         GrpcServiceEnvoyGrpc,
-        Http2ProtocolOptions,
-        SocketAddress,
         SubstitutionFormatString,
-    )
-    from envoy_data_plane.envoy.config.endpoint.v3 import (
-        ClusterLoadAssignment,
-        Endpoint,
-        LbEndpoint,
-        LocalityLbEndpoints,
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
     from envoy_data_plane.envoy.config.route.v3 import (
@@ -118,10 +106,6 @@ with quiet_imports():
         HttpConnectionManagerTracing,
         HttpFilter,
     )
-    from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
-        HttpProtocolOptions,
-        HttpProtocolOptionsExplicitHttpConfig,
-    )
     from envoy_data_plane.google.protobuf import Any, Struct
 
 HEADER = (
@@ -131,9 +115,6 @@ HEADER = (
 
 ROUTER = "envoy.filters.http.router"
 HCM = "envoy.filters.network.http_connection_manager"
-ENGINE_CLUSTER = "engine"
-OTLP_CLUSTER = "otel_collector"
-CIRCUIT_BREAKER_LIMIT = 100_000
 BUFFER_HEADROOM_BYTES = 64 * 1024  # request headers and framing on top of the largest body
 
 ACCESS_LOG_FORMAT = {
@@ -231,14 +212,13 @@ def bootstrap(
         metering=metering,
         authz_http=bool(ports.authz_http),
     )
-    clusters = [_sidecar_cluster(ports.sidecar), _engine_cluster(ports.engine, limits)]
-    if ports.authz_http:  # plain HTTP/1.1, keep-alive (Envoy's default upstream protocol)
-        clusters.append(_cluster(AUTHZ_HTTP_CLUSTER, ports.authz_http,
-                                 connect_timeout=timedelta(seconds=1)))
+    clusters = [sidecar_cluster(ports.sidecar), engine_cluster(ports.engine, _buffer_limit(limits))]
+    if ports.authz_http:
+        clusters.append(authz_http_cluster(ports.authz_http))
     if ports.otlp:
-        clusters.append(_http2_cluster(OTLP_CLUSTER, ports.otlp))
+        clusters.append(http2_cluster(OTLP_CLUSTER, ports.otlp))
     return Bootstrap(
-        admin=Admin(address=_listen_address(ports.admin, "admin")),
+        admin=Admin(address=listen_address(ports.admin, "admin")),
         static_resources=BootstrapStaticResources(
             listeners=[_listener(ports.listen, limits, traced=bool(ports.otlp))],
             clusters=clusters,
@@ -250,7 +230,7 @@ def _listener(listen: str, limits: _Limits, traced: bool) -> Listener:
     hcm = Filter(name=HCM, typed_config=Any.pack(_http_connection_manager(limits, traced)))
     return Listener(
         name="ingress",
-        address=_listen_address(listen, "listen"),
+        address=listen_address(listen, "listen"),
         filter_chains=[FilterChain(filters=[hcm])],
         per_connection_buffer_limit_bytes=_buffer_limit(limits),
     )
@@ -325,77 +305,5 @@ def _tracing() -> HttpConnectionManagerTracing:
         name="envoy.tracers.opentelemetry", typed_config=Any.pack(otel)))
 
 
-def _sidecar_cluster(sidecar: str) -> Cluster:
-    """The gRPC sidecar: HTTP/2 is mandatory (without it every call fails, `protocol_error`)."""
-    return _http2_cluster(SIDECAR_CLUSTER, sidecar)
-
-
-def _http2_cluster(name: str, hostport: str) -> Cluster:
-    """A gRPC service (the sidecar, an OTLP collector)."""
-    h2 = HttpProtocolOptions(
-        explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
-            http2_protocol_options=Http2ProtocolOptions()
-        )
-    )
-    return _cluster(
-        name,
-        hostport,
-        connect_timeout=timedelta(seconds=1),
-        typed_extension_protocol_options={
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": Any.pack(h2)
-        },
-    )
-
-
-def _engine_cluster(engine: str, limits: _Limits) -> Cluster:
-    """The OpenAI-compatible engine, plain HTTP/1.1 (Envoy's default upstream protocol)."""
-    return _cluster(
-        ENGINE_CLUSTER,
-        engine,
-        connect_timeout=timedelta(seconds=2),
-        per_connection_buffer_limit_bytes=_buffer_limit(limits),
-    )
-
-
-def _cluster(name: str, hostport: str, **options: AnyValue) -> Cluster:
-    """One endpoint; STATIC for an IP literal, STRICT_DNS for a name such as `localhost`."""
-    host, port = split_hostport(hostport, name)
-    discovery = ClusterDiscoveryType.STATIC if is_ip(host) else ClusterDiscoveryType.STRICT_DNS
-    endpoint = LbEndpoint(endpoint=Endpoint(address=_socket(host, port)))
-    return Cluster(
-        name=name,
-        type=discovery,
-        load_assignment=ClusterLoadAssignment(
-            cluster_name=name, endpoints=[LocalityLbEndpoints(lb_endpoints=[endpoint])]
-        ),
-        circuit_breakers=CircuitBreakers(
-            thresholds=[
-                CircuitBreakersThresholds(
-                    max_connections=CIRCUIT_BREAKER_LIMIT,
-                    max_pending_requests=CIRCUIT_BREAKER_LIMIT,
-                    max_requests=CIRCUIT_BREAKER_LIMIT,
-                    max_retries=CIRCUIT_BREAKER_LIMIT,
-                )
-            ]
-        ),
-        **options,
-    )
-
-
 def _buffer_limit(limits: _Limits) -> int:
     return limits.max_request_bytes + BUFFER_HEADROOM_BYTES
-
-
-def _listen_address(hostport: str, what: str) -> Address:
-    """A bind address: Envoy listeners need an IP literal, not a name."""
-    host, port = split_hostport(hostport, what)
-    if not is_ip(host):
-        raise ValueError(
-            f"{what}: {hostport!r} must be an IP address and port, e.g. 127.0.0.1:10000"
-        )
-    return _socket(host, port)
-
-
-def _socket(host: str, port: int) -> Address:
-    return Address(socket_address=SocketAddress(address=host, port_value=port))
-
