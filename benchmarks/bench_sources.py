@@ -79,12 +79,16 @@ from gateway.dev.procs import Service, free_port
 from gateway.dev.stack import Spoke
 from gateway.dev.usage_topic import read_topic
 from gateway.policy import secrets
+from gateway.settings import Metering
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
 HERE = Path(__file__).resolve().parent
 LOOP = "127.0.0.1"
 PLAIN, EXT_PROC, ENVOY = "plain", "ext_proc", "envoy"
 ENVOY_GRPC = "envoy_grpc_check"  # --grpc-check: the envoy source with the gRPC Check
+# each metered path's spoke: (metering source, Check through the HTTP door? None: default)
+SPOKES: dict[str, tuple[Metering, bool | None]] = {
+    EXT_PROC: ("ext_proc", None), ENVOY: ("envoy", None), ENVOY_GRPC: ("envoy", False)}
 PATHS = (PLAIN, EXT_PROC, ENVOY)
 GATEWAY_CPU, OTHER_CPU = 0, 1
 SHORT, LONG = 4, 64
@@ -130,9 +134,9 @@ class Bench:
 
     def start(self) -> None:
         for source in self.paths[1:]:
+            metering, door = SPOKES[source]
             spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
-                          metering=EXT_PROC if source == EXT_PROC else ENVOY,  # type: ignore[arg-type]
-                          authz_http=False if source == ENVOY_GRPC else None,
+                          metering=metering, authz_http=door,
                           engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S)
             self.spokes[source] = spoke.start()
             serve_one_key(spoke, self.secret)

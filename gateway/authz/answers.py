@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -105,6 +106,19 @@ def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str
             out[f"anthropic-ratelimit-{kind}-remaining"] = str(rate.tok_remaining or 0)
             out[f"anthropic-ratelimit-{kind}-reset"] = at(rate.tok_reset)
     return out
+
+
+# The verified context an allowed request carries to the engine. A client's own x-gateway-*
+# headers are forged context: ours overwrite theirs, the rest are removed, with the key.
+CONTEXT_HEADERS = ("x-gateway-request-id", "x-gateway-key-id", "x-gateway-team",
+                   "x-gateway-model")
+CREDENTIALS = ("authorization", "x-api-key")
+
+
+def removed_headers(request_headers: Iterable[str]) -> list[str]:
+    """What an allowed request loses before the engine: the credentials, forged context."""
+    return [*CREDENTIALS, *(h for h in request_headers
+                            if h.startswith("x-gateway-") and h not in CONTEXT_HEADERS)]
 
 
 def allowed_headers(rate: RateInfo, api: Api) -> dict[str, str]:

@@ -31,16 +31,14 @@ from gateway.endpoints import api_of
 from gateway.metering import handoff
 from gateway.metering.cancel import CancelRule
 
-UPSTREAM = ("x-gateway-request-id", "x-gateway-key-id", "x-gateway-team", "x-gateway-model")
-ON_SUCCESS_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+UPSTREAM = answers.CONTEXT_HEADERS
+RATE_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")  # to the client, allowed or denied
 CLIENT = ("content-type", "retry-after", "x-should-retry", "x-gateway-limit-tier")
-CLIENT_PREFIXES = ON_SUCCESS_PREFIXES
 REMOVE = "x-envoy-auth-headers-to-remove"
 # The status a decision means -> the status that carries it to Envoy (and back, in Envoy's
 # local-reply mappers): unassigned codes, so nothing else answers with them.
 WIRE_STATUS = {200: 250, 503: 450}
-_STRIP = ("authorization", "x-api-key")
-_REASONS = {200: b"OK", 250: b"Answered", 400: b"Bad Request", 401: b"Unauthorized",
+_REASONS = {250: b"Answered", 400: b"Bad Request", 401: b"Unauthorized",
             403: b"Forbidden", 404: b"Not Found", 413: b"Payload Too Large",
             429: b"Too Many Requests", 450: b"Unavailable"}
 
@@ -77,24 +75,22 @@ def answer(decision: Decision, req: AuthzRequest, traceparent: str = "") -> byte
     if isinstance(decision, Deny):
         return _denied(decision, req, traceparent)
     if isinstance(decision, Reply):
-        return _response(decision.status, _headers([("content-type", "application/json")])
-                         + metadata_headers(handoff.replied(req.request_id, decision.key_id,
-                                                     decision.team, decision.model, req.path,
-                                                     traceparent)), decision.body)
+        head = _headers([("content-type", "application/json")]) + metadata_headers(
+            handoff.replied(req.request_id, decision.key_id, decision.team, decision.model,
+                            req.path, traceparent))
+        return _response(decision.status, head, decision.body)
     return _allowed(decision, req, traceparent)
 
 
 def _allowed(allow: Allow, req: AuthzRequest, traceparent: str) -> bytes:
     c = allow.context
-    # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
-    remove = [*_STRIP, *(h for h in req.headers
-                         if h.startswith("x-gateway-") and h not in UPSTREAM)]
     head = b"".join((
         b"x-gateway-request-id: " + _clean(c.request_id) + b"\r\n",
-        REMOVE.encode() + b": " + ",".join(remove).encode() + b"\r\n",
+        REMOVE.encode() + b": " + ",".join(answers.removed_headers(req.headers)).encode()
+        + b"\r\n",
         _headers(answers.allowed_headers(allow.rate, api_of(c.endpoint)).items()),
-        metadata_headers(handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent,
-                                  c.splice)),
+        metadata_headers(handoff.allowed(c.request_id, c.reserved, c.prompt_estimate,
+                                         traceparent, c.splice)),
         _fixed(c.key_id, c.team, c.model, c.endpoint, c.stream, c.leased, c.stream_options,
                c.include_usage, c.continuous_usage, c.cancelled),
     ))
@@ -115,6 +111,7 @@ def _fixed(key_id: str, team: str, model: str, endpoint: str, stream: bool, leas
 def _denied(deny: Deny, req: AuthzRequest, traceparent: str) -> bytes:
     head = _headers([("content-type", "application/json"),
                      *answers.denial_headers(deny).items()])
-    head += metadata_headers(handoff.denied(req.request_id, deny.reason, deny.status, deny.key_id,
-                                     deny.team, deny.model, req.path, traceparent))
+    head += metadata_headers(handoff.denied(req.request_id, deny.reason, deny.status,
+                                            deny.key_id, deny.team, deny.model, req.path,
+                                            traceparent))
     return _response(deny.status, head, answers.error_body(deny, req.request_id))

@@ -8,6 +8,11 @@ in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
   that is down, slow or broken means "try again later", not 403 (ext_authz default) or
   500 (ext_proc default), and never "let it through". ext_authz is the *first* HTTP
   filter and no route disables it: there is no side door.
+* **ext_authz through the HTTP door** (only with `EnvoyPorts.authz_http`): `http_service`
+  instead of `grpc_service`, the same Check at a fraction of a gRPC call's CPU. Which
+  answer headers go upstream, to the client or into metadata comes from
+  gateway/authz/http_door.py; the connection manager's local-reply mappers
+  (`http_door_replies`) turn the door's stand-in statuses back (docs/envoy.md §3.8).
 * **ext_authz timeout 0.5 s** (default 200 ms): a Check includes a Redis round trip and
   the whole request body; 200 ms turns a GC pause into a spurious 503.
 * **ext_authz `with_request_body`** (`max_request_bytes` 8 MiB, `allow_partial_message:
@@ -130,8 +135,8 @@ def _http_door(timeout: timedelta) -> HttpService:
                            timeout=timeout),
         authorization_response=AuthorizationResponse(
             allowed_upstream_headers=_matchers(http_door.UPSTREAM),
-            allowed_client_headers=_matchers(http_door.CLIENT, http_door.CLIENT_PREFIXES),
-            allowed_client_headers_on_success=_matchers(prefix=http_door.ON_SUCCESS_PREFIXES),
+            allowed_client_headers=_matchers(http_door.CLIENT, http_door.RATE_PREFIXES),
+            allowed_client_headers_on_success=_matchers(prefix=http_door.RATE_PREFIXES),
             dynamic_metadata_from_headers=_matchers(handoff.METADATA_KEYS)))
 
 

@@ -62,6 +62,9 @@ class _Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.pending: asyncio.Task[None] | None = None
+        # a request's head, read once while its body is still coming: method, path, headers,
+        # content-length
+        self.head: tuple[str, str, dict[str, str], int] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -76,27 +79,31 @@ class _Connection(asyncio.Protocol):
             self.pending.cancel()
 
     def _next(self) -> None:
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self.buf) > MAX_HEAD:
+        if self.head is None:  # read once; a large body then only grows the buffer
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buf) > MAX_HEAD:
+                    self._close(_FAILED)
+                return
+            try:
+                method, target, headers, length = parse_head(bytes(self.buf[:end]))
+            except (BadRequest, UnicodeDecodeError) as exc:
+                log.warning("authz_http_bad_request", error=str(exc))
                 self._close(_FAILED)
+                return
+            if length > self.max_body:
+                self._close(_TOO_LARGE)
+                return
+            del self.buf[:end + 4]
+            self.head = method, target.partition("?")[0], headers, length
+        method, path, headers, length = self.head
+        if len(self.buf) < length:
             return
-        try:
-            method, target, headers, length = parse_head(bytes(self.buf[:end]))
-        except (BadRequest, UnicodeDecodeError) as exc:
-            log.warning("authz_http_bad_request", error=str(exc))
-            self._close(_FAILED)
-            return
-        if length > self.max_body:
-            self._close(_TOO_LARGE)
-            return
-        total = end + 4 + length
-        if len(self.buf) < total:
-            return
-        body = bytes(self.buf[end + 4:total])
-        del self.buf[:total]
-        req = AuthzRequest(request_id=headers.get("x-request-id", ""), method=method,
-                           path=target.partition("?")[0], headers=headers, body=body)
+        body = bytes(self.buf[:length])
+        del self.buf[:length]
+        self.head = None
+        req = AuthzRequest(request_id=headers.get("x-request-id", ""), method=method, path=path,
+                           headers=headers, body=body)
         self.pending = asyncio.get_running_loop().create_task(self._answer(req))
 
     async def _answer(self, req: AuthzRequest) -> None:

@@ -29,7 +29,6 @@ from gateway.server import check_wire
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
-_STRIP = ("authorization", "x-api-key")
 SERVICE = "envoy.service.auth.v3.Authorization"
 
 _ALLOWED = metrics.DECISIONS.labels("allowed", "", "")
@@ -74,7 +73,6 @@ def _serialize(response: pb.CheckResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
-_OURS = ("x-gateway-request-id", "x-gateway-key-id", "x-gateway-team", "x-gateway-model")
 
 
 def _set_headers(field: Any, items: Iterable[tuple[str, str]]) -> None:
@@ -101,9 +99,7 @@ def _allowed(allow: Allow, req: AuthzRequest, traceparent: str = "") -> bytes:
     c = allow.context
     return check_wire.allowed(
         upstream=(("x-gateway-request-id", c.request_id),),
-        # Client-sent x-gateway-* headers are forged context: ours overwrite, the rest go.
-        remove=[*_STRIP,
-                *(h for h in req.headers if h.startswith("x-gateway-") and h not in _OURS)],
+        remove=answers.removed_headers(req.headers),
         response_headers=answers.allowed_headers(allow.rate, api_of(c.endpoint)).items(),
         metadata=handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent,
                                  c.splice),
