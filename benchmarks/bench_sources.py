@@ -29,7 +29,9 @@ phases, each through the three paths in turn (A B C, then C B A next round, ...)
   Kafka sends) costs the same per request in both, and the split measures chunks, not a
   rate effect (with equal TTFTs the 4-chunk requests came ~5x as often, which the split
   counted as per-chunk cost). TTFT = first content event - request sent, from c8x64:
-  p50 = median of the rounds' p50s, p99 pooled, +p50 = minus plain's.
+  p50 = median of the rounds' p50s, p99 pooled, +p50 = minus plain's. Where the added TTFT
+  goes: each Envoy's access log gives `to_engine_us` per request (its first byte to the
+  first byte sent to the engine: the Check and the Lua splice), printed as p50/p99.
 * `c32x64`: 32 clients, 64-chunk streams: throughput = requests / wall time of the phases,
   pace = each stream's mean gap between content events, averaged over streams; both also
   relative to plain.
@@ -131,6 +133,7 @@ class Bench:
         self.problem_sample: list[str] = []
         self.refused: dict[str, int] = {}  # rid -> chunks, requests answered other than 200
         self.idle: dict[str, float] = {}
+        self.held: dict[str, dict[str, int]] = {}  # path -> request id -> to_engine_us
 
     def start(self) -> None:
         for source in self.paths[1:]:
@@ -258,6 +261,9 @@ class Bench:
                       b.cpu_s.get(proc, 0.0) / len(b.samples) * 1e6)[0]
                 for a, b in zip(ph["c8x4"], ph["c8x64"], strict=False)]
         every = [s for v in ph.values() for p in v for s in p.samples]
+        held = self.held.get(path, {})
+        to_engine = [held[s.request_id] / 1000 for p in ph["c8x64"] for s in p.samples
+                     if s.request_id in held]
         ttft = [[s.ttft_s * 1000 for s in p.samples if s.content_events] for p in ph["c8x64"]]
         c8, c32 = ([s for p in ph[k] for s in p.samples if s.itl_s] for k in ("c8x64", "c32x64"))
         pace = [statistics.fmean(s.itl_s) * 1000 for s in c32]
@@ -269,6 +275,8 @@ class Bench:
             "ttft_p50_ms": statistics.median(pct(t, 50) for t in ttft),
             "ttft_p99_ms": pct([x for t in ttft for x in t], 99),
             "ttft_round_p50s_ms": [pct(t, 50) for t in ttft],
+            "to_engine_p50_ms": pct(to_engine, 50) if to_engine else None,
+            "to_engine_p99_ms": pct(to_engine, 99) if to_engine else None,
             "c8_pace_ms": statistics.fmean(statistics.fmean(s.itl_s) * 1000 for s in c8),
             "c8_reads_per_stream": statistics.fmean(s.reads for s in c8),
             "c8_gateway_cpu_pct": load("c8x64", gateway), "c8_cpu1_pct": load("c8x64", side),
@@ -284,6 +292,22 @@ class Bench:
                                k: v for k, v in p.cpu_s.items() if k.startswith((path, "cpu"))
                                or k in side}} for v in ph.values() for p in v],
         }
+
+    def read_access_logs(self) -> None:
+        """Per path, request id -> `to_engine_us` from its Envoy's access log (read once the
+        Envoys stopped, so flushed): how long Envoy held each request (its filters: the
+        Check, the splice) before the engine saw its first byte. Where the TTFT a gateway
+        adds is spent, apart from the engine and the client."""
+        for path in self.paths:
+            svc = self.plain if path == PLAIN else self.spokes[path]["envoy"]
+            out = self.held[path] = {}
+            if svc is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):  # a line cut short ends the scan
+                for line in svc.log_path.read_text(errors="replace").splitlines():
+                    d = orjson.loads(line) if line.startswith("{") else {}
+                    if isinstance(d.get("to_engine_us"), int):
+                        out[d["request_id"]] = d["to_engine_us"]
 
     def summary(self) -> list[dict[str, Any]]:
         rows = [self.row(p) for p in self.paths]
@@ -369,6 +393,10 @@ def render_table(rows: list[dict[str, Any]]) -> str:
                    f"{r['c32_ttft_p50_ms']:.1f} ms; CPU % not ours (other programs, kernel) on "
                    "CPU 0/1: " + ", ".join(f"{k} {a:.0f}/{b:.0f}"
                                            for k, (a, b) in r["others_cpu_pct"].items()))
+        if r["to_engine_p50_ms"] is not None:
+            out.append(f"{r['path']}: Envoy held a request before the engine saw it (access "
+                       f"log to_engine_us, c=8 x 64): p50 {r['to_engine_p50_ms']:.3f} ms, p99 "
+                       f"{r['to_engine_p99_ms']:.3f} ms")
     return "\n".join(out)
 
 
@@ -469,6 +497,7 @@ def main() -> int:
         bench.problem_sample += explain(bench)[:10]
     finally:
         bench.stop()
+        bench.read_access_logs()
         if args.keep_workdir:
             print(f"workdir kept: {bench.workdir}")
         else:

@@ -48,7 +48,9 @@ def envoy_service(
 ) -> Service:
     """Envoy running `config_yaml` (written to `workdir`), ready once `listen_port` accepts.
 
-    The access log (stdout) and Envoy's own log (stderr) share the service log file.
+    The access log (stdout) and Envoy's own log (stderr) share the service log file; it is
+    flushed every second (Envoy's default is every 10 s), so a request's line is there to
+    read right after it.
     Hot restart is disabled: it needs a shared-memory region per `--base-id`, and
     several Envoys on one shared machine would otherwise collide on the default id 0.
     """
@@ -64,6 +66,8 @@ def envoy_service(
         "--log-level",
         "warn",
         "--disable-hot-restart",
+        "--file-flush-interval-msec",
+        "1000",
     ]
     return EnvoyService("envoy", argv, listen_port, workdir, admin_port=admin_port)
 

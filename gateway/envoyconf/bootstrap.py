@@ -34,7 +34,10 @@ sidecar are explained in gateway/envoyconf/filters.py):
 * **Clusters** (HTTP/2 for the sidecar's gRPC, raised circuit breakers): explained in
   gateway/envoyconf/clusters.py.
 * **Access log**: JSON lines on stdout with the request id, status, flags, details,
-  duration, upstream and ext_authz's metadata, so one line explains any answer.
+  duration, upstream and ext_authz's metadata, so one line explains any answer, and
+  `to_engine_us`: from the request's first byte to its first byte sent to the engine (the
+  client's upload plus what the gateway's filters held it for: the Check, the splice), the
+  latency the gateway adds before any GPU work (absent for answers the engine never saw).
 * **Tracing** (only when `EnvoyPorts.otlp` names a collector): Envoy's OpenTelemetry
   tracer sends its spans there over OTLP/gRPC; its gRPC calls to the sidecar carry a
   `traceparent`, so the sidecar's Check and ext_proc spans join Envoy's trace
@@ -126,6 +129,7 @@ ACCESS_LOG_FORMAT = {
     "flags": "%RESPONSE_FLAGS%",
     "details": "%RESPONSE_CODE_DETAILS%",
     "duration_ms": "%DURATION%",
+    "to_engine_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
     "upstream": "%UPSTREAM_HOST%",
     "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
     "usage": f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
