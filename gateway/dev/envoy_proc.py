@@ -45,12 +45,13 @@ def envoy_service(
     listen_port: int,
     workdir: Path | str,
     concurrency: int = 1,
+    flush_ms: int = 1000,
 ) -> Service:
     """Envoy running `config_yaml` (written to `workdir`), ready once `listen_port` accepts.
 
     The access log (stdout) and Envoy's own log (stderr) share the service log file; it is
-    flushed every second (Envoy's default is every 10 s), so a request's line is there to
-    read right after it.
+    flushed every `flush_ms` (Envoy's default is every 10 s), so a request's line is there
+    to read soon after it.
     Hot restart is disabled: it needs a shared-memory region per `--base-id`, and
     several Envoys on one shared machine would otherwise collide on the default id 0.
     """
@@ -67,7 +68,7 @@ def envoy_service(
         "warn",
         "--disable-hot-restart",
         "--file-flush-interval-msec",
-        "1000",
+        str(flush_ms),
     ]
     return EnvoyService("envoy", argv, listen_port, workdir, admin_port=admin_port)
 

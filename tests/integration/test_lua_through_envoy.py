@@ -295,8 +295,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         "filters"][0]["typed_config"]["http_filters"]
     assert filters[2]["typed_config"]["default_source_code"]["inline_string"] == (
         envoy_lua.source().rstrip("\n") + "\n")  # the YAML carries the file unchanged
-    envoy = envoy_service(config, admin, listen, workdir)
-    envoy.argv += ["--file-flush-interval-msec", "10"]  # access log lines within ~10 ms
+    envoy = envoy_service(config, admin, listen, workdir, flush_ms=10)  # log lines in ~10 ms
     try:
         envoy.start()
         yield Stack(engine, envoy, access_log)
