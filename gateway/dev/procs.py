@@ -232,6 +232,13 @@ class Service:
         except subprocess.TimeoutExpired:
             self.kill()
 
+    def kill_now(self) -> None:
+        """SIGKILL without reaping: safe in a signal handler that interrupted a stop() (which
+        then reaps the child), where a blocking wait could deadlock on Popen's lock."""
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
     def kill(self) -> None:
         """SIGKILL and reap: simulates a crash (no shutdown handlers run)."""
         if self._proc is None:

@@ -12,6 +12,7 @@ import sys
 import time
 from importlib import resources
 from pathlib import Path
+from types import FrameType
 
 from gateway.dev.publish import policy_backend
 from gateway.dev.stack import Spoke
@@ -35,13 +36,14 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
     if problem:
         print(f"gateway dev: {problem}", file=sys.stderr, flush=True)
         return 2
+    spoke = Spoke(workdir=workdir, listen_port=port, otlp=otlp, metering=metering)
     # Ctrl-C stops the spoke even when this process was started with SIGINT ignored (a
     # background job of a script, a CI runner): a spoke nobody can interrupt outlives its user.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    spoke = Spoke(workdir=workdir, listen_port=port, otlp=otlp, metering=metering)
+    interrupts = _Interrupts(spoke)
+    signal.signal(signal.SIGINT, interrupts)
     print(f"starting the local spoke in {spoke.workdir} ({metering} metering) ...", flush=True)
-    spoke.start()
     try:
+        spoke.start()
         key = asyncio.run(apply_demo_policy(spoke.redis_url))
         try:
             spoke.wait_ready(timeout=10)  # the sidecar picks the announcement up in ms
@@ -60,12 +62,32 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
     except KeyboardInterrupt:
         pass
     finally:
+        interrupts.stopping = True  # from here on, a Ctrl-C kills instead of interrupting
         # A closed terminal or pipe (its reader gone) must not skip the stop: a failed print
         # here once left every service of the spoke running.
         with contextlib.suppress(OSError):
             print("\nstopping ...", flush=True)
         spoke.stop()
     return 0
+
+
+class _Interrupts:
+    """The SIGINT handler: the first Ctrl-C interrupts whatever runs (KeyboardInterrupt), and
+    the spoke stops gracefully; one that comes while it stops kills every service at once.
+    The services run in their own sessions, so only this process hears Ctrl-C: a second one
+    that broke off the graceful stop would leave them all running."""
+
+    def __init__(self, spoke: Spoke) -> None:
+        self.spoke = spoke
+        self.stopping = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:
+            for svc in self.spoke.services.values():
+                svc.kill_now()
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
 
 
 def _demo_request(spoke: Spoke, secret: str) -> None:

@@ -3,6 +3,7 @@ the demo request's usage event, and Ctrl-C stops everything."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -18,8 +19,8 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
-    port = free_port()
+def _start_dev(tmp_path: Path, port: int) -> tuple[subprocess.Popen[str], str]:
+    """`gateway dev` on `port`, and its output up to the demo request's usage event."""
     # Started with SIGINT ignored, as a script's background job (or a CI runner) starts it:
     # Ctrl-C must stop it all the same (a CI run found one left running after the test).
     proc = subprocess.Popen(
@@ -27,14 +28,20 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
          str(tmp_path / "dev")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         preexec_fn=_ignore_sigint)
     out = ""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 90
+    while '"outcome": "completed"' not in out and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out += line
+    return proc, out
+
+
+def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
+    port = free_port()
+    proc, out = _start_dev(tmp_path, port)
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 90
-        while '"outcome": "completed"' not in out and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out += line
         assert '"outcome": "completed"' in out, out
         secret = next(ln.split()[-1] for ln in out.splitlines() if "demo key:" in ln)
         # the commands it prints run as printed, without an activated venv
@@ -52,6 +59,26 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert not port_open(port)  # Envoy is gone, and with it the rest
+
+
+def test_a_second_ctrl_c_while_stopping_kills_every_service(tmp_path: Path) -> None:
+    """The services run in their own sessions, so only `gateway dev` hears Ctrl-C. A second
+    one during the graceful stop (an impatient user) must not leave them running: it kills
+    them. Before, it broke off the stop with a traceback and every service lived on."""
+    port = free_port()
+    proc, out = _start_dev(tmp_path, port)
+    banner = out.split("demo key:")[0]
+    ports = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", banner)}
+    assert port in ports and len(ports) >= 6, banner  # Envoy, sidecar, door, engine, Redis...
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # inside the stop: Envoy's drain alone waits 0.2 s
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    assert "Traceback" not in rest, rest
+    deadline = time.monotonic() + 5
+    while (alive := {p for p in ports if port_open(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"still listening: {alive}\n{rest}"
 
 
 def test_gateway_dev_refuses_a_taken_port_or_work_directory(tmp_path: Path) -> None:
