@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -48,3 +50,18 @@ def access_log_outcomes(path: Path) -> dict[str, int]:
             key = f"{d.get('status')} {d.get('flags')} {d.get('details')}"
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def access_log_entry(log: Path, field: str, value: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The first JSON access-log entry whose `field` is `value` (Envoy's own log lines are not
+    JSON), waiting up to `timeout` for Envoy to write and flush it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and value in line:
+                entry: dict[str, Any] = json.loads(line)
+                if entry.get(field) == value:
+                    return entry
+        time.sleep(0.05)
+    raise AssertionError(f"no access log entry with {field} {value!r} in {log}:\n"
+                         f"{log.read_text(errors='replace')[-2000:]}")

@@ -86,8 +86,7 @@ def _allowed(allow: Allow, req: AuthzRequest, traceparent: str) -> bytes:
     c = allow.context
     head = b"".join((
         b"x-gateway-request-id: " + _clean(c.request_id) + b"\r\n",
-        REMOVE.encode() + b": " + ",".join(answers.removed_headers(req.headers)).encode()
-        + b"\r\n",
+        _headers(((REMOVE, ",".join(answers.removed_headers(req.headers))),)),
         _headers(answers.allowed_headers(allow.rate, api_of(c.endpoint)).items()),
         metadata_headers(handoff.allowed(c.request_id, c.reserved, c.prompt_estimate,
                                          traceparent, c.splice)),

@@ -73,8 +73,6 @@ def _serialize(response: pb.CheckResponse | bytes) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
-
-
 def _set_headers(field: Any, items: Iterable[tuple[str, str]]) -> None:
     for key, value in items:
         h = field.add()

@@ -21,19 +21,19 @@ from gateway.settings import DEFAULT_METERING, METERING_SOURCES
 from testkit.spoke import start_spoke
 
 # A session spoke: (metering source, Check through the HTTP door? None: the spoke's default)
+GRPC_CHECK = f"{DEFAULT_METERING}-grpc-check"
 FLAVOURS: dict[str, tuple[str, bool | None]] = {
     **{source: (source, None) for source in METERING_SOURCES},
-    f"{DEFAULT_METERING}-grpc-check": (DEFAULT_METERING, False)}
+    GRPC_CHECK: (DEFAULT_METERING, False)}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "spoke_and_keys" in metafunc.fixturenames:
-        grpc_check = f"{DEFAULT_METERING}-grpc-check"
         flavours: tuple[str, ...] = METERING_SOURCES
         if getattr(metafunc.module, "AUTHZ_ONLY", False):
-            flavours = (DEFAULT_METERING, grpc_check)
+            flavours = (DEFAULT_METERING, GRPC_CHECK)
         elif getattr(metafunc.module, "ALSO_GRPC_CHECK", False):
-            flavours = (*METERING_SOURCES, grpc_check)
+            flavours = (*METERING_SOURCES, GRPC_CHECK)
         metafunc.parametrize("spoke_and_keys", flavours, indirect=True, scope="session")
 
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from gateway.dev.stack import Spoke
+from testkit.envoys import access_log_entry
 from testkit.spoke import anthropic_client, chat, client, read_events
 
 AUTHZ_ONLY = True  # the answers are the Check's: one metering source proves it
@@ -221,19 +222,6 @@ def test_a_denial_is_logged_with_its_request_and_key_ids(
     assert keys["narrow"] not in spoke["sidecar"].log_path.read_text()
 
 
-def _access_log_entry(spoke: Spoke, request_id: str) -> dict[str, object]:
-    """Envoy's access-log line for a request (written when it ends, flushed every second)."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        for line in spoke["envoy"].log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{") and request_id in line:
-                entry: dict[str, object] = json.loads(line)
-                if entry.get("request_id") == request_id:
-                    return entry
-        time.sleep(0.05)
-    raise AssertionError(f"no access-log line for {request_id}")
-
-
 def test_access_log_says_how_long_the_gateway_held_a_request(
         spoke: Spoke, keys: dict[str, str]) -> None:
     """`to_engine_us`: the request's first byte to its first byte sent to the engine (the
@@ -243,10 +231,12 @@ def test_access_log_says_how_long_the_gateway_held_a_request(
                          headers={"authorization": f"Bearer {keys['good']}"},
                          json={"model": "mock-model", "messages": [], "max_tokens": 1})
     assert allowed.status_code == 200
-    entry = _access_log_entry(spoke, allowed.headers["x-request-id"])
+    entry = access_log_entry(spoke["envoy"].log_path, "request_id",
+                             allowed.headers["x-request-id"])
     held = entry["to_engine_us"]
     assert isinstance(held, int) and isinstance(entry["duration_ms"], int)
     assert 0 < held <= (entry["duration_ms"] + 1) * 1000
     denied = httpx.post(f"{spoke.base_url}/chat/completions", json={"model": "mock-model"})
     assert denied.status_code == 401
-    assert _access_log_entry(spoke, denied.headers["x-request-id"]).get("to_engine_us") is None
+    assert access_log_entry(spoke["envoy"].log_path, "request_id",
+                            denied.headers["x-request-id"]).get("to_engine_us") is None

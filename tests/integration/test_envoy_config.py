@@ -4,11 +4,9 @@ and nothing in it lets a request reach the engine without ext_authz."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import socketserver
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -28,6 +26,7 @@ from gateway.dev.envoy_proc import envoy_binary, envoy_service
 from gateway.dev.procs import free_port
 from gateway.envoyconf.bootstrap import EXT_AUTHZ, HCM, EnvoyPorts, render
 from gateway.settings import METERING_SOURCES
+from testkit.envoys import access_log_entry
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,23 +146,10 @@ def test_client_cannot_choose_x_request_id(tmp_path: Path) -> None:
         with pytest.raises(urllib.error.HTTPError) as answer:
             urllib.request.urlopen(request, timeout=10)
         assert answer.value.code == 503
-        entry = wait_for_access_log_line(envoy.log_path, "/v1/chat/completions")
+        entry = access_log_entry(envoy.log_path, "path", "/v1/chat/completions")
     assert entry["request_id"] != chosen
     assert uuid.UUID(entry["request_id"])  # Envoy generated a fresh one
     assert chosen not in envoy.log_path.read_text()
-
-
-def wait_for_access_log_line(log: Path, path: str, timeout: float = 5.0) -> dict[str, Any]:
-    """The first JSON access-log entry for `path` (Envoy's own log lines are not JSON)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if line.startswith("{"):
-                entry: dict[str, Any] = json.loads(line)
-                if entry.get("path") == path:
-                    return entry
-        time.sleep(0.05)
-    raise AssertionError(f"no access log entry for {path} in {log}:\n{log.read_text()[-2000:]}")
 
 
 def denied_through_envoy(ports: EnvoyPorts, tmp_path: Path) -> int:
