@@ -195,7 +195,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
                                        engine=args.engine, admin=args.admin, otlp=args.otlp,
                                        authz_http=args.authz_http),
-                            metering=args.metering))
+                            metering=args.metering, heartbeat_s=args.record_heartbeat_s,
+                            keep_request_ids=args.keep_request_ids))
     return 0
 
 
@@ -374,6 +375,13 @@ def parser() -> argparse.ArgumentParser:
                    help="Envoy's admin interface, loopback only (default: %(default)s)")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",
                    help="an OTLP/gRPC collector for Envoy's traces (default: no tracing)")
+    p.add_argument("--record-heartbeat-s", dest="record_heartbeat_s", type=float, default=10.0,
+                   help="Envoy-fed metering: a record of each request in flight this often, "
+                        "the sidecar's proof it lives (= its GATEWAY_RECORD_HEARTBEAT_S; "
+                        "default: %(default)s)")
+    p.add_argument("--keep-request-ids", dest="keep_request_ids", action="store_true",
+                   help="keep a client's own x-request-id (behind a trusted front proxy): "
+                        "a live duplicate is refused with 409 (default: Envoy's own ids)")
     _metering_flag(p)
     p.set_defaults(fn=cmd_envoy_config)
     return ap

@@ -34,6 +34,19 @@ EXTPROC_MESSAGES = Counter("gateway_extproc_messages_total", "ext_proc messages"
 RECORDS = Counter("gateway_envoy_records_total", "Per-request records received from Envoy")
 RECORD_DUPLICATES = Counter(
     "gateway_envoy_record_duplicates_total", "Records Envoy sent again (a retried batch)")
+RECORD_HEARTBEATS = Counter(
+    "gateway_envoy_record_heartbeats_total", "Periodic records of requests still in flight")
+RECORDS_UNREADABLE = Counter(
+    "gateway_envoy_records_unreadable_total",
+    "Records whose facts could not be read (their requests are billed as orphans)")
+ADMISSIONS_UNHEARD = Counter(
+    "gateway_admissions_unheard_total",
+    "Envoy-fed admissions given up: no record or heartbeat within GATEWAY_LEASE_TTL_S "
+    "(Envoy died, or lost the record); the orphan sweep frees and bills them")
+ADMISSIONS_OPEN = Gauge(
+    "gateway_admissions_open", "Admissions this instance is renewing (requests in flight)",
+    multiprocess_mode="livesum")
+ORPHANS = Counter("gateway_orphans_total", "Admissions the orphan sweep freed and billed")
 SPOOL_OLDEST_AGE = Gauge(
     "gateway_usage_spool_oldest_age_seconds",
     "How long the oldest undelivered usage event has waited (Kafka down or slow)",

@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     # Admission
     redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
     lease_ttl_s: float = 30.0  # concurrency leases; streams renew at a third of it
+    # Envoy-fed metering: Envoy's heartbeat record of a request in flight comes this often
+    # (`gateway envoy-config --record-heartbeat-s`: the two must agree). An admission Envoy
+    # says nothing of for three heartbeats is given up: freed and billed by the orphan sweep.
+    record_heartbeat_s: float = 10.0
+    orphan_grace_ms: float | None = None  # default: 45 s with Envoy-fed metering, else 0
     # An admission's first lease: its ext_proc stream must begin (and renew it) within this,
     # else the slot frees itself (the client left between the Check and ext_proc).
     lease_start_ttl_s: float = 5.0
@@ -78,7 +83,14 @@ class Settings(BaseSettings):
         """How long past its lease an unsettled admission waits before the sweep bills it as
         an orphan: with Envoy-fed metering its record may still come (Envoy retries a batch
         for ~36 s), and it carries the real usage where the orphan's event has none."""
+        if self.orphan_grace_ms is not None:
+            return self.orphan_grace_ms / 1000
         return 45.0 if self.metering == "envoy" else 0.0
+
+    @property
+    def unheard_s(self) -> float:
+        """How long an Envoy-fed admission is renewed without a word of it from Envoy."""
+        return 3 * self.record_heartbeat_s
 
     @property
     def embedded(self) -> bool:

@@ -15,6 +15,7 @@ import orjson
 from gateway.authz.decision import Deny, Reply
 from gateway.endpoints import Api
 from gateway.limits.types import CONCURRENCY, RPS, TPD, TPM, TPMO, RateInfo, Verdict
+from gateway.metering.handoff import DUPLICATE_ID
 
 # error.type per error.code, as OpenAI uses them, so SDKs map them to their usual exceptions.
 ERROR_TYPES = {
@@ -196,6 +197,14 @@ def unauthorized(message: str = "Invalid API key.") -> Deny:
 
 def bad_request(message: str) -> Deny:
     return Deny(400, "invalid_request_error", message, "invalid_request")
+
+
+def duplicate_request_id(request_id: str) -> Deny:
+    """Another request with this x-request-id is in flight (an Envoy that keeps client ids):
+    one id, one admission, one usage event. No event of its own: the id is the other's."""
+    return Deny(409, "duplicate_request_id",
+                f"A request with x-request-id {request_id[:80]!r} is already in flight; "
+                "send each request with its own id.", DUPLICATE_ID)
 
 
 def model_not_found(model: str) -> Deny:

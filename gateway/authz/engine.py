@@ -18,7 +18,7 @@ from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model,
 from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.errors import BodyError, PathError, StoreInDoubt, StoreUnavailable
-from gateway.limits.types import CONCURRENCY, AdmitRequest, Limiter, Verdict
+from gateway.limits.types import CONCURRENCY, DUPLICATE, AdmitRequest, Limiter, Verdict
 from gateway.metering import handoff, inject
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
@@ -104,6 +104,9 @@ class Authorizer:
         ) if billed else 0
         tiers = policy.tiers_for(facts.model, key)
         verdict = Verdict(True)
+        if tiers and not req.request_id:  # its slots and its event would have no name
+            return _who(answers.bad_request(
+                "The request has no x-request-id; the gateway admits none without one."), key)
         if tiers:
             try:
                 verdict = await self._admit(AdmitRequest(
@@ -115,6 +118,8 @@ class Authorizer:
                     self.abandon(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
                     f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model)
+        if verdict.limit == DUPLICATE:
+            return _who(answers.duplicate_request_id(req.request_id), key, facts.model)
         if not verdict.allowed:
             return _who(answers.limit_denial(verdict, reserve), key, facts.model)
         if verdict.leased and self._on_admitted is not None:

@@ -80,6 +80,9 @@ class Spoke:
     # cheaper pair; ext_proc's spoke keeps the portable gRPC Check)
     authz_http: bool | None = None
     authz_http_address: str | None = None  # the door's, once started with it
+    # Envoy-fed metering's heartbeat (Envoy's config and the sidecar's setting, together)
+    record_heartbeat_s: float | None = None
+    keep_request_ids: bool = False  # Envoy keeps a client's own x-request-id
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -104,12 +107,16 @@ class Spoke:
         if self.authz_http if self.authz_http is not None else self.metering == "envoy":
             door = env["GATEWAY_AUTHZ_HTTP_LISTEN"] = f"{LOOP}:{free_port()}"
         self.authz_http_address = door
+        extra: dict[str, Any] = {"keep_request_ids": self.keep_request_ids}
+        if self.record_heartbeat_s is not None:
+            env["GATEWAY_RECORD_HEARTBEAT_S"] = str(self.record_heartbeat_s)
+            extra["heartbeat_s"] = self.record_heartbeat_s
         env.update(self.sidecar_env)
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
                            engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp,
                            authz_http=door)
-        config = (render(ports, metering=self.metering) if self.envoy_config is None
+        config = (render(ports, metering=self.metering, **extra) if self.envoy_config is None
                   else self.envoy_config(ports, self.metering))
         envoy = envoy_service(config,
                               int(ports.admin.rsplit(":", 1)[1]), self.listen_port, self.workdir)

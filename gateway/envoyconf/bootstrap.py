@@ -77,7 +77,11 @@ from gateway.metering.record import CUT_FLAGS
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES, Metering
 
 with quiet_imports():
-    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLog
+    from envoy_data_plane.envoy.config.accesslog.v3 import (
+        AccessLog,
+        AccessLogFilter,
+        LogTypeFilter,
+    )
     from envoy_data_plane.envoy.config.bootstrap.v3 import (
         Admin,
         Bootstrap,
@@ -97,6 +101,7 @@ with quiet_imports():
         VirtualHost,
     )
     from envoy_data_plane.envoy.config.trace.v3 import OpenTelemetryConfig, TracingHttp
+    from envoy_data_plane.envoy.data.accesslog.v3 import AccessLogType
     from envoy_data_plane.envoy.extensions.access_loggers.stream.v3 import StdoutAccessLog
     from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import ExtAuthz
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
@@ -105,6 +110,7 @@ with quiet_imports():
     from envoy_data_plane.envoy.extensions.filters.http.router.v3 import Router
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
         HttpConnectionManager,
+        HttpConnectionManagerHcmAccessLogOptions,
         HttpConnectionManagerPathWithEscapedSlashesAction,
         HttpConnectionManagerTracing,
         HttpFilter,
@@ -164,6 +170,8 @@ class _Limits:
     message_timeout: timedelta
     metering: Metering
     authz_http: bool = False
+    heartbeat: timedelta = envoy_metering.RECORD_HEARTBEAT
+    keep_request_ids: bool = False
 
 
 def render(
@@ -173,6 +181,8 @@ def render(
     max_request_bytes: int = 8 * 1024 * 1024,
     authz_timeout_s: float = 0.5,
     message_timeout_s: float = 2.0,
+    heartbeat_s: float = envoy_metering.RECORD_HEARTBEAT.total_seconds(),
+    keep_request_ids: bool = False,
 ) -> str:
     """The bootstrap YAML for `ports`, with the generated-file header."""
     typed = bootstrap(
@@ -181,6 +191,8 @@ def render(
         max_request_bytes=max_request_bytes,
         authz_timeout_s=authz_timeout_s,
         message_timeout_s=message_timeout_s,
+        heartbeat_s=heartbeat_s,
+        keep_request_ids=keep_request_ids,
     )
     plain = to_plain(typed, _SPELLED_OUT_FALSE)
     return HEADER + yaml.dump(plain, Dumper=_Dumper, sort_keys=False, width=100)
@@ -205,6 +217,8 @@ def bootstrap(
     max_request_bytes: int = 8 * 1024 * 1024,
     authz_timeout_s: float = 0.5,
     message_timeout_s: float = 2.0,
+    heartbeat_s: float = envoy_metering.RECORD_HEARTBEAT.total_seconds(),
+    keep_request_ids: bool = False,
 ) -> Bootstrap:
     """The typed bootstrap: one listener, the sidecar and engine clusters, admin."""
     if metering not in METERING_SOURCES:
@@ -215,6 +229,8 @@ def bootstrap(
         message_timeout=timedelta(seconds=message_timeout_s),
         metering=metering,
         authz_http=bool(ports.authz_http),
+        heartbeat=timedelta(seconds=heartbeat_s),
+        keep_request_ids=keep_request_ids,
     )
     clusters = [sidecar_cluster(ports.sidecar), engine_cluster(ports.engine, _buffer_limit(limits))]
     if ports.authz_http:
@@ -254,8 +270,13 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         access_log=[_stdout_access_log(limits.metering),
                     envoy_metering.record_log() if limits.metering == "envoy" else
                     envoy_metering.record_log(only_flags=CUT_FLAGS)],
+        # Envoy-fed metering: a heartbeat record per request in flight (metering.py)
+        access_log_options=HttpConnectionManagerHcmAccessLogOptions(
+            access_log_flush_interval=limits.heartbeat) if limits.metering == "envoy" else None,
         use_remote_address=True,
-        preserve_external_request_id=False,
+        # A client's own x-request-id is replaced: it is the usage event's id (a config
+        # that keeps them is refused a live duplicate at admission, README)
+        preserve_external_request_id=limits.keep_request_ids,
         always_set_request_id_in_response=True,
         normalize_path=True,
         merge_slashes=True,
@@ -296,6 +317,9 @@ def _stdout_access_log(metering: Metering) -> AccessLog:
     log_format = SubstitutionFormatString(json_format=Struct.from_dict(fmt))
     return AccessLog(
         name="envoy.access_loggers.stdout",
+        # one line per request, not one per heartbeat of a long stream
+        filter=AccessLogFilter(log_type_filter=LogTypeFilter(
+            types=[AccessLogType.DownstreamPeriodic], exclude=True)),
         typed_config=Any.pack(StdoutAccessLog(log_format=log_format)),
     )
 

@@ -72,6 +72,11 @@ USAGE_NS = "llm.usage"  # the Lua filter (streams) and json_to_metadata write us
 STREAM_NS = "llm.stream"  # the Lua filter writes its content counters here
 RECORD_LOG_NAME = "gateway.usage"
 FLUSH = timedelta(milliseconds=50)
+# While a request is in flight Envoy also sends a periodic record for it (%ACCESS_LOG_TYPE%
+# DownstreamPeriodic) every this often: the sidecar's proof that the request is still
+# alive, and its usage so far. An admission nobody reports for a while is given up
+# (README "Every admission ends"); GATEWAY_RECORD_HEARTBEAT_S must equal it.
+RECORD_HEARTBEAT = timedelta(seconds=10)
 
 # (metadata key, selector path, type): chat/completions/embeddings `usage`, then the
 # Responses API's (`usage` of a whole answer, `response.usage` of its stream's last event).
@@ -109,12 +114,15 @@ MODEL_RULES = (("model", ("model",), _STRING), ("model", ("response", "model"), 
 # (the formatter's output); gateway/metering/record.py parses them.
 RECORD_ATTRIBUTES = {
     "rid": "%REQ(X-REQUEST-ID)%",
+    "type": "%ACCESS_LOG_TYPE%",  # DownstreamPeriodic (a heartbeat) or DownstreamEnd
     "path": "%REQ(:PATH)%",
     "code": "%RESPONSE_CODE%",
     "flags": "%RESPONSE_FLAGS%",
     "details": "%RESPONSE_CODE_DETAILS%",
     "start": "%START_TIME(%s.%6f)%",
     "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    # A cut stream never sent its last byte (no DS_TX_END): its whole life, in ms
+    "total_ms": "%DURATION%",
     "ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
     "gen_us": "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
     "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",

@@ -13,7 +13,8 @@
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
 --                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent.
 -- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day,
---       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua)
+--       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
+--       7 duplicate (an admission with this request id is still live: ids are not shared)
 
 local now = tonumber(ARGV[1])
 local lease_ttl = tonumber(ARGV[2])
@@ -78,7 +79,11 @@ for r = 1, n do
 
   local code, at, retry = 0, -1, -1
   local rq, tk = {-1, -1, -1}, {-1, -1, -1}
-  if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then code, nt = 6, 0 end
+  if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
+    code, nt = 6, 0
+  elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
+    code, nt = 7, 0
+  end
   for t = 1, nt do
     local x = tiers[t]
     if x.rps then

@@ -15,15 +15,21 @@ from collections.abc import Callable
 from gateway import batching, metrics
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
-from gateway.limits.types import Ending, Limiter, Release, Settle, Void, first_lease
+from gateway.limits.types import Abandon, Ending, Limiter, Release, Settle, Void, first_lease
 from gateway.log import log
 
 
 class Leases:
+    """`unheard_s`: how long an Envoy-fed admission (`watch`) is renewed without any word of
+    its request from Envoy (its heartbeat records, `heard`): Envoy died, or lost the record.
+    Past it the lease runs out and the orphan sweep frees and bills the request."""
+
     def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float,
-                 start_ttl: float | None = None) -> None:
+                 start_ttl: float | None = None, unheard_s: float | None = None) -> None:
         self.limiter = limiter
         self.clock = clock
+        self.unheard_s = lease_ttl if unheard_s is None else unheard_s
+        self.heard_until: dict[str, float] = {}  # watched admissions: renewed until then
         self.renew_every = max(lease_ttl / 3, 0.05)
         # Streams that began since the last tick get their first renewal within a third of
         # the start TTL; the rest are renewed every third of the lease TTL.
@@ -60,13 +66,40 @@ class Leases:
         if progress is not None:
             self.progress[request_id] = progress
 
+    def watch(self, request_id: str) -> None:
+        """An admission whose request only Envoy follows (Envoy-fed metering): renewed while
+        Envoy keeps reporting the request alive, not for as long as this process lives."""
+        self.begin(request_id)
+        self.heard_until[request_id] = self.clock.now() + self.unheard_s
+
+    def heard(self, request_id: str, checkpoint: tuple[int, int] | None) -> None:
+        """Envoy's heartbeat record of a request still in flight (perhaps admitted by another
+        instance, or before a restart): renew its lease, checkpointing its usage so far."""
+        if request_id not in self.active:  # adopted: renewed at the next tick
+            self.active.add(request_id)
+            self.fresh.add(request_id)
+        self.heard_until[request_id] = self.clock.now() + self.unheard_s
+        if checkpoint is not None:
+            self.progress[request_id] = lambda: checkpoint
+
+    def abandon(self, request_id: str) -> None:
+        """Nobody will report this request's end (its record is unreadable): to the sweep."""
+        self._forget(request_id)
+        self._pending.append(Abandon(request_id))
+        self._wake.set()
+
+    def _forget(self, request_id: str) -> None:
+        self.progress.pop(request_id, None)
+        self.heard_until.pop(request_id, None)
+        self.active.discard(request_id)
+        self.fresh.discard(request_id)
+
     def release(self, request_id: str) -> None:
         """The response ended: free its concurrency slots at once (its next request must
         find them free). The rest of the settlement waits for the usage event (`settle`)."""
-        self.progress.pop(request_id, None)
-        if request_id in self.active:
-            self.active.discard(request_id)
-            self.fresh.discard(request_id)
+        was_active = request_id in self.active
+        self._forget(request_id)
+        if was_active:
             self._pending.append(Release(request_id))
             self._wake.set()
 
@@ -74,18 +107,14 @@ class Leases:
         """Replace the reservation with the actual count, once the request's usage event is
         durable: a sidecar killed before that leaves the admission to the orphan sweep, so
         the request still gets exactly one event."""
-        self.progress.pop(request_id, None)
-        self.active.discard(request_id)
-        self.fresh.discard(request_id)
+        self._forget(request_id)
         self._pending.append(Settle(request_id, actual_tokens))
         self._wake.set()
 
     def void(self, request_id: str) -> None:
         """Undo an admission whose answer came too late (the client got a 503): whatever
         the store committed, or commits later, is released and charged nothing."""
-        self.progress.pop(request_id, None)
-        self.active.discard(request_id)
-        self.fresh.discard(request_id)
+        self._forget(request_id)
         self._pending.append(Void(request_id))
         self._wake.set()
 
@@ -139,11 +168,22 @@ class Leases:
                 out[rid] = seen
         return out
 
+    def _give_up_unheard(self, now: float) -> None:
+        """Stop renewing watched admissions Envoy has said nothing of for `unheard_s`: their
+        leases run out and the orphan sweep frees and bills them."""
+        for rid in [r for r, until in self.heard_until.items() if until < now]:
+            self._forget(rid)
+            metrics.ADMISSIONS_UNHEARD.inc()
+            log.warning("admission_unheard", request_id=rid, unheard_s=self.unheard_s)
+
     async def _renew_loop(self) -> None:
         last_all = self.clock.now()
         while True:
             await asyncio.sleep(self.tick)
             now = self.clock.now()
+            if self.heard_until:
+                self._give_up_unheard(now)
+            metrics.ADMISSIONS_OPEN.set(len(self.active))
             everyone = now - last_all >= self.renew_every - self.tick / 2
             ids = list(self.active if everyone else self.fresh)
             if not ids:

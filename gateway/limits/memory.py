@@ -9,10 +9,12 @@ from gateway.limits import maths
 from gateway.limits.tightest import Tightest
 from gateway.limits.types import (
     CONCURRENCY,
+    DUPLICATE,
     RPS,
     TPD,
     TPM,
     TPMO,
+    Abandon,
     AdmitRequest,
     Ending,
     Limiter,
@@ -33,6 +35,9 @@ class _Held:
     lease_keys: list[str]
     token_keys: list[str]
     reserved: int
+    meta: str = ""
+    until: float = 0.0  # its lease's end: past it, unsettled, the sweep claims it
+    checkpoint: tuple[int, int] | None = None
 
 
 @dataclass
@@ -49,6 +54,8 @@ class MemoryLimiter(Limiter):
 
     def admit_now(self, req: AdmitRequest) -> Verdict:
         now = req.now
+        if req.request_id in self.held:
+            return Verdict(False, limit=DUPLICATE)
         minute = maths.minute_index(now)
         rq, tk = Tightest(), Tightest()
         writes: list[tuple[TierLimit, float | None, list[str]]] = []
@@ -121,7 +128,9 @@ class MemoryLimiter(Limiter):
             token_keys += tkeys
         leased = bool(lease_keys or token_keys)
         if leased:
-            self.held[req.request_id] = _Held(lease_keys, token_keys, req.reserve)
+            self.held[req.request_id] = _Held(
+                lease_keys, token_keys, req.reserve, req.meta,
+                req.now + first_lease(self.lease_ttl, self.start_ttl))
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
         return Verdict(True, rate=rate, leased=leased)
 
@@ -133,6 +142,9 @@ class MemoryLimiter(Limiter):
                     self.leases.get(key, {}).pop(end.request_id, None)
             elif isinstance(end, Settle):
                 self._settle(end.request_id, end.actual_tokens)
+            elif isinstance(end, Abandon):
+                if (held := self.held.get(end.request_id)) is not None:
+                    held.until = 0.0
             else:  # Void: one process, so no admission can commit after its void
                 self._settle(end.request_id, 0)
 
@@ -155,6 +167,9 @@ class MemoryLimiter(Limiter):
             if held is None:
                 gone.append(rid)
                 continue
+            held.until = now + self.lease_ttl
+            if checkpoints and rid in checkpoints:
+                held.checkpoint = checkpoints[rid]
             for key in held.lease_keys:
                 live = self.leases.get(key, {})
                 if rid in live:
@@ -165,7 +180,15 @@ class MemoryLimiter(Limiter):
         return len(self._live(f"{tier}:{name}", now))
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
-        return []  # one process: a crash takes these counters with it
+        """Admissions whose end nobody reported (one process: a crash takes these counters
+        with it, but a record Envoy lost does not): freed, billed their checkpoint."""
+        out = []
+        for rid in [r for r, h in self.held.items() if h.until <= now][:limit]:
+            held = self.held[rid]
+            charged = sum(held.checkpoint) if held.checkpoint else 0
+            self._settle(rid, charged)
+            out.append(Orphan(rid, held.meta, charged, held.checkpoint))
+        return out
 
     async def ping(self) -> bool:
         return True

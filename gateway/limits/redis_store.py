@@ -17,7 +17,10 @@ from gateway.errors import RedisLost, StoreInDoubt, StoreUnavailable
 from gateway.limits import maths
 from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.types import (
+    DUPLICATE,
     LIMIT_CODES,
+    VOIDED,
+    Abandon,
     AdmitRequest,
     Ending,
     Limiter,
@@ -47,11 +50,14 @@ def _none(v: int) -> int | None:
 
 
 def _settle_code(end: Ending) -> int:
-    """settle.lua's `actual_tokens`: a count, -1 keep the reservation, -2 void, -3 release."""
+    """settle.lua's `actual_tokens`: a count, -1 keep the reservation, -2 void, -3 release,
+    -4 abandon (to the sweep)."""
     if isinstance(end, Release):
         return -3
     if isinstance(end, Void):
         return -2
+    if isinstance(end, Abandon):
+        return -4
     return -1 if end.actual_tokens is None else max(end.actual_tokens, 0)
 
 
@@ -148,7 +154,7 @@ class RedisLimiter(Limiter):
         if code == 0:
             return Verdict(True, rate=rate, leased=bool(leased))
         limit = LIMIT_CODES[code]
-        if limit == "voided":
+        if limit in (VOIDED, DUPLICATE):
             return Verdict(False, limit=limit)
         tier = req.tiers[at - 1]
         value = getattr(tier.spec, limit) if limit else None

@@ -5,6 +5,8 @@
 -- event is not yet durable, and the rest of the settlement waits for that).
 -- actual_tokens = -2 voids an admission whose caller gave up waiting (deadline): a tombstone
 -- makes a late-running admit.lua refuse it, and anything it already committed is undone.
+-- actual_tokens = -4 abandons it: nobody will report its end, so the next sweep claims it
+-- (its lease's expiry is moved to the past) and bills its last checkpoint.
 -- ARGV[1] n, then per request: rid, actual_tokens
 local function split(s)
   local out = {}
@@ -22,7 +24,9 @@ for r = 0, n - 1 do
     actual = 0
   end
   local rec = redis.call('HMGET', rk, 'r', 'c', 't')
-  if rec[1] and actual == -3 then
+  if actual == -4 then
+    redis.call('ZADD', 'gw:reqs', 'XX', 0, rid)
+  elseif rec[1] and actual == -3 then
     for _, zk in ipairs(split(rec[2])) do redis.call('ZREM', zk, rid) end
     redis.call('HSET', rk, 'c', '')
   elseif rec[1] then

@@ -12,7 +12,10 @@ from gateway.policy.model import TierLimit
 RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "tokens_per_day", \
     "tokens_per_month"
 VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
-LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED)
+# Another request with this id is in flight: two live requests never share an admission
+# (its slots, its reservation, its usage event), whatever ids a client chooses.
+DUPLICATE = "duplicate"
+LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED, DUPLICATE)
 
 
 def first_lease(lease_ttl: float, start_ttl: float | None) -> float:
@@ -93,7 +96,15 @@ class Void:
     request_id: str
 
 
-Ending = Release | Settle | Void
+@dataclass(frozen=True, slots=True)
+class Abandon:
+    """Nobody will report this request's end (its record was lost or unreadable): hand it to
+    the orphan sweep now, which frees it and bills its last checkpoint."""
+
+    request_id: str
+
+
+Ending = Release | Settle | Void | Abandon
 
 
 class Limiter(Protocol):

@@ -20,6 +20,7 @@ from gateway.metering.inject import Injected, Splice
 
 # Envoy files ext_authz's dynamic metadata under this namespace, whatever the filter is named.
 NAMESPACE = "envoy.filters.http.ext_authz"
+DUPLICATE_ID = "duplicate_request_id"  # the denial reason of a request id already in flight
 
 Metadata = dict[str, str | int | bool]
 # Every key a Check may write (the HTTP door sends each as a header of this name).
@@ -45,6 +46,9 @@ class RequestFacts:
     include_usage: bool = False
     continuous_usage: bool = False
     denied_status: int = 0
+    # Refused because another request with this id is in flight: the id, and so the usage
+    # event's id, is that request's; this one gets no event of its own (README).
+    duplicate: bool = False
     traceparent: str = ""  # the W3C trace context of a traced request
     splice: Splice | None = None  # what the Check planned to splice into the request
     cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule, as admitted
@@ -127,6 +131,7 @@ def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> Requ
         stream_options=flag("stream_options"), include_usage=flag("include_usage"),
         continuous_usage=flag("continuous_usage"),
         denied_status=num("status") if "denied" in md else 0,
+        duplicate=md.get("denied") == DUPLICATE_ID,
         traceparent=text("traceparent"),
         splice=Splice(num("splice_at"), num("splice_cut"), text("splice").encode(),
                       Injected(flag("hide_usage"), flag("hide_continuous")))

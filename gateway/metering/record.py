@@ -26,6 +26,12 @@ from gateway.metering.usage import Usage, from_messages
 UPSTREAM_FLAGS = frozenset({"UPE", "UR", "UC", "UF", "URX", "UT", "UO", "UH", "NR", "UMSDR"})
 CLIENT_FLAGS = frozenset({"DC", "DPE"})  # the client left, or broke the protocol
 CUT_FLAGS = UPSTREAM_FLAGS | CLIENT_FLAGS  # a stream that ended early: who ended it
+# %ACCESS_LOG_TYPE% of the record Envoy sends every heartbeat while a request is in flight
+PERIODIC = "DownstreamPeriodic"
+
+
+class Unreadable(ValueError):
+    """A record whose Check facts cannot be read: its request is billed as an orphan."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +75,37 @@ def flags_of(attrs: dict[str, str]) -> frozenset[str]:
     return frozenset((attrs.get("flags") or "-").split(","))
 
 
-def read(attrs: dict[str, str]) -> Record | None:
-    """One record; None if it names no request (nothing to bill it to)."""
+def request_id(attrs: dict[str, str]) -> str | None:
     rid = attrs.get("rid", "-")
-    if not rid or rid == "-":
+    return None if not rid or rid == "-" else rid
+
+
+def is_heartbeat(attrs: dict[str, str]) -> bool:
+    return attrs.get("type") == PERIODIC
+
+
+def read(attrs: dict[str, str]) -> Record | None:
+    """One record; None if it names no request (nothing to bill it to). Raises Unreadable
+    (or anything) when it names one but its Check facts are garbled."""
+    rid = request_id(attrs)
+    if rid is None:
         return None
-    authz = _json(attrs.get("authz"))
+    text = attrs.get("authz")
+    authz = _json(text)
+    if not authz and text not in (None, "", "-", "{}"):
+        raise Unreadable(f"ext_authz metadata is not a JSON object: {text[:80]!r}")
     facts = handoff.read(authz, attrs.get("path", ""), rid)
+    if facts.duplicate:
+        return None  # its id is a live request's: that one's record bills it
     status = int(_num(attrs.get("code")) or 0)
     flags = flags_of(attrs)
     counted = _json(attrs.get("counted"))
     usage = _json(attrs.get("usage"))
     started = _num(attrs.get("start")) or 0.0
-    duration_s = (_num(attrs.get("duration_us")) or 0.0) / 1e6
+    duration_us = _num(attrs.get("duration_us"))
+    if duration_us is None:  # a cut stream never sent its last byte: its whole life
+        duration_us = (_num(attrs.get("total_ms")) or 0.0) * 1000
+    duration_s = duration_us / 1e6
 
     if facts.denied_status or not facts.key_id:
         outcome = "denied"  # ext_authz said no, or Envoy answered itself (413, 503, ...)
@@ -95,6 +119,15 @@ def read(attrs: dict[str, str]) -> Record | None:
 
     result, source = _result(facts, status, usage, counted, outcome, attrs)
     return Record(rid, facts, result, status, outcome, started, started + duration_s, source)
+
+
+def checkpoint(attrs: dict[str, str]) -> tuple[int, int] | None:
+    """A heartbeat record's usage so far (prompt, completion), as its end would bill it."""
+    rec = read(attrs)
+    if rec is None or rec.outcome == "denied":
+        return None
+    u = rec.result.usage
+    return u.prompt_tokens, u.completion_tokens
 
 
 def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: dict[str, Any],

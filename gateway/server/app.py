@@ -77,7 +77,8 @@ class App:
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
         self.sync.start()
-        self.leases = Leases(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s)
+        self.leases = Leases(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s,
+                             unheard_s=s.unheard_s)
         self.leases.start()
         recorder = self._start_usage_pipeline(self.leases)
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
@@ -86,9 +87,9 @@ class App:
             continuous_models=s.continuous_models,
             concurrency_grace_s=s.concurrency_grace_s,
         ), on_abandoned=self.leases.void,
-            # Envoy-fed metering has no stream in the sidecar to renew a lease from: the
-            # admitting instance renews it until the request's record arrives.
-            on_admitted=self.leases.begin if s.metering == "envoy" else None,
+            # Envoy-fed metering has no stream in the sidecar to renew a lease from: it is
+            # renewed while Envoy's heartbeat records say the request lives, until its end.
+            on_admitted=self.leases.watch if s.metering == "envoy" else None,
             ends_settled=self.leases.next_flush)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),

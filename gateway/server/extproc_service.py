@@ -159,6 +159,10 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 span.end()
 
         def finish(facts: RequestFacts) -> None:
+            if facts.duplicate:  # its id is a live request's, whose stream bills it
+                if span is not None:
+                    span.end()
+                return
             outcome = stream.outcome()
             if outcome == "client_cancelled":  # or the engine cut it: Envoy will say which
                 self.recorder.finish_cut(facts, stream.meter, stream.started, annotate)

@@ -73,10 +73,13 @@ class RecordsService(ls_grpc.LogsServiceServicer):
             if rid and rid != "-":
                 self.recorder.told(rid, record.flags_of(attrs))
             return 0
+        if record.is_heartbeat(attrs):
+            self._heard(attrs)
+            return 0
         try:
             rec = record.read(attrs)
-        except Exception:  # a record we cannot read must not fail the batch (Envoy retries it)
-            log.exception("record_unreadable", request_id=attrs.get("rid"))
+        except Exception as exc:  # must not fail the batch (Envoy would retry it forever)
+            self._unreadable(attrs, exc)
             return 0
         if rec is None:
             return 0
@@ -94,3 +97,25 @@ class RecordsService(ls_grpc.LogsServiceServicer):
             # than leave it to the orphan sweep (a no-op when there is none).
             self.recorder.leases.void(rec.request_id)
         return event.seq
+
+    def _heard(self, attrs: dict[str, str]) -> None:
+        """A request still in flight: its admission lives on, checkpointed."""
+        rid = record.request_id(attrs)
+        if rid is None or rid in self._seen:  # its end came first (a retried batch)
+            return
+        metrics.RECORD_HEARTBEATS.inc()
+        try:
+            checkpoint = record.checkpoint(attrs)
+        except Exception:
+            checkpoint = None  # its final record (or the sweep) bills it
+        self.recorder.leases.heard(rid, checkpoint)
+
+    def _unreadable(self, attrs: dict[str, str], exc: Exception) -> None:
+        """A record that names its request but whose facts cannot be read: the request is
+        handed to the orphan sweep, which bills it from what its admission stored."""
+        metrics.RECORDS_UNREADABLE.inc()
+        rid = record.request_id(attrs)
+        log.error("record_unreadable", request_id=rid, error=repr(exc))
+        if rid is not None and rid not in self._seen:
+            self._seen[rid] = None
+            self.recorder.leases.abandon(rid)

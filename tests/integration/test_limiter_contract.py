@@ -17,7 +17,7 @@ from gateway.errors import RedisLost, StoreInDoubt
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
-from gateway.limits.types import AdmitRequest, Limiter
+from gateway.limits.types import Abandon, AdmitRequest, Limiter
 from gateway.policy.model import LimitSpec, TierLimit
 
 T0 = 1_800_000_000.0  # a fixed wall-clock instant (2027-01-15)
@@ -194,8 +194,8 @@ async def test_three_tiers_report_the_tightest(limiter: Limiter) -> None:
     assert not denied.allowed and denied.tier == "model"
 
 
-async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url: str) -> None:
-    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
+async def test_orphans_are_swept_once_and_their_reservation_cancelled(limiter: Limiter) -> None:
+    lim = limiter
     key = tier("key", "k1", concurrency=1, tokens_per_day=1000)
     admit = AdmitRequest("lost", (key,), 600, T0, meta='["k1","t","m","/v1/chat/completions",true]')
     assert (await lim.admit(admit)).allowed
@@ -209,13 +209,12 @@ async def test_orphans_are_swept_once_and_their_reservation_cancelled(redis_url:
     assert v.allowed  # the slot is free and the 600 reserved were given back
     await lim.settle("lost", 500)  # a late settlement finds nothing to change
     assert not (await lim.admit(req("more", [key], T0 + 64, reserve=1))).allowed
-    await lim.close()
 
 
-async def test_an_orphan_is_charged_its_last_checkpoint(redis_url: str) -> None:
+async def test_an_orphan_is_charged_its_last_checkpoint(limiter: Limiter) -> None:
     """Renewals carry the stream's usage so far; a sidecar that dies leaves the sweep that
     much to bill (the event's usage_source `checkpoint`), and the counters agree."""
-    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
+    lim = limiter
     key = tier("key", "ck", concurrency=2, tokens_per_day=1000)
     meta = '["ck","t","m","/v1/chat/completions",true]'
     assert (await lim.admit(AdmitRequest("streaming", (key,), 600, T0, meta=meta))).allowed
@@ -227,7 +226,33 @@ async def test_an_orphan_is_charged_its_last_checkpoint(redis_url: str) -> None:
     # 1000 - 67 left for the day: 933 fit, 934 do not
     assert not (await lim.admit(req("big", [key], T0 + 92, reserve=934))).allowed
     assert (await lim.admit(req("fits", [key], T0 + 92, reserve=933))).allowed
-    await lim.close()
+
+
+async def test_a_live_request_id_is_never_admitted_twice(limiter: Limiter) -> None:
+    """An Envoy that keeps client ids must not let one repeated id share an admission (and
+    bypass the concurrency limit): refused while live, admitted again once it ended."""
+    key = tier("key", "dup", concurrency=2)
+    assert (await limiter.admit(req("same", [key]))).allowed
+    v = await limiter.admit(req("same", [key]))
+    assert not v.allowed and v.limit == "duplicate"
+    assert (await limiter.admit(req("other", [key]))).allowed  # the limit itself still holds
+    assert not (await limiter.admit(req("third", [key]))).allowed
+    await limiter.settle("same", None)
+    assert (await limiter.admit(req("same", [key], T0 + 1))).allowed
+
+
+async def test_an_abandoned_admission_is_swept_at_once(limiter: Limiter) -> None:
+    """A request whose record was unreadable: the next sweep frees it and bills its last
+    checkpoint, without waiting for its lease (or the sweep's grace) to run out."""
+    key = tier("key", "ab", concurrency=1, tokens_per_day=1000)
+    meta = '["ab","t","m","/v1/chat/completions",true]'
+    assert (await limiter.admit(AdmitRequest("garbled", (key,), 600, T0, meta=meta))).allowed
+    await limiter.renew(["garbled"], T0 + 1, {"garbled": (10, 20)})
+    assert await limiter.sweep(T0 + 2) == []
+    await limiter.end_many([Abandon("garbled")])
+    [orphan] = await limiter.sweep(T0 + 2)
+    assert (orphan.request_id, orphan.charged, orphan.checkpoint) == ("garbled", 30, (10, 20))
+    assert (await limiter.admit(req("next", [key], T0 + 3, reserve=970))).allowed
 
 
 async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:

@@ -80,6 +80,35 @@ def test_denials_and_envoys_own_answers_are_denied_and_free() -> None:
 
 @pytest.mark.parametrize("bad", ["-", "", "not json", "[1,2]", '{"prompt_tokens": "x"}'])
 def test_garbage_in_any_field_is_not_a_crash(bad: str) -> None:
-    for field in ("authz", "usage", "counted", "code", "start", "ttft_us", "gen_us"):
+    for field in ("usage", "counted", "code", "start", "ttft_us", "gen_us", "total_ms"):
         assert record.read(attrs(**{field: bad})) is not None
     assert record.read(attrs(rid="-")) is None  # nothing to bill it to
+
+
+@pytest.mark.parametrize("bad", ["not json", "[1,2]", '"text"', '{"key_id": "k"'])
+def test_garbled_check_facts_are_unreadable_not_a_denial(bad: str) -> None:
+    """Read as no facts, the request would be billed as denied (nothing) and its admission
+    voided: it is unreadable instead, and the orphan sweep bills it from its admission."""
+    with pytest.raises(record.Unreadable):
+        record.read(attrs(authz=bad))
+    assert record.read(attrs(authz="-")) is not None  # Envoy's own answer: no Check at all
+
+
+def test_a_cut_stream_keeps_its_duration() -> None:
+    """A stream cut mid-way never sent its last byte: DS_TX_END is absent, %DURATION% not."""
+    rec = record.read(attrs(flags="DC", duration_us="-", total_ms="2345"))
+    assert rec is not None and rec.ended - rec.started == pytest.approx(2.345)
+
+
+def test_a_heartbeat_is_told_apart_and_checkpoints_the_usage_so_far() -> None:
+    beat = attrs(type=record.PERIODIC, usage="-", duration_us="-", gen_us="-",
+                 counted={"content_events": 30, "content_chars": 100})
+    assert record.is_heartbeat(beat) and not record.is_heartbeat(attrs(type="DownstreamEnd"))
+    assert record.checkpoint(beat) == (12, 30)  # the prompt estimate; 30 content events
+    reported = attrs(type=record.PERIODIC, usage={"prompt_tokens": 9, "completion_tokens": 4})
+    assert record.checkpoint(reported) == (9, 4)  # continuous usage: exact so far
+
+
+def test_a_duplicate_id_refusal_has_no_event_of_its_own() -> None:
+    dup = dict(AUTHZ, denied="duplicate_request_id", status=409, leased=False)
+    assert record.read(attrs(code="409", authz=dup)) is None
