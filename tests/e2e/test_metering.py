@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -119,6 +120,15 @@ def test_client_cancel_mid_stream(spoke: Spoke, keys: dict[str, str], model: str
     if source == "reported":  # exact up to the cut, thanks to continuous usage stats
         sent = httpx.get(f"{spoke.engine_url}/mock/stats").json()["usage_reported"]
         assert got == sent["completion_tokens"]
+    _lasted_until_its_cut(event, at_least_ms=5 / 50 * 1000)  # 5 tokens at 50/s
+
+
+def _lasted_until_its_cut(event: dict[str, Any], at_least_ms: float) -> None:
+    """A cut stream keeps its timing: it never sent its last byte, yet it lasted."""
+    started = datetime.fromisoformat(event["started_at"])
+    ended = datetime.fromisoformat(event["ended_at"])
+    assert event["timing"]["duration_ms"] >= at_least_ms, event
+    assert (ended - started).total_seconds() * 1000 >= at_least_ms, event
 
 
 def test_engine_5xx_is_upstream_error(spoke: Spoke, keys: dict[str, str]) -> None:
@@ -162,3 +172,4 @@ def test_engine_cut_mid_stream(spoke: Spoke, keys: dict[str, str], how: str) -> 
     assert event["usage_source"] == "estimated"
     assert 4 <= int(event["usage"]["completion_tokens"]) < 40
     assert event["served_model"] == "mock-model"  # the first chunk named it
+    _lasted_until_its_cut(event, at_least_ms=4 / 200 * 1000)  # 5 tokens at 200/s
