@@ -203,7 +203,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 def cmd_dev(args: argparse.Namespace) -> int:
     from gateway.dev.spoke import run_spoke
     return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp,
-                     metering=args.metering)
+                     metering=args.metering, drain_s=args.drain_s)
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
@@ -254,6 +254,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dev", help="the whole local spoke in one command")
     p.add_argument("--port", type=int, default=10000,
                    help="Envoy's listener on 127.0.0.1 (default: %(default)s)")
+    p.add_argument("--drain-s", dest="drain_s", type=float, default=5.0,
+                   help="on Ctrl-C, requests in flight get this long to finish before the "
+                        "rest are cut (each still gets its usage event; default: %(default)s)")
     p.add_argument("--workdir", default=".gateway-dev",
                    help="logs, configs and spools of this spoke (default: %(default)s)")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",

@@ -96,14 +96,21 @@ class EnvoyService(Service):
         super().stop(timeout)
 
     def _drain(self) -> None:
-        admin = f"http://{LOOPBACK}:{self.admin_port}"
-        deadline = time.monotonic() + self.drain_timeout
-        while time.monotonic() < deadline:
-            with urllib.request.urlopen(
-                    f"{admin}/stats?filter=^http\\..*downstream_rq_active$", timeout=1) as r:
-                active = sum(int(line.rsplit(":", 1)[1]) for line in r.read().decode().split("\n")
-                             if ":" in line)
-            if active == 0:
-                break
-            time.sleep(0.05)
+        self.wait_idle(self.drain_timeout)
         time.sleep(0.2)  # past the access logger's 50 ms flush
+
+    def in_flight(self) -> int:
+        """Requests Envoy is serving now (downstream_rq_active, less the admin's own: the
+        very request that asks is one)."""
+        admin = f"http://{LOOPBACK}:{self.admin_port}"
+        with urllib.request.urlopen(
+                f"{admin}/stats?filter=^http\\..*downstream_rq_active$", timeout=1) as r:
+            return sum(int(line.rsplit(":", 1)[1]) for line in r.read().decode().split("\n")
+                       if ":" in line and not line.startswith("http.admin."))
+
+    def wait_idle(self, bound: float) -> int:
+        """Wait up to `bound` seconds for the requests in flight to end; how many remain."""
+        deadline = time.monotonic() + bound
+        while (active := self.in_flight()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return active

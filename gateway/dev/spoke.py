@@ -30,7 +30,7 @@ async def apply_demo_policy(redis_url: str) -> admin.NewKey:
 
 
 def run_spoke(port: int, workdir: Path, otlp: str | None = None,
-              metering: Metering = DEFAULT_METERING) -> int:
+              metering: Metering = DEFAULT_METERING, drain_s: float = 5.0) -> int:
     workdir = workdir.resolve()
     problem = _port_taken(port) or _workdir_taken(workdir)
     if problem:
@@ -49,7 +49,7 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
             spoke.wait_ready(timeout=10)  # the sidecar picks the announcement up in ms
         except TimeoutError as exc:
             print(f"  ({exc}; see {spoke['sidecar'].log_path})", flush=True)
-        _banner(spoke, key.secret)
+        _banner(spoke, key.secret, drain_s)
         _demo_request(spoke, key.secret)
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -66,8 +66,8 @@ def run_spoke(port: int, workdir: Path, otlp: str | None = None,
         # A closed terminal or pipe (its reader gone) must not skip the stop: a failed print
         # here once left every service of the spoke running.
         with contextlib.suppress(OSError):
-            print("\nstopping ...", flush=True)
-        spoke.stop()
+            print(f"\nstopping (requests in flight get {drain_s:g}s) ...", flush=True)
+        spoke.stop(drain_s=drain_s)
     return 0
 
 
@@ -136,7 +136,7 @@ def _workdir_taken(workdir: Path) -> str:
     return ""
 
 
-def _banner(spoke: Spoke, secret: str) -> None:
+def _banner(spoke: Spoke, secret: str, drain_s: float) -> None:
     s = spoke.services
     # The venv's own script, by its full path: pasteable without activating the venv.
     script = Path(sys.executable).with_name("gateway")
@@ -160,5 +160,5 @@ def _banner(spoke: Spoke, secret: str) -> None:
     {gw} policy show; {gw} keys list; {gw} policy status
     {gw} usage tail
 
-  Ctrl-C stops everything.
+  Ctrl-C stops everything (requests in flight first get {drain_s:g}s to finish).
 """, flush=True)

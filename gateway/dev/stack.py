@@ -7,6 +7,7 @@ free-picked except Envoy's when asked.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import urllib.error
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.dev.envoy_proc import envoy_service
+from gateway.dev.envoy_proc import EnvoyService, envoy_service
 from gateway.dev.procs import Service, free_port, redis_service, tansu_service
 from gateway.dev.publish import publish
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
@@ -129,9 +130,44 @@ class Spoke:
             raise
         return self
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Stop every service. With `drain_s` (gateway dev): the requests in flight get up
+        to that long to finish; the engine's stop then cuts the rest, so Envoy ends them
+        itself and sends their records; the sidecar is stopped only once it has every
+        record and delivered every event (each bounded by a few seconds)."""
+        envoy = self.services.get("envoy")
+        if drain_s and isinstance(envoy, EnvoyService) and envoy.alive:
+            with contextlib.suppress(OSError):
+                self._drain(envoy, drain_s)
         for svc in reversed(list(self.services.values())):
             svc.stop()
+
+    def _drain(self, envoy: EnvoyService, bound: float) -> None:
+        if envoy.wait_idle(bound):
+            with contextlib.suppress(OSError):  # nobody may read our output any more
+                print(f"  cutting the streams still running after {bound:g}s", flush=True)
+            self.services["engine"].stop()
+            envoy.wait_idle(5.0)
+        # Envoy's records of the last requests (50 ms buffers), then their events' delivery.
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            held = self.metric("gateway_admissions_open"), self.metric(
+                "gateway_usage_spool_depth")
+            if held == (0.0, 0.0):
+                return
+            time.sleep(0.1)
+
+    def metric(self, name: str) -> float | None:
+        """One unlabelled value of the sidecar's /metrics (None: not there)."""
+        try:
+            with urllib.request.urlopen(f"{self.metrics_url}/metrics", timeout=1) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+        return None
 
     def publish(self, doc: dict[str, Any], source: str, *, prune: bool = False) -> int:
         """Publish a policy (gateway.dev.publish) to this spoke's Redis; its revision."""

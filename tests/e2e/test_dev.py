@@ -3,16 +3,22 @@ the demo request's usage event, and Ctrl-C stops everything."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 
 from gateway.dev.procs import free_port, port_open
+from gateway.dev.usage_topic import read_topic
 
 
 def _ignore_sigint() -> None:
@@ -102,3 +108,57 @@ def test_gateway_dev_refuses_a_taken_port_or_work_directory(tmp_path: Path) -> N
                             "--workdir", str(tmp_path / "b")], capture_output=True, text=True,
                            timeout=30)
     assert r.returncode == 2 and "in use by another spoke" in r.stderr
+
+
+def test_stopping_gateway_dev_bills_a_stream_in_flight(tmp_path: Path) -> None:
+    """Ctrl-C with a 10 s stream in flight: it gets the drain bound (2 s here) to finish,
+    then the engine's stop cuts it, Envoy ends it and sends its record, and the sidecar turns
+    it into its one event, delivered before Kafka stops; no admission is left to the sweep."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "dev", "--port", str(port), "--drain-s", "2",
+         "--workdir", str(tmp_path / "dev")], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    out = ""
+    while '"outcome": "completed"' not in out:
+        line = proc.stdout.readline()
+        assert line, out
+        out += line
+    secret = next(ln.split()[-1] for ln in out.splitlines() if "demo key:" in ln)
+    kafka = re.search(r"Kafka\s+(\S+) \(Tansu\)", out)
+    assert kafka, out
+    seen: list[dict[str, object]] = []
+    rid: list[str] = []
+
+    def follow() -> None:  # the topic, read while the spoke stops (Tansu keeps it in memory)
+        def keep(m: Any) -> bool:
+            if m.value:
+                seen.append(orjson.loads(m.value))
+            return True
+        asyncio.run(read_topic(kafka.group(1), keep, lambda: bool(rid) and any(
+            e["event_id"] == rid[0] for e in seen), timeout=60, settle=0))
+
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                      headers={"authorization": f"Bearer {secret}",
+                               "x-mock-tokens-per-s": "50"},
+                      json={"model": "mock-model", "max_tokens": 500, "stream": True,
+                            "messages": [{"role": "user", "content": "a long story"}]}) as r:
+        rid.append(r.headers["x-request-id"])
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        with contextlib.suppress(httpx.HTTPError):
+            for _ in r.iter_raw():
+                pass
+    rest, _ = proc.communicate(timeout=60)
+    reader.join(30)
+    assert "cutting the streams still running after 2s" in rest, rest
+    [event] = [e for e in seen if e["event_id"] == rid[0]]
+    assert event["outcome"] == "upstream_error"  # cut by the stop, billed what it streamed
+    usage = event["usage"]
+    assert isinstance(usage, dict) and int(usage["completion_tokens"]) > 0, event
+    assert event["usage_source"] == "estimated"  # from what it streamed until the cut
+    sidecar_log = next((tmp_path / "dev").glob("sidecar-*.log")).read_text()
+    assert "orphaned_request" not in sidecar_log and "admission_unheard" not in sidecar_log
