@@ -24,6 +24,7 @@ ERROR_TYPES = {
     "model_not_allowed": "invalid_request_error",
     "invalid_request_error": "invalid_request_error",
     "unknown_url": "invalid_request_error",
+    "duplicate_request_id": "invalid_request_error",
     "rate_limit_exceeded": "requests",
     "insufficient_quota": "insufficient_quota",
     "service_unavailable": "server_error",
