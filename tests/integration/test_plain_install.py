@@ -1,6 +1,7 @@
 """Installed as a user installs it: the wheel built from this checkout, plain `pip install`
 into a fresh venv (no bootstrap script), then a spoke from it with the reference Envoy
-config and `gateway serve` on default settings (free ports and local paths aside).
+config and `gateway serve` on default settings (free ports and local paths aside), traces
+on: every request answered, metered once, its slot freed, its span exported.
 
 The venv is put in the state that broke metering (issue 20) on purpose, so the test cannot
 pass by install-order luck: opentelemetry-proto installed, then xds-protos reinstalled last,
@@ -9,6 +10,7 @@ whose OTLP 0.x copy of `opentelemetry/proto` overwrites it. pip's cache makes re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,12 +29,14 @@ from gateway.dev.envoy_proc import envoy_service
 from gateway.dev.procs import LOOPBACK, Service, free_port
 from gateway.dev.stack import engine_service, wait_ready
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
+from testkit.otlp_receiver import otlp_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a cold pip cache: minutes
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CONCURRENCY = 4
 REQUESTS = 10
+TRACE = "5" * 32  # each request a sampled child of this trace: the sidecar's spans join it
 POLICY = {"models": {"mock-model": {"limits": {"concurrency": MODEL_CONCURRENCY}}},
           "teams": {"t": {"models": ["*"]}}}
 # True when the OTLP logs messages at opentelemetry-proto's paths are xds-protos' 0.x copy
@@ -92,20 +96,27 @@ def test_plain_install_in_the_shadowed_state_meters_every_request(
     secret = next(ln.split()[-1] for ln in created.splitlines() if ln.startswith("secret:"))
 
     listen, door, metrics = free_port(), free_port(), free_port()
-    sidecar = Service("sidecar", [str(gw), "serve"], listen, tmp_path, env={
-        **env, "PYTHONPATH": "",  # Service adds the test's environment: empty is unset
-        "GATEWAY_LISTEN": f"{LOOPBACK}:{listen}",
-        "GATEWAY_AUTHZ_HTTP_LISTEN": f"{LOOPBACK}:{door}",
-        "GATEWAY_METRICS_LISTEN": f"{LOOPBACK}:{metrics}",
-        "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
-        "GATEWAY_USAGE_JSONL": str(tmp_path / "usage.jsonl")})
-    engine = engine_service(free_port(), tmp_path)
-    port, admin = free_port(), free_port()
-    # envoy/envoy.yaml with these ports (a test keeps that file equal to this render)
-    envoy = envoy_service(render(EnvoyPorts(
-        listen=f"{LOOPBACK}:{port}", sidecar=sidecar.address, engine=engine.address,
-        admin=f"{LOOPBACK}:{admin}", authz_http=f"{LOOPBACK}:{door}")), admin, port, tmp_path)
-    with sidecar, engine, envoy:
+    with contextlib.ExitStack() as stack:
+        collector, spans = stack.enter_context(otlp_receiver())
+        sidecar = Service("sidecar", [str(gw), "serve"], listen, tmp_path, env={
+            **env, "PYTHONPATH": "",  # Service adds the test's environment: empty is unset
+            "GATEWAY_LISTEN": f"{LOOPBACK}:{listen}",
+            "GATEWAY_AUTHZ_HTTP_LISTEN": f"{LOOPBACK}:{door}",
+            "GATEWAY_METRICS_LISTEN": f"{LOOPBACK}:{metrics}",
+            "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
+            "GATEWAY_USAGE_JSONL": str(tmp_path / "usage.jsonl"),
+            # traces on: the OTLP exporter must work in this venv too
+            "OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{collector}"})
+        engine = engine_service(free_port(), tmp_path)
+        port, admin = free_port(), free_port()
+        # envoy/envoy.yaml with these ports (a test keeps that file equal to this render)
+        envoy = envoy_service(render(EnvoyPorts(
+            listen=f"{LOOPBACK}:{port}", sidecar=sidecar.address, engine=engine.address,
+            admin=f"{LOOPBACK}:{admin}", authz_http=f"{LOOPBACK}:{door}")),
+            admin, port, tmp_path)
+        for svc in (sidecar, engine, envoy):
+            stack.enter_context(svc)
         wait_ready(f"http://{LOOPBACK}:{metrics}")
         c = openai.OpenAI(base_url=f"http://{LOOPBACK}:{port}/v1", api_key=secret,
                           max_retries=0)
@@ -114,7 +125,8 @@ def test_plain_install_in_the_shadowed_state_meters_every_request(
             stream = i % 2 == 0
             raw = c.chat.completions.with_raw_response.create(
                 model="mock-model", messages=[{"role": "user", "content": f"hi {i}"}],
-                max_tokens=5, stream=stream)
+                max_tokens=5, stream=stream,
+                extra_headers={"traceparent": f"00-{TRACE}-{i + 1:016x}-01"})
             assert raw.status_code == 200, (i, raw.http_response.text)
             if stream:
                 list(raw.parse())
@@ -126,6 +138,8 @@ def test_plain_install_in_the_shadowed_state_meters_every_request(
         held = {k: store.zcard(k) for k in store.scan_iter("gw:conc:*")}
         assert sum(held.values()) == 0, held
         assert "record_unreadable" not in sidecar.log_path.read_text()
+        traced = spans.wait_for(REQUESTS, TRACE)
+        assert sorted(s.attributes["gateway.request_id"] for s in traced) == sorted(ids)
 
 
 def _events(path: Path, count: int, timeout: float = 20.0) -> list[dict[str, object]]:
