@@ -76,6 +76,8 @@ NEEDS: tuple[Needs, ...] = (
         "response_body.response.body_mutation.streamed_response.body",
         "response_body.response.body_mutation.streamed_response.end_of_stream",
     ), "xds-protos"),
+    # the Check's gRPC status; googleapis-common-protos ships these paths too
+    Needs("google.rpc.status_pb2", "Status", ("code=1",), "xds-protos"),
     Needs("gateway._proto.gateway.otlp.v1.otlp_pb2", "ExportLogsServiceRequest", (
         "resource_logs=1.scope_logs=2.log_records=2.attributes=6.key=1",
         "resource_logs=1.scope_logs=2.log_records=2.attributes=6.value=2.string_value=1",
