@@ -46,7 +46,7 @@ def missing(message: Descriptor, paths: Iterable[str]) -> list[str]:
                 out.append(".".join(path.split(".")[:i + 1]) + got)
                 break
             d = field.message_type
-    return out
+    return list(dict.fromkeys(out))  # paths sharing a missing step name it once
 
 
 _BODY = ("body", "end_of_stream")

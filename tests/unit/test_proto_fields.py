@@ -61,7 +61,7 @@ def test_the_installed_messages_have_every_field_the_sidecar_reads() -> None:
 def test_a_message_lacking_a_field_is_named_with_its_fix(shadowed: Needs) -> None:
     [line] = proto_fields.problems([shadowed])
     assert "shadowed_logs_pb2.ExportLogsServiceRequest" in line
-    assert "lacks resource_logs=1.scope_logs=2" in line
+    assert "lacks resource_logs=1.scope_logs=2;" in line  # once, for both paths through it
     assert "pip install --force-reinstall --no-deps 'xds-protos==1.85.0'" in line
 
 
