@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_metering.py
 	$(BIN)/python benchmarks/bench_sources.py
 	$(BIN)/python benchmarks/bench_spool.py
+	$(BIN)/python benchmarks/bench_span_encode.py
 	$(BIN)/python benchmarks/bench_stages.py
 
 clean:

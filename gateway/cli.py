@@ -46,6 +46,8 @@ def _backend(s: Settings) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server.proto_fields import check_or_exit
+    check_or_exit()  # a message lacking a field we read: refuse, with the fix
     s = _settings(args)
     from gateway.log import configure
     configure(s.log_level)

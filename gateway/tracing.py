@@ -2,8 +2,9 @@
 
 Off unless `OTEL_TRACES_EXPORTER` names an exporter: `otlp` (OTLP/gRPC to
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`, default
-localhost:4317) or `console` (JSON on stdout). The standard OTel variables apply
-(`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, the exporter's).
+localhost:4317, by our own exporter, `tracing_otlp`, which no install order can break)
+or `console` (JSON on stdout). The standard OTel variables apply (`OTEL_SERVICE_NAME`,
+`OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, the exporter's).
 
 A span is made only for a request that carries a W3C `traceparent`, and (unless
 `OTEL_TRACES_SAMPLER` picks another sampler) only if that says sampled. It is taken from:
@@ -31,6 +32,8 @@ from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.tracing_otlp import OtlpSpanExporter, Target
 
 __all__ = ["Span", "Status", "StatusCode", "Tracing", "from_env", "trace_context"]
 
@@ -80,19 +83,6 @@ class Tracing:
         done.join(timeout)
 
 
-def _otlp_exporter() -> SpanExporter:
-    try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    except ImportError as exc:
-        # xds-protos ships an old copy of these protos at the same paths (scripts/bootstrap.sh)
-        raise RuntimeError(
-            f"the OTLP exporter cannot load ({exc}). If xds-protos was installed after "
-            "opentelemetry-proto, its old copy of the OpenTelemetry protos shadows the real "
-            "ones: pip install --force-reinstall --no-deps opentelemetry-proto==1.45.2"
-        ) from exc
-    return OTLPSpanExporter()
-
-
 def from_env(environ: Mapping[str, str] = os.environ,
              exporter: SpanExporter | None = None) -> Tracing | None:
     """Tracing as the OTEL_* variables ask, or None when traces are off (the default)."""
@@ -101,7 +91,7 @@ def from_env(environ: Mapping[str, str] = os.environ,
         if kind in ("", "none"):
             return None
         if kind == "otlp":
-            exporter = _otlp_exporter()
+            exporter = OtlpSpanExporter(Target.from_env(environ))
         elif kind == "console":
             exporter = ConsoleSpanExporter()
         else:

@@ -21,10 +21,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "bootstrap: installing the gateway package and its dev/test extras"
 .venv/bin/pip install -q -e '.[dev,test]' 2>&1 | grep -v "^WARNING: Location" || true
-# xds-protos ships an old copy (OTLP 0.x) of the OpenTelemetry protos at the very paths of
-# opentelemetry-proto, and whichever pip installs last wins. The OTLP exporter needs the
-# real ones: reinstall them last (the Envoy messages work with either).
-.venv/bin/pip install -q --force-reinstall --no-deps "opentelemetry-proto==1.45.2" 2>&1 \
-  | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import gateway, grpc, envoy.service.auth.v3.external_auth_pb2, aiohttp, openai
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter"
+from gateway.server.proto_fields import check_or_exit; check_or_exit()"

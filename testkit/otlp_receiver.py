@@ -1,5 +1,6 @@
 """A real OTLP/gRPC trace receiver for tests and benchmarks: what a collector would be
-sent, kept in memory."""
+sent, kept in memory. It reads with the project's own OTLP messages (OTLP 1.x field numbers)
+at the collector's wire path, so it works whichever copy of `opentelemetry.proto` pip left."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
 
+from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
 from gateway.dev.procs import free_port
 
 
@@ -33,13 +33,13 @@ def _value(v: Any) -> Any:
     return getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
 
 
-class Receiver(ts_grpc.TraceServiceServicer):
+class Receiver:
     def __init__(self) -> None:
         self.spans: list[Span] = []
         self._lock = threading.Lock()
 
-    def Export(self, request: ts.ExportTraceServiceRequest,
-               context: grpc.ServicerContext) -> ts.ExportTraceServiceResponse:
+    def Export(self, request: otlp.ExportTraceServiceRequest,
+               context: grpc.ServicerContext) -> otlp.ExportTraceServiceResponse:
         got = []
         for rs in request.resource_spans:
             res = {a.key: _value(a.value) for a in rs.resource.attributes}
@@ -53,7 +53,7 @@ class Receiver(ts_grpc.TraceServiceServicer):
                         error=s.status.code == 2))
         with self._lock:
             self.spans += got
-        return ts.ExportTraceServiceResponse()
+        return otlp.ExportTraceServiceResponse()
 
     def wait_for(self, count: int, trace_id: str | None = None,
                  timeout: float = 15.0) -> list[Span]:
@@ -71,7 +71,12 @@ class Receiver(ts_grpc.TraceServiceServicer):
 def otlp_receiver() -> Iterator[tuple[str, Receiver]]:
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
-    ts_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "opentelemetry.proto.collector.trace.v1.TraceService", {
+            "Export": grpc.unary_unary_rpc_method_handler(
+                receiver.Export,
+                request_deserializer=otlp.ExportTraceServiceRequest.FromString,
+                response_serializer=otlp.ExportTraceServiceResponse.SerializeToString)}),))
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()

@@ -19,6 +19,13 @@ def new_secret(key_id: str) -> str:
     return f"{PREFIX}{key_id}-{token}"
 
 
+def random_part(secret: str) -> str:
+    """The 43 random characters of a secret this module made: everything after
+    `sk-gw-<key_id>-`. Split at the first '-' after the prefix (key ids have none), never
+    the last: base64url text has '-' too."""
+    return secret.removeprefix(PREFIX).split("-", 1)[1]
+
+
 def digest(secret: str | bytes) -> bytes:
     """The lookup key. The secret is hashed whole, so keys the hub minted in other formats work."""
     raw = secret.encode() if isinstance(secret, str) else secret

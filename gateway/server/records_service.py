@@ -6,41 +6,34 @@ events are durable in the spool: a sidecar killed before that loses nothing, Env
 the batch again after the restart. That makes delivery at-least-once; a request id seen
 recently is not recorded twice (after a restart, the billing consumer's `event_id` dedup
 does the rest, as for every event).
+
+The messages are the project's own (`protos/gateway/otlp/v1/otlp.proto`, OTLP 1.x field
+numbers), served at Envoy's wire path by a generic handler: the `opentelemetry.proto`
+modules can be xds-protos' OTLP 0.x copy, depending on what pip installed last.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
 
 import grpc
-from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as ls
-from opentelemetry.proto.collector.logs.v1 import logs_service_pb2_grpc as ls_grpc
-from opentelemetry.proto.common.v1 import common_pb2
 
 from gateway import metrics
+from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
 from gateway.log import log
 from gateway.metering import record
 from gateway.metering.recorder import Recorder
 
 SEEN_MAX = 200_000  # request ids remembered for dedup (~20 MB): minutes of traffic
+SERVICE = "opentelemetry.proto.collector.logs.v1.LogsService"  # Envoy's wire name
 
 
-def _text(v: common_pb2.AnyValue) -> str:
+def _text(v: otlp.AnyValue) -> str:
     kind = v.WhichOneof("value")
     return v.string_value if kind == "string_value" else str(getattr(v, kind)) if kind else ""
 
 
-def _scopes(resource_logs: object) -> Iterable[object]:
-    """`scope_logs`; xds-protos ships pre-1.0 copies of these protos that may shadow the real
-    ones, where the same field 2 is called `instrumentation_library_logs` (wire-compatible)."""
-    scopes = getattr(resource_logs, "scope_logs", None)
-    if scopes is None:
-        scopes = getattr(resource_logs, "instrumentation_library_logs", ())
-    return scopes  # type: ignore[return-value]
-
-
-class RecordsService(ls_grpc.LogsServiceServicer):
+class RecordsService:
     """`emits`: the records are the requests' events (GATEWAY_METERING=envoy). Otherwise
     (ext_proc, which emits its own) Envoy sends records only for streams that ended early,
     and each only tells the recorder who ended it (the response flags)."""
@@ -51,19 +44,24 @@ class RecordsService(ls_grpc.LogsServiceServicer):
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     def register(self, server: grpc.aio.Server) -> None:
-        ls_grpc.add_LogsServiceServicer_to_server(self, server)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Export": grpc.unary_unary_rpc_method_handler(
+                self.Export,
+                request_deserializer=otlp.ExportLogsServiceRequest.FromString,
+                response_serializer=otlp.ExportLogsServiceResponse.SerializeToString),
+        }),))
 
-    async def Export(self, request: ls.ExportLogsServiceRequest,
-                     context: grpc.aio.ServicerContext) -> ls.ExportLogsServiceResponse:
+    async def Export(self, request: otlp.ExportLogsServiceRequest,
+                     context: grpc.aio.ServicerContext) -> otlp.ExportLogsServiceResponse:
         last_seq = 0
         for rl in request.resource_logs:
-            for sl in _scopes(rl):
-                for lr in sl.log_records:  # type: ignore[attr-defined]
+            for sl in rl.scope_logs:
+                for lr in sl.log_records:
                     seq = self._one({kv.key: _text(kv.value) for kv in lr.attributes})
                     last_seq = max(last_seq, seq)
         if last_seq:
             await self.recorder.spool.until_durable(last_seq)
-        return ls.ExportLogsServiceResponse()
+        return otlp.ExportLogsServiceResponse()
 
     def _one(self, attrs: dict[str, str]) -> int:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""

@@ -75,3 +75,8 @@ def test_lua_per_chunk_quick(tmp_path: Path) -> None:
         "count only", "hide usage:null", "hide continuous", "messages delta",
         "responses delta"]
     assert all(r["this tree"] > 0 for r in doc["rows"])
+
+
+def test_bench_span_encode_quick(tmp_path: Path) -> None:
+    doc = run("bench_span_encode.py", tmp_path)
+    assert doc["spans"] == 64 and doc["ours_us_per_span"] > 0

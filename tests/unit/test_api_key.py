@@ -91,6 +91,14 @@ def test_new_secrets_are_random_and_carry_256_bits() -> None:
         assert len(base64.urlsafe_b64decode(token + "=")) == 32
 
 
+def test_random_part_is_all_after_the_key_id_even_with_dashes_in_it() -> None:
+    # base64url has '-': about half of all secrets carry one in their random part
+    rand = "Ab-" + "x" * 38 + "-E"
+    assert secrets.random_part(f"sk-gw-key_7Hq2-{rand}") == rand
+    for secret in (secrets.new_secret("k") for _ in range(50)):
+        assert len(secrets.random_part(secret)) == 43
+
+
 def test_digest_is_sha256_of_the_whole_secret() -> None:
     secret = secrets.new_secret("key_7Hq2")
     assert secrets.digest(secret) == hashlib.sha256(secret.encode()).digest()

@@ -1,4 +1,5 @@
-"""The generated usage-event code must match protos/: a .proto edit without `make protos` fails."""
+"""The generated code (the usage event, the OTLP messages) must match protos/: a .proto edit
+without `make protos` fails."""
 
 from gateway import protos_build
 
