@@ -101,6 +101,17 @@ class Fleet:
             time.sleep(0.05)
         raise AssertionError(f"not within {timeout}s: {what} (last error: {last!r})")
 
+    def wait_value(self, fn: Any, what: str, timeout: float = 30.0) -> Any:
+        """`fn()`'s value once it stops raising (e.g. a CLI while Kafka comes back)."""
+        box: list[Any] = []
+
+        def done() -> bool:
+            box.append(fn())
+            return True
+
+        self.wait(done, what, timeout)
+        return box[-1]
+
     def stop(self) -> None:
         for svc in self.syncers.values():
             svc.stop()

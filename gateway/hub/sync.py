@@ -72,13 +72,13 @@ class Syncer:
             if self.last_good.raw is not None and self.last_good.revision > held:
                 await self._restore(self.last_good.raw)
             entry = feed.entry_for(self.current, self.spoke)
-            metrics.SYNC_FEED_REVISION.set(feed.feed_revision(self.current, self.spoke) or 0)
             if entry is None:
                 self._set_refused(None)
             else:
                 key, raw = entry
                 await self._take(feed.decide(f"{POLICY_TOPIC}[{key}]", raw, self.held), raw)
-            metrics.SYNC_HELD_REVISION.set(self.held)
+            metrics.SYNC_HELD_REVISION.set(self.held)  # both last: a round ended here
+            metrics.SYNC_FEED_REVISION.set(feed.feed_revision(self.current, self.spoke) or 0)
             await self.store.report_sync(self.id, {
                 "feed": "up" if self.feed.up else "down", "feed_error": self.feed.error,
                 "feed_revision": feed.feed_revision(self.current, self.spoke),

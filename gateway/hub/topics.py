@@ -63,7 +63,8 @@ async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,
 def _consumer(bootstrap: str) -> AIOKafkaConsumer:
     return AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
                             enable_auto_commit=False, auto_offset_reset="earliest",
-                            request_timeout_ms=10000, metadata_max_age_ms=2000)
+                            request_timeout_ms=10000, metadata_max_age_ms=2000,
+                            fetch_max_wait_ms=200)  # a new revision waits at most this
 
 
 def _decoded(msgs: dict[TopicPartition, list[Any]]) -> list[Record]:
