@@ -75,3 +75,11 @@ def test_lua_per_chunk_quick(tmp_path: Path) -> None:
         "count only", "hide usage:null", "hide continuous", "messages delta",
         "responses delta"]
     assert all(r["this tree"] > 0 for r in doc["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_hub_quick(tmp_path: Path) -> None:
+    doc = run("bench_hub.py", tmp_path)  # raises unless every instance ACKed every revision
+    assert len(doc["rows"]) == doc["rounds"] == 5
+    assert all(len(r["ack_s"]) == 4 for r in doc["rows"])
