@@ -68,7 +68,7 @@ class Syncer:
         """One round: restore from disk if Redis lost it, then follow the feed's entry."""
         async with self._lock:
             held = self.held = await self.store.current_revision()
-            self.redis_up = True
+            self._set_redis_up(True)
             if self.last_good.raw is not None and self.last_good.revision > held:
                 await self._restore(self.last_good.raw)
             entry = feed.entry_for(self.current, self.spoke)
@@ -126,8 +126,13 @@ class Syncer:
         except _REDIS_DOWN as exc:
             if self.redis_up:
                 log.warning("hub_sync_redis_unreachable", error=str(exc))
-            self.redis_up = False
+            self._set_redis_up(False)
             metrics.SYNC_ERRORS.labels("redis").inc()
+
+    def _set_redis_up(self, up: bool) -> None:
+        if up != self.redis_up:
+            self.redis_up = up
+            self.reporter.poke()  # the hub hears of it at once, not at the next heartbeat
 
     async def follow_feed(self) -> None:
         async for records in self.feed.batches():
