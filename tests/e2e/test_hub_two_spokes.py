@@ -218,3 +218,31 @@ def test_a_restarted_syncer_resumes_without_reapplying(fleet: Fleet) -> None:
     assert metric(syncer, 'gateway_hub_sync_revisions_total{result="applied"}') is None
     assert metric(syncer, 'gateway_hub_sync_revisions_total{result="restored"}') is None
     assert fleet.held(B) == held
+
+
+def test_a_revision_a_sidecar_refuses_shows_as_its_nack(fleet: Fleet) -> None:
+    """Written straight into spoke-b's Redis, past the syncer (as an older tool could): the
+    sidecar keeps serving what it holds and tells the hub why. Last: it leaves spoke-b's
+    Redis ahead of the feed."""
+    from redis.asyncio import Redis
+
+    from gateway.policy.store import PolicyStore
+
+    held = fleet.held(B)
+
+    async def write_raw() -> None:
+        client = Redis.from_url(fleet.spokes[B].redis_url)
+        await PolicyStore(client).publish_raw(held + 1, orjson.dumps(BAD_POLICY))
+        await client.aclose()
+
+    asyncio.run(write_raw())
+
+    def nacked() -> bool:
+        side = fleet.status()[B]["instances"][f"{B}-sidecar"]
+        return side["state"] == "nack" and "models.m.limits.rps" in (side["error"] or "")
+
+    fleet.wait(nacked, "spoke-b's sidecar NACK in gateway hub status")
+    side = fleet.status()[B]["instances"][f"{B}-sidecar"]
+    assert side["revision"] == held  # still serving the one it had
+    assert answer(fleet.spokes[B], fleet.keys["good"]) == 200
+    assert fleet.status()[A]["instances"][f"{A}-sidecar"]["state"] == "ack"
