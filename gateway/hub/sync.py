@@ -135,11 +135,24 @@ class Syncer:
             self.reporter.poke()  # the hub hears of it at once, not at the next heartbeat
 
     async def follow_feed(self) -> None:
+        """The feed into `self.current`. A read from the topic's start (first, or after
+        Kafka was away) replaces it only once it reached the end: partitions are read in
+        no order between them, and a half-read feed could offer a spoke a `*` revision
+        that its own entry, further on, overrides."""
+        generation, reading = 0, True
+        pending: dict[str, bytes] = {}
         async for records in self.feed.batches():
             metrics.SYNC_FEED_UP.set(1 if self.feed.up else 0)
             if not self.feed.up:
                 metrics.SYNC_ERRORS.labels("kafka").inc()
-            self.current = feed.latest([*self.current.items(), *records])
+            if self.feed.generation != generation:
+                generation, pending, reading = self.feed.generation, {}, True
+            if reading:
+                pending = feed.latest([*pending.items(), *records])
+                if self.feed.caught_up:
+                    self.current, reading = pending, False
+            else:
+                self.current = feed.latest([*self.current.items(), *records])
             await self._round()
 
     async def guard_redis(self) -> None:

@@ -129,6 +129,8 @@ class Follower:
         self.up = False
         self.error = "not connected yet"
         self.ok_at = 0.0  # when Kafka last answered (time.time())
+        self.generation = 0  # +1 each time it starts reading again from the beginning
+        self.caught_up = False  # this generation has read up to the topic's end once
 
     def _mark(self, error: str | None) -> None:
         if error is None:
@@ -140,23 +142,30 @@ class Follower:
 
     async def batches(self) -> AsyncIterator[list[Record]]:
         """Lists of new records as they arrive; an empty list at least every `probe_s`
-        (after a probe of Kafka, so `up` is fresh). Never ends; never raises for Kafka."""
+        (after a probe of Kafka, so `up` is fresh). Never ends; never raises for Kafka.
+        After a failure it reads the topic again from its start (`generation` changes)."""
         while True:
             c = _consumer(self.bootstrap)
+            self.generation += 1
+            self.caught_up = False
             try:
                 async with asyncio.timeout(self.probe_s + 3):
                     await c.start()
                     tps = await _assign_all(c, self.topic)
                 self._mark(None)
                 while not tps:  # no revision published yet
+                    self.caught_up = True
                     yield []
                     await asyncio.sleep(self.probe_s)
                     async with asyncio.timeout(self.probe_s + 3):
                         tps = await _assign_all(c, self.topic)
                     self._mark(None)
                 probed = time.monotonic()
+                self.caught_up = False  # the topic exists now: read it to its end first
                 while True:
                     records = _decoded(await c.getmany(timeout_ms=int(self.probe_s * 500)))
+                    if not self.caught_up:
+                        self.caught_up = await _caught_up(c, tps)
                     if time.monotonic() - probed >= self.probe_s:
                         async with asyncio.timeout(self.probe_s + 1):
                             await _metadata(c)  # raises if Kafka is away
