@@ -56,4 +56,6 @@ SYNC_REVISIONS = Counter(
     "Feed revisions by what the syncer did: applied, refused (NACK), restored (from disk)",
     ["result"])
 SYNC_ERRORS = Counter(
-    "gateway_hub_sync_errors_total", "Sync rounds that failed (Redis or Kafka away)", ["what"])
+    "gateway_hub_sync_errors_total",
+    "Sync rounds that failed: Redis or Kafka away, or Redis moved meanwhile (conflict)",
+    ["what"])

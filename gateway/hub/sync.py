@@ -123,6 +123,7 @@ class Syncer:
             await self.sync_once()
         except RevisionConflict as exc:  # another syncer of this spoke was first: re-read
             log.info("hub_sync_conflict", error=str(exc))
+            metrics.SYNC_ERRORS.labels("conflict").inc()
         except _REDIS_DOWN as exc:
             if self.redis_up:
                 log.warning("hub_sync_redis_unreachable", error=str(exc))

@@ -217,6 +217,8 @@ def test_a_restarted_syncer_resumes_without_reapplying(fleet: Fleet) -> None:
                and metric(syncer, "gateway_hub_feed_up") == 1, "the syncer caught up")
     assert metric(syncer, 'gateway_hub_sync_revisions_total{result="applied"}') is None
     assert metric(syncer, 'gateway_hub_sync_revisions_total{result="restored"}') is None
+    # nor tried to (the compare-and-set would have refused it: a conflict)
+    assert metric(syncer, 'gateway_hub_sync_errors_total{what="conflict"}') is None
     assert fleet.held(B) == held
 
 
