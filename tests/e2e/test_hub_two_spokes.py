@@ -248,3 +248,25 @@ def test_a_revision_a_sidecar_refuses_shows_as_its_nack(fleet: Fleet) -> None:
     assert side["revision"] == held  # still serving the one it had
     assert answer(fleet.spokes[B], fleet.keys["good"]) == 200
     assert fleet.status()[A]["instances"][f"{A}-sidecar"]["state"] == "ack"
+
+
+def test_a_spokes_redis_down_shows_in_hub_status_and_comes_back_from_disk(
+        fleet: Fleet) -> None:
+    """Its Redis stopped, both of spoke-b's instances tell the hub; restarted empty, it gets
+    the last good revision back from the syncer's disk (not the one written past it)."""
+    redis_b = fleet.spokes[B]["redis"]
+    good = syncer_line(fleet, B)["feed_revision"]
+
+    def store_up(want: bool) -> bool:
+        instances = fleet.status()[B]["instances"].values()
+        return all(i["limiter_store_up"] is want for i in instances)
+
+    redis_b.stop()
+    try:
+        fleet.wait(lambda: store_up(False), "spoke-b's instances report the store down")
+        assert all(i["limiter_store_up"] for i in fleet.status()[A]["instances"].values())
+    finally:
+        redis_b.start()
+    fleet.wait(lambda: fleet.held(B) == good, "the last good revision restored")
+    fleet.wait(lambda: store_up(True), "spoke-b's instances report the store up")
+    assert answer(fleet.spokes[B], fleet.keys["good"]) == 200
