@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_spool.py
 	$(BIN)/python benchmarks/bench_span_encode.py
 	$(BIN)/python benchmarks/bench_stages.py
+	$(BIN)/python benchmarks/bench_hub.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -120,18 +120,94 @@ def cmd_policy_status(args: argparse.Namespace) -> int:
     from gateway.policy.store import PolicyStore
     from gateway.redis_clients import policy_client
 
-    async def fetch() -> tuple[int, dict[str, dict[str, Any]]]:
+    async def fetch() -> tuple[int, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         store = PolicyStore(policy_client(s.redis_url or "", s.redis_deadline_ms / 1000))
-        return await store.current_revision(), await store.statuses()
+        return (await store.current_revision(), await store.statuses(),
+                await store.sync_statuses())
 
-    current, rows = _run_value(fetch())
+    current, rows, syncers = _run_value(fetch())
     print(f"current revision: {current}")
     print(f"{'INSTANCE':32} {'HELD':>5} {'STATE':5} {'LAST SEEN':>10}  ERROR")
     now = time.time()
     for inst, r in sorted(rows.items()):
         age = f"{now - r['seen_at']:.0f}s ago"
         print(f"{inst:32} {r['revision']:>5} {r['state']:5} {age:>10}  {r.get('error') or ''}")
-    return 1 if any(r["state"] == "NACK" for r in rows.values()) else 0
+    if syncers:  # `policy sync` followers of the hub's feed
+        print(f"\n{'SYNCER':32} {'FEED':5} {'FEED REV':>8} {'HELD':>5} {'STATE':5} "
+              f"{'LAST SEEN':>10}  ERROR")
+        for name, r in sorted(syncers.items()):
+            age = f"{now - r['seen_at']:.0f}s ago"
+            err = r.get("error") or ""
+            if r["feed"] != "up":
+                err = f"feed unreachable, retrying: {r.get('feed_error')}" + (
+                    f"; {err}" if err else "")
+            print(f"{name:32} {r['feed']:5} {r.get('feed_revision') or '-':>8} "
+                  f"{r['revision']:>5} {r['state']:5} {age:>10}  {err}")
+    nack = [*rows.values(), *syncers.values()]
+    return 1 if any(r["state"] == "NACK" for r in nack) else 0
+
+
+def cmd_policy_sync(args: argparse.Namespace) -> int:
+    from gateway.hub.sync import default_id, run_sync
+    from gateway.log import configure
+    s = _settings(args)
+    configure(s.log_level)
+    import uvloop
+    uvloop.run(run_sync(s, args.id or default_id()))
+    return 0
+
+
+def _hub_bootstrap(args: argparse.Namespace) -> tuple[Settings, str]:
+    s = _settings(args)
+    bootstrap = args.bootstrap or s.feed_bootstrap
+    if not bootstrap:
+        raise SystemExit("no hub Kafka: pass --bootstrap, or set GATEWAY_HUB_BOOTSTRAP or "
+                         "GATEWAY_KAFKA_BOOTSTRAP")
+    return s, bootstrap
+
+
+def cmd_hub_publish(args: argparse.Namespace) -> int:
+    from gateway.hub.publish import publish
+    s, bootstrap = _hub_bootstrap(args)
+    try:
+        text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+        revision = _run_value(publish(bootstrap, text, args.file, args.target_spoke,
+                                      idempotence=s.kafka_idempotence))
+    except PolicyError as err:
+        print("invalid policy, nothing published:", file=sys.stderr)
+        for p in err.problems:
+            print(f"  {err.source}: {p}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"nothing published: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # Kafka away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"published revision {revision} for spoke {args.target_spoke}")
+    return 0
+
+
+def cmd_hub_status(args: argparse.Namespace) -> int:
+    from gateway.hub import feed, fleet
+    from gateway.hub.topics import POLICY_TOPIC, STATUS_TOPIC, read_all
+    s, bootstrap = _hub_bootstrap(args)
+
+    async def fetch() -> tuple[dict[str, bytes], dict[str, bytes]]:
+        return (feed.latest(await read_all(bootstrap, STATUS_TOPIC)),
+                feed.latest(await read_all(bootstrap, POLICY_TOPIC)))
+
+    try:
+        statuses, policies = _run_value(fetch())
+    except Exception as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    view = fleet.fleet(statuses, policies, time.time())
+    if args.output == "json":
+        print(orjson.dumps(view).decode())
+    else:
+        sys.stdout.write(fleet.table(view, s.status_interval_s))
+    return 0
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -215,6 +291,12 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
                    help="embedded mode's policy file (default: $GATEWAY_POLICY_FILE)")
 
 
+def _hub_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", default=None,
+                   help="the hub's Kafka (default: $GATEWAY_HUB_BOOTSTRAP, else "
+                        "$GATEWAY_KAFKA_BOOTSTRAP)")
+
+
 def _metering_flag(p: argparse.ArgumentParser) -> None:
     from gateway.settings import DEFAULT_METERING, METERING_SOURCES
     p.add_argument("--metering", choices=METERING_SOURCES,
@@ -266,7 +348,7 @@ def parser() -> argparse.ArgumentParser:
     _metering_flag(p)
     p.set_defaults(fn=cmd_dev)
 
-    pol = sub.add_parser("policy", help="apply / show / status").add_subparsers(
+    pol = sub.add_parser("policy", help="apply / show / status / sync").add_subparsers(
         dest="sub", required=True)
     p = pol.add_parser("apply", help="validate and publish a new revision")
     p.add_argument("--dry-run", dest="dry_run", action="store_true",
@@ -286,6 +368,34 @@ def parser() -> argparse.ArgumentParser:
     p = pol.add_parser("status", help="each instance: revision held, ACK/NACK, last seen")
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_status)
+
+    p = pol.add_parser("sync", help="follow the hub's feed into this spoke's Redis "
+                                    "(long-running)")
+    p.add_argument("--id", default=None,
+                   help="this syncer's name in `hub status` and `policy status` "
+                        "(default: sync-<hostname>)")
+    p.add_argument("--metrics-listen", dest="sync_metrics_listen", default=None,
+                   help="/metrics and /healthz (default: $GATEWAY_SYNC_METRICS_LISTEN, else "
+                        "127.0.0.1:9103)")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_policy_sync)
+
+    hub = sub.add_parser("hub", help="the hub's side: publish / status").add_subparsers(
+        dest="sub", required=True)
+    p = hub.add_parser("publish", help="validate a policy and put it on the feed as the next "
+                                      "revision")
+    p.add_argument("file", help="YAML or JSON policy document; - reads stdin")
+    p.add_argument("--spoke", dest="target_spoke", default="*", metavar="ID|*",
+                   help="the spoke it is for; * = every spoke without its own entry "
+                        "(default: %(default)s)")
+    _hub_flag(p)
+    p.set_defaults(fn=cmd_hub_publish)
+    p = hub.add_parser("status", help="the fleet, from the status topic: per spoke and "
+                                     "instance, revision, ACK/NACK, spool, store")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="format (default: %(default)s)")
+    _hub_flag(p)
+    p.set_defaults(fn=cmd_hub_status)
 
     keys = sub.add_parser("keys", help="create / list / revoke").add_subparsers(
         dest="sub", required=True)

@@ -54,3 +54,21 @@ SPOOL_OLDEST_AGE = Gauge(
 STORE_UP = Gauge("gateway_limiter_store_up",
                  "1 while the limiter store (Redis) answers, else 0 (admissions fail closed)",
                  multiprocess_mode="livemin")
+
+# Hub and spokes (DESIGN §10)
+STATUS_SEND_ERRORS = Counter(
+    "gateway_hub_status_send_errors_total", "Status reports the hub's Kafka did not take")
+SYNC_FEED_UP = Gauge(
+    "gateway_hub_feed_up", "1 while the policy feed (the hub's Kafka) answers the syncer")
+SYNC_FEED_REVISION = Gauge(
+    "gateway_hub_feed_revision", "The revision the feed holds for this spoke (0: none)")
+SYNC_HELD_REVISION = Gauge(
+    "gateway_hub_sync_held_revision", "The revision the spoke's Redis holds, as last seen")
+SYNC_REVISIONS = Counter(
+    "gateway_hub_sync_revisions_total",
+    "Feed revisions by what the syncer did: applied, refused (NACK), restored (from disk)",
+    ["result"])
+SYNC_ERRORS = Counter(
+    "gateway_hub_sync_errors_total",
+    "Sync rounds that failed: Redis or Kafka away, or Redis moved meanwhile (conflict)",
+    ["what"])

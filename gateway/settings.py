@@ -61,6 +61,13 @@ class Settings(BaseSettings):
     policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals
     max_message_bytes: int = 64 * 1024 * 1024  # gRPC: a CheckRequest carries the whole body
 
+    # Hub and spokes (DESIGN §10): the hub's Kafka, when not the usage Kafka's
+    hub_bootstrap: str | None = None
+    status_interval_s: float = 10.0  # heartbeat on llm.gateway.status.v1
+    # `policy sync`: the last good revision on disk (a wiped Redis comes back serving it)
+    sync_state_dir: Path = Path(".gateway-sync")
+    sync_metrics_listen: str = "127.0.0.1:9103"  # `policy sync`'s /metrics, /healthz
+
     @classmethod
     def from_args(cls, args: object) -> Settings:
         """Env settings, overridden by the command-line flags that were given."""
@@ -91,6 +98,11 @@ class Settings(BaseSettings):
     def unheard_s(self) -> float:
         """How long an Envoy-fed admission is renewed without a word of it from Envoy."""
         return 3 * self.record_heartbeat_s
+
+    @property
+    def feed_bootstrap(self) -> str | None:
+        """The Kafka the hub's topics live on: GATEWAY_HUB_BOOTSTRAP, else the usage Kafka."""
+        return self.hub_bootstrap or self.kafka_bootstrap
 
     @property
     def embedded(self) -> bool:

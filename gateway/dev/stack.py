@@ -69,6 +69,7 @@ class Spoke:
     engine_ttft_ms: float = 20
     engine_tokens_per_s: float = 500
     kafka: bool = True
+    kafka_bootstrap_shared: str | None = None  # a broker other spokes share (none started)
     otlp: str | None = None  # an OTLP/gRPC collector: Envoy and the sidecar send it traces
     services: dict[str, Service] = field(default_factory=dict)
     metrics_port: int = 0
@@ -97,7 +98,10 @@ class Spoke:
                "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl"),
                "GATEWAY_METERING": self.metering}
         pre: dict[str, Service] = {"redis": redis}
-        if self.kafka:
+        if self.kafka_bootstrap_shared:
+            env["GATEWAY_KAFKA_BOOTSTRAP"] = self.kafka_bootstrap_shared
+            env["GATEWAY_KAFKA_IDEMPOTENCE"] = "false"
+        elif self.kafka:
             pre["kafka"] = tansu_service(free_port(), self.workdir)
             env["GATEWAY_KAFKA_BOOTSTRAP"] = pre["kafka"].address
             env["GATEWAY_KAFKA_IDEMPOTENCE"] = "false"  # Tansu: see docs/kafka-broker.md
@@ -182,7 +186,7 @@ class Spoke:
 
     @property
     def kafka_bootstrap(self) -> str:
-        return self.services["kafka"].address
+        return self.kafka_bootstrap_shared or self.services["kafka"].address
 
     @property
     def base_url(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from redis import exceptions as redis_errors
@@ -28,6 +29,8 @@ class PolicyHolder:
     def __init__(self) -> None:
         self.policy: Policy | None = None
         self.rejected: dict[int, str] = {}  # revision → error, so a bad one is NACKed once
+        # Called after each revision taken or refused: the hub's status reporter reports then.
+        self.on_change: list[Callable[[], None]] = []
 
     def get(self) -> Policy | None:
         return self.policy
@@ -38,6 +41,23 @@ class PolicyHolder:
         metrics.READY.set(1)
         metrics.POLICY_LOADS.labels("ack").inc()
         log.info("policy_loaded", revision=policy.revision, keys=len(policy.keys))
+        self._changed()
+
+    def reject(self, revision: int, error: str) -> None:
+        self.rejected[revision] = error
+        metrics.POLICY_LOADS.labels("nack").inc()
+        log.error("policy_rejected", revision=revision, error=error)
+        self._changed()
+
+    def verdict(self) -> tuple[str, str | None]:
+        """("nack", error) while the newest revision seen was refused, else ("ack", None)."""
+        held = self.policy.revision if self.policy else 0
+        newest = max(self.rejected, default=0)
+        return ("nack", self.rejected[newest]) if newest > held else ("ack", None)
+
+    def _changed(self) -> None:
+        for fn in self.on_change:
+            fn()
 
 
 class RedisPolicySync:
@@ -61,9 +81,7 @@ class RedisPolicySync:
                                          f"revision {stored.revision}")
                     self.holder.swap(policy)
                 except PolicyError as err:
-                    self.holder.rejected[stored.revision] = str(err)
-                    metrics.POLICY_LOADS.labels("nack").inc()
-                    log.error("policy_rejected", revision=stored.revision, error=str(err))
+                    self.holder.reject(stored.revision, str(err))
             error = self.holder.rejected.get(stored.revision)
             await self.store.report(self.instance_id, self.held, stored.revision, error)
         except _REDIS_DOWN as exc:

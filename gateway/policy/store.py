@@ -3,6 +3,8 @@
     gw:policy            hash {revision, doc}: the current revision (doc as JSON)
     gw:policy:announce   pub/sub channel: a new revision number
     gw:policy:status     hash instance_id → JSON {revision, state: ACK|NACK, error, seen_at}
+    gw:policy:sync       hash syncer id → JSON {feed, feed_error, feed_revision, revision,
+                         state, error, seen_at}: each `policy sync` follower of the hub's feed
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gateway.policy.schema import PolicyDoc
 POLICY_KEY = "gw:policy"
 ANNOUNCE = "gw:policy:announce"
 STATUS_KEY = "gw:policy:status"
+SYNC_KEY = "gw:policy:sync"
 
 # Compare-and-set: store revision ARGV[1] with doc ARGV[2] only if it is newer than the
 # current one and (when ARGV[3] is not '') the current one is still ARGV[3].
@@ -94,6 +97,16 @@ class PolicyStore:
 
     async def statuses(self) -> dict[str, dict[str, Any]]:
         raw = await self.redis.hgetall(STATUS_KEY)
+        return {
+            (k.decode() if isinstance(k, bytes) else k): orjson.loads(v) for k, v in raw.items()
+        }
+
+    async def report_sync(self, syncer: str, entry: dict[str, Any]) -> None:
+        """A syncer's own line for `policy status`: is the hub's feed reachable, what it holds."""
+        await self.redis.hset(SYNC_KEY, syncer, orjson.dumps({**entry, "seen_at": time.time()}))
+
+    async def sync_statuses(self) -> dict[str, dict[str, Any]]:
+        raw = await self.redis.hgetall(SYNC_KEY)
         return {
             (k.decode() if isinstance(k, bytes) else k): orjson.loads(v) for k, v in raw.items()
         }

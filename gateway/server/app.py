@@ -19,6 +19,7 @@ from gateway import metrics, redis_clients
 from gateway.addresses import split_hostport
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
+from gateway.hub.status import Status, StatusReporter, now_text
 from gateway.limits.leases import Leases
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
@@ -56,6 +57,11 @@ class App:
     producer: Producer | None = None
     tracing: Tracing | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # what the watch loop last saw: spool depth, its oldest event's age, the store answering
+    spool_depth: int = 0
+    spool_oldest_s: float = 0.0
+    store_up: bool = False
+    reporter: StatusReporter | None = None  # to the hub, when it has a Kafka
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
         s = self.settings
@@ -81,6 +87,12 @@ class App:
                              unheard_s=s.unheard_s)
         self.leases.start()
         recorder = self._start_usage_pipeline(self.leases)
+        if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
+            self.store_up = await self._store_answers()
+            self.reporter = StatusReporter(s.feed_bootstrap, self.status, s.status_interval_s,
+                                           s.kafka_idempotence)
+            self.holder.on_change.append(self.reporter.poke)
+            self.tasks.append(asyncio.create_task(self.reporter.run()))
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
             default_completion_tokens=s.default_completion_tokens,
             reserve_cap=s.reserve_cap_tokens,
@@ -155,14 +167,26 @@ class App:
             age = max(sp.oldest_age(now) for sp in spools)
             metrics.SPOOL_DEPTH.set(depth)
             metrics.SPOOL_OLDEST_AGE.set(age)
+            self.spool_depth, self.spool_oldest_s = depth, age
             _alert(loud, "spool", age > threshold, now, "usage_delivery_stalled",
                    "usage_delivery_recovered", depth=depth, oldest_age_s=round(age, 1),
                    threshold_s=threshold)
             up = await self._store_answers()
+            if up != self.store_up and self.reporter:
+                self.reporter.poke()  # the hub hears of a store going down at once
+            self.store_up = up
             metrics.STORE_UP.set(1 if up else 0)
             _alert(loud, "store", not up, now, "limiter_store_unreachable",
                    "limiter_store_recovered")
             await asyncio.sleep(1.0)
+
+    def status(self) -> Status:
+        """This instance's report to the hub: the revision it serves, whether it took the
+        newest it was offered, and what waits in its spool."""
+        state, error = self.holder.verdict()
+        held = self.holder.policy.revision if self.holder.policy else 0
+        return Status(self.settings.spoke, self.instance_id, held, state, error, now_text(),
+                      self.spool_depth, round(self.spool_oldest_s, 1), self.store_up)
 
     async def _store_answers(self) -> bool:
         assert self.limiter is not None

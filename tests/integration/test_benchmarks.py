@@ -80,3 +80,11 @@ def test_lua_per_chunk_quick(tmp_path: Path) -> None:
 def test_bench_span_encode_quick(tmp_path: Path) -> None:
     doc = run("bench_span_encode.py", tmp_path)
     assert doc["spans"] == 64 and doc["ours_us_per_span"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_hub_quick(tmp_path: Path) -> None:
+    doc = run("bench_hub.py", tmp_path)  # raises unless every instance ACKed every revision
+    assert len(doc["rows"]) == doc["rounds"] == 5
+    assert all(len(r["ack_s"]) == 4 for r in doc["rows"])

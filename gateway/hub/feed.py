@@ -1,0 +1,142 @@
+"""The policy feed's rules, pure: which entry a spoke follows, and what a syncer does with it.
+
+`llm.policy.v1` is keyed by spoke id, or `*` for every spoke; a value is JSON
+`{"revision": N, "policy": {...}}` and a null value removes a spoke's own entry. Revisions
+form one sequence over the topic, and a spoke never moves to a lower one than it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import PolicyError
+from gateway.policy.loader import parse_doc
+from gateway.policy.schema import PolicyDoc
+
+EVERY_SPOKE = "*"
+
+Record = tuple[str, bytes | None]  # Kafka key, value (None: a tombstone)
+
+
+class FeedValueError(ValueError):
+    """A feed value that is not `{"revision": N > 0, "policy": {...}}`."""
+
+
+@dataclass(frozen=True)
+class FeedEntry:
+    revision: int
+    policy: dict[str, Any]
+
+
+def parse_value(raw: bytes) -> FeedEntry:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise FeedValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FeedValueError("not a JSON object")
+    rev = data.get("revision")
+    if not isinstance(rev, int) or isinstance(rev, bool) or rev <= 0:
+        raise FeedValueError(f"revision: must be a positive integer, got {rev!r}")
+    policy = data.get("policy")
+    if not isinstance(policy, dict):
+        raise FeedValueError("policy: must be a JSON object (a policy document)")
+    extra = sorted(set(data) - {"revision", "policy"})
+    if extra:
+        raise FeedValueError(f"unknown fields {', '.join(extra)}")
+    return FeedEntry(rev, policy)
+
+
+def encode(revision: int, policy: dict[str, Any]) -> bytes:
+    return orjson.dumps({"revision": revision, "policy": policy})
+
+
+def latest(records: Iterable[Record]) -> dict[str, bytes]:
+    """The value each key holds now, in topic order (compaction's meaning): a tombstone
+    removes the key."""
+    out: dict[str, bytes] = {}
+    for key, value in records:
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def max_revision(records: Iterable[Record]) -> int:
+    """The highest revision ever put on the feed (superseded and removed ones included):
+    the next publish takes this + 1, so the sequence never goes back."""
+    best = 0
+    for _, value in records:
+        if value is not None:
+            try:
+                best = max(best, parse_value(value).revision)
+            except FeedValueError:
+                continue
+    return best
+
+
+def entry_for(current: dict[str, bytes], spoke: str) -> tuple[str, bytes] | None:
+    """The (key, value) a spoke follows: its own entry where it has one, else `*`'s."""
+    for key in (spoke, EVERY_SPOKE):
+        if key in current:
+            return key, current[key]
+    return None
+
+
+def feed_revision(current: dict[str, bytes], spoke: str) -> int | None:
+    """The revision the feed holds for `spoke` (None: no entry, or an unreadable one)."""
+    found = entry_for(current, spoke)
+    if found is None:
+        return None
+    try:
+        return parse_value(found[1]).revision
+    except FeedValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Apply:
+    revision: int
+    doc: PolicyDoc  # validated, carrying `revision`
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Nothing to do: the entry is not newer than what the spoke holds."""
+    revision: int
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """An entry that fails validation: NACKed upward, never applied."""
+    revision: int | None  # None: not even the revision could be read
+    error: str
+
+
+Decision = Apply | Hold | Refuse
+
+
+def decide(source: str, raw: bytes, held: int) -> Decision:
+    """What a syncer whose spoke holds revision `held` does with the feed value `raw` (from
+    `source`, which errors name, e.g. `llm.policy.v1[*]`).
+
+    A lower or equal revision is held whatever it contains (never go back); a newer one is
+    validated exactly as `policy apply` validates a file, and applied as that revision.
+    """
+    try:
+        entry = parse_value(raw)
+    except FeedValueError as exc:
+        return Refuse(None, f"{source}: {exc}")
+    if entry.revision <= held:
+        return Hold(entry.revision)
+    source = f"{source} revision {entry.revision}"
+    try:
+        doc = parse_doc(orjson.dumps(entry.policy), source)
+    except PolicyError as err:
+        return Refuse(entry.revision, str(err))
+    return Apply(entry.revision, doc.model_copy(update={"revision": entry.revision}))

@@ -1,0 +1,85 @@
+"""`gateway hub status`: the fleet as the status topic tells it, beside what the feed holds
+for each spoke. Pure: built from the topics' latest values, rendered as JSON or a table."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from gateway.hub import feed
+
+FRESH_HEARTBEATS = 3  # an instance silent for longer than this many intervals is stale
+
+
+def _age(at: Any, now: float) -> float | None:
+    try:
+        return round(max(0.0, now - datetime.fromisoformat(str(at)).timestamp()), 1)
+    except ValueError:
+        return None
+
+
+def fleet(statuses: dict[str, bytes], policies: dict[str, bytes], now: float) -> dict[str, Any]:
+    """`{"spokes": [{"spoke", "feed_revision", "instances": [...]}]}` (DESIGN §10): every
+    spoke that reports or has its own feed entry, sorted; an unreadable report is an
+    instance in state "unreadable" rather than left out."""
+    spokes: dict[str, list[dict[str, Any]]] = {
+        k: [] for k in policies if k != feed.EVERY_SPOKE}
+    for key, raw in statuses.items():
+        spoke, _, instance = key.partition("/")
+        try:
+            s = orjson.loads(raw)
+            if not isinstance(s, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            s = {"state": "unreadable", "error": f"{key}: {exc}"}
+        spokes.setdefault(spoke, []).append({
+            "instance": instance,
+            "revision": s.get("revision"),
+            "state": s.get("state"),
+            "error": s.get("error"),
+            "age_s": _age(s.get("at"), now),
+            "spool_depth": s.get("spool_depth"),
+            "spool_oldest_s": s.get("spool_oldest_s"),
+            "limiter_store_up": s.get("limiter_store_up"),
+        })
+    return {"spokes": [
+        {"spoke": name, "feed_revision": feed.feed_revision(policies, name),
+         "instances": sorted(spokes[name], key=lambda i: i["instance"])}
+        for name in sorted(spokes)]}
+
+
+def lagging(spoke: dict[str, Any]) -> list[str]:
+    """Instances holding less than the feed's revision for their spoke."""
+    want = spoke["feed_revision"]
+    return [i["instance"] for i in spoke["instances"]
+            if want is not None and (i["revision"] or 0) < want]
+
+
+def table(view: dict[str, Any], interval: float) -> str:
+    """One line per instance; a spoke's header says whether it lags behind the feed."""
+    out = []
+    for sp in view["spokes"]:
+        behind = lagging(sp)
+        mark = f"LAGGING ({len(behind)} behind)" if behind else "in step"
+        if sp["feed_revision"] is None:
+            mark = "no feed entry"
+        out.append(f"spoke {sp['spoke']}: feed revision {sp['feed_revision'] or '-'}, {mark}")
+        out.append(f"  {'INSTANCE':28} {'REV':>5} {'STATE':5} {'AGE':>7} {'SPOOL':>6} "
+                   f"{'OLDEST':>7} {'STORE':5}  ERROR")
+        for i in sp["instances"]:
+            age = i["age_s"]
+            age_text = "?" if age is None else f"{age:.0f}s"
+            if age is not None and age > FRESH_HEARTBEATS * interval:
+                age_text += "!"
+            store = {True: "up", False: "DOWN"}.get(i["limiter_store_up"], "?")
+            oldest = i["spool_oldest_s"]
+            out.append(
+                f"  {i['instance']:28} {i['revision'] if i['revision'] is not None else '-':>5} "
+                f"{(i['state'] or '?'):5} {age_text:>7} {i['spool_depth'] or 0:>6} "
+                f"{(oldest or 0):>6.0f}s {store:5}  {i['error'] or ''}".rstrip())
+    if not out:
+        return "no spoke has reported on llm.gateway.status.v1 yet\n"
+    out.append(f"(AGE! = silent for more than {FRESH_HEARTBEATS} heartbeats of {interval:g}s)")
+    return "\n".join(out) + "\n"

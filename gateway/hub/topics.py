@@ -1,0 +1,186 @@
+"""The hub's topics on Kafka: produce keyed JSON, read a compacted topic whole, follow one.
+
+Compacted topics keep the latest value per key; a reader that reads every record in order
+and keeps the last per key (a null value deletes) gets the same answer whether or not the
+broker compacts (Tansu does not: docs/kafka-broker.md quirk 4). Nothing here trusts
+`ListOffsets(latest)` (quirk 3): a read ends when every partition's position reaches the
+high-water mark its fetches report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
+
+from gateway.errors import SinkUnavailable
+from gateway.hub.feed import Record
+from gateway.log import log
+
+POLICY_TOPIC = "llm.policy.v1"
+STATUS_TOPIC = "llm.gateway.status.v1"
+_TOPIC_EXISTS = 36  # Kafka's TOPIC_ALREADY_EXISTS
+
+
+async def ensure_compacted(bootstrap: str, topic: str) -> None:
+    """Create `topic` compacted, one partition, if it is missing (best effort: a broker
+    that auto-creates topics works without it, uncompacted)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        await admin.start()
+        res = await admin.create_topics(
+            [NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+        for _, code, *_ in res.topic_errors:
+            if code not in (0, _TOPIC_EXISTS):
+                log.warning("topic_not_created", topic=topic, error_code=code)
+    except (KafkaError, OSError) as exc:
+        log.warning("topic_not_created", topic=topic, error=repr(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,
+                  idempotence: bool = True) -> None:
+    """One keyed record, acks=all; SinkUnavailable if Kafka did not take it."""
+    p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all",
+                         enable_idempotence=idempotence, request_timeout_ms=10000)
+    try:
+        await p.start()
+        await p.send_and_wait(topic, key=key.encode(), value=value)
+    except (KafkaError, OSError) as exc:
+        raise SinkUnavailable(f"kafka {bootstrap}: {exc!r}") from exc
+    finally:
+        await p.stop()
+
+
+def _consumer(bootstrap: str) -> AIOKafkaConsumer:
+    return AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None,
+                            enable_auto_commit=False, auto_offset_reset="earliest",
+                            request_timeout_ms=10000, metadata_max_age_ms=2000,
+                            fetch_max_wait_ms=200)  # a new revision waits at most this
+
+
+def _decoded(msgs: dict[TopicPartition, list[Any]]) -> list[Record]:
+    return [(m.key.decode() if m.key else "", m.value) for batch in msgs.values() for m in batch]
+
+
+async def _metadata(c: AIOKafkaConsumer) -> Any:
+    """A fresh metadata round trip (KafkaError when no broker answers). The consumer's own
+    view may not know a topic created since it started, so its partitions are read here."""
+    return await c._client.fetch_all_metadata()
+
+
+async def _assign_all(c: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
+    """Every partition of `topic` from its beginning; [] if the topic does not exist yet."""
+    parts = (await _metadata(c)).partitions_for_topic(topic)
+    if not parts:
+        return []
+    tps = [TopicPartition(topic, p) for p in sorted(parts)]
+    c.assign(tps)
+    await c.seek_to_beginning(*tps)
+    return tps
+
+
+async def _caught_up(c: AIOKafkaConsumer, tps: list[TopicPartition]) -> bool:
+    for tp in tps:
+        high = c.highwater(tp)
+        if high is None or await c.position(tp) < high:
+            return False
+    return True
+
+
+async def read_all(bootstrap: str, topic: str, timeout: float = 10.0) -> list[Record]:
+    """Every record of `topic` (key, value), each partition in order, up to its end now.
+
+    SinkUnavailable when Kafka does not answer, or the end is not reached within `timeout`.
+    """
+    c = _consumer(bootstrap)
+    out: list[Record] = []
+    try:
+        async with asyncio.timeout(timeout):
+            await c.start()
+            tps = await _assign_all(c, topic)
+            while tps:
+                out += _decoded(await c.getmany(timeout_ms=100))
+                if await _caught_up(c, tps):
+                    break
+    except (KafkaError, OSError, TimeoutError) as exc:
+        raise SinkUnavailable(f"kafka {bootstrap}: reading {topic}: {exc!r}") from exc
+    finally:
+        await c.stop()
+    return out
+
+
+class Follower:
+    """Follows a topic from its beginning for as long as it runs, and says whether Kafka
+    answers (a consumer alone never says: it retries quietly)."""
+
+    def __init__(self, bootstrap: str, topic: str, probe_s: float = 2.0) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.probe_s = probe_s
+        self.up = False
+        self.error = "not connected yet"
+        self.ok_at = 0.0  # when Kafka last answered (time.time())
+        self.generation = 0  # +1 each time it starts reading again from the beginning
+        self.caught_up = False  # this generation has read up to the topic's end once
+
+    def _mark(self, error: str | None) -> None:
+        if error is None:
+            self.up, self.error, self.ok_at = True, "", time.time()
+        else:
+            if self.up or self.error != error:
+                log.warning("hub_feed_unreachable", topic=self.topic, error=error)
+            self.up, self.error = False, error
+
+    async def batches(self) -> AsyncIterator[list[Record]]:
+        """Lists of new records as they arrive; an empty list at least every `probe_s`
+        (after a probe of Kafka, so `up` is fresh). Never ends; never raises for Kafka.
+        After a failure it reads the topic again from its start (`generation` changes)."""
+        while True:
+            c = _consumer(self.bootstrap)
+            self.generation += 1
+            self.caught_up = False
+            try:
+                async with asyncio.timeout(self.probe_s + 3):
+                    await c.start()
+                    tps = await _assign_all(c, self.topic)
+                self._mark(None)
+                while not tps:  # no revision published yet
+                    self.caught_up = True
+                    yield []
+                    await asyncio.sleep(self.probe_s)
+                    async with asyncio.timeout(self.probe_s + 3):
+                        tps = await _assign_all(c, self.topic)
+                    self._mark(None)
+                probed = time.monotonic()
+                self.caught_up = False  # the topic exists now: read it to its end first
+                while True:
+                    records = _decoded(await c.getmany(timeout_ms=int(self.probe_s * 500)))
+                    if not self.caught_up:
+                        self.caught_up = await _caught_up(c, tps)
+                    if time.monotonic() - probed >= self.probe_s:
+                        async with asyncio.timeout(self.probe_s + 1):
+                            await _metadata(c)  # raises if Kafka is away
+                        self._mark(None)
+                        probed = time.monotonic()
+                    yield records
+            except (KafkaError, OSError, TimeoutError) as exc:
+                self._mark(repr(exc))
+                yield []
+                await asyncio.sleep(min(self.probe_s, 1.0))
+            except Exception as exc:  # a client bug must not end the follower: start over
+                log.exception("hub_feed_follower_crashed", topic=self.topic)
+                self._mark(repr(exc))
+                yield []
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await c.stop()

@@ -1,0 +1,94 @@
+"""The hub's Kafka I/O on a real Tansu: reading a topic whole, following it, and saying
+when Kafka is away."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from gateway.dev.procs import Service, free_port, tansu_service
+from gateway.hub import feed
+from gateway.hub.feed import Record
+from gateway.hub.topics import Follower, ensure_compacted, produce, read_all
+
+
+@pytest.fixture(scope="module")
+def tansu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = tansu_service(free_port(), tmp_path_factory.mktemp("tansu")).start()
+    yield svc
+    svc.stop()
+
+
+async def test_a_topic_is_read_whole_in_order_and_a_missing_one_is_empty(
+        tansu: Service) -> None:
+    bs = tansu.address
+    assert await read_all(bs, "hub.missing") == []
+    await ensure_compacted(bs, "hub.t1")
+    await ensure_compacted(bs, "hub.t1")  # already there: no error
+    for key, value in [("*", b"1"), ("a", b"2"), ("*", b"3"), ("a", None)]:
+        await produce(bs, "hub.t1", key, value, idempotence=False)
+    records = await read_all(bs, "hub.t1")
+    assert records == [("*", b"1"), ("a", b"2"), ("*", b"3"), ("a", None)]
+    assert feed.latest(records) == {"*": b"3"}
+
+
+async def until(batches: AsyncIterator[list[Record]], cond: Callable[[], object],
+                seen: list[Record], timeout: float = 20.0) -> None:
+    """Take batches (into `seen`) until `cond()` holds after one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen.extend(await anext(batches))
+        if cond():
+            return
+    raise AssertionError("condition not reached")
+
+
+async def test_the_follower_says_when_kafka_is_away_and_reads_again_from_the_start(
+        tansu: Service) -> None:
+    bs = tansu.address
+    await ensure_compacted(bs, "hub.t2")
+    await produce(bs, "hub.t2", "*", b"first", idempotence=False)
+    follower = Follower(bs, "hub.t2", probe_s=0.5)
+    seen: list[Record] = []
+    batches = follower.batches()
+    try:
+        await until(batches, lambda: follower.caught_up and seen, seen)
+        assert follower.up and seen == [("*", b"first")]
+        first = follower.generation
+
+        tansu.pause()  # SIGSTOP: Kafka hangs
+        try:
+            await until(batches, lambda: not follower.up, seen)
+            assert follower.error
+        finally:
+            tansu.resume()
+        await produce(bs, "hub.t2", "*", b"second", idempotence=False)
+        seen.clear()
+        await until(batches, lambda: follower.up and follower.caught_up
+                    and ("*", b"second") in seen, seen)
+        assert follower.generation > first
+        assert seen == [("*", b"first"), ("*", b"second")]  # from the start again
+    finally:
+        await batches.aclose()
+
+
+def test_hub_publish_with_kafka_away_says_so_and_exits_1(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    doc = tmp_path / "p.yaml"
+    doc.write_text("models: {m: {}}\n")
+    assert main(["hub", "publish", str(doc), "--bootstrap", f"127.0.0.1:{free_port()}"]) == 1
+    assert "error: kafka" in capsys.readouterr().err
+
+
+def test_hub_status_of_an_empty_fleet(tansu: Service,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hub", "status", "--bootstrap", tansu.address]) == 0
+    assert "no spoke has reported" in capsys.readouterr().out
+    assert main(["hub", "status", "-o", "json", "--bootstrap", tansu.address]) == 0
+    assert capsys.readouterr().out.strip() == '{"spokes":[]}'
+

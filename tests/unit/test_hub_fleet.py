@@ -1,0 +1,87 @@
+"""`gateway hub status` without Kafka: the fleet view built from the topics' latest values,
+its JSON shape (DESIGN §10), which spokes lag, and the table."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import orjson
+
+from gateway.hub import feed, fleet
+from gateway.hub.status import Status, rfc3339
+
+NOW = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC).timestamp()
+
+
+def report(spoke: str, instance: str, revision: int, state: str = "ack",
+           error: str | None = None, ago: float = 1.0, spool_depth: int = 0,
+           spool_oldest_s: float = 0.0, limiter_store_up: bool = True) -> tuple[str, bytes]:
+    at = rfc3339(datetime.fromtimestamp(NOW - ago, UTC))
+    s = Status(spoke, instance, revision, state, error, at, spool_depth, spool_oldest_s,
+               limiter_store_up)
+    return s.key, s.encode()
+
+
+def test_the_report_has_the_contract_fields_in_order() -> None:
+    key, raw = report("a", "i1", 3, spool_depth=2, spool_oldest_s=1.5)
+    assert key == "a/i1"
+    assert list(orjson.loads(raw)) == ["spoke", "instance", "revision", "state", "error", "at",
+                                       "spool_depth", "spool_oldest_s", "limiter_store_up"]
+    assert orjson.loads(raw)["at"] == "2026-12-01T11:59:59.000Z"
+
+
+def test_fleet_view_has_the_contract_shape_and_the_feed_revision_per_spoke() -> None:
+    statuses = dict([report("b", "side", 4), report("a", "sync", 5, ago=2.5),
+                     report("a", "side", 5, "nack", "models.m: bad", spool_depth=3,
+                            spool_oldest_s=7.0, limiter_store_up=False)])
+    policies = {"*": feed.encode(4, {}), "a": feed.encode(5, {}), "c": feed.encode(6, {})}
+    view = fleet.fleet(statuses, policies, NOW)
+    assert [s["spoke"] for s in view["spokes"]] == ["a", "b", "c"]  # c: own entry, no report
+    a, b, c = view["spokes"]
+    assert (a["feed_revision"], b["feed_revision"], c["feed_revision"]) == (5, 4, 6)
+    assert c["instances"] == []
+    assert a["instances"][0] == {
+        "instance": "side", "revision": 5, "state": "nack", "error": "models.m: bad",
+        "age_s": 1.0, "spool_depth": 3, "spool_oldest_s": 7.0, "limiter_store_up": False}
+    assert a["instances"][1]["age_s"] == 2.5
+    assert set(view) == {"spokes"} and set(a) == {"spoke", "feed_revision", "instances"}
+
+
+def test_lagging_names_the_instances_behind_the_feed() -> None:
+    statuses = dict([report("a", "new", 7), report("a", "old", 6), report("b", "x", 6)])
+    view = fleet.fleet(statuses, {"*": feed.encode(6, {}), "a": feed.encode(7, {})}, NOW)
+    assert [fleet.lagging(s) for s in view["spokes"]] == [["old"], []]
+    text = fleet.table(view, interval=10)
+    assert "spoke a: feed revision 7, LAGGING (1 behind)" in text
+    assert "spoke b: feed revision 6, in step" in text
+
+
+def test_an_unreadable_report_shows_rather_than_vanishes() -> None:
+    view = fleet.fleet({"a/i": b"{garbage"}, {}, NOW)
+    inst = view["spokes"][0]["instances"][0]
+    assert inst["instance"] == "i" and inst["state"] == "unreadable"
+    assert inst["error"].startswith("a/i: ")
+
+
+def test_the_table_marks_silent_instances_and_a_down_store() -> None:
+    statuses = dict([report("a", "quiet", 1, ago=45), report("a", "down", 1,
+                                                            limiter_store_up=False)])
+    text = fleet.table(fleet.fleet(statuses, {"*": feed.encode(1, {})}, NOW), interval=10)
+    quiet = next(ln for ln in text.splitlines() if "quiet" in ln)
+    down = next(ln for ln in text.splitlines() if " down " in ln)
+    assert "45s!" in quiet and " up" in quiet
+    assert "DOWN" in down
+    assert fleet.table({"spokes": []}, 10).startswith("no spoke has reported")
+
+
+def test_an_instance_nacks_while_the_newest_revision_it_saw_was_refused() -> None:
+    from gateway.policy.holder import PolicyHolder
+    from gateway.policy.loader import load
+
+    holder, seen = PolicyHolder(), []
+    holder.on_change.append(lambda: seen.append(holder.verdict()))
+    holder.swap(load(b"models: {m: {}}", 3))
+    holder.reject(4, "models.m: bad")
+    holder.swap(load(b"models: {m: {}}", 5))
+    holder.reject(2, "old news")  # refused, but older than what it serves: still ACK
+    assert seen == [("ack", None), ("nack", "models.m: bad"), ("ack", None), ("ack", None)]
