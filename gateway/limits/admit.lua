@@ -8,12 +8,16 @@
 -- ARGV[8] n requests, then one ARGV per request: its fields joined by \31 (packing 30
 --         arguments per request cost the client more than the script): rid, reserve, meta
 --         (opaque: who/what, kept for the orphan sweep), ntiers,
---         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo ('' = no limit)
+--         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo, gtpd, gtpmo
+--         ('' = no limit). gtpd/gtpmo: a global quota's fallback share; the limit enforced
+--         is this spoke's allowance, gw:allow:tpd|tpmo:<tier_key>:<period> (written by the
+--         allowance follower), else that fallback; counted in gw:gtpd|gtpmo:<tier_key>:<period>.
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
 --                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent.
 -- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day,
---       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua)
+--       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
+--       7 global_tokens_per_day, 8 global_tokens_per_month (this spoke's allowance)
 
 local now = tonumber(ARGV[1])
 local lease_ttl = tonumber(ARGV[2])
@@ -64,16 +68,27 @@ for r = 1, n do
   local i = 5
   local tiers = {}
   for t = 1, nt do
+    local windows = {
+      {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
+      {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
+      {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
+    }
+    local gd, gm = tonumber(f[i + 7]), tonumber(f[i + 8])
+    if gd then
+      local allow = redis.call('GET', 'gw:allow:tpd:' .. f[i] .. ':' .. day_id)
+      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. f[i] .. ':' .. day_id, to_day,
+                    172800000}
+    end
+    if gm then
+      local allow = redis.call('GET', 'gw:allow:tpmo:' .. f[i] .. ':' .. month_id)
+      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. f[i] .. ':' .. month_id,
+                               to_month, 3456000000}
+    end
     tiers[t] = {
       key = f[i], rps = tonumber(f[i + 1]), burst = tonumber(f[i + 2]),
-      conc = tonumber(f[i + 3]),
-      windows = {
-        {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
-        {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
-        {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
-      },
+      conc = tonumber(f[i + 3]), windows = windows,
     }
-    i = i + 7
+    i = i + 9
   end
 
   local code, at, retry = 0, -1, -1

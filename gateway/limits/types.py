@@ -12,7 +12,9 @@ from gateway.policy.model import TierLimit
 RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "tokens_per_day", \
     "tokens_per_month"
 VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
-LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED)
+# This spoke's allowance of a quota shared by all spokes (DESIGN §10), checked after the rest.
+GTPD, GTPMO = "global_tokens_per_day", "global_tokens_per_month"
+LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED, GTPD, GTPMO)
 
 
 def first_lease(lease_ttl: float, start_ttl: float | None) -> float:
