@@ -42,8 +42,9 @@ class Applied:
 class AllowanceStore(Protocol):
     async def apply_allowances(self, generation: int,
                                entries: Sequence[Allowance]) -> list[Applied] | None:
-        """Write `entries` unless this store already took `generation` or a later one
-        (None then): an allocation never goes back to an older one."""
+        """Write `entries` unless this store already took a later generation (None then):
+        an allocation never goes back to an older one. The one held, again, is applied
+        again (idempotent)."""
         ...
 
     async def allowance_generation(self) -> int:

@@ -184,7 +184,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
     async def apply_allowances(self, generation: int,
                                entries: Sequence[Allowance]) -> list[Applied] | None:
         """As allowances.lua: an older generation is refused; never below what is used."""
-        if generation <= self.allowance_gen:
+        if generation < self.allowance_gen:
             return None
         self.allowance_gen = generation
         out = []
