@@ -205,6 +205,23 @@ def cmd_dev(args: argparse.Namespace) -> int:
                      metering=args.metering)
 
 
+def cmd_hub_allocate(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from gateway.hub.allocator import Allocator
+    from gateway.log import configure
+    s = _settings(args)
+    configure(s.log_level)
+    bootstrap = args.bootstrap or os.environ.get("GATEWAY_HUB_BOOTSTRAP") or s.kafka_bootstrap
+    if not bootstrap:
+        raise SystemExit("set GATEWAY_HUB_BOOTSTRAP or GATEWAY_KAFKA_BOOTSTRAP, or --bootstrap")
+    if args.interval_s <= 0:
+        raise SystemExit(f"--interval-s must be > 0, not {args.interval_s}")
+    uvloop.run(Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
+                         usage_topic=s.usage_topic).run())
+    return 0
+
+
 def _store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", dest="redis_url", default=None,
                    help="the spoke's Redis (default: $GATEWAY_REDIS_URL; unset: embedded mode)")
@@ -358,6 +375,18 @@ def parser() -> argparse.ArgumentParser:
                    help="the sidecars' spools (default: $GATEWAY_SPOOL_DIR, else "
                         ".gateway-spool)")
     p.set_defaults(fn=cmd_usage_reconcile)
+
+    hub = sub.add_parser("hub", help="the hub's reference tools").add_subparsers(
+        dest="sub", required=True)
+    p = hub.add_parser("allocate", help="the reference allocator (long-running): divides "
+                                        "each global quota into per-spoke allowances")
+    p.add_argument("--interval-s", dest="interval_s", type=float, default=5.0,
+                   help="seconds between allocations (default: %(default)s); a spoke's "
+                        "report that frees a share is acted on at once")
+    p.add_argument("--bootstrap", default=None,
+                   help="Kafka bootstrap servers (default: $GATEWAY_HUB_BOOTSTRAP, else "
+                        "$GATEWAY_KAFKA_BOOTSTRAP)")
+    p.set_defaults(fn=cmd_hub_allocate)
 
     p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
     p.add_argument("--listen", default="127.0.0.1:10000",

@@ -106,17 +106,22 @@ class QuotaLedger:
         if self._applied.get(spoke, (0, {}))[0] < gen:
             self._pending[spoke] = {c: bound for c, (_, bound) in cells.items()}
 
-    def on_applied(self, spoke: str, msg: Mapping[str, Any]) -> None:
-        """A spoke's report of the allowances it applied (generation 0: it is up, none yet)."""
+    def on_applied(self, spoke: str, msg: Mapping[str, Any]) -> bool:
+        """A spoke's report of the allowances it applied (generation 0: it is up, none yet).
+        True if it frees a share held until now (worth allocating again at once)."""
         gen = int(msg["generation"])
+        new = spoke not in self.spokes
         self.spokes.add(spoke)
         if gen <= 0 or gen < self._applied.get(spoke, (0, {}))[0]:
-            return
+            return new
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["used"]))
                  for e in msg["applied"]}
         self._applied[spoke] = (gen, cells)
+        freed = False
         if gen >= self._issued.get(spoke, (0, {}))[0]:
-            self._pending.pop(spoke, None)
+            pending = self._pending.pop(spoke, {})
+            freed = any(bound > cells.get(c, (bound, 0))[0] for c, bound in pending.items())
+        return new or freed
 
     # --- deciding ---------------------------------------------------------------------
 
