@@ -4,12 +4,14 @@ allocator and the spokes' allowance followers as processes, load until denied.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,3 +145,59 @@ def drive(spoke: Spoke, key: str, *, concurrency: int, max_tokens: int,
         for f in [pool.submit(worker) for _ in range(concurrency)]:
             f.result()
     return out
+
+
+def quota_doc(keys: dict[str, str], quota: int) -> dict[str, Any]:
+    """One team per key (key 'k<team>' of team '<team>'), each with a global daily quota."""
+    from gateway.policy import secrets
+    return {
+        "models": {"mock-model": {}},
+        "teams": {k[1:]: {"models": ["*"], "global_limits": {"tokens_per_day": quota}}
+                  for k in keys},
+        "keys": {k: {"team": k[1:], "sha256": secrets.digest(s).hex()} for k, s in keys.items()},
+    }
+
+
+@dataclass
+class Fleet:
+    kafka: Any  # the shared Tansu (a gateway.dev.procs.Service)
+    spokes: dict[str, Spoke]
+    keys: dict[str, str]  # key id → secret
+    procs: list[Proc]
+    workdir: Path
+
+
+@contextlib.contextmanager
+def fleet(workdir: Path, teams: list[str], quota: int,
+          names: tuple[str, ...] = ("east", "west")) -> Iterator[Fleet]:
+    """Whole spokes on one Tansu, serving one policy (on their Redis and on the hub's feed),
+    each with its allowance follower; no allocator yet. Everything stops on exit."""
+    from gateway.dev.procs import tansu_service
+    from gateway.dev.publish import publish
+    from gateway.policy import secrets
+
+    kafka = tansu_service(free_port(), workdir).start()
+    out = Fleet(kafka, {}, {f"k{t}": secrets.new_secret(f"k{t}") for t in teams}, [], workdir)
+    try:
+        for name in names:
+            out.spokes[name] = spoke_on(workdir / name, name, kafka.address)
+        doc = quota_doc(out.keys, quota)
+        for s in out.spokes.values():
+            publish(s.redis_url, doc, "quota", prune=True)
+            s.wait_ready(timeout=30)
+        publish_feed(kafka.address, doc, revision=1)
+        for name, s in out.spokes.items():
+            out.procs.append(follower(kafka.address, name, s.redis_url, workdir).start())
+        yield out
+    finally:
+        for p in out.procs:
+            p.stop()
+        for s in out.spokes.values():
+            s.stop()
+        kafka.stop()
+
+
+def together(*loads: Callable[[], Drive]) -> list[Drive]:
+    """Run the loads at once, each in its own thread; their results in order."""
+    with ThreadPoolExecutor(len(loads)) as pool:
+        return [f.result() for f in [pool.submit(load) for load in loads]]

@@ -29,6 +29,7 @@ class Allocator:
         self.ledger = QuotaLedger()
         self._unsent: dict[str, dict[str, Any]] = {}  # spoke → its newest allowances
         self.published = 0
+        self._failing = False
 
     def fold(self, m: Any) -> bool:
         """One record of any of the three topics into the ledger; True if it frees a share."""
@@ -94,8 +95,12 @@ class Allocator:
             try:
                 await pub.publish(qt.allowance_key(spoke), msg)
             except qt.KAFKA_ERRORS as exc:
-                log.warning("quota_allowance_not_sent", spoke=spoke, error=repr(exc))
+                if not self._failing:  # once per outage, not once per poll
+                    log.error("quota_allowances_not_sent", spokes=sorted(self._unsent),
+                              error=repr(exc))
+                self._failing = True
                 return  # kept: sent once Kafka is back (the newest per spoke)
+            self._failing = False
             del self._unsent[spoke]
             self.published += 1
             log.info("quota_allowance_published", spoke=spoke, generation=msg["generation"],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ class AllowanceFollower:
         self.state = FollowerState()
         self._latest: dict[str, Any] | None = None  # newest allowance message not yet applied
         self._report: dict[str, Any] | None = None  # newest report not yet sent
+        self._retry_at = 0.0  # the store failed: not before then
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
@@ -86,7 +88,7 @@ class AllowanceFollower:
 
     async def _apply(self) -> None:
         msg = self._latest
-        if msg is None:
+        if msg is None or time.monotonic() < self._retry_at:
             return
         try:
             gen = int(msg["generation"])
@@ -102,6 +104,7 @@ class AllowanceFollower:
             applied = await self.store.apply_allowances(gen, entries)
         except StoreUnavailable as exc:
             self._failed("store", exc)  # kept: applied once the store answers
+            self._retry_at = time.monotonic() + self.retry_s
             return
         self._latest = None
         self.state.store_up = True

@@ -152,6 +152,7 @@ class QuotaLedger:
     def next_round(self, now: float) -> dict[str, dict[str, Any]]:
         """The allowances to publish now, per spoke whose allowances change: each message
         takes the next generation. Records them as issued (and held) at once."""
+        self._forget_before(now)
         if not self.spokes:
             return {}
         spokes = sorted(self.spokes)
@@ -177,6 +178,20 @@ class QuotaLedger:
             self.on_allowance(s, msg)
             out[s] = msg
         return out
+
+    def _forget_before(self, now: float) -> None:
+        """Drop what only past periods need (yesterday and last month are kept: late events)."""
+        days = {maths.day_id(now), maths.day_id(now - maths.DAY)}
+        months = {maths.month_id(now), maths.month_id(now - 32 * maths.DAY)}
+
+        def live(cell: Cell) -> bool:
+            return cell[2] in (days if cell[1] == "day" else months)
+
+        for d in [d for d in self._seen if d not in days]:
+            del self._seen[d]
+        for store in (self._used, self._samples):
+            for k in [k for k in store if not live(k[1])]:
+                del store[k]
 
     def allowances(self, spoke: str) -> dict[Cell, int]:
         """The newest allowances issued to `spoke`."""

@@ -6,40 +6,26 @@ past their reservations (README "One quota across spokes", where these numbers g
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
 import redis
 
-from gateway.dev.procs import Service, free_port, tansu_service
 from gateway.dev.stack import Spoke
 from gateway.limits import maths
-from gateway.policy import secrets
 from testkit import quota as hub
-from testkit.spoke import publish
 
 pytestmark = pytest.mark.slow
 
-QUOTA = 3000  # tokens per day, for each of the two teams, all spokes together
+QUOTA = 3000  # tokens per day, for each team, all spokes together
 MAX_TOKENS = 20  # the mock engine answers "hello there" (2 tokens) with 20: 22 a request
 CONCURRENCY = 3  # per spoke: requests in flight at once
 IN_FLIGHT = 2 * CONCURRENCY * (MAX_TOKENS + 2)  # the most they can use past the quota
 INTERVAL_S = 1.0  # the allocator's
 DENIED_FOR = 4.0  # a load stops once every answer for this long was a 429
-
-
-def doc(keys: dict[str, str]) -> dict[str, Any]:
-    return {
-        "models": {"mock-model": {}},
-        "teams": {t: {"models": ["*"], "global_limits": {"tokens_per_day": QUOTA}}
-                  for t in ("b", "g", "h")},
-        "keys": {k: {"team": k[1], "sha256": secrets.digest(s).hex()} for k, s in keys.items()},
-    }
 
 
 def allowance(spoke: Spoke, team: str) -> int | None:
@@ -56,51 +42,16 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") ->
         time.sleep(0.1)
 
 
-def together(*loads: Callable[[], hub.Drive]) -> list[hub.Drive]:
-    out: list[hub.Drive | None] = [None] * len(loads)
-
-    def run(i: int) -> None:
-        out[i] = loads[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(loads))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(d is not None for d in out)
-    return [d for d in out if d is not None]
-
-
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[tuple[Service, dict[str, Spoke], dict[str, str],
-                                            list[hub.Proc]]]:
-    kafka = tansu_service(free_port(), tmp_path).start()
-    spokes: dict[str, Spoke] = {}
-    procs: list[hub.Proc] = []
-    try:
-        for name in ("east", "west"):
-            spokes[name] = hub.spoke_on(tmp_path / name, name, kafka.address)
-        keys = {k: secrets.new_secret(k) for k in ("kb", "kg", "kh")}
-        for s in spokes.values():
-            publish(s.redis_url, doc(keys))
-            s.wait_ready(timeout=30)
-        hub.publish_feed(kafka.address, doc(keys), revision=1)
-        for name, s in spokes.items():
-            procs.append(hub.follower(kafka.address, name, s.redis_url, tmp_path).start())
-        yield kafka, spokes, keys, procs
-    finally:
-        for p in procs:
-            p.stop()
-        for s in spokes.values():
-            s.stop()
-        kafka.stop()
+def fleet(tmp_path: Path) -> Iterator[hub.Fleet]:
+    with hub.fleet(tmp_path, ["b", "g", "h"], QUOTA) as f:
+        yield f
 
 
-def test_one_daily_quota_follows_use_across_two_spokes(
-        fleet: tuple[Service, dict[str, Spoke], dict[str, str], list[hub.Proc]],
-        tmp_path: Path) -> None:
-    kafka, spokes, keys, procs = fleet
+def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None:
+    spokes, keys = fleet.spokes, fleet.keys
     east, west = spokes["east"], spokes["west"]
+    together = hub.together
 
     def load(spoke: Spoke, key: str, denied_for: float = DENIED_FOR) -> Callable[[], hub.Drive]:
         return lambda: hub.drive(spoke, keys[key], concurrency=CONCURRENCY,
@@ -111,8 +62,8 @@ def test_one_daily_quota_follows_use_across_two_spokes(
     assert first.codes == {"insufficient_quota"}
     assert 0 < first.served_tokens <= maths.fallback_allowance(QUOTA) + IN_FLIGHT // 2
 
-    alloc = hub.allocator(kafka.address, tmp_path, INTERVAL_S).start()
-    procs.append(alloc)
+    alloc = hub.allocator(fleet.kafka.address, fleet.workdir, INTERVAL_S).start()
+    fleet.procs.append(alloc)
     wait_for(lambda: all(allowance(s, t) is not None for s in (east, west) for t in "bgh"),
              what="both spokes hold allowances")
 
