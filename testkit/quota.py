@@ -113,9 +113,9 @@ class Drive:
 
 def drive(spoke: Spoke, key: str, *, concurrency: int, max_tokens: int,
           until_denied_for: float, max_s: float = 90.0, stop: threading.Event | None = None,
-          ) -> Drive:
+          until_tokens: int | None = None) -> Drive:
     """Requests through the spoke's Envoy, `concurrency` at a time, until every answer for
-    `until_denied_for` seconds was a 429 (or `max_s`, or `stop`)."""
+    `until_denied_for` seconds was a 429 (or `max_s`, or `stop`, or `until_tokens` served)."""
     out = Drive()
     client = openai.OpenAI(base_url=spoke.base_url, api_key=key, max_retries=0)
     last_ok = [time.monotonic()]
@@ -125,6 +125,8 @@ def drive(spoke: Spoke, key: str, *, concurrency: int, max_tokens: int,
     def worker() -> None:
         while time.monotonic() < end and not stop.is_set():
             if time.monotonic() - last_ok[0] > until_denied_for:
+                return
+            if until_tokens is not None and out.served_tokens >= until_tokens:
                 return
             try:
                 r = client.chat.completions.create(

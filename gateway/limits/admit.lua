@@ -128,7 +128,9 @@ for r = 1, n do
         else
           used = num(w[3])
         end
-        if not fits(used, reserve, limit) then
+        -- A spoke's allowance is a share: a request larger than what is left of it waits
+        -- for more share, even on an empty window (a local limit lets one through).
+        if (w[1] >= 7 and used + reserve > limit) or not fits(used, reserve, limit) then
           code, at, retry = w[1], t, w[4]
           rq, tk = {-1, -1, -1}, {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
           break

@@ -76,7 +76,9 @@ class MemoryLimiter(Limiter, AllowanceStore):
             for kind, limit, wkey, used, reset in self._windows(key, t, now, minute):
                 if limit is None:
                     continue
-                if not maths.fits(used, req.reserve, limit):
+                strict = kind in (GTPD, GTPMO)  # a share: no oversize request on empty
+                if not maths.fits(used, req.reserve, limit) or (
+                        strict and used + req.reserve > limit):
                     return Verdict(False, t.tier, kind, limit, reset, RateInfo(
                         tok_limit=limit, tok_remaining=max(0, int(limit - used)), tok_reset=reset))
                 tk.offer(limit, limit - used - req.reserve, reset)

@@ -53,9 +53,11 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     east, west = spokes["east"], spokes["west"]
     together = hub.together
 
-    def load(spoke: Spoke, key: str, denied_for: float = DENIED_FOR) -> Callable[[], hub.Drive]:
+    def load(spoke: Spoke, key: str, denied_for: float = DENIED_FOR,
+             until_tokens: int | None = None) -> Callable[[], hub.Drive]:
         return lambda: hub.drive(spoke, keys[key], concurrency=CONCURRENCY,
-                                 max_tokens=MAX_TOKENS, until_denied_for=denied_for)
+                                 max_tokens=MAX_TOKENS, until_denied_for=denied_for,
+                                 until_tokens=until_tokens)
 
     # No allocator yet: east holds no allowance, so it enforces the fallback share.
     first = load(east, "kg", denied_for=1.5)()
@@ -90,17 +92,21 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
           f"{total - QUOTA:+d} ({(total - QUOTA) / QUOTA:+.1%}); bound {IN_FLIGHT}")
     assert total <= QUOTA + IN_FLIGHT
 
-    # Team h: east uses most of it; then the allocator stops.
-    h_east = load(east, "kh")().served_tokens
-    held = {n: allowance(s, "h") for n, s in spokes.items()}
+    # Team h: east uses half of it, long enough for the allocator to give east most of the
+    # rest; then the allocator stops, and each spoke keeps enforcing what it holds.
+    h_east = load(east, "kh", until_tokens=QUOTA // 2)().served_tokens
+    time.sleep(3 * INTERVAL_S)
     alloc.stop()
+    held = {n: allowance(s, "h") for n, s in spokes.items()}
+    assert held["east"] is not None and held["west"] is not None
+    assert held["east"] > h_east and held["east"] + held["west"] <= QUOTA
     e, w = together(load(east, "kh"), load(west, "kh"))
     print(f"team h, allocator stopped: east {h_east}+{e.served_tokens} of its "
           f"{held['east']}, west {w.served_tokens} of its {held['west']}")
-    assert held["east"] is not None and held["west"] is not None
+    assert e.served_tokens > 0 and e.codes == {"insufficient_quota"}
     assert h_east + e.served_tokens <= held["east"] + IN_FLIGHT // 2  # what each holds
     assert w.served_tokens <= held["west"] + IN_FLIGHT // 2
-    assert {allowance(s, "h") for s in (east, west)} <= set(held.values())  # unchanged
+    assert {n: allowance(s, "h") for n, s in spokes.items()} == held  # nobody changed them
 
     # Restarted, it resumes from the topics and hands out nothing twice.
     before = len(alloc.log())

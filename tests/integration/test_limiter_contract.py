@@ -378,3 +378,13 @@ async def test_the_next_day_starts_on_its_fallback_share(limiter: Limiter) -> No
     midnight = T0 - (T0 % 86400) + 86400
     assert (await limiter.admit(req("b", [team], midnight + 1, reserve=100))).allowed
     assert not (await limiter.admit(req("c", [team], midnight + 1, reserve=1))).allowed
+
+
+async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: Limiter) -> None:
+    """A local limit lets one oversize request through an empty window (else it could never
+    run); an allowance is only a share of the quota: the request waits for more share."""
+    team = tier("team", "g", global_tokens_per_day=10_000)
+    await allowances_of(limiter).apply_allowances(1, [Allowance("team:g", "day", DAY_ID, 8)])
+    v = await limiter.admit(req("big", [team], reserve=22))
+    assert not v.allowed and (v.limit, v.limit_value) == (GTPD, 8)
+    assert (await limiter.admit(req("small", [team], reserve=8))).allowed
