@@ -131,11 +131,12 @@ def main() -> int:
     ap.add_argument("--before", default="e9d23d7",
                     help="the revision whose admit.lua is the baseline (default: the commit "
                          "global quotas were built on)")
+    ap.add_argument("--admission-rounds", dest="admission_rounds", type=int, default=9)
     ap.add_argument("--admission-only", dest="admission_only", action="store_true",
                     help="only the admission cost of a global limit (no spokes)")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-quota-"))
-    cost = admission_cost(workdir, args.before)
+    cost = admission_cost(workdir, args.before, rounds=args.admission_rounds)
     if args.admission_only:
         return 0
     teams = [f"r{i}" for i in range(args.rounds)] + ["alone"]

@@ -157,8 +157,10 @@ for r = 1, n do
       end
       for _, w in ipairs(x.windows) do
         if w[2] then
-          redis.call('INCRBY', w[3], reserve)
-          redis.call('PEXPIRE', w[3], w[5])
+          local total = redis.call('INCRBY', w[3], reserve)
+          if w[1] < 7 or total == reserve then  -- a global counter: its TTL once, at birth
+            redis.call('PEXPIRE', w[3], w[5])
+          end
           toks[#toks + 1] = w[3]
         end
       end

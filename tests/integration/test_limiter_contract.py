@@ -334,6 +334,9 @@ async def test_the_allowance_is_the_spokes_total_and_denies_atomically(limiter: 
     assert not v.allowed and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 300)
     # The denial at the team's quota spent nothing of the key's one RPS cell:
     assert (await limiter.admit(req("c", [team, key], reserve=50))).allowed
+    if isinstance(limiter, RedisLimiter):  # the spoke's own counter expires after its day
+        ttl = await limiter.redis.call("PTTL", f"gw:gtpd:team:g:{DAY_ID}")
+        assert 86_400_000 < int(ttl) <= 172_800_000
     # A larger total from the allocator (not an increment: the counter stays the truth).
     applied = await store.apply_allowances(2, [Allowance("team:g", "day", DAY_ID, 400)])
     assert applied == [Applied("team:g", "day", DAY_ID, 400, 300)]
