@@ -91,30 +91,36 @@ class AllowanceFollower:
         if msg is None or time.monotonic() < self._retry_at:
             return
         try:
-            gen = int(msg["generation"])
-            entries = [Allowance(str(e["scope"]), e["period"], str(e["period_id"]),
-                                 int(e["allowance"])) for e in msg["allowances"]]
-            if any(e.period not in ("day", "month") for e in entries):
-                raise ValueError("period must be day or month")
-        except (KeyError, TypeError, ValueError) as exc:
-            log.error("quota_allowance_unreadable", spoke=self.spoke, error=repr(exc))
-            self._latest = None
-            return
-        try:
-            applied = await self.store.apply_allowances(gen, entries)
+            report = await self.take(msg)
         except StoreUnavailable as exc:
             self._failed("store", exc)  # kept: applied once the store answers
             self._retry_at = time.monotonic() + self.retry_s
             return
         self._latest = None
+        if report is not None:
+            self._report = report
+
+    async def take(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply one allowance message; the report to send up, or None (unreadable, or
+        older than what the store holds: nothing written). Raises StoreUnavailable."""
+        try:
+            gen = int(msg["generation"])
+            entries = [Allowance(str(e["scope"]), e["period"], str(e["period_id"]),
+                                 int(e["allowance"])) for e in msg["allowances"]]
+            if any(e.period not in ("day", "month") or e.tokens < 0 for e in entries):
+                raise ValueError("period must be day or month, allowance >= 0")
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("quota_allowance_unreadable", spoke=self.spoke, error=repr(exc))
+            return None
+        applied = await self.store.apply_allowances(gen, entries)
         self.state.store_up = True
         if applied is None:  # an older generation than the one held
-            return
+            return None
         self.state.generation = gen
         self.state.error = ""
-        self._report = self._message(gen, applied)
         log.info("quota_allowance_applied", spoke=self.spoke, generation=gen,
                  allowances={f"{a.scope}/{a.period_id}": a.allowance for a in applied})
+        return self._message(gen, applied)
 
     async def _send(self, pub: qt.QuotaPublisher) -> None:
         if self._report is None:
