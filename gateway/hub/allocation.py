@@ -22,7 +22,8 @@ IDLE_WEIGHT = 0.1
 class SpokeUse:
     used: int  # tokens it has used this period, as far as the allocator knows
     held: int  # the most it may be admitting under now (allowances not yet reported applied)
-    demand: int  # tokens it used since the previous allocation: how fast it spends
+    demand: int  # tokens it used over the last minute or so: how fast it spends
+    cap: int | None = None  # the most worth giving it (a spoke with no follower: its use)
 
 
 def allocate(quota: int, spokes: Mapping[str, SpokeUse],
@@ -53,8 +54,21 @@ def allocate(quota: int, spokes: Mapping[str, SpokeUse],
     else:
         floor = idle_weight * total_demand / n
         weights = {s: max(u.demand, 0) + floor for s, u in spokes.items()}
-    wsum = sum(weights.values())
-    target = {s: used[s] + int(free * weights[s] / wsum) for s in spokes}
+    # Water-filling: a capped spoke takes no more than its cap; the rest is shared again.
+    target: dict[str, int] = {}
+    active = set(spokes)
+    while True:
+        left = free - sum(target[s] - used[s] for s in target)
+        wsum = sum(weights[s] for s in active)
+        over = {s for s in active if spokes[s].cap is not None
+                and used[s] + left * weights[s] / wsum > max(used[s], spokes[s].cap or 0)}
+        if not over:
+            break
+        for s in over:
+            target[s] = max(used[s], spokes[s].cap or 0)
+        active -= over
+    for s in active:
+        target[s] = used[s] + int(left * weights[s] / wsum)
     held = {s: max(u.held, used[s]) for s, u in spokes.items()}
     out: dict[str, int] = {}
     raise_wanted: dict[str, int] = {}

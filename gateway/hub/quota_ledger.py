@@ -54,6 +54,7 @@ class QuotaLedger:
         self.demand_window_s = demand_window_s
         self.generation = 0  # one sequence over all spokes' allowances
         self.spokes: set[str] = set()
+        self._following: set[str] = set()  # spokes whose follower has reported (hello too)
         self._feed: dict[str, dict[Quota, int]] = {}  # per policy feed key ('*' or a spoke)
         self._used: dict[tuple[str, Cell], int] = defaultdict(int)  # from usage events
         self._seen: dict[str, set[str]] = defaultdict(set)  # event ids per day id (dedup)
@@ -110,8 +111,9 @@ class QuotaLedger:
         """A spoke's report of the allowances it applied (generation 0: it is up, none yet).
         True if it frees a share held until now (worth allocating again at once)."""
         gen = int(msg["generation"])
-        new = spoke not in self.spokes
+        new = spoke not in self._following
         self.spokes.add(spoke)
+        self._following.add(spoke)
         if gen <= 0 or gen < self._applied.get(spoke, (0, {}))[0]:
             return new
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["used"]))
@@ -141,7 +143,10 @@ class QuotaLedger:
         held = max(held, self._pending.get(spoke, {}).get(cell, 0))
         samples = self._samples.get((spoke, cell))
         demand = max(0, used - samples[0][1]) if samples else 0
-        return SpokeUse(used, held, demand)
+        # A spoke known from its usage alone (no follower) cannot apply an allowance: it
+        # stays on the fallback share, and what it is not given stays with the others.
+        cap = None if spoke in self._following else max(used, held)
+        return SpokeUse(used, held, demand, cap)
 
     def _sample(self, spoke: str, cell: Cell, now: float, used: int) -> None:
         samples = self._samples[spoke, cell]

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from gateway.hub.allocation import SpokeUse, allocate
 
 uses = st.builds(SpokeUse, used=st.integers(0, 10_000), held=st.integers(0, 10_000),
-                 demand=st.integers(0, 5_000))
+                 demand=st.integers(0, 5_000), cap=st.none() | st.integers(0, 10_000))
 fleets = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), uses, min_size=1)
 
 

@@ -117,3 +117,12 @@ def test_a_new_day_starts_from_the_fallback_share() -> None:
     nxt = ledger.next_round(tomorrow)
     assert {e["period_id"] for e in nxt["a"]["allowances"] if e["period"] == "day"} == {
         maths.day_id(tomorrow)}
+
+
+def test_a_spoke_without_a_follower_is_not_promised_what_it_cannot_apply() -> None:
+    ledger = two_spokes()
+    ledger.on_usage(usage("north", "e9", 50))  # a spoke known from its usage alone
+    out = ledger.next_round(NOW)
+    assert day_allowance(out["north"]) == maths.fallback_allowance(1000)  # what it enforces
+    assert day_allowance(out["a"]) + day_allowance(out["b"]) == 900  # the rest: theirs
+    assert sum(ledger.use(s, CELL, 1000).held for s in ("a", "b", "north")) <= 1000
