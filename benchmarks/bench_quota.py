@@ -134,7 +134,11 @@ def main() -> int:
     ap.add_argument("--admission-rounds", dest="admission_rounds", type=int, default=9)
     ap.add_argument("--admission-only", dest="admission_only", action="store_true",
                     help="only the admission cost of a global limit (no spokes)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: one round of each, a 1,000-token quota")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.admission_rounds, args.quota = 1, 1, 1000
     workdir = Path(tempfile.mkdtemp(prefix="bench-quota-"))
     cost = admission_cost(workdir, args.before, rounds=args.admission_rounds)
     if args.admission_only:

@@ -75,3 +75,11 @@ def test_lua_per_chunk_quick(tmp_path: Path) -> None:
         "count only", "hide usage:null", "hide continuous", "messages delta",
         "responses delta"]
     assert all(r["this tree"] > 0 for r in doc["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_quota_quick(tmp_path: Path) -> None:
+    doc = run("bench_quota.py", tmp_path)
+    assert doc["rounds"] and doc["summary"]["alone_pct"] > 0
+    assert doc["admission_cost"]["plain_us"] > 0
