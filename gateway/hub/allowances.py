@@ -68,7 +68,8 @@ class AllowanceFollower:
         c = qt.consumer(self.bootstrap, qt.QUOTA_TOPIC)
         pub = qt.QuotaPublisher(self.bootstrap, self.idempotence)
         try:
-            await pub.publish(qt.applied_key(self.spoke), self._message(0, []))  # hello
+            hello = {**self._message(0, []), "holds": await self._held_generation()}
+            await pub.publish(qt.applied_key(self.spoke), hello)
             await c.start()
             self.state.kafka_up = True
             mine = qt.allowance_key(self.spoke)
@@ -127,6 +128,15 @@ class AllowanceFollower:
             return
         await pub.publish(qt.applied_key(self.spoke), self._report)  # raises: kept, retried
         self._report = None
+
+    async def _held_generation(self) -> int:
+        """What the store holds, for the hello: an allocator that lost its topic starts
+        its generations above it (else this spoke would refuse them all)."""
+        try:
+            return await self.store.allowance_generation()
+        except StoreUnavailable as exc:
+            self._failed("store", exc)
+            return 0
 
     def _message(self, generation: int, applied: list[Applied]) -> dict[str, Any]:
         return {"kind": "applied", "spoke": self.spoke, "generation": generation,

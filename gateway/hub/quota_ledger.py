@@ -114,6 +114,13 @@ class QuotaLedger:
         new = spoke not in self._following
         self.spokes.add(spoke)
         self._following.add(spoke)
+        holds = int(msg.get("holds") or 0)  # a hello: the generation the spoke holds
+        if holds > self._issued.get(spoke, (0, {}))[0]:
+            # It holds a generation this ledger never issued (the quota topic was lost):
+            # continue above it, and send that spoke its allowances again.
+            self.generation = max(self.generation, holds)
+            self._issued.pop(spoke, None)
+            new = True
         if gen <= 0 or gen < self._applied.get(spoke, (0, {}))[0]:
             return new
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["used"]))

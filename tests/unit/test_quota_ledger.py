@@ -126,3 +126,17 @@ def test_a_spoke_without_a_follower_is_not_promised_what_it_cannot_apply() -> No
     assert day_allowance(out["north"]) == maths.fallback_allowance(1000)  # what it enforces
     assert day_allowance(out["a"]) + day_allowance(out["b"]) == 900  # the rest: theirs
     assert sum(ledger.use(s, CELL, 1000).held for s in ("a", "b", "north")) <= 1000
+
+
+def test_a_lost_quota_topic_resumes_above_what_the_spokes_hold() -> None:
+    """The topic was lost (a Tansu restart): the followers' hellos say which generation
+    their Redis holds, so the new one continues above it and resends their allowances."""
+    ledger = two_spokes()
+    for s in "ab":
+        ledger.on_applied(s, {"generation": 0, "applied": [], "holds": 41})
+    out = ledger.next_round(NOW)
+    assert sorted(out) == ["a", "b"] and min(m["generation"] for m in out.values()) > 41
+    for s, m in out.items():
+        applied(ledger, s, m)
+    ledger.on_applied("a", {"generation": 0, "applied": [], "holds": out["a"]["generation"]})
+    assert ledger.next_round(NOW) == {}  # a follower's restart alone resends nothing
