@@ -6,7 +6,10 @@ without the sidecar, all measured in one run so the ratios are comparable on a n
 A) Direct gRPC Check against one sidecar process (Redis admission: model, team and key tiers
    with huge rps and tokens_per_day limits, so the Lua script runs for all three tiers on
    every Check), at 1 and 64 calls in flight, with a ~70 B and a ~16 KB chat body; and the
-   same against a sidecar in embedded mode (policy file, in-process counters) as baseline.
+   same against a sidecar in embedded mode (policy file, in-process counters) as baseline;
+   and the 70 B Check of a key whose team and key also carry global quotas (day and month:
+   the spoke's allowance of each checked in the same Lua call), against the same sidecar in
+   the same rounds: what a global limit in force costs the hot path.
 B) POST /v1/chat/completions (non-stream, max_tokens 1) through plain Envoy -> mock engine
    and through Envoy + sidecar (ext_authz + ext_proc, Redis) -> mock engine, at 1 and 64
    connections, the two paths alternated in rounds; medians are reported.
@@ -101,10 +104,14 @@ class Direct:
     backend: str
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()
+    key: str = KEY_ID  # whose secret the Check carries
 
 
+GLOBAL_KEY, GLOBAL_TEAM = "bench_global", "bench_global"  # the same limits + global quotas
+GLOBAL = "direct redis global"
 DIRECT = (
     Direct("direct redis 70B", "redis", SMALL_BODY),
+    Direct(GLOBAL, "redis", SMALL_BODY, key=GLOBAL_KEY),
     Direct("direct floor 70B", "floor", SMALL_BODY),  # grpc.aio alone: a constant answer
     Direct("direct embedded 70B", "embedded", SMALL_BODY),
     Direct("direct redis 16KB", "redis", big_body()),
@@ -131,7 +138,8 @@ def limits(concurrency: int | None = None) -> dict[str, Any]:
 
 
 def policy_doc(secret: str, key_concurrency: int | None,
-               authz_secret: str | None = None) -> dict[str, Any]:
+               authz_secret: str | None = None, global_secret: str | None = None,
+               ) -> dict[str, Any]:
     """Limits on the model, team and key tiers, none of which ever binds."""
     doc: dict[str, Any] = {
         "models": {MODEL: {"limits": limits()}},
@@ -139,6 +147,13 @@ def policy_doc(secret: str, key_concurrency: int | None,
         "keys": {KEY_ID: {"team": TEAM, "sha256": secrets.digest(secret).hex(),
                           "limits": limits(key_concurrency)}},
     }
+    if global_secret is not None:
+        quotas = {"tokens_per_day": HUGE_TOKENS, "tokens_per_month": HUGE_TOKENS}
+        doc["teams"][GLOBAL_TEAM] = {"models": ["*"], "limits": limits(),
+                                     "global_limits": quotas}
+        doc["keys"][GLOBAL_KEY] = {"team": GLOBAL_TEAM, "limits": limits(key_concurrency),
+                                   "global_limits": quotas,
+                                   "sha256": secrets.digest(global_secret).hex()}
     if authz_secret is not None:
         rps = {"rps": HUGE_RPS}
         doc["models"][AUTHZ_MODEL] = {"limits": rps}
@@ -250,6 +265,7 @@ class Bench:
         self.loadgen: LoadGen | None = None
         self.secret = secrets.new_secret(KEY_ID)
         self.authz_secret = secrets.new_secret(AUTHZ_KEY)
+        self.global_secret = secrets.new_secret(GLOBAL_KEY)
         self.scenarios: dict[tuple[str, int], Scenario] = {}
         self.notes: list[str] = []
         self.leases_leaked = 0
@@ -303,7 +319,8 @@ class Bench:
         print("A) direct gRPC Check", flush=True)
         redis = self.procs.start(redis_service(free_port(), self.workdir), self.load_cpus)
         redis_url = f"redis://{redis.address}/0"
-        doc = policy_doc(self.secret, key_concurrency=None)  # no ext_proc here to free leases
+        # no ext_proc here to free leases
+        doc = policy_doc(self.secret, key_concurrency=None, global_secret=self.global_secret)
         publish(redis_url, doc, "bench")
         policy_file = self.workdir / "policy-embedded.yaml"
         policy_file.write_text(yaml.safe_dump(doc))
@@ -336,8 +353,9 @@ class Bench:
         sidecars["floor"] = (self.procs.start(floor, self.server_cpus), 0)
 
         marker = str(uuid.uuid4())
+        secret = {KEY_ID: self.secret, GLOBAL_KEY: self.global_secret}
         templates = {d.name: base64.b64encode(
-            check_request(self.secret, body=d.body, request_id=marker,
+            check_request(secret[d.key], body=d.body, request_id=marker,
                           extra_headers=dict(d.headers)).SerializeToString()
         ).decode() for d in self.direct_scenarios()}
         assert self.loadgen is not None
@@ -532,6 +550,14 @@ class Bench:
             floor64["cpu_us_per_call"].get("sidecar") if floor64 else None)
         derived["floor_checks_per_s_c64"] = floor64["rps"] if floor64 else None
         for c in CONCURRENCIES:
+            derived[f"global_cpu_ratio_c{c}"] = ratio(
+                sidecar_cpu(GLOBAL, c), sidecar_cpu("direct redis 70B", c))
+            derived[f"global_redis_cpu_ratio_c{c}"] = ratio(
+                ((by.get((GLOBAL, c)) or {}).get("cpu_us_per_call") or {}).get("redis"),
+                ((by.get(("direct redis 70B", c)) or {}).get("cpu_us_per_call") or {}).get(
+                    "redis"))
+            derived[f"global_rps_ratio_c{c}"] = ratio(get(GLOBAL, c, "rps"),
+                                                      get("direct redis 70B", c, "rps"))
             derived[f"traced_cpu_ratio_c{c}"] = ratio(
                 sidecar_cpu("direct redis 70B traced", c), sidecar_cpu("direct redis 70B", c))
             traced = by.get(("direct redis 70B traced", c))
@@ -576,6 +602,11 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"tracing on, every Check sampled and exported over OTLP: sidecar CPU/check "
         f"c=1 {x(d['traced_cpu_ratio_c1'])}, c=64 {x(d['traced_cpu_ratio_c64'])} of untraced "
         f"(spans exported per Check: {_fmt(d['traced_spans_per_check_c64'], '.2f')} at c=64)",
+        f"global quotas in force (team and key, day and month), direct Redis Check: sidecar "
+        f"CPU/check c=1 {x(d['global_cpu_ratio_c1'])}, c=64 {x(d['global_cpu_ratio_c64'])}; "
+        f"Redis CPU/check c=1 {x(d['global_redis_cpu_ratio_c1'])}, "
+        f"c=64 {x(d['global_redis_cpu_ratio_c64'])}; req/s c=1 {x(d['global_rps_ratio_c1'])}, "
+        f"c=64 {x(d['global_rps_ratio_c64'])} of the same Check without",
         *([f"this code vs baseline {d['baseline']}, direct Redis Check: sidecar CPU/check "
            f"c=1 {x(d['baseline_cpu_ratio_c1'])}, c=64 {x(d['baseline_cpu_ratio_c64'])}; "
            f"req/s c=1 {x(d['baseline_rps_ratio_c1'])}, c=64 {x(d['baseline_rps_ratio_c64'])}"]

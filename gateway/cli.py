@@ -148,12 +148,21 @@ def cmd_policy_status(args: argparse.Namespace) -> int:
 
 
 def cmd_policy_sync(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from gateway.hub.allowances import AllowanceFollower
     from gateway.hub.sync import default_id, run_sync
     from gateway.log import configure
     s = _settings(args)
     configure(s.log_level)
-    import uvloop
-    uvloop.run(run_sync(s, args.id or default_id()))
+    if not s.redis_url or not s.feed_bootstrap:
+        raise SystemExit("policy sync needs GATEWAY_REDIS_URL (the spoke) and "
+                         "GATEWAY_HUB_BOOTSTRAP or GATEWAY_KAFKA_BOOTSTRAP (the hub's Kafka)")
+    # The spoke's allowances of global quotas follow the hub beside its revisions.
+    allowances = AllowanceFollower(s.feed_bootstrap, s.spoke, redis_url=s.redis_url,
+                                   idempotence=s.kafka_idempotence,
+                                   deadline=s.redis_deadline_ms / 1000)
+    uvloop.run(run_sync(s, args.id or default_id(), extra=[allowances.run]))
     return 0
 
 
@@ -284,6 +293,20 @@ def cmd_dev(args: argparse.Namespace) -> int:
                      metering=args.metering, drain_s=args.drain_s)
 
 
+def cmd_hub_allocate(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from gateway.hub.allocator import Allocator
+    from gateway.log import configure
+    s, bootstrap = _hub_bootstrap(args)
+    configure(s.log_level)
+    if args.interval_s <= 0:
+        raise SystemExit(f"--interval-s must be > 0, not {args.interval_s}")
+    uvloop.run(Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
+                         usage_topic=s.usage_topic).run())
+    return 0
+
+
 def _store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", dest="redis_url", default=None,
                    help="the spoke's Redis (default: $GATEWAY_REDIS_URL; unset: embedded mode)")
@@ -380,7 +403,7 @@ def parser() -> argparse.ArgumentParser:
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_sync)
 
-    hub = sub.add_parser("hub", help="the hub's side: publish / status").add_subparsers(
+    hub = sub.add_parser("hub", help="the hub's side: publish / status / allocate").add_subparsers(
         dest="sub", required=True)
     p = hub.add_parser("publish", help="validate a policy and put it on the feed as the next "
                                       "revision")
@@ -474,6 +497,16 @@ def parser() -> argparse.ArgumentParser:
                    help="the sidecars' spools (default: $GATEWAY_SPOOL_DIR, else "
                         ".gateway-spool)")
     p.set_defaults(fn=cmd_usage_reconcile)
+
+    p = hub.add_parser("allocate", help="the reference allocator (long-running): divides "
+                                        "each global quota into per-spoke allowances")
+    p.add_argument("--interval-s", dest="interval_s", type=float, default=5.0,
+                   help="seconds between allocations (default: %(default)s); a spoke's "
+                        "report that frees a share is acted on at once")
+    p.add_argument("--bootstrap", default=None,
+                   help="Kafka bootstrap servers (default: $GATEWAY_HUB_BOOTSTRAP, else "
+                        "$GATEWAY_KAFKA_BOOTSTRAP)")
+    p.set_defaults(fn=cmd_hub_allocate)
 
     p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
     p.add_argument("--listen", default="127.0.0.1:10000",

@@ -14,7 +14,17 @@ import orjson
 
 from gateway.authz.decision import Deny, Reply
 from gateway.endpoints import Api
-from gateway.limits.types import CONCURRENCY, RPS, TPD, TPM, TPMO, RateInfo, Verdict
+from gateway.limits.types import (
+    CONCURRENCY,
+    GTPD,
+    GTPMO,
+    RPS,
+    TPD,
+    TPM,
+    TPMO,
+    RateInfo,
+    Verdict,
+)
 from gateway.metering.handoff import DUPLICATE_ID
 
 # error.type per error.code, as OpenAI uses them, so SDKs map them to their usual exceptions.
@@ -144,6 +154,8 @@ _LIMIT_WORDS = {
     TPM: "tokens per minute",
     TPD: "tokens per day",
     TPMO: "tokens per month",
+    GTPD: "this spoke's allowance of the tokens-per-day quota shared by all spokes",
+    GTPMO: "this spoke's allowance of the tokens-per-month quota shared by all spokes",
 }
 
 
@@ -156,8 +168,8 @@ def limit_denial(v: Verdict, requested: int = 0) -> Deny:
     only once the window is empty (limits/maths.fits), with both numbers.
     """
     assert v.tier is not None and v.limit is not None
-    quota = v.limit in (TPD, TPMO)
-    tokens = v.limit in (TPM, TPD, TPMO)
+    quota = v.limit in (TPD, TPMO, GTPD, GTPMO)
+    tokens = quota or v.limit == TPM
     retry = max(1, math.ceil(v.retry_after))
     value = v.limit_value
     shown = f"{value:g}" if isinstance(value, float) else str(value)

@@ -8,13 +8,17 @@
 -- ARGV[8] n requests, then one ARGV per request: its fields joined by \31 (packing 30
 --         arguments per request cost the client more than the script): rid, reserve, meta
 --         (opaque: who/what, kept for the orphan sweep), ntiers,
---         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo ('' = no limit)
+--         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo, gtpd, gtpmo
+--         ('' = no limit). gtpd/gtpmo: a global quota's fallback share; the limit enforced
+--         is this spoke's allowance, gw:allow:tpd|tpmo:<tier_key>:<period> (written by the
+--         allowance follower), else that fallback; counted in gw:gtpd|gtpmo:<tier_key>:<period>.
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
 --                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent.
 -- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day,
 --       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
---       7 duplicate (an admission with this request id is still live: ids are not shared)
+--       7 global_tokens_per_day, 8 global_tokens_per_month (this spoke's allowance)
+--       9 duplicate (an admission with this request id is still live: ids are not shared)
 
 local now = tonumber(ARGV[1])
 local lease_ttl = tonumber(ARGV[2])
@@ -65,16 +69,27 @@ for r = 1, n do
   local i = 5
   local tiers = {}
   for t = 1, nt do
+    local windows = {
+      {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
+      {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
+      {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
+    }
+    local gd, gm = tonumber(f[i + 7]), tonumber(f[i + 8])
+    if gd then
+      local allow = redis.call('GET', 'gw:allow:tpd:' .. f[i] .. ':' .. day_id)
+      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. f[i] .. ':' .. day_id, to_day,
+                    172800000}
+    end
+    if gm then
+      local allow = redis.call('GET', 'gw:allow:tpmo:' .. f[i] .. ':' .. month_id)
+      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. f[i] .. ':' .. month_id,
+                               to_month, 3456000000}
+    end
     tiers[t] = {
       key = f[i], rps = tonumber(f[i + 1]), burst = tonumber(f[i + 2]),
-      conc = tonumber(f[i + 3]),
-      windows = {
-        {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
-        {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
-        {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
-      },
+      conc = tonumber(f[i + 3]), windows = windows,
     }
-    i = i + 7
+    i = i + 9
   end
 
   local code, at, retry = 0, -1, -1
@@ -82,7 +97,7 @@ for r = 1, n do
   if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
     code, nt = 6, 0
   elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
-    code, nt = 7, 0
+    code, nt = 9, 0
   end
   for t = 1, nt do
     local x = tiers[t]
@@ -118,7 +133,9 @@ for r = 1, n do
         else
           used = num(w[3])
         end
-        if not fits(used, reserve, limit) then
+        -- A spoke's allowance is a share: a request larger than what is left of it waits
+        -- for more share, even on an empty window (a local limit lets one through).
+        if (w[1] >= 7 and used + reserve > limit) or not fits(used, reserve, limit) then
           code, at, retry = w[1], t, w[4]
           rq, tk = {-1, -1, -1}, {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
           break
@@ -145,8 +162,10 @@ for r = 1, n do
       end
       for _, w in ipairs(x.windows) do
         if w[2] then
-          redis.call('INCRBY', w[3], reserve)
-          redis.call('PEXPIRE', w[3], w[5])
+          local total = redis.call('INCRBY', w[3], reserve)
+          if w[1] < 7 or total == reserve then  -- a global counter: its TTL once, at birth
+            redis.call('PEXPIRE', w[3], w[5])
+          end
           toks[#toks + 1] = w[3]
         end
       end

@@ -53,6 +53,18 @@ def fits(used: float, reserve: int, limit: int) -> bool:
     return used + need <= limit
 
 
+# A spoke that holds no allowance for a global quota's period (the hub's allocator has not
+# reached it yet, or its Redis was wiped) admits up to this share of the quota: never
+# unlimited, and enough to serve while the allocator catches up (README "One quota across
+# spokes"). The allocator counts every spoke it has not yet heard apply an allowance as
+# holding this much.
+GLOBAL_FALLBACK_SHARE = 0.1
+
+
+def fallback_allowance(quota: int) -> int:
+    return int(quota * GLOBAL_FALLBACK_SHARE)
+
+
 DAY = 86400.0  # a UTC day in Unix time (which has no leap seconds)
 
 

@@ -6,10 +6,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.limits import maths
+from gateway.limits.allowances import PERIOD_WINDOW, Allowance, AllowanceStore, Applied
 from gateway.limits.tightest import Tightest
 from gateway.limits.types import (
     CONCURRENCY,
     DUPLICATE,
+    GTPD,
+    GTPMO,
     RPS,
     TPD,
     TPM,
@@ -41,13 +44,16 @@ class _Held:
 
 
 @dataclass
-class MemoryLimiter(Limiter):
+class MemoryLimiter(Limiter, AllowanceStore):
     lease_ttl: float = 60.0
     start_ttl: float | None = None  # the first lease, until renewed (default: lease_ttl)
     tat: dict[str, float] = field(default_factory=dict)
     leases: dict[str, dict[str, float]] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
     held: dict[str, _Held] = field(default_factory=dict)
+    # This spoke's allowances of global quotas ('tpd|tpmo:<tier>:<name>:<period id>')
+    allowances: dict[str, int] = field(default_factory=dict)
+    allowance_gen: int = 0
 
     async def admit(self, req: AdmitRequest) -> Verdict:
         return self.admit_now(req)
@@ -77,7 +83,9 @@ class MemoryLimiter(Limiter):
             for kind, limit, wkey, used, reset in self._windows(key, t, now, minute):
                 if limit is None:
                     continue
-                if not maths.fits(used, req.reserve, limit):
+                strict = kind in (GTPD, GTPMO)  # a share: no oversize request on empty
+                if not maths.fits(used, req.reserve, limit) or (
+                        strict and used + req.reserve > limit):
                     return Verdict(False, t.tier, kind, limit, reset, RateInfo(
                         tok_limit=limit, tok_remaining=max(0, int(limit - used)), tok_reset=reset))
                 tk.offer(limit, limit - used - req.reserve, reset)
@@ -92,14 +100,25 @@ class MemoryLimiter(Limiter):
         cur = f"tpm:{key}:{minute}"
         used_min = maths.sliding_minute(
             self.tokens.get(f"tpm:{key}:{minute - 1}", 0), self.tokens.get(cur, 0), now)
-        day = f"tpd:{key}:{maths.day_id(now)}"
-        month = f"tpmo:{key}:{maths.month_id(now)}"
-        return [
+        day_id, month_id = maths.day_id(now), maths.month_id(now)
+        day, month = f"tpd:{key}:{day_id}", f"tpmo:{key}:{month_id}"
+        to_day, to_month = maths.seconds_to_day_end(now), maths.seconds_to_month_end(now)
+        out = [
             (TPM, s.tokens_per_minute, cur, used_min, maths.seconds_to_minute_end(now)),
-            (TPD, s.tokens_per_day, day, self.tokens.get(day, 0), maths.seconds_to_day_end(now)),
-            (TPMO, s.tokens_per_month, month, self.tokens.get(month, 0),
-             maths.seconds_to_month_end(now)),
+            (TPD, s.tokens_per_day, day, self.tokens.get(day, 0), to_day),
+            (TPMO, s.tokens_per_month, month, self.tokens.get(month, 0), to_month),
         ]
+        if s.global_tokens_per_day is not None:  # this spoke's allowance, else the fallback
+            g = f"gtpd:{key}:{day_id}"
+            limit = self.allowances.get(f"tpd:{key}:{day_id}",
+                                        maths.fallback_allowance(s.global_tokens_per_day))
+            out.append((GTPD, limit, g, self.tokens.get(g, 0), to_day))
+        if s.global_tokens_per_month is not None:
+            g = f"gtpmo:{key}:{month_id}"
+            limit = self.allowances.get(f"tpmo:{key}:{month_id}",
+                                        maths.fallback_allowance(s.global_tokens_per_month))
+            out.append((GTPMO, limit, g, self.tokens.get(g, 0), to_month))
+        return out
 
     def _live(self, key: str, now: float) -> dict[str, float]:
         live = self.leases.setdefault(key, {})
@@ -178,6 +197,23 @@ class MemoryLimiter(Limiter):
 
     def in_flight(self, tier: str, name: str, now: float) -> int:
         return len(self._live(f"{tier}:{name}", now))
+
+    async def apply_allowances(self, generation: int,
+                               entries: Sequence[Allowance]) -> list[Applied] | None:
+        """As allowances.lua: an older generation is refused; never below what is used."""
+        if generation < self.allowance_gen:
+            return None
+        self.allowance_gen = generation
+        out = []
+        for e in entries:
+            w = PERIOD_WINDOW[e.period]
+            used = int(self.tokens.get(f"g{w}:{e.scope}:{e.period_id}", 0))
+            tokens = self.allowances[f"{w}:{e.scope}:{e.period_id}"] = max(e.tokens, used)
+            out.append(Applied(e.scope, e.period, e.period_id, tokens, used))
+        return out
+
+    async def allowance_generation(self) -> int:
+        return self.allowance_gen
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
         """Admissions whose end nobody reported (one process: a crash takes these counters

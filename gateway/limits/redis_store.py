@@ -18,6 +18,8 @@ from gateway.limits import maths
 from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.types import (
     DUPLICATE,
+    GTPD,
+    GTPMO,
     LIMIT_CODES,
     VOIDED,
     Abandon,
@@ -43,6 +45,10 @@ def _lua(name: str) -> str:
 
 def _opt(v: float | int | None) -> str | float | int:
     return "" if v is None else v
+
+
+def _fallback(quota: int | None) -> int | None:
+    return None if quota is None else maths.fallback_allowance(quota)
 
 
 def _none(v: int) -> int | None:
@@ -137,7 +143,8 @@ class RedisLimiter(Limiter):
             sp = t.spec
             fields += [f"{t.tier}:{t.name}", _opt(sp.rps), _opt(sp.burst), _opt(sp.concurrency),
                        _opt(sp.tokens_per_minute), _opt(sp.tokens_per_day),
-                       _opt(sp.tokens_per_month)]
+                       _opt(sp.tokens_per_month), _opt(_fallback(sp.global_tokens_per_day)),
+                       _opt(_fallback(sp.global_tokens_per_month))]
         arg = "\x1f".join(map(str, fields))
         if len(self._tier_args) >= 65536:
             self._tier_args.clear()
@@ -157,7 +164,9 @@ class RedisLimiter(Limiter):
         if limit in (VOIDED, DUPLICATE):
             return Verdict(False, limit=limit)
         tier = req.tiers[at - 1]
-        value = getattr(tier.spec, limit) if limit else None
+        # A global quota's denial names the allowance this spoke enforced, not the quota.
+        value = (rate.tok_limit if limit in (GTPD, GTPMO)
+                 else getattr(tier.spec, limit) if limit else None)
         return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate)
 
     async def end_many(self, ends: Sequence[Ending]) -> None:

@@ -12,10 +12,12 @@ from gateway.policy.model import TierLimit
 RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "tokens_per_day", \
     "tokens_per_month"
 VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
+# This spoke's allowance of a quota shared by all spokes (DESIGN §10), checked after the rest.
+GTPD, GTPMO = "global_tokens_per_day", "global_tokens_per_month"
 # Another request with this id is in flight: two live requests never share an admission
 # (its slots, its reservation, its usage event), whatever ids a client chooses.
 DUPLICATE = "duplicate"
-LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED, DUPLICATE)
+LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED, GTPD, GTPMO, DUPLICATE)
 
 
 def first_lease(lease_ttl: float, start_ttl: float | None) -> float:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 
 from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
-from gateway.policy.schema import Limits, PolicyDoc
+from gateway.policy.schema import GlobalLimits, Limits, PolicyDoc
 from gateway.routes import PassThrough
 
 TIERS = ("model", "team", "key")
@@ -19,7 +19,8 @@ TIERS = ("model", "team", "key")
 
 @dataclass(frozen=True, slots=True)
 class LimitSpec:
-    """One tier's limits; None = unlimited."""
+    """One tier's limits; None = unlimited. The global ones are quotas for all spokes
+    together: the spoke enforces its allowance of each (DESIGN §10)."""
 
     rps: float | None = None
     burst: int | None = None
@@ -27,9 +28,12 @@ class LimitSpec:
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
     tokens_per_month: int | None = None
+    global_tokens_per_day: int | None = None
+    global_tokens_per_month: int | None = None
 
     @classmethod
-    def of(cls, limits: Limits) -> LimitSpec:
+    def of(cls, limits: Limits, global_limits: GlobalLimits | None = None) -> LimitSpec:
+        g = global_limits or GlobalLimits()
         return cls(
             rps=limits.rps,
             burst=limits.effective_burst,
@@ -37,6 +41,8 @@ class LimitSpec:
             tokens_per_minute=limits.tokens_per_minute,
             tokens_per_day=limits.tokens_per_day,
             tokens_per_month=limits.tokens_per_month,
+            global_tokens_per_day=g.tokens_per_day,
+            global_tokens_per_month=g.tokens_per_month,
         )
 
     @property
@@ -47,7 +53,12 @@ class LimitSpec:
             and self.tokens_per_minute is None
             and self.tokens_per_day is None
             and self.tokens_per_month is None
+            and not self.has_global
         )
+
+    @property
+    def has_global(self) -> bool:
+        return self.global_tokens_per_day is not None or self.global_tokens_per_month is not None
 
     @property
     def has_tokens(self) -> bool:
@@ -55,6 +66,7 @@ class LimitSpec:
             self.tokens_per_minute is None
             and self.tokens_per_day is None
             and self.tokens_per_month is None
+            and not self.has_global
         )
 
 
@@ -119,7 +131,7 @@ class Policy:
 
     @classmethod
     def compile(cls, doc: PolicyDoc, revision: int) -> Policy:
-        teams = {name: LimitSpec.of(t.limits) for name, t in doc.teams.items()}
+        teams = {name: LimitSpec.of(t.limits, t.global_limits) for name, t in doc.teams.items()}
         team_acls = {name: ModelAcl(t.models) for name, t in doc.teams.items()}
         keys: dict[str, KeyRecord] = {}
         by_digest: dict[bytes, KeyRecord] = {}
@@ -129,7 +141,7 @@ class Policy:
                 team=k.team,
                 team_acl=team_acls[k.team],
                 key_acl=ModelAcl(k.models) if k.models is not None else None,
-                limits=LimitSpec.of(k.limits),
+                limits=LimitSpec.of(k.limits, k.global_limits),
                 expires_at=k.expires_at.timestamp() if k.expires_at else None,
                 disabled=k.disabled,
                 cancelled=doc.cancel_rule(k.team),

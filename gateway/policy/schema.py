@@ -73,6 +73,15 @@ class Limits(_Strict):
         return all(v is None for v in self.model_dump().values())
 
 
+class GlobalLimits(_Strict):
+    """One quota for all spokes together (DESIGN §10): the hub's allocator divides it into
+    per-spoke allowances; a spoke that holds none enforces the fallback share
+    (`gateway.hub.allocation.FALLBACK_SHARE`)."""
+
+    tokens_per_day: NonNegativeInt | None = None
+    tokens_per_month: NonNegativeInt | None = None
+
+
 class Billing(_Strict):
     """How a stream the client cancelled is billed: what the engine `generated`, what was
     `delivered` to the client, or `none`. Absent: the platform's rule (top level), whose
@@ -88,6 +97,7 @@ class ModelPolicy(_Strict):
 class TeamPolicy(_Strict):
     models: list[Glob] = Field(default_factory=list)
     limits: Limits = Limits()
+    global_limits: GlobalLimits = GlobalLimits()
     billing: Billing = Billing()  # overrides the platform's, rule by rule
 
 
@@ -96,6 +106,7 @@ class KeyPolicy(_Strict):
     sha256: Sha256Hex
     models: list[Glob] | None = None
     limits: Limits = Limits()
+    global_limits: GlobalLimits = GlobalLimits()
     expires_at: AwareDatetime | None = None
     disabled: bool = False
 

@@ -88,3 +88,11 @@ def test_bench_hub_quick(tmp_path: Path) -> None:
     doc = run("bench_hub.py", tmp_path)  # raises unless every instance ACKed every revision
     assert len(doc["rows"]) == doc["rounds"] == 5
     assert all(len(r["ack_s"]) == 4 for r in doc["rows"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_quota_quick(tmp_path: Path) -> None:
+    doc = run("bench_quota.py", tmp_path)
+    assert doc["rounds"] and doc["summary"]["alone_pct"] > 0
+    assert doc["admission_cost"]["plain_us"] > 0

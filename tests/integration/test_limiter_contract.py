@@ -14,10 +14,12 @@ import pytest
 
 from gateway.dev.procs import free_port, redis_service
 from gateway.errors import RedisLost, StoreInDoubt
+from gateway.limits import maths
+from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
-from gateway.limits.types import Abandon, AdmitRequest, Limiter
+from gateway.limits.types import GTPD, GTPMO, Abandon, AdmitRequest, Limiter
 from gateway.policy.model import LimitSpec, TierLimit
 
 T0 = 1_800_000_000.0  # a fixed wall-clock instant (2027-01-15)
@@ -319,3 +321,98 @@ async def test_an_admission_whose_connection_died_after_sending_is_in_doubt(
         redis.resume()
         await lim.close()
         redis.stop()
+
+
+# One quota across spokes (DESIGN §10): the spoke enforces its allowance of a global quota
+# beside its other limits, in the same atomic decision.
+
+def allowances_of(limiter: Limiter) -> AllowanceStore:
+    """Where this store's allowances are written: the same Redis, or the same process."""
+    if isinstance(limiter, RedisLimiter):
+        return RedisAllowances(limiter.redis)
+    assert isinstance(limiter, MemoryLimiter)
+    return limiter
+
+
+DAY_ID = maths.day_id(T0)
+
+
+async def test_a_spoke_without_an_allowance_enforces_the_fallback_share(limiter: Limiter) -> None:
+    team = tier("team", "g", global_tokens_per_day=1000)
+    fallback = maths.fallback_allowance(1000)
+    assert fallback == 100  # 10 %: stated in the README and docs/contracts.md
+    for i in range(10):
+        assert (await limiter.admit(req(f"r{i}", [team], reserve=10))).allowed
+    v = await limiter.admit(req("over", [team], reserve=10))
+    assert not v.allowed and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 100)
+    assert v.rate.tok_limit == 100 and v.rate.tok_remaining == 0
+
+
+async def test_the_allowance_is_the_spokes_total_and_denies_atomically(limiter: Limiter) -> None:
+    team = tier("team", "g", global_tokens_per_day=1000)
+    key = tier("key", "k1", rps=1, burst=1)
+    store = allowances_of(limiter)
+    applied = await store.apply_allowances(1, [Allowance("team:g", "day", DAY_ID, 300)])
+    assert applied == [Applied("team:g", "day", DAY_ID, 300, 0)]
+    assert (await limiter.admit(req("a", [team], reserve=250))).allowed
+    v = await limiter.admit(req("b", [team, key], reserve=100))  # 350 > 300: denied
+    assert not v.allowed and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 300)
+    # The denial at the team's quota spent nothing of the key's one RPS cell:
+    assert (await limiter.admit(req("c", [team, key], reserve=50))).allowed
+    if isinstance(limiter, RedisLimiter):  # the spoke's own counter expires after its day
+        ttl = await limiter.redis.call("PTTL", f"gw:gtpd:team:g:{DAY_ID}")
+        assert 86_400_000 < int(ttl) <= 172_800_000
+    # A larger total from the allocator (not an increment: the counter stays the truth).
+    applied = await store.apply_allowances(2, [Allowance("team:g", "day", DAY_ID, 400)])
+    assert applied == [Applied("team:g", "day", DAY_ID, 400, 300)]
+    assert (await limiter.admit(req("d", [team], reserve=100))).allowed
+    assert not (await limiter.admit(req("e", [team], reserve=1))).allowed
+
+
+async def test_settlement_gives_back_the_allowance_it_did_not_use(limiter: Limiter) -> None:
+    team = tier("team", "g", global_tokens_per_month=10_000)
+    store = allowances_of(limiter)
+    month = maths.month_id(T0)
+    await store.apply_allowances(1, [Allowance("team:g", "month", month, 500)])
+    assert (await limiter.admit(req("a", [team], reserve=400))).allowed
+    v = await limiter.admit(req("b", [team], reserve=200))
+    assert not v.allowed and v.limit == GTPMO
+    await limiter.settle("a", 100)  # actual 100 replaces the 400 reserved
+    assert (await limiter.admit(req("b", [team], reserve=400))).allowed
+
+
+async def test_an_allowance_is_never_stored_below_use_nor_an_older_one_applied(
+        limiter: Limiter) -> None:
+    key = tier("key", "k1", global_tokens_per_day=10_000)
+    store = allowances_of(limiter)
+    await store.apply_allowances(5, [Allowance("key:k1", "day", DAY_ID, 1000)])
+    assert (await limiter.admit(req("a", [key], reserve=600))).allowed
+    applied = await store.apply_allowances(6, [Allowance("key:k1", "day", DAY_ID, 200)])
+    assert applied == [Applied("key:k1", "day", DAY_ID, 600, 600)]  # lowered only to its use
+    assert not (await limiter.admit(req("b", [key], reserve=1))).allowed
+    # A replayed or older generation changes nothing (the allocator may have moved on).
+    assert await store.apply_allowances(5, [Allowance("key:k1", "day", DAY_ID, 5000)]) is None
+    assert await store.allowance_generation() == 6
+    again = await store.apply_allowances(6, [Allowance("key:k1", "day", DAY_ID, 200)])
+    assert again == applied  # the same generation again: the same answer
+    assert not (await limiter.admit(req("b", [key], reserve=1))).allowed
+
+
+async def test_the_next_day_starts_on_its_fallback_share(limiter: Limiter) -> None:
+    team = tier("team", "g", global_tokens_per_day=1000)
+    await allowances_of(limiter).apply_allowances(
+        1, [Allowance("team:g", "day", DAY_ID, 1000)])
+    assert (await limiter.admit(req("a", [team], reserve=900))).allowed
+    midnight = T0 - (T0 % 86400) + 86400
+    assert (await limiter.admit(req("b", [team], midnight + 1, reserve=100))).allowed
+    assert not (await limiter.admit(req("c", [team], midnight + 1, reserve=1))).allowed
+
+
+async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: Limiter) -> None:
+    """A local limit lets one oversize request through an empty window (else it could never
+    run); an allowance is only a share of the quota: the request waits for more share."""
+    team = tier("team", "g", global_tokens_per_day=10_000)
+    await allowances_of(limiter).apply_allowances(1, [Allowance("team:g", "day", DAY_ID, 8)])
+    v = await limiter.admit(req("big", [team], reserve=22))
+    assert not v.allowed and (v.limit, v.limit_value) == (GTPD, 8)
+    assert (await limiter.admit(req("small", [team], reserve=8))).allowed

@@ -29,7 +29,8 @@ def sha(name: str) -> str:
     return secrets.digest(SECRETS[name]).hex()
 
 
-def policy(team_limits: str = "{}", key_limits: str = "{}", model_limits: str = "{}") -> Policy:
+def policy(team_limits: str = "{}", key_limits: str = "{}", model_limits: str = "{}",
+           team_global: str = "{}") -> Policy:
     return load(f"""
 models:
   qwen3-coder: {{limits: {model_limits}}}
@@ -39,6 +40,7 @@ teams:
   team-a:
     models: ["qwen3-coder", "llama-*"]
     limits: {team_limits}
+    global_limits: {team_global}
 keys:
   alice: {{team: team-a, sha256: "{sha("alice")}", limits: {key_limits}}}
   bob: {{team: team-a, sha256: "{sha("bob")}", models: ["llama-*"]}}
@@ -307,6 +309,18 @@ async def test_token_quota_exhausted(limit: str) -> None:
     assert "key tier" in d.message and f"{limit}=1000" in d.message
     assert d.message.startswith("Quota exhausted")
     assert_429_headers(d, "key", requests=False, tokens=True)
+
+
+async def test_a_spokes_share_of_a_global_quota_exhausted() -> None:
+    """No allowance from the hub yet: the fallback share (10 % of 10,000)."""
+    gate = Gate(policy(team_global="{tokens_per_day: 10000}"))
+    assert isinstance(await gate.check(chat(max_tokens=900)), Allow)
+    d = denied(await gate.check(chat(max_tokens=900)), 429, "insufficient_quota")
+    assert d.reason == "global_tokens_per_day" and d.tier == "team"
+    assert "team tier limit global_tokens_per_day=1000" in d.message
+    assert "allowance of the tokens-per-day quota shared by all spokes" in d.message
+    assert_429_headers(d, "team", requests=False, tokens=True)
+    assert d.headers["x-ratelimit-limit-tokens"] == "1000"
 
 
 async def test_team_denial_leaves_key_budget_untouched() -> None:

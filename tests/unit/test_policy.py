@@ -324,3 +324,29 @@ def test_unknown_cancel_rules_and_keys_are_errors(text: str, path: str) -> None:
     with pytest.raises(PolicyError) as info:
         parse_doc(text)
     assert problem_paths(info.value) == [path], info.value.problems
+
+
+def test_global_limits_on_a_team_or_key_become_their_tiers_quotas() -> None:
+    text = f"""
+teams:
+  t: {{models: ["*"], global_limits: {{tokens_per_day: 1000}}}}
+keys:
+  k: {{team: t, sha256: "{DIGEST}", limits: {{rps: 1}}, global_limits: {{tokens_per_month: 5}}}}
+"""
+    policy = load(text)
+    team, key = policy.tiers_for(None, policy.keys["k"])
+    assert (team.tier, team.spec.global_tokens_per_day, team.spec.tokens_per_day) == (
+        "team", 1000, None)
+    assert (key.spec.global_tokens_per_month, key.spec.rps) == (5, 1.0)
+    assert dump_yaml(parse_doc(text)).count("global_limits") == 2  # round-trips
+
+
+def test_bad_global_limits_name_the_path() -> None:
+    text = f"""
+teams: {{t: {{global_limits: {{tokens_per_day: -1}}}}}}
+keys: {{k: {{team: t, sha256: "{DIGEST}", global_limits: {{tokens_per_minute: 5}}}}}}
+"""
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    assert sorted(problem_paths(info.value)) == [
+        "keys.k.global_limits.tokens_per_minute", "teams.t.global_limits.tokens_per_day"]

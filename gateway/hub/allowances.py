@@ -1,0 +1,169 @@
+"""The spoke's allowance follower (DESIGN §10): follows `llm.quota.v1` for its spoke and
+writes the allocator's allowances where admission reads them, then reports what it applied
+(`SPOKE/applied`), so the allocator can give a lowered share to another spoke.
+
+Meant to run as one more task of `gateway policy sync`:
+
+    follower = AllowanceFollower(bootstrap, spoke, redis_url=url, idempotence=...)
+    await follower.run(stop)        # until `stop` is set; retries Kafka and Redis itself
+
+`follower.state` says how it is doing (for /metrics and `policy status`). Applying is
+idempotent and never goes back to an older generation (gateway/limits/allowances.lua), so
+a restart re-reads the topic from its beginning without harm. Run standalone for tests:
+`python -m gateway.hub.allowances` (settings from env: GATEWAY_HUB_BOOTSTRAP or
+GATEWAY_KAFKA_BOOTSTRAP, GATEWAY_SPOKE, GATEWAY_REDIS_URL, GATEWAY_KAFKA_IDEMPOTENCE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.errors import StoreUnavailable
+from gateway.hub import quota_topic as qt
+from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
+from gateway.log import log
+
+
+@dataclass
+class FollowerState:
+    generation: int = 0  # the newest generation applied
+    kafka_up: bool = False
+    store_up: bool = True
+    error: str = ""  # the last failure, until the next success
+
+
+class AllowanceFollower:
+    def __init__(self, bootstrap: str, spoke: str, redis_url: str | None = None, *,
+                 store: AllowanceStore | None = None, idempotence: bool = True,
+                 deadline: float = 0.25, retry_s: float = 1.0) -> None:
+        if store is None:
+            if not redis_url:
+                raise ValueError("AllowanceFollower needs redis_url or store")
+            from gateway.redis_clients import limiter_client
+            store = RedisAllowances(limiter_client(redis_url, deadline))
+        self.bootstrap = bootstrap
+        self.spoke = spoke
+        self.store = store
+        self.idempotence = idempotence
+        self.retry_s = retry_s
+        self.state = FollowerState()
+        self._latest: dict[str, Any] | None = None  # newest allowance message not yet applied
+        self._report: dict[str, Any] | None = None  # newest report not yet sent
+        self._retry_at = 0.0  # the store failed: not before then
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            try:
+                await self._run(stop)
+            except qt.KAFKA_ERRORS as exc:
+                self._failed("kafka", exc)
+                await qt.pause(stop, self.retry_s)
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        c = qt.consumer(self.bootstrap, qt.QUOTA_TOPIC)
+        pub = qt.QuotaPublisher(self.bootstrap, self.idempotence)
+        try:
+            hello = {**self._message(0, []), "holds": await self._held_generation()}
+            await pub.publish(qt.applied_key(self.spoke), hello)
+            await c.start()
+            self.state.kafka_up = True
+            mine = qt.allowance_key(self.spoke)
+            async for batch in qt.batches(c, poll_ms=100):
+                for m in batch:
+                    msg = qt.decode(m.value) if m.key == mine else None
+                    if msg is not None:
+                        self._latest = msg  # only the newest matters
+                await self._apply()
+                await self._send(pub)
+                if stop.is_set():
+                    return
+        finally:
+            self.state.kafka_up = False
+            await pub.close()
+            await c.stop()
+
+    async def _apply(self) -> None:
+        msg = self._latest
+        if msg is None or time.monotonic() < self._retry_at:
+            return
+        try:
+            report = await self.take(msg)
+        except StoreUnavailable as exc:
+            self._failed("store", exc)  # kept: applied once the store answers
+            self._retry_at = time.monotonic() + self.retry_s
+            return
+        self._latest = None
+        if report is not None:
+            self._report = report
+
+    async def take(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        """Apply one allowance message; the report to send up, or None (unreadable, or
+        older than what the store holds: nothing written). Raises StoreUnavailable."""
+        try:
+            gen = int(msg["generation"])
+            entries = [Allowance(str(e["scope"]), e["period"], str(e["period_id"]),
+                                 int(e["allowance"])) for e in msg["allowances"]]
+            if any(e.period not in ("day", "month") or e.tokens < 0 for e in entries):
+                raise ValueError("period must be day or month, allowance >= 0")
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("quota_allowance_unreadable", spoke=self.spoke, error=repr(exc))
+            return None
+        applied = await self.store.apply_allowances(gen, entries)
+        self.state.store_up = True
+        if applied is None:  # an older generation than the one held
+            return None
+        self.state.generation = gen
+        self.state.error = ""
+        log.info("quota_allowance_applied", spoke=self.spoke, generation=gen,
+                 allowances={f"{a.scope}/{a.period_id}": a.allowance for a in applied})
+        return self._message(gen, applied)
+
+    async def _send(self, pub: qt.QuotaPublisher) -> None:
+        if self._report is None:
+            return
+        await pub.publish(qt.applied_key(self.spoke), self._report)  # raises: kept, retried
+        self._report = None
+
+    async def _held_generation(self) -> int:
+        """What the store holds, for the hello: an allocator that lost its topic starts
+        its generations above it (else this spoke would refuse them all)."""
+        try:
+            return await self.store.allowance_generation()
+        except StoreUnavailable as exc:
+            self._failed("store", exc)
+            return 0
+
+    def _message(self, generation: int, applied: list[Applied]) -> dict[str, Any]:
+        return {"kind": "applied", "spoke": self.spoke, "generation": generation,
+                "applied": [{"scope": a.scope, "period": a.period, "period_id": a.period_id,
+                             "allowance": a.allowance, "used": a.used} for a in applied]}
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if what == "store":
+            self.state.store_up = False
+        self.state.error = f"{what}: {exc!r}"
+        log.warning("quota_follower_retrying", spoke=self.spoke, error=self.state.error,
+                    retry_s=self.retry_s)
+
+
+def main() -> None:
+    """The follower alone, for tests and for spokes not yet running `policy sync`."""
+    import uvloop
+
+    from gateway.log import configure
+    configure(os.environ.get("GATEWAY_LOG_LEVEL", "info"))
+    bootstrap = os.environ.get("GATEWAY_HUB_BOOTSTRAP") or os.environ["GATEWAY_KAFKA_BOOTSTRAP"]
+    follower = AllowanceFollower(
+        bootstrap, os.environ.get("GATEWAY_SPOKE", "local"),
+        redis_url=os.environ["GATEWAY_REDIS_URL"],
+        idempotence=os.environ.get("GATEWAY_KAFKA_IDEMPOTENCE", "true").lower() != "false")
+    uvloop.run(follower.run())
+
+
+if __name__ == "__main__":
+    main()

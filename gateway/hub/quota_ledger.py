@@ -1,0 +1,210 @@
+"""What the allocator knows, folded from the topics alone (pure: no I/O, no clock).
+
+Restarted, the allocator reads the topics from their beginning into a fresh ledger and
+carries on where it stopped: the usage each spoke reported (`llm.usage.v1`), the global
+quotas (`llm.policy.v1`), its own last allowances and the spokes' reports of applying
+them (`llm.quota.v1`, docs/contracts.md §10). Nothing is handed out twice: an allowance
+counts as held by its spoke until that spoke reports the next one applied.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.hub.allocation import SpokeUse, allocate
+from gateway.limits import maths
+from gateway.policy.schema import PolicyDoc
+
+Cell = tuple[str, str, str]  # (scope 'team:<name>' | 'key:<id>', 'day' | 'month', period id)
+Quota = tuple[str, str]  # (scope, period)
+
+
+def period_id(period: str, ts: float) -> str:
+    return maths.day_id(ts) if period == "day" else maths.month_id(ts)
+
+
+def quotas_of(policy: Mapping[str, Any]) -> dict[Quota, int]:
+    """The global limits one policy document names (raises ValidationError if invalid)."""
+    doc = PolicyDoc.model_validate(policy)
+    out: dict[Quota, int] = {}
+    sources = [(f"team:{n}", t.global_limits) for n, t in doc.teams.items()]
+    sources += [(f"key:{k}", key.global_limits) for k, key in doc.keys.items()]
+    for scope, g in sources:
+        if g.tokens_per_day is not None:
+            out[scope, "day"] = g.tokens_per_day
+        if g.tokens_per_month is not None:
+            out[scope, "month"] = g.tokens_per_month
+    return out
+
+
+def _ts(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+DEMAND_WINDOW_S = 60.0  # a spoke's demand: what it used over about this long
+
+
+class QuotaLedger:
+    def __init__(self, demand_window_s: float = DEMAND_WINDOW_S) -> None:
+        self.demand_window_s = demand_window_s
+        self.generation = 0  # one sequence over all spokes' allowances
+        self.spokes: set[str] = set()
+        self._following: set[str] = set()  # spokes whose follower has reported (hello too)
+        self._feed: dict[str, dict[Quota, int]] = {}  # per policy feed key ('*' or a spoke)
+        self._used: dict[tuple[str, Cell], int] = defaultdict(int)  # from usage events
+        self._seen: dict[str, set[str]] = defaultdict(set)  # event ids per day id (dedup)
+        self._issued: dict[str, tuple[int, dict[Cell, tuple[int, int]]]] = {}  # (allowance, bound)
+        self._applied: dict[str, tuple[int, dict[Cell, tuple[int, int]]]] = {}  # (allowance, used)
+        self._pending: dict[str, dict[Cell, int]] = defaultdict(dict)  # issued, not yet applied
+        # (time, used) at each allocation, over the demand window and one before it
+        self._samples: dict[tuple[str, Cell], list[tuple[float, int]]] = defaultdict(list)
+        self.rejected_policies: dict[str, str] = {}  # feed key → why its quotas were not taken
+
+    # --- folding the topics -----------------------------------------------------------
+
+    def on_policy(self, feed_key: str, value: Mapping[str, Any] | None) -> None:
+        """A feed entry (`{"revision", "policy"}`); None removes it. An invalid one keeps
+        the entry's previous quotas (the spokes NACK it and keep their revision too)."""
+        if value is None:
+            self._feed.pop(feed_key, None)
+            return
+        try:
+            self._feed[feed_key] = quotas_of(value["policy"])
+            self.rejected_policies.pop(feed_key, None)
+        except (ValidationError, KeyError, TypeError) as exc:
+            self.rejected_policies[feed_key] = str(exc).splitlines()[0]
+
+    def on_usage(self, event: Mapping[str, Any]) -> None:
+        """One usage event; a duplicate (same event_id) counts once."""
+        try:
+            spoke, eid = str(event["spoke"]), str(event["event_id"])
+            tokens = int((event.get("usage") or {}).get("total_tokens") or 0)
+            started = _ts(str(event["started_at"]))
+        except (KeyError, TypeError, ValueError):
+            return
+        self.spokes.add(spoke)
+        day = maths.day_id(started)
+        if eid in self._seen[day] or tokens <= 0:
+            return
+        self._seen[day].add(eid)
+        for scope in (f"team:{event.get('team')}", f"key:{event.get('key_id')}"):
+            for period in ("day", "month"):
+                self._used[spoke, (scope, period, period_id(period, started))] += tokens
+
+    def on_allowance(self, spoke: str, msg: Mapping[str, Any]) -> None:
+        """The allocator's own message (read back when it restarts)."""
+        gen = int(msg["generation"])
+        self.spokes.add(spoke)
+        self.generation = max(self.generation, gen)
+        cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["bound"]))
+                 for e in msg["allowances"]}
+        self._issued[spoke] = (gen, cells)
+        if self._applied.get(spoke, (0, {}))[0] < gen:
+            self._pending[spoke] = {c: bound for c, (_, bound) in cells.items()}
+
+    def on_applied(self, spoke: str, msg: Mapping[str, Any]) -> bool:
+        """A spoke's report of the allowances it applied (generation 0: it is up, none yet).
+        True if it frees a share held until now (worth allocating again at once)."""
+        gen = int(msg["generation"])
+        new = spoke not in self._following
+        self.spokes.add(spoke)
+        self._following.add(spoke)
+        holds = int(msg.get("holds") or 0)  # a hello: the generation the spoke holds
+        if holds > self._issued.get(spoke, (0, {}))[0]:
+            # It holds a generation this ledger never issued (the quota topic was lost):
+            # continue above it, and send that spoke its allowances again.
+            self.generation = max(self.generation, holds)
+            self._issued.pop(spoke, None)
+            new = True
+        if gen <= 0 or gen < self._applied.get(spoke, (0, {}))[0]:
+            return new
+        cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["used"]))
+                 for e in msg["applied"]}
+        self._applied[spoke] = (gen, cells)
+        freed = False
+        if gen >= self._issued.get(spoke, (0, {}))[0]:
+            pending = self._pending.pop(spoke, {})
+            freed = any(bound > cells.get(c, (bound, 0))[0] for c, bound in pending.items())
+        return new or freed
+
+    # --- deciding ---------------------------------------------------------------------
+
+    def quotas(self) -> dict[Quota, int]:
+        """Every feed entry's global limits; where entries disagree, the smallest."""
+        out: dict[Quota, int] = {}
+        for entry in self._feed.values():
+            for q, n in entry.items():
+                out[q] = min(n, out.get(q, n))
+        return out
+
+    def use(self, spoke: str, cell: Cell, quota: int, now: float | None = None) -> SpokeUse:
+        applied = self._applied.get(spoke, (0, {}))[1].get(cell)
+        used = max(self._used.get((spoke, cell), 0), applied[1] if applied else 0)
+        # Until it reports an allowance for this cell it may be on the fallback share.
+        held = applied[0] if applied else maths.fallback_allowance(quota)
+        held = max(held, self._pending.get(spoke, {}).get(cell, 0))
+        samples = self._samples.get((spoke, cell))
+        demand = max(0, used - samples[0][1]) if samples else 0
+        # A spoke known from its usage alone (no follower) cannot apply an allowance: it
+        # stays on the fallback share, and what it is not given stays with the others.
+        cap = None if spoke in self._following else max(used, held)
+        return SpokeUse(used, held, demand, cap)
+
+    def _sample(self, spoke: str, cell: Cell, now: float, used: int) -> None:
+        samples = self._samples[spoke, cell]
+        samples.append((now, used))
+        while len(samples) > 1 and samples[1][0] <= now - self.demand_window_s:
+            samples.pop(0)
+
+    def next_round(self, now: float) -> dict[str, dict[str, Any]]:
+        """The allowances to publish now, per spoke whose allowances change: each message
+        takes the next generation. Records them as issued (and held) at once."""
+        self._forget_before(now)
+        if not self.spokes:
+            return {}
+        spokes = sorted(self.spokes)
+        entries: dict[str, list[dict[str, Any]]] = {s: [] for s in spokes}
+        for (scope, period), quota in sorted(self.quotas().items()):
+            cell = (scope, period, period_id(period, now))
+            uses = {s: self.use(s, cell, quota) for s in spokes}
+            for s, allowance in allocate(quota, uses).items():
+                bound = max(allowance, uses[s].held, uses[s].used)
+                entries[s].append({"scope": scope, "period": period, "period_id": cell[2],
+                                   "quota": quota, "allowance": allowance, "bound": bound})
+                self._sample(s, cell, now, uses[s].used)
+        out: dict[str, dict[str, Any]] = {}
+        for s in spokes:
+            issued = self._issued.get(s, (0, {}))[1]
+            now_cells = {(e["scope"], e["period"], e["period_id"]): e["allowance"]
+                         for e in entries[s]}
+            if now_cells == {c: a for c, (a, _) in issued.items()}:
+                continue
+            self.generation += 1
+            msg = {"kind": "allowance", "spoke": s, "generation": self.generation,
+                   "allowances": entries[s]}
+            self.on_allowance(s, msg)
+            out[s] = msg
+        return out
+
+    def _forget_before(self, now: float) -> None:
+        """Drop what only past periods need (yesterday and last month are kept: late events)."""
+        days = {maths.day_id(now), maths.day_id(now - maths.DAY)}
+        months = {maths.month_id(now), maths.month_id(now - 32 * maths.DAY)}
+
+        def live(cell: Cell) -> bool:
+            return cell[2] in (days if cell[1] == "day" else months)
+
+        for d in [d for d in self._seen if d not in days]:
+            del self._seen[d]
+        for store in (self._used, self._samples):
+            for k in [k for k in store if not live(k[1])]:
+                del store[k]
+
+    def allowances(self, spoke: str) -> dict[Cell, int]:
+        """The newest allowances issued to `spoke`."""
+        return {c: a for c, (a, _) in self._issued.get(spoke, (0, {}))[1].items()}

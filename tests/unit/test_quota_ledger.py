@@ -1,0 +1,142 @@
+"""The allocator's ledger (gateway/hub/quota_ledger.py): folded from topic messages only,
+so these tests replay messages as the topics would hand them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.hub.quota_ledger import QuotaLedger, quotas_of
+from gateway.limits import maths
+
+NOW = 1_800_000_000.0
+DAY = maths.day_id(NOW)
+CELL = ("team:g", "day", DAY)
+DIGEST = "a" * 64
+POLICY = {"revision": 3, "policy": {
+    "teams": {"g": {"models": ["*"], "global_limits": {"tokens_per_day": 1000}}},
+    "keys": {"k1": {"team": "g", "sha256": DIGEST,
+                    "global_limits": {"tokens_per_month": 50}}}}}
+
+
+def usage(spoke: str, eid: str, tokens: int, ts: float = NOW) -> dict[str, Any]:
+    return {"event_id": eid, "spoke": spoke, "team": "g", "key_id": "k1",
+            "usage": {"total_tokens": str(tokens)},  # proto3 JSON: int64 as a string
+            "started_at": maths_rfc3339(ts)}
+
+
+def maths_rfc3339(ts: float) -> str:
+    from gateway.metering.events import rfc3339
+    return rfc3339(ts)
+
+
+def applied(ledger: QuotaLedger, spoke: str, msg: dict[str, Any], used: int = 0) -> dict[str, Any]:
+    """What the spoke's follower reports after applying `msg`."""
+    rep = {"kind": "applied", "spoke": spoke, "generation": msg["generation"], "applied": [
+        {"scope": e["scope"], "period": e["period"], "period_id": e["period_id"],
+         "allowance": max(e["allowance"], used), "used": used} for e in msg["allowances"]]}
+    ledger.on_applied(spoke, rep)
+    return rep
+
+
+def day_allowance(msg: dict[str, Any]) -> int:
+    return next(e["allowance"] for e in msg["allowances"] if e["scope"] == "team:g")
+
+
+TEAM_ONLY = {"revision": 3, "policy": {
+    "teams": {"g": {"models": ["*"], "global_limits": {"tokens_per_day": 1000}}}}}
+
+
+def two_spokes() -> QuotaLedger:
+    ledger = QuotaLedger()
+    ledger.on_policy("*", TEAM_ONLY)
+    for s in ("a", "b"):
+        ledger.on_applied(s, {"generation": 0, "applied": []})  # the followers' hello
+    return ledger
+
+
+def test_quotas_come_from_the_feed_and_the_smallest_wins() -> None:
+    assert quotas_of(POLICY["policy"]) == {("team:g", "day"): 1000, ("key:k1", "month"): 50}
+    ledger = two_spokes()
+    ledger.on_policy("*", POLICY)
+    ledger.on_policy("b", {"revision": 4, "policy": {
+        "teams": {"g": {"global_limits": {"tokens_per_day": 600}}}}})
+    assert ledger.quotas()[("team:g", "day")] == 600
+    ledger.on_policy("b", {"revision": 5, "policy": {"teams": {"g": {"oops": 1}}}})
+    assert ledger.quotas()[("team:g", "day")] == 600 and "b" in ledger.rejected_policies
+    ledger.on_policy("b", None)
+    assert ledger.quotas()[("team:g", "day")] == 1000
+
+
+def test_the_idle_spokes_share_moves_once_it_reports_its_lower_allowance() -> None:
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    assert [day_allowance(first[s]) for s in "ab"] == [500, 500]
+    for s in "ab":
+        applied(ledger, s, first[s])
+    ledger.on_usage(usage("a", "e1", 300))
+    ledger.on_usage(usage("a", "e1", 300))  # a duplicate counts once
+    second = ledger.next_round(NOW)
+    assert list(second) == ["b"] and day_allowance(second["b"]) < 50  # b lowered; a waits
+    applied(ledger, "b", second["b"])
+    third = ledger.next_round(NOW)
+    assert list(third) == ["a"] and day_allowance(third["a"]) > 900
+    assert day_allowance(third["a"]) + day_allowance(second["b"]) <= 1000
+
+
+def test_a_restarted_ledger_carries_on_and_hands_nothing_out_twice() -> None:
+    ledger = two_spokes()
+    log: list[tuple[str, str, dict[str, Any]]] = []  # the quota topic, in order
+    first = ledger.next_round(NOW)
+    for s, m in first.items():
+        log += [("allowance", s, m), ("applied", s, applied(ledger, s, m))]
+    ledger.on_usage(usage("a", "e1", 400))
+    second = ledger.next_round(NOW)  # b lowered, not yet reported applied
+    log += [("allowance", s, m) for s, m in second.items()]
+
+    again = QuotaLedger()
+    again.on_policy("*", TEAM_ONLY)
+    again.on_usage(usage("a", "e1", 400))
+    for kind, s, m in log:
+        (again.on_allowance if kind == "allowance" else again.on_applied)(s, m)
+    assert again.generation == ledger.generation
+    assert again.use("b", CELL, 1000).held == 500  # b may still admit under its first 500
+    nxt = again.next_round(NOW)
+    assert all(m["generation"] > ledger.generation for m in nxt.values())
+    # Whatever it hands out now, with what each spoke may still be admitting under, stays
+    # within the quota (a ledger that forgot would give a 600 more while b still holds 500).
+    assert sum(again.use(s, CELL, 1000).held for s in "ab") <= 1000
+
+
+def test_a_new_day_starts_from_the_fallback_share() -> None:
+    ledger = two_spokes()
+    for s, m in ledger.next_round(NOW).items():
+        applied(ledger, s, m)
+    tomorrow = NOW + 86400
+    cell = ("team:g", "day", maths.day_id(tomorrow))
+    assert ledger.use("a", cell, 1000).held == maths.fallback_allowance(1000)
+    nxt = ledger.next_round(tomorrow)
+    assert {e["period_id"] for e in nxt["a"]["allowances"] if e["period"] == "day"} == {
+        maths.day_id(tomorrow)}
+
+
+def test_a_spoke_without_a_follower_is_not_promised_what_it_cannot_apply() -> None:
+    ledger = two_spokes()
+    ledger.on_usage(usage("north", "e9", 50))  # a spoke known from its usage alone
+    out = ledger.next_round(NOW)
+    assert day_allowance(out["north"]) == maths.fallback_allowance(1000)  # what it enforces
+    assert day_allowance(out["a"]) + day_allowance(out["b"]) == 900  # the rest: theirs
+    assert sum(ledger.use(s, CELL, 1000).held for s in ("a", "b", "north")) <= 1000
+
+
+def test_a_lost_quota_topic_resumes_above_what_the_spokes_hold() -> None:
+    """The topic was lost (a Tansu restart): the followers' hellos say which generation
+    their Redis holds, so the new one continues above it and resends their allowances."""
+    ledger = two_spokes()
+    for s in "ab":
+        ledger.on_applied(s, {"generation": 0, "applied": [], "holds": 41})
+    out = ledger.next_round(NOW)
+    assert sorted(out) == ["a", "b"] and min(m["generation"] for m in out.values()) > 41
+    for s, m in out.items():
+        applied(ledger, s, m)
+    ledger.on_applied("a", {"generation": 0, "applied": [], "holds": out["a"]["generation"]})
+    assert ledger.next_round(NOW) == {}  # a follower's restart alone resends nothing
