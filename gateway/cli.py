@@ -257,15 +257,76 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys_revoke(args: argparse.Namespace) -> int:
+def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
     from gateway.policy import admin
     try:
-        rev = _run_value(admin.revoke_key(_backend(_settings(args)), args.key_id))
+        done = _run_value(edit(_backend(_settings(args)), args.key_id))
     except KeyError:
         print(f"error: no key {args.key_id}", file=sys.stderr)
         return 2
-    print(f"revoked {args.key_id} in revision {rev}")
+    except (PolicyError, ValueError) as exc:
+        print(f"error, nothing published: {exc}", file=sys.stderr)
+        return 2
+    except admin.RevisionConflict as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if done.changed:
+        print(f"{verb} {args.key_id} in revision {done.revision}")
+    else:
+        print(f"{args.key_id} {same}: nothing changed (revision {done.revision})")
     return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    return _key_edit(args, admin.revoke_key, "revoked", "is already revoked")
+
+
+def cmd_keys_enable(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    return _key_edit(args, admin.enable_key, "re-enabled", "is already enabled")
+
+
+def _limit_value(text: str) -> float | None:
+    """A limit flag's value: a number, or `none` to remove that limit."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `none`") from None
+    return int(value) if value.is_integer() else value
+
+
+def cmd_keys_update(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    limits = {name: getattr(args, name) for name in admin.LIMIT_FIELDS
+              if getattr(args, name) is not admin.UNSET}
+    for name, value in limits.items():
+        if name != "rps" and isinstance(value, float):
+            print(f"error: --{name.replace('_', '-')} must be a whole number", file=sys.stderr)
+            return 2
+    models: Any = admin.UNSET
+    if args.models is not None:
+        models = None if args.models == "team" else [m for m in args.models.split(",") if m]
+    expires: Any = admin.UNSET
+    try:
+        if args.no_expiry:
+            expires = None
+        elif args.expires_in:
+            expires = admin.expiry(args.expires_in)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not limits and models is admin.UNSET and expires is admin.UNSET:
+        print("error: nothing to update: give limits (--rps ...), --models, --expires-in or "
+              "--no-expiry", file=sys.stderr)
+        return 2
+
+    def edit(backend: Any, key_id: str) -> Any:
+        return admin.update_key(backend, key_id, limits=limits, models=models,
+                                expires_at=expires)
+    return _key_edit(args, edit, "updated", "already has these settings")
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
@@ -312,6 +373,11 @@ EXAMPLES = """examples:
   gateway keys create --team team-a --rps 2    # a key; its secret is printed once
   gateway usage consume --until-caught-up && gateway usage report --by key -o csv
 """
+
+
+def admin_unset() -> Any:
+    from gateway.policy.admin import UNSET
+    return UNSET
 
 
 def parser() -> argparse.ArgumentParser:
@@ -397,7 +463,8 @@ def parser() -> argparse.ArgumentParser:
     _hub_flag(p)
     p.set_defaults(fn=cmd_hub_status)
 
-    keys = sub.add_parser("keys", help="create / list / revoke").add_subparsers(
+    keys = sub.add_parser(
+        "keys", help="create / list / show / update / revoke / enable").add_subparsers(
         dest="sub", required=True)
     p = keys.add_parser("create", help="make a key; prints the secret once")
     p.add_argument("--team", required=True, help="the team the key belongs to (must exist)")
@@ -426,10 +493,34 @@ def parser() -> argparse.ArgumentParser:
                    help="format (default: %(default)s)")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_list)
-    p = keys.add_parser("revoke", help="disable a key (new revision)")
+    p = keys.add_parser("revoke", help="disable a key (new revision; a revoked key: no change)")
     p.add_argument("key_id", help="the key to disable")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_revoke)
+    p = keys.add_parser("enable", help="re-enable a revoked key (new revision)")
+    p.add_argument("key_id", help="the key to enable")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_enable)
+    p = keys.add_parser("update", help="change a key's limits, models or expiry (new revision)")
+    p.add_argument("key_id", help="the key to change")
+    for name, kind in (("rps", "requests per second"), ("burst", "requests at once (rps)"),
+                       ("concurrency", "requests in flight"),
+                       ("tokens_per_minute", "tokens, sliding minute"),
+                       ("tokens_per_day", "tokens per UTC day"),
+                       ("tokens_per_month", "tokens per UTC month")):
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_limit_value,
+                       default=admin_unset(), metavar="N|none",
+                       help=f"the key tier's {kind}; none removes it (default: unchanged)")
+    p.add_argument("--models", default=None,
+                   help="comma-separated globs (narrow the team's); `team`: the team's, "
+                        "unnarrowed (default: unchanged)")
+    exp = p.add_mutually_exclusive_group()
+    exp.add_argument("--expires-in", dest="expires_in", default=None,
+                     help="expire this long from now, e.g. 30d (default: unchanged)")
+    exp.add_argument("--no-expiry", dest="no_expiry", action="store_true",
+                     help="never expire")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_update)
 
     usage = sub.add_parser("usage", help="tail / consume / report / reconcile").add_subparsers(
         dest="sub", required=True)

@@ -6,6 +6,7 @@ runtime form the request path reads.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from datetime import datetime
@@ -147,7 +148,29 @@ class PolicyDoc(_Strict):
             if key.sha256 in seen:
                 problems.append(f"keys.{key_id}.sha256: same digest as keys.{seen[key.sha256]}")
             seen.setdefault(key.sha256, key_id)
+        problems += self.acl_problems()
         return problems
+
+    def acl_problems(self) -> list[str]:
+        """An ACL entry that matches no model is a typo or a model since removed: the key
+        would get 403 on what it was meant to use. `*` ("all") is exempt: it may match none."""
+        models = list(self.models)
+        lists = [(f"teams.{name}.models", t.models) for name, t in self.teams.items()]
+        lists += [(f"keys.{kid}.models", k.models) for kid, k in self.keys.items()
+                  if k.models is not None]
+        problems = []
+        for path, patterns in lists:
+            for i, pattern in enumerate(patterns):
+                if pattern != "*" and not any(fnmatch.fnmatchcase(m, pattern) for m in models):
+                    kind = "glob" if any(c in pattern for c in "*?[") else "model"
+                    problems.append(f"{path}.{i}: {kind} {pattern!r} matches no model in "
+                                    f"`models` ({_some(models)})")
+        return problems
+
+
+def _some(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(sorted(names)[:most]) or "none"
+    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def utc_text(ts: datetime) -> str:
