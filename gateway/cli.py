@@ -524,13 +524,15 @@ def parser() -> argparse.ArgumentParser:
 
     usage = sub.add_parser("usage", help="tail / consume / report / reconcile").add_subparsers(
         dest="sub", required=True)
-    p = usage.add_parser("tail", help="print the usage events on the topic, one JSON a line")
+    p = usage.add_parser("tail", help="print the usage events on the topic in time order, one "
+                                     "JSON a line")
     p.add_argument("--kafka", dest="kafka_bootstrap", default=None,
                    help="bootstrap servers (default: $GATEWAY_KAFKA_BOOTSTRAP)")
-    p.add_argument("-n", "--limit", type=int, default=None, help="stop after N events")
+    p.add_argument("-n", "--lines", dest="limit", type=int, default=None, metavar="N",
+                   help="the last N events by time (default: all there are)")
     p.add_argument("-f", "--follow", action="store_true",
-                   help="print as they arrive and keep going (default: print what is there, "
-                        "per instance in seq order, then stop)")
+                   help="then keep printing new ones as they arrive, in time order (default: "
+                        "stop once the topic is read)")
     p.add_argument("--pretty", action="store_true", help="indented JSON")
     p.set_defaults(fn=cmd_usage_tail)
     p = usage.add_parser("consume", help="reference billing consumer (exactly-once totals)")
@@ -562,8 +564,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--db", default="sqlite:///usage.db",
                    help="sqlite:///FILE or postgresql://... (default: %(default)s)")
     p.add_argument("--spool-dir", dest="spool_dir", default=None,
-                   help="the sidecars' spools (default: $GATEWAY_SPOOL_DIR, else "
-                        ".gateway-spool)")
+                   help="the sidecars' spools; must exist (default: $GATEWAY_SPOOL_DIR, "
+                        "else .gateway-spool, else `gateway dev`'s .gateway-dev/spool)")
     p.set_defaults(fn=cmd_usage_reconcile)
 
     p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
