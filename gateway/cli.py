@@ -547,12 +547,16 @@ def parser() -> argparse.ArgumentParser:
                    help="stop once the topic has nothing more for this group (cron jobs); "
                         "progress goes to stderr either way")
     p.set_defaults(fn=cmd_usage_consume)
-    p = usage.add_parser("report", help="requests by outcome and billable tokens, per team, "
-                                       "key or model, for a period")
+    p = usage.add_parser("report", help="requests by outcome, billable tokens (cached "
+                                       "included) and cost, per team, key and/or model, per "
+                                       "day or month, for a period")
     p.add_argument("--db", default="sqlite:///usage.db",
                    help="sqlite:///FILE or postgresql://... (default: %(default)s)")
-    p.add_argument("--by", choices=["team", "key", "model"], default="team",
-                   help="group by (default: %(default)s)")
+    p.add_argument("--by", default="team", metavar="team|key|model[,...]",
+                   help="group by one or more, comma-separated, e.g. team,model "
+                        "(default: %(default)s)")
+    p.add_argument("--per", choices=["day", "month"], default=None,
+                   help="a row per UTC day or month too (default: one row for the period)")
     p.add_argument("--since", default=None,
                    help="YYYY-MM-DD (UTC midnight) or RFC 3339, inclusive (default: all)")
     p.add_argument("--until", default=None,

@@ -54,7 +54,7 @@ def cmd_usage_report(args: argparse.Namespace) -> int:
     try:
         since = report.day_bound(args.since, "--since")
         until = report.day_bound(args.until, "--until")
-        rep = report.report(UsageDb(args.db), args.by, since, until)
+        rep = report.report(UsageDb(args.db), args.by, since, until, args.per or "")
     except report.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

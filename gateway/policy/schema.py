@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -82,8 +83,29 @@ class Billing(_Strict):
     cancelled: CancelRule | None = None
 
 
+class Price(_Strict):
+    """A model's prices per million tokens from `effective` on (until the next entry's), in
+    the price table's currency. Cached input and cache creation default to `input`."""
+
+    effective: AwareDatetime
+    input: NonNegativeFloat
+    cached_input: NonNegativeFloat | None = None
+    cache_creation: NonNegativeFloat | None = None
+    output: NonNegativeFloat
+
+
 class ModelPolicy(_Strict):
     limits: Limits = Limits()
+    # The price history: a revision adds an entry rather than editing one, so what was
+    # billed before its date stays billed at the old price.
+    prices: list[Price] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_price_per_instant(self) -> ModelPolicy:
+        seen = [p.effective for p in self.prices]
+        if len(set(seen)) != len(seen):
+            raise ValueError("two prices with the same `effective` instant: which one applies?")
+        return self
 
 
 class TeamPolicy(_Strict):
