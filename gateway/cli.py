@@ -277,6 +277,38 @@ def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
     return 0
 
 
+def cmd_keys_show(args: argparse.Namespace) -> int:
+    from gateway import keys_show
+    from gateway.policy.model import Policy
+    s = _settings(args)
+    rev, doc = _run_value(_backend(s).read())
+    if args.key_id not in doc.keys:
+        print(f"error: no key {args.key_id}", file=sys.stderr)
+        return 2
+    policy = Policy.compile(doc, rev)
+    now = time.time()
+
+    async def read() -> list[Any]:
+        tiers = keys_show.key_tiers(policy, args.key_id)
+        if not s.redis_url:
+            return await keys_show.standings(tiers, None, now)
+        from gateway.limits.redis_store import RedisLimiter
+        from gateway.redis_clients import limiter_client
+        limiter = RedisLimiter(limiter_client(s.redis_url, s.redis_deadline_ms / 1000))
+        try:
+            return await keys_show.standings(tiers, limiter.counters, now)
+        finally:
+            await limiter.close()
+    try:
+        rows = _run_value(read())
+    except Exception as exc:  # the store away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    data = keys_show.as_data(policy, args.key_id, rows, now, counters=bool(s.redis_url))
+    print(orjson.dumps(data).decode() if args.output == "json" else keys_show.table(data))
+    return 0
+
+
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
     from gateway.policy import admin
     return _key_edit(args, admin.revoke_key, "revoked", "is already revoked")
@@ -493,6 +525,13 @@ def parser() -> argparse.ArgumentParser:
                    help="format (default: %(default)s)")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_list)
+    p = keys.add_parser("show", help="a key's limits at each tier, and what is used and left "
+                                     "now in each window")
+    p.add_argument("key_id", help="the key")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="format (default: %(default)s)")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_show)
     p = keys.add_parser("revoke", help="disable a key (new revision; a revoked key: no change)")
     p.add_argument("key_id", help="the key to disable")
     _store_flags(p)

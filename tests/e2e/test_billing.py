@@ -1,6 +1,7 @@
 """An invoiceable report through the real spoke, on both metering sources: each event's
 cost at the model's price, denials that say whether they were streams and claim no usage
-source, `GET /v1/models` not counted as a billed request."""
+source, `GET /v1/models` not counted as a billed request; and `keys show`, live use from
+the limiter's counters."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 import openai
 import orjson
 import pytest
+import redis
 
 from gateway.cli import main
 from gateway.dev.stack import Spoke
@@ -21,6 +23,7 @@ from gateway.policy import secrets
 from testkit.spoke import client, policy_doc, publish, read_events
 
 MSG = [{"role": "user", "content": "count these five words"}]
+DAY = 10**6
 PRICE = {"effective": "2020-01-01T00:00:00Z", "input": 2.0, "cached_input": 0.5,
          "output": 6.0}
 
@@ -34,7 +37,8 @@ def priced(spoke: Spoke, keys: dict[str, str]) -> Iterator[tuple[str, str]]:
     doc = policy_doc(keys)
     doc["models"]["mock-model"] = {"prices": [PRICE]}
     doc["keys"][key_id] = {"team": "t1", "sha256": secrets.digest(secret).hex(),
-                           "models": ["mock-model"]}
+                           "models": ["mock-model"],
+                           "limits": {"concurrency": 8, "tokens_per_day": DAY}}
     publish(spoke.redis_url, doc)
     try:
         deadline = time.monotonic() + 5
@@ -95,3 +99,32 @@ def test_events_carry_their_cost_and_the_report_bills_them(
     # GET /v1/models (ours, and the fixture's wait for the revision): none is a billed request
     assert by_model[""]["not_billed"] >= 1 and by_model[""]["completed"] == 0
     assert by_model["mock-other"]["denied"] == 1
+
+
+def test_keys_show_reads_what_is_used_and_left_from_the_limiters_counters(
+        spoke: Spoke, priced: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    key_id, secret = priced
+    chat = client(spoke, secret).chat.completions.with_raw_response
+    rids = {_rid(chat.create(model="mock-model", messages=MSG, max_tokens=n)) for n in (3, 5)}
+    billed = sum(int(e["usage"]["total_tokens"])
+                 for e in read_events(spoke.kafka_bootstrap, rids))
+    r = redis.Redis.from_url(spoke.redis_url)
+    deadline = time.monotonic() + 10  # settled: each reservation replaced by its count
+    while any(r.exists(f"gw:req:{rid}") for rid in rids):
+        assert time.monotonic() < deadline, "the admissions were not settled"
+        time.sleep(0.02)
+
+    assert main(["keys", "show", key_id, "--redis-url", spoke.redis_url, "-o", "json"]) == 0
+    shown = orjson.loads(capsys.readouterr().out)
+    assert (shown["key_id"], shown["state"], shown["counters"]) == (key_id, "active", True)
+    tiers = {t["tier"]: {w["limit"]: w for w in t["windows"]} for t in shown["tiers"]}
+    day = tiers["key"]["tokens_per_day"]
+    assert (day["allowed"], day["used"], day["left"]) == (DAY, billed, DAY - billed)
+    assert (tiers["key"]["concurrency"]["used"], tiers["key"]["concurrency"]["left"]) == (0, 8)
+    assert set(tiers) == {"key"}  # t1 and mock-model name no limits in the test policy
+
+    assert main(["keys", "show", key_id, "--redis-url", spoke.redis_url]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["key", key_id, "tokens_per_day", str(DAY), str(billed), str(DAY - billed)] in \
+        [row[:6] for row in rows]
+    assert main(["keys", "show", "no_such_key", "--redis-url", spoke.redis_url]) == 2
