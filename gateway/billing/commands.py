@@ -100,7 +100,7 @@ def cmd_usage_reconcile(args: argparse.Namespace) -> int:
     seqs, dups = db.seqs(), db.duplicates()
     pending = spooled(root)
     bad = 0
-    print(f"spools: {root}")
+    print(f"spools: {root}", file=sys.stderr)  # which ones, beside the table
     print(f"{'INSTANCE':32} {'EVENTS':>7} {'MAX SEQ':>8} {'DUPLICATES':>10} {'SPOOLED':>8}  GAPS")
     for inst in sorted(set(seqs) | set(dups) | set(pending)):
         got = seqs.get(inst, [])

@@ -143,9 +143,9 @@ def _cells(row: Row) -> list[str]:
 def render(rep: Report, fmt: str) -> str:
     if fmt == "json":
         data = asdict(rep) | {"columns": list(rep.columns)}
-        data["rows"] = [dict(zip(rep.columns, r.group, strict=True))
+        data["rows"] = [{"name": r.name} | dict(zip(rep.columns, r.group, strict=True))
                         | {k: v for k, v in asdict(r).items() if k != "group"}
-                        for r in rep.rows]
+                        for r in rep.rows]  # name: the group's values joined by "/"
         return orjson.dumps(data, option=orjson.OPT_INDENT_2).decode()
     head = (*rep.columns, *OUTCOMES, "not_billed", *TOKENS, "cost")
     cells = [_cells(r) for r in rep.rows]
