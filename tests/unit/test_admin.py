@@ -379,3 +379,32 @@ def test_diff_names_billing_rule_changes() -> None:
                             "teams": {"t": {"billing": {"cancelled": "delivered"}}}})
     assert admin.diff(old, new).lines() == ["  ~ teams.t", "  + billing.cancelled"]
     assert admin.diff(new, new).empty
+
+
+def test_the_key_commands_say_what_they_did(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(VALID)
+    flags = ["--policy-file", str(path)]
+    assert main(["keys", "revoke", "key_7Hq2", *flags]) == 0
+    assert capsys.readouterr().out == "revoked key_7Hq2 in revision 1\n"
+    assert main(["keys", "revoke", "key_7Hq2", *flags]) == 0
+    assert capsys.readouterr().out == \
+        "key_7Hq2 is already revoked: nothing changed (revision 1)\n"
+    assert main(["keys", "enable", "key_7Hq2", *flags]) == 0
+    assert capsys.readouterr().out == "re-enabled key_7Hq2 in revision 2\n"
+    assert main(["keys", "update", "key_7Hq2", "--rps", "none", "--tokens-per-minute", "900",
+                 "--models", "team", "--no-expiry", *flags]) == 0
+    key = parse_doc(path.read_bytes()).keys["key_7Hq2"]
+    assert (key.limits.rps, key.limits.tokens_per_minute, key.models, key.expires_at) == (
+        None, 900, None, None)
+    capsys.readouterr()
+    assert main(["keys", "update", "key_7Hq2", "--models", "gpt-9", *flags]) == 2
+    assert "keys.key_7Hq2.models.0: model 'gpt-9' matches no model" in capsys.readouterr().err
+    assert main(["keys", "update", "key_7Hq2", "--concurrency", "1.5", *flags]) == 2
+    assert main(["keys", "update", "key_7Hq2", *flags]) == 2  # nothing to update
+    assert main(["keys", "revoke", "key_nope", *flags]) == 2
+    assert main(["keys", "create", "--team", "team-a", "--models", "qwen3", *flags]) == 2
+    assert "models.0: model 'qwen3' matches no model" in capsys.readouterr().err

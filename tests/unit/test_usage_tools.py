@@ -72,3 +72,14 @@ def test_by_default_the_serve_spool_else_gateway_devs(tmp_path: Path,
     assert spool_dir(None, None, serve) == DEV_SPOOL  # what `gateway dev` writes
     serve.mkdir()
     assert spool_dir(None, None, serve) == serve
+
+
+def test_reconcile_of_a_missing_spool_dir_exits_2_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    db = tmp_path / "usage.db"
+    assert main(["usage", "reconcile", "--db", f"sqlite:///{db}",
+                 "--spool-dir", "/nonexistent"]) == 2
+    assert "--spool-dir /nonexistent: no such directory" in capsys.readouterr().err
+    assert not db.exists()  # refused before anything was opened
