@@ -121,7 +121,7 @@ class Policy:
     keys_by_digest: dict[bytes, KeyRecord]
     keys: dict[str, KeyRecord] = field(default_factory=dict)
     passthrough: tuple[PassThrough, ...] = ()
-    prices: dict[str, PriceBook] = field(default_factory=dict)
+    prices: dict[str, PriceBook] = field(default_factory=dict, compare=False)  # from doc
     _tiers: dict[tuple[str | None, str], tuple[TierLimit, ...]] = field(
         default_factory=dict, compare=False, repr=False)
 
