@@ -266,15 +266,108 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_keys_revoke(args: argparse.Namespace) -> int:
+def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
     from gateway.policy import admin
     try:
-        rev = _run_value(admin.revoke_key(_backend(_settings(args)), args.key_id))
+        done = _run_value(edit(_backend(_settings(args)), args.key_id))
     except KeyError:
         print(f"error: no key {args.key_id}", file=sys.stderr)
         return 2
-    print(f"revoked {args.key_id} in revision {rev}")
+    except (PolicyError, ValueError) as exc:
+        print(f"error, nothing published: {exc}", file=sys.stderr)
+        return 2
+    except admin.RevisionConflict as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if done.changed:
+        print(f"{verb} {args.key_id} in revision {done.revision}")
+    else:
+        print(f"{args.key_id} {same}: nothing changed (revision {done.revision})")
     return 0
+
+
+def cmd_keys_show(args: argparse.Namespace) -> int:
+    from gateway import keys_show
+    from gateway.policy.model import Policy
+    s = _settings(args)
+    rev, doc = _run_value(_backend(s).read())
+    if args.key_id not in doc.keys:
+        print(f"error: no key {args.key_id}", file=sys.stderr)
+        return 2
+    policy = Policy.compile(doc, rev)
+    now = time.time()
+
+    async def read() -> list[Any]:
+        tiers = keys_show.key_tiers(policy, args.key_id)
+        if not s.redis_url:
+            return await keys_show.standings(tiers, None, now)
+        from gateway.limits.redis_store import RedisLimiter
+        from gateway.redis_clients import limiter_client
+        limiter = RedisLimiter(limiter_client(s.redis_url, s.redis_deadline_ms / 1000))
+        try:
+            return await keys_show.standings(tiers, limiter.counters, now)
+        finally:
+            await limiter.close()
+    try:
+        rows = _run_value(read())
+    except Exception as exc:  # the store away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    data = keys_show.as_data(policy, args.key_id, rows, now, counters=bool(s.redis_url))
+    print(orjson.dumps(data).decode() if args.output == "json" else keys_show.table(data))
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    return _key_edit(args, admin.revoke_key, "revoked", "is already revoked")
+
+
+def cmd_keys_enable(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    return _key_edit(args, admin.enable_key, "re-enabled", "is already enabled")
+
+
+def _limit_value(text: str) -> float | None:
+    """A limit flag's value: a number, or `none` to remove that limit."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `none`") from None
+    return int(value) if value.is_integer() else value
+
+
+def cmd_keys_update(args: argparse.Namespace) -> int:
+    from gateway.policy import admin
+    limits = {name: getattr(args, name) for name in admin.LIMIT_FIELDS
+              if getattr(args, name) is not admin.UNSET}
+    for name, value in limits.items():
+        if name != "rps" and isinstance(value, float):
+            print(f"error: --{name.replace('_', '-')} must be a whole number", file=sys.stderr)
+            return 2
+    models: Any = admin.UNSET
+    if args.models is not None:
+        models = None if args.models == "team" else [m for m in args.models.split(",") if m]
+    expires: Any = admin.UNSET
+    try:
+        if args.no_expiry:
+            expires = None
+        elif args.expires_in:
+            expires = admin.expiry(args.expires_in)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not limits and models is admin.UNSET and expires is admin.UNSET:
+        print("error: nothing to update: give limits (--rps ...), --models, --expires-in or "
+              "--no-expiry", file=sys.stderr)
+        return 2
+
+    def edit(backend: Any, key_id: str) -> Any:
+        return admin.update_key(backend, key_id, limits=limits, models=models,
+                                expires_at=expires)
+    return _key_edit(args, edit, "updated", "already has these settings")
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
@@ -335,6 +428,11 @@ EXAMPLES = """examples:
   gateway keys create --team team-a --rps 2    # a key; its secret is printed once
   gateway usage consume --until-caught-up && gateway usage report --by key -o csv
 """
+
+
+def admin_unset() -> Any:
+    from gateway.policy.admin import UNSET
+    return UNSET
 
 
 def parser() -> argparse.ArgumentParser:
@@ -420,7 +518,8 @@ def parser() -> argparse.ArgumentParser:
     _hub_flag(p)
     p.set_defaults(fn=cmd_hub_status)
 
-    keys = sub.add_parser("keys", help="create / list / revoke").add_subparsers(
+    keys = sub.add_parser(
+        "keys", help="create / list / show / update / revoke / enable").add_subparsers(
         dest="sub", required=True)
     p = keys.add_parser("create", help="make a key; prints the secret once")
     p.add_argument("--team", required=True, help="the team the key belongs to (must exist)")
@@ -449,20 +548,53 @@ def parser() -> argparse.ArgumentParser:
                    help="format (default: %(default)s)")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_list)
-    p = keys.add_parser("revoke", help="disable a key (new revision)")
+    p = keys.add_parser("show", help="a key's limits at each tier, and what is used and left "
+                                     "now in each window")
+    p.add_argument("key_id", help="the key")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table",
+                   help="format (default: %(default)s)")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_show)
+    p = keys.add_parser("revoke", help="disable a key (new revision; a revoked key: no change)")
     p.add_argument("key_id", help="the key to disable")
     _store_flags(p)
     p.set_defaults(fn=cmd_keys_revoke)
+    p = keys.add_parser("enable", help="re-enable a revoked key (new revision)")
+    p.add_argument("key_id", help="the key to enable")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_enable)
+    p = keys.add_parser("update", help="change a key's limits, models or expiry (new revision)")
+    p.add_argument("key_id", help="the key to change")
+    for name, kind in (("rps", "requests per second"), ("burst", "requests at once (rps)"),
+                       ("concurrency", "requests in flight"),
+                       ("tokens_per_minute", "tokens, sliding minute"),
+                       ("tokens_per_day", "tokens per UTC day"),
+                       ("tokens_per_month", "tokens per UTC month")):
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_limit_value,
+                       default=admin_unset(), metavar="N|none",
+                       help=f"the key tier's {kind}; none removes it (default: unchanged)")
+    p.add_argument("--models", default=None,
+                   help="comma-separated globs (narrow the team's); `team`: the team's, "
+                        "unnarrowed (default: unchanged)")
+    exp = p.add_mutually_exclusive_group()
+    exp.add_argument("--expires-in", dest="expires_in", default=None,
+                     help="expire this long from now, e.g. 30d (default: unchanged)")
+    exp.add_argument("--no-expiry", dest="no_expiry", action="store_true",
+                     help="never expire")
+    _store_flags(p)
+    p.set_defaults(fn=cmd_keys_update)
 
     usage = sub.add_parser("usage", help="tail / consume / report / reconcile").add_subparsers(
         dest="sub", required=True)
-    p = usage.add_parser("tail", help="print the usage events on the topic, one JSON a line")
+    p = usage.add_parser("tail", help="print the usage events on the topic in time order, one "
+                                     "JSON a line")
     p.add_argument("--kafka", dest="kafka_bootstrap", default=None,
                    help="bootstrap servers (default: $GATEWAY_KAFKA_BOOTSTRAP)")
-    p.add_argument("-n", "--limit", type=int, default=None, help="stop after N events")
+    p.add_argument("-n", "--lines", dest="limit", type=int, default=None, metavar="N",
+                   help="the last N events by time (default: all there are)")
     p.add_argument("-f", "--follow", action="store_true",
-                   help="print as they arrive and keep going (default: print what is there, "
-                        "per instance in seq order, then stop)")
+                   help="then keep printing new ones as they arrive, in time order (default: "
+                        "stop once the topic is read)")
     p.add_argument("--pretty", action="store_true", help="indented JSON")
     p.set_defaults(fn=cmd_usage_tail)
     p = usage.add_parser("consume", help="reference billing consumer (exactly-once totals)")
@@ -477,12 +609,16 @@ def parser() -> argparse.ArgumentParser:
                    help="stop once the topic has nothing more for this group (cron jobs); "
                         "progress goes to stderr either way")
     p.set_defaults(fn=cmd_usage_consume)
-    p = usage.add_parser("report", help="requests by outcome and billable tokens, per team, "
-                                       "key or model, for a period")
+    p = usage.add_parser("report", help="requests by outcome, billable tokens (cached "
+                                       "included) and cost, per team, key and/or model, per "
+                                       "day or month, for a period")
     p.add_argument("--db", default="sqlite:///usage.db",
                    help="sqlite:///FILE or postgresql://... (default: %(default)s)")
-    p.add_argument("--by", choices=["team", "key", "model"], default="team",
-                   help="group by (default: %(default)s)")
+    p.add_argument("--by", default="team", metavar="team|key|model[,...]",
+                   help="group by one or more, comma-separated, e.g. team,model "
+                        "(default: %(default)s)")
+    p.add_argument("--per", choices=["day", "month"], default=None,
+                   help="a row per UTC day or month too (default: one row for the period)")
     p.add_argument("--since", default=None,
                    help="YYYY-MM-DD (UTC midnight) or RFC 3339, inclusive (default: all)")
     p.add_argument("--until", default=None,
@@ -494,8 +630,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--db", default="sqlite:///usage.db",
                    help="sqlite:///FILE or postgresql://... (default: %(default)s)")
     p.add_argument("--spool-dir", dest="spool_dir", default=None,
-                   help="the sidecars' spools (default: $GATEWAY_SPOOL_DIR, else "
-                        ".gateway-spool)")
+                   help="the sidecars' spools; must exist (default: $GATEWAY_SPOOL_DIR, "
+                        "else .gateway-spool, else `gateway dev`'s .gateway-dev/spool)")
     p.set_defaults(fn=cmd_usage_reconcile)
 
     p = hub.add_parser("allocate", help="the reference allocator (long-running): divides "

@@ -52,6 +52,7 @@ class Deny:
     model: str = ""
     error_type: str = ""  # OpenAI's error.type, when the code alone does not say it
     api: Api = Api.OPENAI  # the shape of the answer: the one the route's clients expect
+    stream: bool = False  # the request asked for a stream (its event says so)
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,9 +94,9 @@ class Authorizer:
             return _who(answers.bad_request(str(exc)), key)
         if facts.model is not None:
             if facts.model not in policy.models:
-                return _who(answers.model_not_found(facts.model), key)
+                return _who(answers.model_not_found(facts.model), key, facts=facts)
             if not key.may_use(facts.model):
-                return _who(answers.model_not_allowed(facts.model), key, facts.model)
+                return _who(answers.model_not_allowed(facts.model), key, facts.model, facts)
         s = self._settings
         billed = facts.model is not None and (endpoint is None or endpoint.billed)
         reserve = facts.reserve(  # no model, or an endpoint that bills none: no tokens
@@ -106,7 +106,8 @@ class Authorizer:
         verdict = Verdict(True)
         if tiers and not req.request_id:  # its slots and its event would have no name
             return _who(answers.bad_request(
-                "The request has no x-request-id; the gateway admits none without one."), key)
+                "The request has no x-request-id; the gateway admits none without one."), key,
+                facts=facts)
         if tiers:
             try:
                 verdict = await self._admit(AdmitRequest(
@@ -117,11 +118,11 @@ class Authorizer:
                 if isinstance(exc, StoreInDoubt):
                     self.abandon(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
-                    f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model)
+                    f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model, facts)
         if verdict.limit == DUPLICATE:
-            return _who(answers.duplicate_request_id(req.request_id), key, facts.model)
+            return _who(answers.duplicate_request_id(req.request_id), key, facts.model, facts)
         if not verdict.allowed:
-            return _who(answers.limit_denial(verdict, reserve), key, facts.model)
+            return _who(answers.limit_denial(verdict, reserve), key, facts.model, facts)
         if verdict.leased and self._on_admitted is not None:
             self._on_admitted(req.request_id)
         ctx = Context(
@@ -158,9 +159,12 @@ class Authorizer:
             self._on_abandoned(request_id)
 
 
-def _who(deny: Deny, key: KeyRecord, model: str | None = None) -> Deny:
-    """Name the (authenticated) caller on a denial, for its usage event and logs."""
-    return replace(deny, key_id=key.key_id, team=key.team, model=model or "")
+def _who(deny: Deny, key: KeyRecord, model: str | None = None,
+         facts: BodyFacts | None = None) -> Deny:
+    """Name the (authenticated) caller on a denial, for its usage event and logs, with
+    whether it asked for a stream once its body was read."""
+    return replace(deny, key_id=key.key_id, team=key.team, model=model or "",
+                   stream=facts.stream if facts is not None else False)
 
 
 def _model_answer(policy: Policy, key: KeyRecord, model: str) -> Reply | Deny:

@@ -112,5 +112,5 @@ def _denied(deny: Deny, req: AuthzRequest, traceparent: str) -> bytes:
                      *answers.denial_headers(deny).items()])
     head += metadata_headers(handoff.denied(req.request_id, deny.reason, deny.status,
                                             deny.key_id, deny.team, deny.model, req.path,
-                                            traceparent))
+                                            traceparent, deny.stream))
     return _response(deny.status, head, answers.error_body(deny, req.request_id))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
+from pathlib import Path
 
 from gateway.settings import Settings
 
@@ -18,10 +20,20 @@ def _bootstrap(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def cmd_usage_tail(args: argparse.Namespace) -> int:
-    from gateway.billing.consumer import tail
+    from gateway.billing.tail import tail
     bootstrap, topic = _bootstrap(args)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(tail(bootstrap, topic, args.limit, args.follow, args.pretty))
+    if args.limit is not None and args.limit < 0:
+        print(f"error: -n {args.limit}: give a count of 0 or more", file=sys.stderr)
+        return 2
+
+    def write(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(tail(bootstrap, topic, write, args.limit, args.follow, args.pretty))
+    except BrokenPipeError:  # `| head` has what it wanted: stop quietly, as tail(1) does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
     return 0
 
 
@@ -42,7 +54,7 @@ def cmd_usage_report(args: argparse.Namespace) -> int:
     try:
         since = report.day_bound(args.since, "--since")
         until = report.day_bound(args.until, "--until")
-        rep = report.report(UsageDb(args.db), args.by, since, until)
+        rep = report.report(UsageDb(args.db), args.by, since, until, args.per or "")
     except report.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -50,17 +62,45 @@ def cmd_usage_report(args: argparse.Namespace) -> int:
     return 0
 
 
+DEV_SPOOL = Path(".gateway-dev") / "spool"  # where `gateway dev` (default --workdir) spools
+
+
+def spool_dir(flag: str | None, env: str | None, default: Path) -> Path:
+    """The spools to read: the flag, else $GATEWAY_SPOOL_DIR, else the serve default if it
+    exists, else `gateway dev`'s. A directory that does not exist is an error (a typo would
+    otherwise report nothing spooled), raised as ValueError."""
+    chosen = flag or env
+    if chosen:
+        path = Path(chosen)
+        if not path.is_dir():
+            how = "--spool-dir" if flag else "$GATEWAY_SPOOL_DIR"
+            raise ValueError(f"{how} {chosen}: no such directory")
+        return path
+    for path in (default, DEV_SPOOL):
+        if path.is_dir():
+            return path
+    raise ValueError(f"no spool directory here ({default} of `gateway serve`, {DEV_SPOOL} of "
+                     f"`gateway dev`): pass --spool-dir or set GATEWAY_SPOOL_DIR")
+
+
 def cmd_usage_reconcile(args: argparse.Namespace) -> int:
     from gateway.billing.db import UsageDb, gaps
     from gateway.sinks.spool import spooled
+    try:
+        root = spool_dir(args.spool_dir, os.environ.get("GATEWAY_SPOOL_DIR"),
+                         Settings.model_fields["spool_dir"].default)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     db = UsageDb(args.db)
     if not db.has_events():
         print(f"error: {args.db} holds no usage events: fill it with `gateway usage consume "
               f"--db {args.db}` first", file=sys.stderr)
         return 2
     seqs, dups = db.seqs(), db.duplicates()
-    pending = spooled(Settings.from_args(args).spool_dir)
+    pending = spooled(root)
     bad = 0
+    print(f"spools: {root}", file=sys.stderr)  # which ones, beside the table
     print(f"{'INSTANCE':32} {'EVENTS':>7} {'MAX SEQ':>8} {'DUPLICATES':>10} {'SPOOLED':>8}  GAPS")
     for inst in sorted(set(seqs) | set(dups) | set(pending)):
         got = seqs.get(inst, [])

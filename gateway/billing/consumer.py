@@ -1,12 +1,10 @@
-"""`gateway usage consume` and `tail`: read the usage topic (manual offset commits)."""
+"""`gateway usage consume`: read the usage topic into the billing database (manual offset
+commits)."""
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Callable
 
-import orjson
 from aiokafka import AIOKafkaConsumer
 
 from gateway.billing.db import UsageDb
@@ -14,7 +12,7 @@ from gateway.log import log
 from gateway.sinks.usage_proto import from_json
 
 
-def _consumer(bootstrap: str, topic: str, group: str | None) -> AIOKafkaConsumer:
+def usage_consumer(bootstrap: str, topic: str, group: str | None) -> AIOKafkaConsumer:
     # earliest + committed offsets (Tansu's ListOffsets(latest) is wrong); its JoinGroup is
     # held for session/2, so a short session keeps start-up fast.
     return AIOKafkaConsumer(
@@ -29,7 +27,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     """Aggregate until stopped, until `stop_when(total_new)` says so, or (`until_caught_up`)
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
-    consumer = _consumer(bootstrap, topic, group)
+    consumer = usage_consumer(bootstrap, topic, group)
     await consumer.start()
     total = dups = 0
     try:
@@ -38,7 +36,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
             events = [from_json(m.value) for msgs in batches.values() for m in msgs
                       if m.value is not None]
             if not events:
-                if until_caught_up and await _caught_up(consumer):
+                if until_caught_up and await caught_up(consumer):
                     break
                 continue
             got = db.ingest(events)  # dedup marks + aggregates: one transaction ...
@@ -66,47 +64,5 @@ async def _lag(consumer: AIOKafkaConsumer) -> int | None:
     return behind
 
 
-async def _caught_up(consumer: AIOKafkaConsumer) -> bool:
+async def caught_up(consumer: AIOKafkaConsumer) -> bool:
     return bool(consumer.assignment()) and await _lag(consumer) == 0
-
-
-async def tail(bootstrap: str, topic: str, limit: int | None = None, follow: bool = False,
-               pretty: bool = False) -> int:
-    """Print events: without `follow`, all there are, per instance in `seq` order; with
-    it, as they arrive, until interrupted. Returns how many were printed."""
-    consumer = _consumer(bootstrap, topic, None)
-    await consumer.start()
-    seen: list[bytes] = []
-    try:
-        while limit is None or len(seen) < limit:
-            batches = await consumer.getmany(timeout_ms=500, max_records=1000)
-            got = [m.value for msgs in batches.values() for m in msgs if m.value]
-            if follow:
-                for v in got[:None if limit is None else limit - len(seen)]:
-                    _print(v, pretty)
-            seen += got
-            if not got and not follow and await _caught_up(consumer):
-                break
-    finally:
-        await consumer.stop()
-    if not follow:
-        ordered = sorted(seen[:limit], key=_instance_seq)
-        for v in ordered:
-            _print(v, pretty)
-    return len(seen[:limit])
-
-
-def _instance_seq(raw: bytes) -> tuple[str, int]:
-    try:
-        e = orjson.loads(raw)
-        return str(e.get("instance_id", "")), int(e.get("seq", 0))
-    except (orjson.JSONDecodeError, ValueError, TypeError, AttributeError):
-        return "", 0
-
-
-def _print(raw: bytes, pretty: bool) -> None:
-    if pretty:
-        with contextlib.suppress(orjson.JSONDecodeError):
-            raw = orjson.dumps(orjson.loads(raw), option=orjson.OPT_INDENT_2)
-    sys.stdout.write(raw.decode(errors="replace") + "\n")
-    sys.stdout.flush()

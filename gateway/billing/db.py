@@ -35,8 +35,17 @@ SCHEMA = [
         instance_id TEXT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (instance_id, seq))""",
 ]
 
-_INSERT = """INSERT INTO usage_events VALUES ({p},{p},{p},{p},{p},{p},{p},{p},{p},{p},{p},{p})
-             ON CONFLICT (event_id) DO NOTHING"""
+# Columns added since the first version: an older database gets them (zeros, "") on open.
+ADDED = [("endpoint", "TEXT NOT NULL DEFAULT ''"),
+         ("cached_tokens", "BIGINT NOT NULL DEFAULT 0"),
+         ("cache_creation_tokens", "BIGINT NOT NULL DEFAULT 0"),
+         ("reasoning_tokens", "BIGINT NOT NULL DEFAULT 0"),
+         ("cost", "DOUBLE PRECISION NOT NULL DEFAULT 0")]
+_COLUMNS = ("event_id, instance_id, seq, ended_at, team, key_id, model, outcome, prompt_tokens, "
+            "completion_tokens, total_tokens, usage_source, endpoint, cached_tokens, "
+            "cache_creation_tokens, reasoning_tokens, cost")
+_INSERT = (f"INSERT INTO usage_events ({_COLUMNS}) VALUES ("
+           + ",".join(["{p}"] * len(_COLUMNS.split(","))) + ") ON CONFLICT (event_id) DO NOTHING")
 _TOTAL = """INSERT INTO usage_totals VALUES ({p},{p},{p},{p},1,{p},{p},{p})
             ON CONFLICT (day, team, key_id, model) DO UPDATE SET
               requests = usage_totals.requests + 1,
@@ -69,11 +78,22 @@ class UsageDb:
             self.p = "?"
         for stmt in SCHEMA:
             self._exec(stmt)
+        self._add_columns()
         if self._exec("SELECT 1 FROM seen_seqs LIMIT 1").fetchone() is None:
             # a database from before seen_seqs: its events' seqs are what it saw
             self._exec("INSERT INTO seen_seqs SELECT instance_id, seq FROM usage_events WHERE true "
                        "ON CONFLICT (instance_id, seq) DO NOTHING")
         self._commit()
+
+    def _add_columns(self) -> None:
+        if isinstance(self.conn, sqlite3.Connection):
+            have = {r[1] for r in self.conn.execute("PRAGMA table_info(usage_events)")}
+            for name, kind in ADDED:
+                if name not in have:
+                    self.conn.execute(f"ALTER TABLE usage_events ADD COLUMN {name} {kind}")
+            return
+        for name, kind in ADDED:
+            self._exec(f"ALTER TABLE usage_events ADD COLUMN IF NOT EXISTS {name} {kind}")
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         return self.conn.execute(sql.format(p=self.p), args)
@@ -96,7 +116,8 @@ class UsageDb:
                 cur = self._exec(_INSERT, (
                     e.event_id, e.instance_id, e.seq, e.ended_at, e.team, e.key_id, e.model,
                     e.outcome, u.prompt_tokens, u.completion_tokens, u.total_tokens,
-                    e.usage_source))
+                    e.usage_source, e.endpoint, u.cached_tokens, u.cache_creation_tokens,
+                    u.reasoning_tokens, e.cost))
                 if cur.rowcount == 1:
                     new += 1
                     self._exec(_TOTAL, (e.ended_at[:10], e.team, e.key_id, e.model,
@@ -117,11 +138,13 @@ class UsageDb:
         """Whether `usage consume` ever filled this database (an empty report is suspect)."""
         return self._exec("SELECT 1 FROM usage_events LIMIT 1").fetchone() is not None
 
-    def by_outcome(self, column: str, since: str, until: str
-                   ) -> tuple[list[tuple[Any, ...]], str, str]:
-        """Per `column`: requests per outcome and the tokens of the non-denied, for events
-        ended in [since, until) (RFC 3339 strings compare in time order); and the first and
-        last event's end in that period."""
+    def totals(self, columns: list[str], period_chars: int, since: str, until: str
+               ) -> tuple[list[tuple[Any, ...]], str, str]:
+        """Per `columns` (and the first `period_chars` of `ended_at`: 10 = the UTC day, 7 =
+        the month, 0 = none), endpoint and outcome: requests, prompt, cached,
+        cache-creation, completion and total tokens, and cost, for events ended in [since,
+        until) (RFC 3339 strings compare in time order); and the first and last event's end
+        in that period."""
         where, args = ["1=1"], []
         if since:
             where.append("ended_at >= {p}")
@@ -130,22 +153,17 @@ class UsageDb:
             where.append("ended_at < {p}")
             args.append(until)
         cond = " AND ".join(where)
-        billable = "CASE WHEN outcome != 'denied' THEN {col} ELSE 0 END"
+        period = f"SUBSTR(ended_at, 1, {int(period_chars)})"  # 0: "" (PostgreSQL: no constant)
+        keys = ", ".join([*columns, period, "endpoint", "outcome"])
         rows = self._exec(
-            f"""SELECT {column},
-                  SUM(CASE WHEN outcome = 'completed' THEN 1 ELSE 0 END),
-                  SUM(CASE WHEN outcome = 'client_cancelled' THEN 1 ELSE 0 END),
-                  SUM(CASE WHEN outcome = 'upstream_error' THEN 1 ELSE 0 END),
-                  SUM(CASE WHEN outcome = 'denied' THEN 1 ELSE 0 END),
-                  SUM({billable.format(col='prompt_tokens')}),
-                  SUM({billable.format(col='completion_tokens')}),
-                  SUM({billable.format(col='total_tokens')})
-                FROM usage_events WHERE {cond} GROUP BY {column} ORDER BY {column}""",
+            f"""SELECT {keys}, COUNT(*), SUM(prompt_tokens), SUM(cached_tokens),
+                  SUM(cache_creation_tokens), SUM(completion_tokens), SUM(total_tokens),
+                  SUM(cost)
+                FROM usage_events WHERE {cond} GROUP BY {keys} ORDER BY {keys}""",
             tuple(args)).fetchall()
         span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",
                           tuple(args)).fetchone()
-        return [tuple(int(v) if i else v for i, v in enumerate(r)) for r in rows], \
-            span[0] or "", span[1] or ""
+        return [tuple(r) for r in rows], span[0] or "", span[1] or ""
 
     def seqs(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

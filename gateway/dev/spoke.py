@@ -158,7 +158,8 @@ def _banner(spoke: Spoke, secret: str, drain_s: float) -> None:
 
     export GATEWAY_REDIS_URL={spoke.redis_url} GATEWAY_KAFKA_BOOTSTRAP={spoke.kafka_bootstrap}
     {gw} policy show; {gw} keys list; {gw} policy status
-    {gw} usage tail
+    {gw} keys show demo      # its limits, and what is used and left now
+    {gw} usage tail -n 5     # the last 5 usage events (-f: then follow)
 
   Ctrl-C stops everything (requests in flight first get {drain_s:g}s to finish).
 """, flush=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gateway.limits import maths
 from gateway.limits.allowances import PERIOD_WINDOW, Allowance, AllowanceStore, Applied
+from gateway.limits.standing import Counters
 from gateway.limits.tightest import Tightest
 from gateway.limits.types import (
     CONCURRENCY,
@@ -194,6 +195,16 @@ class MemoryLimiter(Limiter, AllowanceStore):
                 if rid in live:
                     live[rid] = now + self.lease_ttl
         return gone
+
+    async def counters(self, tier_key: str, now: float) -> Counters:
+        """One tier's counters ("team:team-a"), as `RedisLimiter.counters` reads Redis's."""
+        minute = maths.minute_index(now)
+        t = self.tokens
+        return Counters(
+            self.tat.get(tier_key, 0.0), len(self._live(tier_key, now)),
+            t.get(f"tpm:{tier_key}:{minute - 1}", 0.0), t.get(f"tpm:{tier_key}:{minute}", 0.0),
+            t.get(f"tpd:{tier_key}:{maths.day_id(now)}", 0.0),
+            t.get(f"tpmo:{tier_key}:{maths.month_id(now)}", 0.0))
 
     def in_flight(self, tier: str, name: str, now: float) -> int:
         return len(self._live(f"{tier}:{name}", now))

@@ -14,8 +14,9 @@ from typing import Any
 
 from gateway import batching
 from gateway.errors import RedisLost, StoreInDoubt, StoreUnavailable
-from gateway.limits import maths
+from gateway.limits import maths, standing
 from gateway.limits.resp import RedisReplyError, RespClient, Script
+from gateway.limits.standing import Counters
 from gateway.limits.types import (
     DUPLICATE,
     GTPD,
@@ -200,6 +201,20 @@ class RedisLimiter(Limiter):
         dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
         return [Orphan(str(dec[i]), str(dec[i + 1]), int(dec[i + 2]), _checkpoint(dec[i + 3]))
                 for i in range(0, len(dec), 4)]
+
+    async def counters(self, tier_key: str, now: float) -> Counters:
+        """One tier's counters as admission reads them (for `keys show`; not atomic across
+        them, which a report of where a tier stands does not need)."""
+        rps, conc, prev, cur, day, month = standing.redis_keys(tier_key, now)
+        now_ms = int(now * 1000)
+        try:
+            tat, live = await self.redis.call("GET", rps), await self.redis.call(
+                "ZCOUNT", conc, f"({now_ms}", "+inf")
+            counts = [await self.redis.call("GET", k) for k in (prev, cur, day, month)]
+        except REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+        p, c, d, m = (float(v or 0) for v in counts)
+        return Counters(float(tat or 0) / 1000, int(live or 0), p, c, d, m)
 
     async def ping(self) -> bool:
         try:

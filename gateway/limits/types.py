@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.limits.standing import Counters
 from gateway.policy.model import TierLimit
 
 # Which limit tripped, in the order they are checked within a tier.
@@ -142,6 +143,10 @@ class Limiter(Protocol):
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:
         """Claim (once, across instances) requests whose lease expired unsettled."""
+        ...
+
+    async def counters(self, tier_key: str, now: float) -> Counters:
+        """One tier's counters ("team:team-a") as admission reads them (`keys show`)."""
         ...
 
     async def ping(self) -> bool: ...

@@ -47,6 +47,8 @@ class UsageEvent:
     tpot_ms: float
     duration_ms: float
     cancellation: Cancellation = NOT_CANCELLED
+    cost: float = 0.0  # at the price in force at started_at (gateway/metering/cost.py)
+    price_effective: str = ""  # that price's `effective`, RFC 3339; "" = no price
 
 
 def event_json(e: UsageEvent) -> bytes:
@@ -70,4 +72,5 @@ def event_json(e: UsageEvent) -> bytes:
             "generated_completion_tokens": str(c.generated_completion_tokens),
             "delivered_completion_tokens": str(c.delivered_completion_tokens),
         },
+        "cost": e.cost, "price_effective": e.price_effective,
     })

@@ -83,10 +83,11 @@ def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leas
 
 
 def denied(request_id: str, reason: str, status: int, key_id: str, team: str, model: str,
-           endpoint: str, traceparent: str = "") -> Metadata:
+           endpoint: str, traceparent: str = "", stream: bool = False) -> Metadata:
     """A denial: `denied` (the reason) marks it, `status` is what the client got."""
     md: Metadata = {"request_id": request_id, "denied": reason, "status": status,
-                    "key_id": key_id, "team": team, "model": model, "endpoint": endpoint}
+                    "key_id": key_id, "team": team, "model": model, "endpoint": endpoint,
+                    "stream": stream}
     if traceparent:
         md["traceparent"] = traceparent
     return md

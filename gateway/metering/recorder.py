@@ -14,6 +14,7 @@ from gateway.limits.leases import Leases
 from gateway.limits.types import Orphan
 from gateway.log import log
 from gateway.metering.cancel import NOT_CANCELLED, bill
+from gateway.metering.cost import Rates, cost
 from gateway.metering.events import UsageEvent, event_json, rfc3339
 from gateway.metering.handoff import RequestFacts, orphan_facts
 from gateway.metering.meter import Meter, Result
@@ -27,11 +28,17 @@ CUT_WAIT_S = 1.0
 TOLD_MAX = 10_000
 
 
+def _no_prices(model: str, at: float) -> Rates | None:
+    return None
+
+
 class Recorder:
-    def __init__(self, spool: Spool, spoke: str, leases: Leases) -> None:
+    def __init__(self, spool: Spool, spoke: str, leases: Leases,
+                 price: Callable[[str, float], Rates | None] = _no_prices) -> None:
         self.spool = spool
         self.spoke = spoke
         self.leases = leases
+        self.price = price  # the held policy's price of a model at an instant
         # ext_proc: streams that ended early, waiting to learn who ended them; and the
         # words that came before their stream's end did.
         self._waiting: dict[str, tuple[Callable[[str], None], asyncio.TimerHandle]] = {}
@@ -124,6 +131,9 @@ class Recorder:
         usage, cancellation = r.usage, NOT_CANCELLED
         if outcome == "client_cancelled":  # billed by the team's rule, as admitted
             usage, cancellation = bill(r.usage, r.delivered, facts.cancelled)
+        rates = self.price(facts.model, started) if outcome != "denied" else None
+        if outcome == "denied":
+            source = ""  # nothing was metered: there is no usage to have a source
         if facts.leased:
             self.leases.release(facts.request_id)
         seq = self.spool.next_seq()
@@ -135,7 +145,9 @@ class Recorder:
             stream=facts.stream, status_code=status,
             outcome=outcome, usage=usage, usage_source=source,
             ttft_ms=round(r.ttft_ms, 3), tpot_ms=round(r.tpot_ms, 3),
-            duration_ms=round((ended - started) * 1000, 3), cancellation=cancellation)
+            duration_ms=round((ended - started) * 1000, 3), cancellation=cancellation,
+            cost=cost(usage, rates) if rates else 0.0,
+            price_effective=rfc3339(rates.effective) if rates else "")
         # The token counters settle to what is billed: the same rule as the event.
         self.spool.put(seq, event_json(event), on_durable=self._settlement(
             facts, usage.total_tokens if outcome != "denied" else 0))

@@ -1,4 +1,5 @@
-"""Operator actions on the policy (apply, show, keys create/list/revoke), for Redis or a file.
+"""Operator actions on the policy (apply, show, keys create/update/revoke/enable/list), for
+Redis or a file.
 
 Each edit is read-modify-write of a whole document with a compare-and-set on the revision,
 so two operators editing at once cannot silently lose one another's change.
@@ -6,8 +7,10 @@ so two operators editing at once cannot silently lose one another's change.
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,7 +21,7 @@ import orjson
 from gateway.errors import ApplyRefused
 from gateway.policy import secrets
 from gateway.policy.loader import dump_yaml, parse_doc, to_data
-from gateway.policy.schema import PolicyDoc
+from gateway.policy.schema import PolicyDoc, utc_text
 from gateway.policy.store import RevisionConflict
 
 
@@ -206,13 +209,84 @@ async def create_key(
     return NewKey(key_id, secret, new)
 
 
-async def revoke_key(backend: Backend, key_id: str) -> int:
+@dataclass(frozen=True)
+class KeyEdit:
+    """An edit of one key: the revision that holds it, and whether this edit made one (an
+    edit that changes nothing publishes nothing: revoking a revoked key is not a change)."""
+
+    key_id: str
+    revision: int
+    changed: bool
+
+
+LIMIT_FIELDS = ("rps", "burst", "concurrency", "tokens_per_minute", "tokens_per_day",
+                "tokens_per_month")
+UNSET: Any = object()  # an update flag not given: keep what the key has
+
+
+async def edit_key(backend: Backend, key_id: str,
+                   change: Callable[[dict[str, Any]], None]) -> KeyEdit:
+    """Read-modify-write one key's entry (compare-and-set on the revision, validated as
+    `policy apply` validates); nothing is written when `change` leaves the entry as it was."""
     rev, doc = await backend.read()
     data = to_data(doc)
     if key_id not in data.get("keys", {}):
         raise KeyError(key_id)
-    data["keys"][key_id]["disabled"] = True
-    return await backend.write(_validated(data), rev)
+    before = copy.deepcopy(data["keys"][key_id])
+    change(data["keys"][key_id])
+    if data["keys"][key_id] == before:
+        return KeyEdit(key_id, rev, False)
+    return KeyEdit(key_id, await backend.write(_validated(data), rev), True)
+
+
+async def revoke_key(backend: Backend, key_id: str) -> KeyEdit:
+    def revoke(entry: dict[str, Any]) -> None:
+        entry["disabled"] = True
+    return await edit_key(backend, key_id, revoke)
+
+
+async def enable_key(backend: Backend, key_id: str) -> KeyEdit:
+    """Re-enable a revoked key (its secret is unchanged: whoever held it may use it again)."""
+    def enable(entry: dict[str, Any]) -> None:
+        entry.pop("disabled", None)
+    return await edit_key(backend, key_id, enable)
+
+
+async def update_key(backend: Backend, key_id: str, *, limits: dict[str, Any] | None = None,
+                     models: Any = UNSET, expires_at: Any = UNSET) -> KeyEdit:
+    """Change a key's limits (a value of None removes that limit), its models (None: the
+    team's, no narrowing) or its expiry (None: never). What is not given is kept."""
+    def update(entry: dict[str, Any]) -> None:
+        lim = dict(entry.get("limits", {}))
+        for name, value in (limits or {}).items():
+            if name not in LIMIT_FIELDS:
+                raise ValueError(f"unknown limit {name!r} (one of {', '.join(LIMIT_FIELDS)})")
+            if value is None:
+                lim.pop(name, None)
+            else:
+                lim[name] = value
+        if "burst" in lim and "rps" not in lim:
+            lim.pop("burst")  # a burst without its rate means nothing (and does not validate)
+        if lim:
+            entry["limits"] = lim
+        else:
+            entry.pop("limits", None)
+        if models is not UNSET:
+            if models is None:
+                entry.pop("models", None)
+            else:
+                entry["models"] = list(models)
+        if expires_at is not UNSET:
+            if expires_at is None:
+                entry.pop("expires_at", None)
+            else:
+                entry["expires_at"] = utc_text(expires_at)
+    return await edit_key(backend, key_id, update)
+
+
+def expiry(expires_in: str | None, now: datetime | None = None) -> datetime:
+    """`--expires-in 30d` as the instant it names."""
+    return (now or datetime.now(UTC)) + parse_duration(expires_in or "")
 
 
 def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]]:

@@ -50,6 +50,9 @@ def to_data(doc: PolicyDoc, revision: int | None = None) -> dict[str, Any]:
     for key in data.get("keys", {}).values():
         if "expires_at" in key:
             key["expires_at"] = utc_text(key["expires_at"])
+    for model in data.get("models", {}).values():
+        for price in model.get("prices", []):
+            price["effective"] = utc_text(price["effective"])
     data.pop("revision", None)
     out: dict[str, Any] = {"revision": revision} if revision else {}
     out.update(data)

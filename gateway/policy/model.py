@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 
 from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
-from gateway.policy.schema import GlobalLimits, Limits, PolicyDoc
+from gateway.metering.cost import PriceBook, Rates
+from gateway.policy.schema import GlobalLimits, Limits, PolicyDoc, Price
 from gateway.routes import PassThrough
 
 TIERS = ("model", "team", "key")
@@ -117,6 +118,12 @@ class KeyRecord:
         return self.key_acl is None or self.key_acl.allows(model)
 
 
+def _rates(p: Price) -> Rates:
+    return Rates(p.effective.timestamp(), p.input,
+                 p.input if p.cached_input is None else p.cached_input,
+                 p.input if p.cache_creation is None else p.cache_creation, p.output)
+
+
 @dataclass(frozen=True)
 class Policy:
     revision: int
@@ -126,6 +133,7 @@ class Policy:
     keys_by_digest: dict[bytes, KeyRecord]
     keys: dict[str, KeyRecord] = field(default_factory=dict)
     passthrough: tuple[PassThrough, ...] = ()
+    prices: dict[str, PriceBook] = field(default_factory=dict, compare=False)  # from doc
     _tiers: dict[tuple[str | None, str], tuple[TierLimit, ...]] = field(
         default_factory=dict, compare=False, repr=False)
 
@@ -157,7 +165,14 @@ class Policy:
             keys=keys,
             passthrough=tuple(PassThrough(p.path, frozenset(p.methods))
                               for p in doc.passthrough),
+            prices={name: PriceBook([_rates(p) for p in m.prices])
+                    for name, m in doc.models.items() if m.prices},
         )
+
+    def price(self, model: str, at: float) -> Rates | None:
+        """The model's prices in force at `at` (Unix seconds); None: it has none then."""
+        book = self.prices.get(model)
+        return book.at(at) if book is not None else None
 
     def models_for(self, key: KeyRecord) -> list[str]:
         """The policy's models this key may use, sorted."""

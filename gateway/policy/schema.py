@@ -6,6 +6,7 @@ runtime form the request path reads.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from datetime import datetime
@@ -17,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -90,8 +92,29 @@ class Billing(_Strict):
     cancelled: CancelRule | None = None
 
 
+class Price(_Strict):
+    """A model's prices per million tokens from `effective` on (until the next entry's), in
+    the price table's currency. Cached input and cache creation default to `input`."""
+
+    effective: AwareDatetime
+    input: NonNegativeFloat
+    cached_input: NonNegativeFloat | None = None
+    cache_creation: NonNegativeFloat | None = None
+    output: NonNegativeFloat
+
+
 class ModelPolicy(_Strict):
     limits: Limits = Limits()
+    # The price history: a revision adds an entry rather than editing one, so what was
+    # billed before its date stays billed at the old price.
+    prices: list[Price] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_price_per_instant(self) -> ModelPolicy:
+        seen = [p.effective for p in self.prices]
+        if len(set(seen)) != len(seen):
+            raise ValueError("two prices with the same `effective` instant: which one applies?")
+        return self
 
 
 class TeamPolicy(_Strict):
@@ -158,7 +181,29 @@ class PolicyDoc(_Strict):
             if key.sha256 in seen:
                 problems.append(f"keys.{key_id}.sha256: same digest as keys.{seen[key.sha256]}")
             seen.setdefault(key.sha256, key_id)
+        problems += self.acl_problems()
         return problems
+
+    def acl_problems(self) -> list[str]:
+        """An ACL entry that matches no model is a typo or a model since removed: the key
+        would get 403 on what it was meant to use. `*` ("all") is exempt: it may match none."""
+        models = list(self.models)
+        lists = [(f"teams.{name}.models", t.models) for name, t in self.teams.items()]
+        lists += [(f"keys.{kid}.models", k.models) for kid, k in self.keys.items()
+                  if k.models is not None]
+        problems = []
+        for path, patterns in lists:
+            for i, pattern in enumerate(patterns):
+                if pattern != "*" and not any(fnmatch.fnmatchcase(m, pattern) for m in models):
+                    kind = "glob" if any(c in pattern for c in "*?[") else "model"
+                    problems.append(f"{path}.{i}: {kind} {pattern!r} matches no model in "
+                                    f"`models` ({_some(models)})")
+        return problems
+
+
+def _some(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(sorted(names)[:most]) or "none"
+    return shown + (f", ... ({len(names)} in all)" if len(names) > most else "")
 
 
 def utc_text(ts: datetime) -> str:

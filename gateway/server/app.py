@@ -25,6 +25,7 @@ from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.types import Limiter
 from gateway.log import log
+from gateway.metering.cost import Rates
 from gateway.metering.recorder import Recorder
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.store import PolicyStore
@@ -151,10 +152,16 @@ class App:
         if len(spools) > 1:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
-        recorder = Recorder(self.spool, s.spoke, leases)
+        recorder = Recorder(self.spool, s.spoke, leases, price=self._price)
         self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3,
                                                                     s.orphan_grace_s)))
         return recorder
+
+    def _price(self, model: str, at: float) -> Rates | None:
+        """A model's price at an instant, from the policy held now (its entries carry their
+        dates, so a revision that adds a price does not change what came before it)."""
+        policy = self.holder.policy
+        return policy.price(model, at) if policy is not None else None
 
     async def _watch_spool(self, spools: list[Spool]) -> None:
         """Depth and age of what waits for Kafka, and whether Redis answers, every second;

@@ -128,7 +128,7 @@ def _denied(deny: Deny, req: AuthzRequest, traceparent: str = "") -> pb.CheckRes
     denied.body = answers.error_body(deny, req.request_id).decode()
     _set_metadata(resp.dynamic_metadata, handoff.denied(
         req.request_id, deny.reason, deny.status, deny.key_id, deny.team, deny.model, req.path,
-        traceparent))
+        traceparent, deny.stream))
     return resp
 
 

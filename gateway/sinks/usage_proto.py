@@ -30,6 +30,7 @@ def to_proto(e: UsageEvent) -> usage_pb2.UsageEvent:
             billing_rule=c.billing_rule, prompt_tokens=c.prompt_tokens,
             generated_completion_tokens=c.generated_completion_tokens,
             delivered_completion_tokens=c.delivered_completion_tokens),
+        cost=e.cost, price_effective=e.price_effective,
     )
 
 

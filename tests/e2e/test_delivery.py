@@ -172,5 +172,5 @@ def test_billing_commands_through_the_cli(spoke, keys, tmp_path: Path,  # type: 
     assert gateway(["usage", "tail", "--kafka", spoke.kafka_bootstrap]) == 0
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert ids <= {e["event_id"] for e in events}
-    order = [(e["instance_id"], int(e["seq"])) for e in events]
-    assert order == sorted(order)  # per instance, in seq order
+    order = [(e["ended_at"], e["instance_id"], int(e["seq"])) for e in events]
+    assert order == sorted(order)  # in time order

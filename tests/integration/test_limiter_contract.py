@@ -416,3 +416,19 @@ async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: 
     v = await limiter.admit(req("big", [team], reserve=22))
     assert not v.allowed and (v.limit, v.limit_value) == (GTPD, 8)
     assert (await limiter.admit(req("small", [team], reserve=8))).allowed
+
+
+async def test_counters_say_where_a_tier_stands_after_admissions_and_a_settlement(
+        limiter: Limiter) -> None:
+    """`keys show` reads these: both stores report the same use after the same history."""
+    from gateway.limits.standing import standing
+    from gateway.limits.types import Settle
+
+    t = tier("key", "show", rps=5, concurrency=4, tokens_per_minute=1000, tokens_per_day=5000)
+    for rid in ("s1", "s2", "s3"):
+        assert (await limiter.admit(req(rid, [t], reserve=100))).allowed
+    await limiter.end_many([Settle("s1", 40)])  # ended: its lease freed, 40 tokens, not 100
+    counters = await limiter.counters("key:show", T0)
+    got = {w.limit: (w.used, w.left) for w in standing(t, counters, T0).windows}
+    assert got == {"rps": (3, 2), "concurrency": (2, 2), "tokens_per_minute": (240, 760),
+                   "tokens_per_day": (240, 4760)}

@@ -6,9 +6,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
+from gateway.billing import report
 from gateway.billing.db import UsageDb, gaps
 
 PG = "postgresql://postgres@127.0.0.1:5432/test"
@@ -44,20 +46,25 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[UsageDb]:
 
 
 def ev(i: int, team: str = "t", tokens: int = 10, inst: str = "i1", outcome: str = "completed",
-       ended: str = "2026-11-29T10:00:00.000Z") -> usage_pb2.UsageEvent:
+       ended: str = "2026-11-29T10:00:00.000Z", model: str = "m", cached: int = 0,
+       cost: float = 0.0, endpoint: str = "/v1/chat/completions") -> usage_pb2.UsageEvent:
     return usage_pb2.UsageEvent(
-        event_id=f"e{i}", instance_id=inst, seq=i, ended_at=ended,
-        team=team, key_id="k", model="m", outcome=outcome, usage_source="reported",
+        event_id=f"e{i}", instance_id=inst, seq=i, ended_at=ended, endpoint=endpoint,
+        team=team, key_id="k", model=model, outcome=outcome, usage_source="reported",
         usage=usage_pb2.Usage(prompt_tokens=tokens, completion_tokens=1,
-                              total_tokens=tokens + 1))
+                              total_tokens=tokens + 1, cached_tokens=cached), cost=cost)
+
+
+def totals(db: UsageDb) -> list[tuple[str, int, int]]:
+    """(team, completed, total tokens) per team."""
+    return [(r.name, r.completed, r.total_tokens) for r in report.report(db, "team").rows]
 
 
 def test_duplicates_change_no_total(db: UsageDb) -> None:
     assert db.ingest([ev(1), ev(2), ev(3, team="u")]).new == 3
     got = db.ingest([ev(2), ev(3, team="u"), ev(4)])
     assert (got.new, got.duplicates) == (1, 2)
-    assert db.by_outcome("team", "", "")[0] == [("t", 3, 0, 0, 0, 30, 3, 33),
-                                                 ("u", 1, 0, 0, 0, 10, 1, 11)]
+    assert totals(db) == [("t", 3, 33), ("u", 1, 11)]
     assert db.duplicates() == {"i1": 2}
     assert db.seqs() == {"i1": [1, 2, 3, 4]}
 
@@ -66,7 +73,7 @@ def test_a_failed_batch_leaves_nothing_behind(db: UsageDb) -> None:
     db.ingest([ev(1)])
     with pytest.raises(AttributeError):  # the consumer dies mid-batch
         db.ingest([ev(5), ev(6), None])  # type: ignore[list-item]
-    assert db.by_outcome("team", "", "")[0] == [("t", 1, 0, 0, 0, 10, 1, 11)]  # nor e5/e6's
+    assert totals(db) == [("t", 1, 11)]  # nor e5/e6's
     assert db.ingest([ev(5), ev(6)]).new == 2
 
 
@@ -98,8 +105,6 @@ def test_gaps() -> None:
 
 
 def test_report_splits_outcomes_bills_no_denial_and_keeps_to_its_period(db: UsageDb) -> None:
-    from gateway.billing import report
-
     with pytest.raises(report.ReportError, match="holds no usage events"):
         report.report(db, "team")
     db.ingest([ev(1), ev(2, outcome="denied", tokens=0), ev(3, outcome="client_cancelled"),
@@ -117,3 +122,120 @@ def test_report_splits_outcomes_bills_no_denial_and_keeps_to_its_period(db: Usag
     for bad in ("2026-13-01", "yesterday", "2026-11-30T10:00:00"):
         with pytest.raises(report.ReportError):
             report.day_bound(bad, "--since")
+
+
+def test_report_by_team_and_model_per_day_with_cached_tokens_and_cost(db: UsageDb) -> None:
+    db.ingest([
+        ev(1, model="a", cached=4, cost=0.25, ended="2026-11-29T10:00:00.000Z"),
+        ev(2, model="a", cached=2, cost=0.5, ended="2026-11-29T23:59:59.999Z"),
+        ev(3, model="b", cost=1.0, ended="2026-11-29T11:00:00.000Z"),
+        ev(4, model="a", cost=2.0, ended="2026-11-30T00:00:00.000Z"),
+        ev(5, team="u", model="a", cost=4.0, ended="2026-11-30T01:00:00.000Z"),
+        ev(6, model="a", tokens=0, outcome="denied", ended="2026-11-30T02:00:00.000Z"),
+    ])
+    rep = report.report(db, "team,model", per="day")
+    assert rep.columns == ("day", "team", "model")
+    assert [(r.group, r.completed, r.denied, r.prompt_tokens, r.cached_tokens, r.cost)
+            for r in rep.rows] == [
+        (("2026-11-29", "t", "a"), 2, 0, 20, 6, 0.75),
+        (("2026-11-29", "t", "b"), 1, 0, 10, 0, 1.0),
+        (("2026-11-30", "t", "a"), 1, 1, 10, 0, 2.0),
+        (("2026-11-30", "u", "a"), 1, 0, 10, 0, 4.0),
+    ]
+    month = report.report(db, "model", per="month")
+    assert [(r.group, r.completed, r.cost) for r in month.rows] == [
+        (("2026-11", "a"), 4, 6.75), (("2026-11", "b"), 1, 1.0)]
+    csv = report.render(rep, "csv").splitlines()
+    assert csv[0] == ("day,team,model,completed,client_cancelled,upstream_error,denied,"
+                      "not_billed,prompt_tokens,cached_tokens,cache_creation_tokens,"
+                      "completion_tokens,total_tokens,cost")
+    assert csv[1] == "2026-11-29,t,a,2,0,0,0,0,20,6,0,2,22,0.750000"
+    rows = orjson.loads(report.render(rep, "json"))["rows"]
+    assert rows[0]["day"] == "2026-11-29" and rows[0]["model"] == "a" and rows[0]["cost"] == 0.75
+    assert "2026-11-30  u" in report.render(rep, "table")
+    for bad in ("team,team", "tenant", ""):
+        with pytest.raises(report.ReportError, match="--by"):
+            report.report(db, bad)
+
+
+def test_read_only_requests_are_not_billed_requests(db: UsageDb) -> None:
+    db.ingest([ev(1), ev(2, tokens=0, endpoint="/v1/models"),
+               ev(3, tokens=0, endpoint="/v1/models/m"),
+               ev(4, tokens=0, endpoint="/v1/messages/count_tokens")])
+    (row,) = report.report(db, "team").rows
+    assert (row.completed, row.not_billed) == (1, 3)
+
+
+def test_a_database_from_before_cost_gets_the_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as c:  # the first version's events table, with one event
+        c.execute(SCHEMA_V1)
+        c.execute("INSERT INTO usage_events VALUES ('e0','i1',1,'2026-11-29T09:00:00.000Z',"
+                  "'t','k','m','completed',5,1,6,'reported')")
+    db = UsageDb(f"sqlite:///{path}")
+    db.ingest([ev(1, cost=1.5, cached=3)])
+    (row,) = report.report(db, "team").rows
+    assert (row.completed, row.total_tokens, row.cached_tokens, row.cost) == (2, 17, 3, 1.5)
+
+
+SCHEMA_V1 = """CREATE TABLE usage_events (
+    event_id TEXT PRIMARY KEY, instance_id TEXT NOT NULL, seq BIGINT NOT NULL,
+    ended_at TEXT NOT NULL, team TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
+    outcome TEXT NOT NULL, prompt_tokens BIGINT NOT NULL, completion_tokens BIGINT NOT NULL,
+    total_tokens BIGINT NOT NULL, usage_source TEXT NOT NULL)"""
+
+
+def test_a_price_change_mid_day_bills_the_morning_at_the_old_price(db: UsageDb) -> None:
+    """The price table gains a new entry effective at noon: the day's report bills the
+    morning's requests at the old price and the afternoon's at the new one, whichever
+    revision the events were made under, and re-reading them changes nothing."""
+    from datetime import datetime
+    from typing import Any
+
+    from gateway.metering.handoff import RequestFacts
+    from gateway.metering.meter import Result
+    from gateway.metering.recorder import Recorder
+    from gateway.metering.usage import Usage
+    from gateway.policy.loader import load
+    from gateway.sinks.usage_proto import from_json
+
+    before = load("""
+models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2}]}}
+""")
+    after = load("""
+models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2},
+                      {effective: 2026-12-01T12:00:00Z, input: 10, output: 20}]}}
+""")
+
+    class Spool:
+        instance_id = "i1"
+        lines: list[bytes] = []
+
+        def next_seq(self) -> int:
+            return len(self.lines) + 1
+
+        def put(self, seq: int, line: bytes, on_durable: Any = None) -> None:
+            self.lines.append(line)
+
+    spool = Spool()
+
+    def request(rid: str, at: str, revision: Any) -> None:
+        start = datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+        rec = Recorder(spool, "s", None, price=revision.price)  # type: ignore[arg-type]
+        facts = RequestFacts(request_id=rid, key_id="k", team="t", model="m",
+                             endpoint="/v1/chat/completions")
+        rec.emit(facts, Result(Usage(1_000_000, 1_000_000, 2_000_000), "reported", "m", 0, 0),
+                 200, "completed", start, start + 30, "reported")
+
+    request("morning-1", "2026-12-01T08:00:00Z", before)
+    request("morning-2", "2026-12-01T11:59:50Z", after)  # made after the revision, ends at 12:00:20
+    request("noon", "2026-12-01T12:00:00Z", after)
+    request("evening", "2026-12-01T18:00:00Z", after)
+    events = [from_json(line) for line in spool.lines]
+    assert [e.cost for e in events] == [3.0, 3.0, 30.0, 30.0]
+    db.ingest(events)
+    db.ingest(events)  # redelivered: no change
+    (day,) = report.report(db, "team,model", per="day").rows
+    assert (day.group, day.completed, day.cost) == (("2026-12-01", "t", "m"), 4, 66.0)

@@ -115,11 +115,69 @@ async def test_create_key_for_unknown_team_is_refused(backend: admin.FileBackend
 
 async def test_revoke_key_disables_and_bumps_revision(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
-    assert await admin.revoke_key(backend, "key_7Hq2") == 2
+    assert await admin.revoke_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 2, True)
     rev, doc = await backend.read()
     assert rev == 2 and doc.keys["key_7Hq2"].disabled is True
     assert doc.keys["key_7Hq2"].sha256 == SECRET_DIGEST  # the entry stays, disabled
     assert load(backend.path.read_bytes()).keys["key_7Hq2"].disabled
+
+
+async def test_revoking_a_revoked_key_changes_nothing(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    await admin.revoke_key(backend, "key_7Hq2")
+    before = backend.path.read_bytes()
+    assert await admin.revoke_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 2, False)
+    assert backend.path.read_bytes() == before  # no new revision
+
+
+async def test_enable_brings_a_revoked_key_back(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    await admin.revoke_key(backend, "key_7Hq2")
+    assert await admin.enable_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 3, True)
+    policy = load(backend.path.read_bytes())
+    assert not policy.keys["key_7Hq2"].disabled
+    assert policy.keys["key_7Hq2"].key_id == "key_7Hq2"
+    assert (await admin.enable_key(backend, "key_7Hq2")).changed is False
+
+
+async def test_update_key_limits_models_and_expiry(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")  # key_7Hq2: rps 2, concurrency 4, tpd 2M
+    when = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
+    done = await admin.update_key(backend, "key_7Hq2",
+                                  limits={"rps": 5, "concurrency": None, "tokens_per_minute": 900},
+                                  models=["llama-*"], expires_at=when)
+    assert done == admin.KeyEdit("key_7Hq2", 2, True)
+    key = (await backend.read())[1].keys["key_7Hq2"]
+    assert (key.limits.rps, key.limits.concurrency, key.limits.tokens_per_minute,
+            key.limits.tokens_per_day) == (5, None, 900, 2000000)  # what was not named is kept
+    assert (key.models, key.expires_at) == (["llama-*"], when)
+    assert key.sha256 == SECRET_DIGEST  # the same secret still works
+
+    done = await admin.update_key(backend, "key_7Hq2", models=None, expires_at=None)
+    key = (await backend.read())[1].keys["key_7Hq2"]
+    assert done.revision == 3 and key.models is None and key.expires_at is None
+    assert (await admin.update_key(backend, "key_7Hq2", limits={"rps": 5})).changed is False
+
+
+async def test_update_key_is_validated_as_apply_is(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    before = backend.path.read_bytes()
+    with pytest.raises(PolicyError, match=r"keys.key_7Hq2.models.0: model 'gpt-9' matches no"):
+        await admin.update_key(backend, "key_7Hq2", models=["gpt-9"])
+    with pytest.raises(PolicyError, match=r"keys.key_7Hq2.limits.rps"):
+        await admin.update_key(backend, "key_7Hq2", limits={"rps": -1})
+    with pytest.raises(ValueError, match="unknown limit 'rsp'"):
+        await admin.update_key(backend, "key_7Hq2", limits={"rsp": 1})
+    with pytest.raises(KeyError):
+        await admin.update_key(backend, "key_nope", limits={"rps": 1})
+    assert backend.path.read_bytes() == before
+
+
+async def test_create_key_naming_an_unknown_model_is_refused(backend: admin.FileBackend) -> None:
+    await admin.apply(backend, VALID, "valid.yaml")
+    with pytest.raises(PolicyError, match=r"keys\.\w+\.models\.0: model 'qwen3' matches no"):
+        await admin.create_key(backend, "team-a", models=["qwen3"])
+    assert (await backend.read())[0] == 1
 
 
 async def test_revoke_unknown_key(backend: admin.FileBackend) -> None:
@@ -321,3 +379,32 @@ def test_diff_names_billing_rule_changes() -> None:
                             "teams": {"t": {"billing": {"cancelled": "delivered"}}}})
     assert admin.diff(old, new).lines() == ["  ~ teams.t", "  + billing.cancelled"]
     assert admin.diff(new, new).empty
+
+
+def test_the_key_commands_say_what_they_did(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(VALID)
+    flags = ["--policy-file", str(path)]
+    assert main(["keys", "revoke", "key_7Hq2", *flags]) == 0
+    assert capsys.readouterr().out == "revoked key_7Hq2 in revision 1\n"
+    assert main(["keys", "revoke", "key_7Hq2", *flags]) == 0
+    assert capsys.readouterr().out == \
+        "key_7Hq2 is already revoked: nothing changed (revision 1)\n"
+    assert main(["keys", "enable", "key_7Hq2", *flags]) == 0
+    assert capsys.readouterr().out == "re-enabled key_7Hq2 in revision 2\n"
+    assert main(["keys", "update", "key_7Hq2", "--rps", "none", "--tokens-per-minute", "900",
+                 "--models", "team", "--no-expiry", *flags]) == 0
+    key = parse_doc(path.read_bytes()).keys["key_7Hq2"]
+    assert (key.limits.rps, key.limits.tokens_per_minute, key.models, key.expires_at) == (
+        None, 900, None, None)
+    capsys.readouterr()
+    assert main(["keys", "update", "key_7Hq2", "--models", "gpt-9", *flags]) == 2
+    assert "keys.key_7Hq2.models.0: model 'gpt-9' matches no model" in capsys.readouterr().err
+    assert main(["keys", "update", "key_7Hq2", "--concurrency", "1.5", *flags]) == 2
+    assert main(["keys", "update", "key_7Hq2", *flags]) == 2  # nothing to update
+    assert main(["keys", "revoke", "key_nope", *flags]) == 2
+    assert main(["keys", "create", "--team", "team-a", "--models", "qwen3", *flags]) == 2
+    assert "models.0: model 'qwen3' matches no model" in capsys.readouterr().err

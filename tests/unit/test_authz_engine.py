@@ -278,6 +278,16 @@ async def test_rps_exceeded() -> None:
     assert isinstance(await gate.check(chat()), Allow)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_denial_says_whether_the_request_asked_for_a_stream(stream: bool) -> None:
+    gate = Gate(policy(key_limits="{rps: 1}"))
+    assert isinstance(await gate.check(chat()), Allow)
+    assert denied(await gate.check(chat(stream=stream)), 429, "rate_limit_exceeded").stream \
+        is stream
+    assert denied(await gate.check(chat("mistral", stream=stream)), 403,
+                  "model_not_allowed").stream is stream
+
+
 async def test_concurrency_exceeded_at_model_tier() -> None:
     gate = Gate(policy(model_limits="{concurrency: 1}"))
     assert isinstance(await gate.check(chat()), Allow)

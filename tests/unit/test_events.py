@@ -23,7 +23,9 @@ ms = st.floats(min_value=0, max_value=1e9, allow_nan=False).map(lambda f: round(
     stream=st.booleans(), status_code=st.integers(0, 599), outcome=text,
     usage=st.builds(Usage, count, count, count, count, count), usage_source=text,
     ttft_ms=ms, tpot_ms=ms, duration_ms=ms,
-    cancellation=st.builds(Cancellation, text, count, count, count)))
+    cancellation=st.builds(Cancellation, text, count, count, count),
+    cost=st.floats(min_value=0, max_value=1e12, allow_nan=False).map(lambda f: round(f, 9)),
+    price_effective=text))
 def test_event_json_is_the_proto3_json_mapping(event: UsageEvent) -> None:
     fast = event_json(event)
     assert orjson.loads(fast) == orjson.loads(proto_json(to_proto(event)))

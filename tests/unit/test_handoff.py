@@ -64,6 +64,12 @@ def test_a_denial_reads_back_with_its_status(carry: object) -> None:
 
 
 @pytest.mark.parametrize("carry", CARRIERS)
+def test_a_denied_stream_reads_back_as_a_stream(carry: object) -> None:
+    md = handoff.denied("r2", "rps", 429, "k1", "team-a", "m", "/v1/completions", stream=True)
+    assert handoff.read(carry(md)).stream is True  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("carry", CARRIERS)
 def test_the_gateways_own_answer_is_not_a_denial(carry: object) -> None:
     md = handoff.replied("r3", "k1", "team-a", "", "/v1/models", "00-t-s-01")
     facts = handoff.read(carry(md))  # type: ignore[operator]

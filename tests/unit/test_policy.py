@@ -75,6 +75,11 @@ BAD = [
     ("bad_yaml_syntax.yaml", "(document)", "not valid YAML"),
     # pydantic marks a bad dict *key* with '[key]' after the offending key id
     ("bad_key_id.yaml", "keys.key-7Hq2!.[key]", "letters, digits or '_' (no '-'"),
+    # an ACL entry that matches no model would 403 every request meant for it
+    ("bad_acl_glob_matches_nothing.yaml", "teams.team-a.models.1",
+     "glob 'mistral-*' matches no model in `models` (llama-3-8b, qwen3-coder)"),
+    ("bad_key_acl_names_unknown_model.yaml", "keys.key_7Hq2.models.1",
+     "model 'qwen3-coderr' matches no model"),
 ]
 
 
@@ -88,6 +93,17 @@ def test_invalid_fixture_names_the_path(name: str, path: str, words: str) -> Non
     assert words in err.problems[0]
     assert err.source == name
     assert str(err).startswith(f"{name}: {path}")
+
+
+def test_star_acl_is_valid_even_with_no_models() -> None:
+    doc = parse_doc("teams: {t: {models: ['*']}}")
+    assert doc.teams["t"].models == ["*"]
+
+
+def test_acl_globs_match_case_sensitively_as_requests_do() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc("models: {Qwen3: {}}\nteams: {t: {models: ['qwen*']}}")
+    assert problem_paths(info.value) == ["teams.t.models.0"]
 
 
 def test_every_bad_fixture_is_covered() -> None:

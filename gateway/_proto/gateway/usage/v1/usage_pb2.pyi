@@ -44,7 +44,7 @@ class Cancellation(_message.Message):
     def __init__(self, billing_rule: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_completion_tokens: _Optional[int] = ..., delivered_completion_tokens: _Optional[int] = ...) -> None: ...
 
 class UsageEvent(_message.Message):
-    __slots__ = ("event_id", "spoke", "instance_id", "seq", "started_at", "ended_at", "key_id", "team", "model", "served_model", "endpoint", "stream", "status_code", "outcome", "usage", "usage_source", "timing", "cancellation")
+    __slots__ = ("event_id", "spoke", "instance_id", "seq", "started_at", "ended_at", "key_id", "team", "model", "served_model", "endpoint", "stream", "status_code", "outcome", "usage", "usage_source", "timing", "cancellation", "cost", "price_effective")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     SPOKE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class UsageEvent(_message.Message):
     USAGE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CANCELLATION_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    PRICE_EFFECTIVE_FIELD_NUMBER: _ClassVar[int]
     event_id: str
     spoke: str
     instance_id: str
@@ -81,4 +83,6 @@ class UsageEvent(_message.Message):
     usage_source: str
     timing: Timing
     cancellation: Cancellation
-    def __init__(self, event_id: _Optional[str] = ..., spoke: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., started_at: _Optional[str] = ..., ended_at: _Optional[str] = ..., key_id: _Optional[str] = ..., team: _Optional[str] = ..., model: _Optional[str] = ..., served_model: _Optional[str] = ..., endpoint: _Optional[str] = ..., stream: _Optional[bool] = ..., status_code: _Optional[int] = ..., outcome: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., usage_source: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ...) -> None: ...
+    cost: float
+    price_effective: str
+    def __init__(self, event_id: _Optional[str] = ..., spoke: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., started_at: _Optional[str] = ..., ended_at: _Optional[str] = ..., key_id: _Optional[str] = ..., team: _Optional[str] = ..., model: _Optional[str] = ..., served_model: _Optional[str] = ..., endpoint: _Optional[str] = ..., stream: _Optional[bool] = ..., status_code: _Optional[int] = ..., outcome: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., usage_source: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cancellation: _Optional[_Union[Cancellation, _Mapping]] = ..., cost: _Optional[float] = ..., price_effective: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,111 @@
+"""`gateway keys show KEY_ID`: a key's limits at each tier, and what is used and left now
+in each window, read from the limiter's counters."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway.limits.standing import Counters, Standing, Window, standing
+from gateway.policy.model import Policy, TierLimit
+
+Read = Callable[[str, float], Awaitable[Counters]]  # (tier key, now) → its counters
+
+
+def key_tiers(policy: Policy, key_id: str) -> list[TierLimit]:
+    """The tiers a request of this key passes, from its own outward: the key, its team, and
+    each model it may use (tiers that name no limit are left out)."""
+    key = policy.keys[key_id]
+    out = []
+    if not key.limits.empty:
+        out.append(TierLimit("key", key_id, key.limits))
+    team = policy.teams.get(key.team)
+    if team is not None and not team.empty:
+        out.append(TierLimit("team", key.team, team))
+    for model in policy.models_for(key):
+        if not policy.models[model].empty:
+            out.append(TierLimit("model", model, policy.models[model]))
+    return out
+
+
+async def standings(tiers: list[TierLimit], read: Read | None, now: float
+                    ) -> list[Standing]:
+    """Each tier where it stands; without a store (`read` None), the limits alone (used
+    and left unknown: -1)."""
+    out = []
+    for t in tiers:
+        if read is None:
+            full = standing(t, Counters(), now)
+            out.append(Standing(t.tier, t.name, tuple(
+                Window(w.limit, w.allowed, -1, -1, None, w.per_s) for w in full.windows)))
+        else:
+            out.append(standing(t, await read(f"{t.tier}:{t.name}", now), now))
+    return out
+
+
+def state(policy: Policy, key_id: str, now: float) -> str:
+    key = policy.keys[key_id]
+    if key.disabled:
+        return "disabled"
+    return "expired" if key.expires_at is not None and key.expires_at <= now else "active"
+
+
+def as_data(policy: Policy, key_id: str, rows: list[Standing], now: float,
+            counters: bool) -> dict[str, Any]:
+    key = policy.keys[key_id]
+    return {
+        "key_id": key_id, "team": key.team, "state": state(policy, key_id, now),
+        "revision": policy.revision,
+        "models": policy.models_for(key),
+        "expires_at": _utc(key.expires_at) if key.expires_at is not None else None,
+        "at": _utc(now), "counters": counters,
+        "tiers": [{"tier": s.tier, "name": s.name, "windows": [
+            {"limit": w.limit, "allowed": w.allowed, "per_s": w.per_s,
+             "used": w.used if counters else None, "left": w.left if counters else None,
+             "resets_in_s": round(w.resets_in, 3) if w.resets_in is not None else None}
+            for w in s.windows]} for s in rows],
+    }
+
+
+def table(data: dict[str, Any]) -> str:
+    lines = [f"key {data['key_id']}  team {data['team']}  {data['state']}  "
+             f"expires {data['expires_at'] or 'never'}  (revision {data['revision']}, "
+             f"at {data['at']})",
+             f"models: {', '.join(data['models']) or 'none'}", ""]
+    head = ("TIER", "NAME", "LIMIT", "ALLOWED", "USED", "LEFT", "RESETS IN")
+    rows = [(t["tier"], t["name"],
+             f"rps {_num(w['per_s'])}/s, burst" if w["per_s"] else w["limit"],
+             _num(w["allowed"]), _num(w["used"]),
+             _num(w["left"]), _dur(w["resets_in_s"]))
+            for t in data["tiers"] for w in t["windows"]]
+    if not rows:
+        return "\n".join([*lines, "no limits at any tier: unlimited"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    for r in (head, *rows):
+        lines.append("  ".join(v.ljust(w) if i < 3 else v.rjust(w)
+                               for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+    if not data["counters"]:
+        lines += ["", "used and left need the limiter's counters: embedded mode keeps them in "
+                      "the serving process (set GATEWAY_REDIS_URL for a spoke's)"]
+    return "\n".join(lines)
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:g}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}"
+
+
+def _dur(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.1f}s"
+    h, rest = divmod(int(s), 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _utc(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
