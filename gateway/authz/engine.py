@@ -121,7 +121,8 @@ class Authorizer:
         if verdict.limit == DUPLICATE:
             return _who(answers.duplicate_request_id(req.request_id), key, facts.model)
         if not verdict.allowed:
-            return _who(answers.limit_denial(verdict, reserve), key, facts.model)
+            return _who(answers.limit_denial(verdict, reserve, facts.prompt_tokens if billed
+                                             else None), key, facts.model)
         if verdict.leased and self._on_admitted is not None:
             self._on_admitted(req.request_id)
         ctx = Context(

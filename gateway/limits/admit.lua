@@ -11,7 +11,9 @@
 --         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo ('' = no limit)
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
---                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent.
+--                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent
+-- (retry_ms -1: never, the reservation is larger than the whole limit). A denial's numbers
+-- are the binding tier's own, both families, as they stand (it consumed nothing).
 -- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day,
 --       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
 --       7 duplicate (an admission with this request id is still live: ids are not shared)
@@ -43,10 +45,23 @@ local function num(key)
   return tonumber(redis.call('GET', key) or 0)
 end
 
-local function fits(used, reserve, limit)
-  local need = reserve
-  if limit > 0 then need = math.min(reserve, limit) end  -- a zero limit admits nothing
-  return used + need <= limit
+-- Seconds (here ms) until `reserve` fits the sliding minute without new traffic; -1 never.
+-- The previous minute slides out over this one; this minute's count only in the next.
+local function slide_wait(prev, cur, reserve, limit)
+  local room = limit - reserve
+  if room < 0 then return -1 end
+  if prev * (1 - into) + cur <= room then return 0 end
+  if cur <= room then
+    return math.max(0, (1 - (room - cur) / prev) * 60000 - (now % 60000))
+  end
+  return to_minute + (1 - room / cur) * 60000
+end
+
+-- Until the sliding minute counts nothing again (the header's "reset").
+local function slide_reset(prev, cur)
+  if cur > 0 then return to_minute + 60000 end
+  if prev > 0 then return to_minute end
+  return 0
 end
 
 local function offer(best, limit, remaining, reset)
@@ -77,15 +92,29 @@ for r = 1, n do
     i = i + 7
   end
 
-  local code, at, retry = 0, -1, -1
+  -- Every tier is scanned, even past a denial (which commits nothing): the retry is the
+  -- longest wait of every limit that refuses now, and a limit no wait can satisfy (a
+  -- reservation larger than it) is the one named, with no retry (-1).
+  local code, at, retry = 0, -1, 0
   local rq, tk = {-1, -1, -1}, {-1, -1, -1}
   if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
     code, nt = 6, 0
   elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
     code, nt = 7, 0
   end
-  for t = 1, nt do
+  local scan = nt
+  if code ~= 0 then scan = 0 end
+  local function refuse(c, t, wait)
+    if retry >= 0 and wait < 0 then
+      code, at, retry = c, t, -1  -- never: this one is the answer
+    elseif retry >= 0 then
+      if code == 0 then code, at = c, t end
+      if wait > retry then retry = wait end
+    end
+  end
+  for t = 1, scan do
     local x = tiers[t]
+    x.rq, x.tk = {-1, -1, -1}, {-1, -1, -1}  -- this tier's numbers as they stand, if it says no
     if x.rps then
       local interval = 1000 / x.rps
       local tat = num('gw:rps:' .. x.key)
@@ -93,40 +122,54 @@ for r = 1, n do
       local new_tat = tat + interval
       local allow_at = new_tat - x.burst * interval
       if now < allow_at then
-        code, at, retry = 1, t, allow_at - now
-        rq, tk = {x.burst, 0, math.ceil(tat - now)}, {-1, -1, -1}  -- the binding tier's only
-        break
+        refuse(1, t, allow_at - now)
+        x.rq = {x.burst, 0, math.ceil(tat - now)}
+      else
+        x.new_tat = new_tat
+        local left = (now - allow_at) / interval + 1e-4
+        offer(rq, x.burst, left, new_tat - now)
+        x.rq = {x.burst, math.floor(left) + 1, math.ceil(tat - now)}
       end
-      x.new_tat = new_tat
-      offer(rq, x.burst, (now - allow_at) / interval + 1e-4, new_tat - now)
     end
     if x.conc then
       local zk = 'gw:conc:' .. x.key
       redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
       if redis.call('ZCARD', zk) >= x.conc then
-        code, at, retry = 2, t, 1000
-        rq, tk = {-1, -1, -1}, {-1, -1, -1}
-        break
+        refuse(2, t, 1000)
       end
     end
+    local denied_tk
     for _, w in ipairs(x.windows) do
       local limit = w[2]
       if limit then
-        local used
+        local used, wait, reset
         if w[1] == 3 then
-          used = num('gw:tpm:' .. x.key .. ':' .. (minute - 1)) * (1 - into) + num(w[3])
+          local prev, cur = num('gw:tpm:' .. x.key .. ':' .. (minute - 1)), num(w[3])
+          used = prev * (1 - into) + cur
+          wait, reset = slide_wait(prev, cur, reserve, limit), slide_reset(prev, cur)
+          offer(tk, limit, limit - used - reserve, slide_reset(prev, cur + reserve))
         else
           used = num(w[3])
+          wait, reset = w[4], w[4]
+          if reserve > limit then wait = -1 end
+          offer(tk, limit, limit - used - reserve, w[4])
         end
-        if not fits(used, reserve, limit) then
-          code, at, retry = w[1], t, w[4]
-          rq, tk = {-1, -1, -1}, {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
-          break
+        local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
+        if used + reserve > limit then
+          refuse(w[1], t, wait)
+          if not denied_tk or wait < 0 then denied_tk = mine end
         end
-        offer(tk, limit, limit - used - reserve, w[4])
+        if x.tk[1] < 0 or mine[2] < x.tk[2] or (mine[2] == x.tk[2] and limit < x.tk[1]) then
+          x.tk = mine
+        end
       end
     end
-    if code ~= 0 then break end
+    if denied_tk then x.tk = denied_tk end
+  end
+  if code >= 1 and code <= 5 then  -- the binding tier's own numbers, both families
+    local x = tiers[at]
+    rq, tk = x.rq, x.tk
+    if code == 2 then rq = {x.conc, 0, 1000} end
   end
 
   local leased = 0

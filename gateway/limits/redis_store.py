@@ -158,7 +158,8 @@ class RedisLimiter(Limiter):
             return Verdict(False, limit=limit)
         tier = req.tiers[at - 1]
         value = getattr(tier.spec, limit) if limit else None
-        return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate)
+        return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate,
+                       impossible=retry_ms < 0)
 
     async def end_many(self, ends: Sequence[Ending]) -> None:
         args: list[Any] = [len(ends)]
