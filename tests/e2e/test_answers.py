@@ -240,3 +240,30 @@ def test_access_log_says_how_long_the_gateway_held_a_request(
     assert denied.status_code == 401
     assert access_log_entry(spoke["envoy"].log_path, "request_id",
                             denied.headers["x-request-id"]).get("to_engine_us") is None
+
+
+# --- issue 21: every answer in the API's shape; headers that are true ---------------------------
+
+
+def test_a_body_over_the_limit_is_a_json_413_in_the_routes_shape(spoke: Spoke,
+                                                                keys: dict[str, str]) -> None:
+    """Envoy's own 413 (the body outgrew ext_authz's 8 MiB buffer) is JSON, as every other
+    answer: OpenAI's on chat completions, Anthropic's on the Messages API (whose SDK raises
+    its typed error)."""
+    big = "x" * (9 << 20)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client(spoke, keys["good"], timeout=60).chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": big}], max_tokens=1)
+    r = exc.value.response
+    assert r.status_code == 413 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert body["error"]["code"] == "request_too_large" and "8388608" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] is None
+    assert body["request_id"] == r.headers["x-request-id"]
+    with pytest.raises(anthropic.RequestTooLargeError) as aexc:
+        anthropic_client(spoke, keys["good"], timeout=60).messages.create(
+            model="mock-model", max_tokens=1, messages=[{"role": "user", "content": big}])
+    r = aexc.value.response
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    assert r.json()["request_id"] == r.headers["x-request-id"]
