@@ -267,3 +267,73 @@ def test_a_body_over_the_limit_is_a_json_413_in_the_routes_shape(spoke: Spoke,
     assert r.headers["content-type"] == "application/json"
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
     assert r.json()["request_id"] == r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_an_rps_429_from_a_tier_with_a_token_limit_says_its_tokens(
+        spoke: Spoke, keys: dict[str, str], api: str) -> None:
+    """Key tier and model tier: the denial carries the binding tier's token numbers too."""
+    e = _limited(spoke, keys["rps1tpm"], api)
+    h = e.response.headers
+    assert "rps" in e.message and h["x-gateway-limit-tier"] == "key"
+    assert h[_rate_header(api, "tokens", "limit")] == "100000"
+    assert int(h[_rate_header(api, "tokens", "remaining")]) < 100000  # the first one's share
+    if api == "anthropic":
+        for kind in ("input-tokens", "output-tokens"):
+            assert h[f"anthropic-ratelimit-{kind}-limit"] == "100000"
+    c = client(spoke, keys["wide"])
+    with pytest.raises(openai.RateLimitError) as exc:
+        for _ in range(3):
+            chat(c, model="tight-model")
+    h = exc.value.response.headers
+    assert h["x-gateway-limit-tier"] == "model"
+    assert h["x-ratelimit-limit-requests"] == "1" and h["x-ratelimit-limit-tokens"] == "1000000"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_token_429_says_its_tiers_requests(spoke: Spoke, keys: dict[str, str],
+                                             api: str) -> None:
+    """The issue's Anthropic row: a 429 on a token limit has the requests family in full."""
+    e = _limited(spoke, keys["rpstpm"], api, tries=5, max_tokens=300)
+    h = e.response.headers
+    assert "tokens_per_minute" in e.message
+    assert h[_rate_header(api, "requests", "limit")] == "50"
+    assert h[_rate_header(api, "tokens", "limit")] == "400"
+    for name in ("remaining", "reset"):
+        assert _rate_header(api, "requests", name) in h
+        assert _rate_header(api, "tokens", name) in h
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_max_tokens_beyond_the_whole_limit_is_refused_as_impossible(
+        spoke: Spoke, keys: dict[str, str], api: str) -> None:
+    """max_tokens 4321 against a whole tokens_per_minute of 1234: refused with both numbers,
+    no retry-after, and nothing consumed (a request that fits still passes)."""
+    e = _limited(spoke, keys["tpm1234"], api, tries=1, max_tokens=4321)
+    h = e.response.headers
+    assert "never pass" in e.message and "tokens_per_minute=1234" in e.message
+    assert "completion 4321" in e.message
+    assert "retry-after" not in h and h["x-should-retry"] == "false"
+    assert h[_rate_header(api, "tokens", "limit")] == "1234"
+    again = _limited(spoke, keys["tpm1234"], api, tries=1, max_tokens=4321).response.headers
+    remaining = _rate_header(api, "tokens", "remaining")
+    assert again[remaining] == h[remaining]  # the first refusal consumed nothing
+    _ask(spoke, keys["tpm1234"], api, max_tokens=100)
+
+
+def test_a_huge_prompt_is_refused_as_impossible_at_the_model_tier(
+        spoke: Spoke, keys: dict[str, str]) -> None:
+    """A 5 MiB prompt (estimate ~1.3 M tokens; the issue's was 7 MiB) against a model tier of
+    1 M tokens a minute: the reservation cap bounds max_tokens only, so it is refused, not
+    admitted to eat the model's minute for everyone."""
+    c = client(spoke, keys["wide"], timeout=60)
+    with pytest.raises(openai.RateLimitError) as exc:
+        chat(c, model="tight-model", max_tokens=10,
+             messages=[{"role": "user", "content": "x" * (5 << 20)}])
+    e = exc.value
+    assert e.response.headers["x-gateway-limit-tier"] == "model"
+    assert "never pass" in e.message and "tokens_per_minute=1000000" in e.message
+    assert "prompt estimate 1310725 + completion 10" in e.message
+    assert "retry-after" not in e.response.headers
+    time.sleep(1)  # the model tier's rps (1/s), not its tokens, is all the next one waits for
+    assert chat(c, model="tight-model").usage.completion_tokens == 4
