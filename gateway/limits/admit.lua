@@ -57,19 +57,51 @@ local function slide_wait(prev, cur, reserve, limit)
   return to_minute + (1 - room / cur) * 60000
 end
 
--- Until the sliding minute counts nothing again (the header's "reset").
-local function slide_reset(prev, cur)
-  if cur > 0 then return to_minute + 60000 end
-  if prev > 0 then return to_minute end
-  return 0
-end
-
 local function offer(best, limit, remaining, reset)
   if remaining < 0 then remaining = 0 end
   remaining = math.floor(remaining)
   if best[1] < 0 or remaining < best[2] or (remaining == best[2] and limit < best[1]) then
     best[1], best[2], best[3] = limit, remaining, math.ceil(reset)
   end
+end
+
+-- A token window's count and the time until it counts nothing again (the header's reset).
+local function window_use(key, w)
+  if w[1] ~= 3 then
+    return num(w[3]), w[4], 0, 0
+  end
+  local prev, cur = num('gw:tpm:' .. key .. ':' .. (minute - 1)), num(w[3])
+  local reset = 0
+  if cur > 0 then reset = to_minute + 60000 elseif prev > 0 then reset = to_minute end
+  return prev * (1 - into) + cur, reset, prev, cur
+end
+
+-- The numbers of the tier that refused (code), both families, as they stand: its rps (or
+-- its concurrency, full), and the token window that refused (no wait helps first), else
+-- its tightest. Only a denial pays for this second look.
+local function tier_numbers(x, code, reserve)
+  local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
+  if code == 2 then
+    rq = {x.conc, 0, 1000}
+  elseif x.rps then
+    local interval = 1000 / x.rps
+    local tat = math.max(num('gw:rps:' .. x.key), now)
+    local left = (now - tat - interval + x.burst * interval) / interval + 1e-4
+    rq = {x.burst, math.max(0, math.floor(left) + 1), math.ceil(tat - now)}
+  end
+  for _, w in ipairs(x.windows) do
+    local limit = w[2]
+    if limit then
+      local used, reset = window_use(x.key, w)
+      local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
+      if used + reserve > limit and (not refused or (reserve > limit and refused[4])) then
+        refused = {mine[1], mine[2], mine[3], reserve <= limit}
+      end
+      offer(tk, mine[1], mine[2], mine[3])
+    end
+  end
+  if refused and code >= 3 then tk = {refused[1], refused[2], refused[3]} end
+  return rq, tk
 end
 
 local out = {}
@@ -102,8 +134,6 @@ for r = 1, n do
   elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
     code, nt = 7, 0
   end
-  local scan = nt
-  if code ~= 0 then scan = 0 end
   local function refuse(c, t, wait)
     if retry >= 0 and wait < 0 then
       code, at, retry = c, t, -1  -- never: this one is the answer
@@ -112,9 +142,8 @@ for r = 1, n do
       if wait > retry then retry = wait end
     end
   end
-  for t = 1, scan do
+  for t = 1, nt do
     local x = tiers[t]
-    x.rq, x.tk = {-1, -1, -1}, {-1, -1, -1}  -- this tier's numbers as they stand, if it says no
     if x.rps then
       local interval = 1000 / x.rps
       local tat = num('gw:rps:' .. x.key)
@@ -123,53 +152,37 @@ for r = 1, n do
       local allow_at = new_tat - x.burst * interval
       if now < allow_at then
         refuse(1, t, allow_at - now)
-        x.rq = {x.burst, 0, math.ceil(tat - now)}
       else
         x.new_tat = new_tat
-        local left = (now - allow_at) / interval + 1e-4
-        offer(rq, x.burst, left, new_tat - now)
-        x.rq = {x.burst, math.floor(left) + 1, math.ceil(tat - now)}
+        offer(rq, x.burst, (now - allow_at) / interval + 1e-4, new_tat - now)
       end
     end
     if x.conc then
       local zk = 'gw:conc:' .. x.key
       redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
-      if redis.call('ZCARD', zk) >= x.conc then
-        refuse(2, t, 1000)
-      end
+      if redis.call('ZCARD', zk) >= x.conc then refuse(2, t, 1000) end
     end
-    local denied_tk
     for _, w in ipairs(x.windows) do
       local limit = w[2]
       if limit then
-        local used, wait, reset
-        if w[1] == 3 then
-          local prev, cur = num('gw:tpm:' .. x.key .. ':' .. (minute - 1)), num(w[3])
-          used = prev * (1 - into) + cur
-          wait, reset = slide_wait(prev, cur, reserve, limit), slide_reset(prev, cur)
-          offer(tk, limit, limit - used - reserve, slide_reset(prev, cur + reserve))
-        else
-          used = num(w[3])
-          wait, reset = w[4], w[4]
-          if reserve > limit then wait = -1 end
-          offer(tk, limit, limit - used - reserve, w[4])
-        end
-        local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
+        local used, reset, prev, cur = window_use(x.key, w)
         if used + reserve > limit then
-          refuse(w[1], t, wait)
-          if not denied_tk or wait < 0 then denied_tk = mine end
-        end
-        if x.tk[1] < 0 or mine[2] < x.tk[2] or (mine[2] == x.tk[2] and limit < x.tk[1]) then
-          x.tk = mine
+          if reserve > limit then
+            refuse(w[1], t, -1)
+          elseif w[1] == 3 then
+            refuse(3, t, slide_wait(prev, cur, reserve, limit))
+          else
+            refuse(w[1], t, w[4])
+          end
+        elseif code == 0 then  -- after this request: its reservation counts this minute
+          if w[1] == 3 and reserve > 0 then reset = to_minute + 60000 end
+          offer(tk, limit, limit - used - reserve, reset)
         end
       end
     end
-    if denied_tk then x.tk = denied_tk end
   end
   if code >= 1 and code <= 5 then  -- the binding tier's own numbers, both families
-    local x = tiers[at]
-    rq, tk = x.rq, x.tk
-    if code == 2 then rq = {x.conc, 0, 1000} end
+    rq, tk = tier_numbers(tiers[at], code, reserve)
   end
 
   local leased = 0
