@@ -28,7 +28,7 @@ from gateway.routes import Kind, canonical_path, route
 @dataclass(frozen=True)
 class AdmissionSettings:
     default_completion_tokens: int = 1024  # reserved when the request names no max_tokens
-    reserve_cap: int = 32768
+    reserve_cap: int = 32768  # on the completion side only (BodyFacts.reserve)
     continuous_models: tuple[str, ...] = ()  # globs: models whose engine reports continuous usage
     # A concurrency denial waits up to this for ends still on their way (Envoy-fed metering
     # learns of an end ~50 ms after the client did), then retries: no spurious 429.
