@@ -50,7 +50,8 @@ class _Refusal:
     value: float | None = None
     wait: float = 0.0
     never: bool = False
-    own: dict[int, tuple[Tightest, Tightest]] = field(default_factory=dict)
+    own: dict[int, tuple[Tightest, Tightest, tuple[int, float, float] | None]] = field(
+        default_factory=dict)
 
     def refuse(self, tier: TierLimit, limit: str, value: float, wait: float | None) -> None:
         if self.never:
@@ -62,15 +63,20 @@ class _Refusal:
             self.tier, self.limit, self.value = tier, limit, value
         self.wait = max(self.wait, wait)
 
-    def numbers(self, tier: TierLimit, rq: Tightest, tk: Tightest) -> None:
-        """A tier's own numbers as they stand, should it be the one that says no."""
-        self.own[id(tier)] = (rq, tk)
+    def numbers(self, tier: TierLimit, rq: Tightest, tk: Tightest,
+                refused: tuple[int, float, float] | None) -> None:
+        """A tier's own numbers as they stand, should it be the one that says no: its rps,
+        its tightest token window and the token window that refused it (if one did)."""
+        self.own[id(tier)] = (rq, tk, refused)
 
     def verdict(self) -> Verdict:
         assert self.tier is not None
-        rq, tk = self.own[id(self.tier)]
+        rq, tk, refused = self.own[id(self.tier)]
         if self.limit == CONCURRENCY:
             rq = Tightest(int(self.value or 0), 0, 1.0)
+        if refused is not None and self.limit in (TPM, TPD, TPMO):
+            tk = Tightest()
+            tk.offer(*refused)
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
         return Verdict(False, self.tier.tier, self.limit, self.value,
                        0.0 if self.never else self.wait, rate, impossible=self.never)
@@ -100,7 +106,7 @@ class MemoryLimiter(Limiter):
         no = _Refusal()
         for t in req.tiers:
             key, s = f"{t.tier}:{t.name}", t.spec
-            own_rq, own_tk, denied_tk = Tightest(), Tightest(), None
+            own_rq, own_tk, denied_tk, denied_never = Tightest(), Tightest(), None, False
             new_tat = None
             if s.rps is not None and s.burst is not None:
                 g = maths.gcra(self.tat.get(key, 0.0), now, s.rps, s.burst)
@@ -130,14 +136,11 @@ class MemoryLimiter(Limiter):
                 mine = (limit, limit - used, reset)
                 if not maths.fits(used, req.reserve, limit):
                     no.refuse(t, kind, limit, wait)
-                    if denied_tk is None or wait is None:
-                        denied_tk = mine
+                    if denied_tk is None or (wait is None and not denied_never):
+                        denied_tk, denied_never = mine, wait is None
                 own_tk.offer(*mine)
                 token_keys.append(wkey)
-            if denied_tk is not None:
-                own_tk = Tightest()
-                own_tk.offer(*denied_tk)
-            no.numbers(t, own_rq, own_tk)
+            no.numbers(t, own_rq, own_tk, denied_tk)
             writes.append((t, new_tat, token_keys))
         if no.tier is not None:
             return no.verdict()
