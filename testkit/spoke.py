@@ -36,6 +36,7 @@ KEY_LIMITS: dict[str, dict[str, Any]] = {
     "tpm1234": {"limits": {"tokens_per_minute": 1234}},
     "slide": {"limits": {"tokens_per_minute": 1000}},
     "wide": {"team": "metered"},  # for tight-model, whose model tier has the limits
+    "teamtpm": {"team": "teamtpm"},  # its team has rps 1 and a token limit
 }
 
 
@@ -49,6 +50,8 @@ def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
             "t1": {"models": ["mock-*"]},
             "tiny": {"models": ["*"], "limits": {"rps": 1, "burst": 1}},
             "metered": {"models": ["*"]},
+            "teamtpm": {"models": ["mock-*"], "limits": {"rps": 1, "burst": 1,
+                                                         "tokens_per_minute": 200000}},
         },
         "keys": {},
         "passthrough": [{"path": "/tokenize", "methods": ["POST"]}],

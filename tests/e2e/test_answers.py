@@ -274,7 +274,7 @@ def test_a_body_over_the_limit_is_a_json_413_in_the_routes_shape(spoke: Spoke,
 @pytest.mark.parametrize("api", APIS)
 def test_an_rps_429_from_a_tier_with_a_token_limit_says_its_tokens(
         spoke: Spoke, keys: dict[str, str], api: str) -> None:
-    """Key tier and model tier: the denial carries the binding tier's token numbers too."""
+    """Key, team and model tier: the denial carries the binding tier's token numbers too."""
     e = _limited(spoke, keys["rps1tpm"], api)
     h = e.response.headers
     assert "rps" in e.message and h["x-gateway-limit-tier"] == "key"
@@ -283,6 +283,10 @@ def test_an_rps_429_from_a_tier_with_a_token_limit_says_its_tokens(
     if api == "anthropic":
         for kind in ("input-tokens", "output-tokens"):
             assert h[f"anthropic-ratelimit-{kind}-limit"] == "100000"
+    h = _limited(spoke, keys["teamtpm"], api).response.headers
+    assert h["x-gateway-limit-tier"] == "team"
+    assert h[_rate_header(api, "requests", "limit")] == "1"
+    assert h[_rate_header(api, "tokens", "limit")] == "200000"
     c = client(spoke, keys["wide"])
     with pytest.raises(openai.RateLimitError) as exc:
         for _ in range(3):
