@@ -48,7 +48,7 @@ ENDPOINTS: dict[str, Endpoint] = {e.path: e for e in (
              billed=False),
 )}
 
-_ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 def api_of(path: str) -> Api:
@@ -57,7 +57,7 @@ def api_of(path: str) -> Api:
     endpoint = ENDPOINTS.get(path)
     if endpoint is not None:
         return endpoint.api
-    return Api.ANTHROPIC if path.startswith(_ANTHROPIC_PREFIX) else Api.OPENAI
+    return Api.ANTHROPIC if path.startswith(ANTHROPIC_PREFIX) else Api.OPENAI
 
 
 def reader_of(path: str) -> Reader:

@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     # else the slot frees itself (the client left between the Check and ext_proc).
     lease_start_ttl_s: float = 5.0
     default_completion_tokens: int = 1024
-    reserve_cap_tokens: int = 32768
+    reserve_cap_tokens: int = 32768  # caps max_tokens in a reservation; the prompt counts whole
     # Degraded states are loud: an error log (once a minute) when the oldest undelivered
     # usage event is older than this, or the limiter store stops answering.
     spool_alert_s: float = 60.0

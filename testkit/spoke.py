@@ -30,16 +30,28 @@ KEY_LIMITS: dict[str, dict[str, Any]] = {
     "teamrps": {"team": "tiny"},
     "fault": {"limits": {"concurrency": 64, "tokens_per_day": 10**9}},
     "bench": {"limits": {"rps": 100000, "concurrency": 10000, "tokens_per_day": 10**12}},
+    # issue 21: both header families on a denial; impossible reservations; the retry rule
+    "rps1tpm": {"limits": {"rps": 1, "burst": 1, "tokens_per_minute": 100000}},
+    "rpstpm": {"limits": {"rps": 50, "tokens_per_minute": 400}},
+    "tpm1234": {"limits": {"tokens_per_minute": 1234}},
+    "slide": {"limits": {"tokens_per_minute": 1000}},
+    "wide": {"team": "metered"},  # for tight-model, whose model tier has the limits
+    "teamtpm": {"team": "teamtpm"},  # its team has rps 1 and a token limit
 }
 
 
 def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
     """keys: key id → secret."""
     doc: dict[str, Any] = {
-        "models": {"mock-model": {}, "mock-other": {}, "other-model": {}},
+        "models": {"mock-model": {}, "mock-other": {}, "other-model": {},
+                   "tight-model": {"limits": {"rps": 1, "burst": 1,
+                                              "tokens_per_minute": 1_000_000}}},
         "teams": {
             "t1": {"models": ["mock-*"]},
             "tiny": {"models": ["*"], "limits": {"rps": 1, "burst": 1}},
+            "metered": {"models": ["*"]},
+            "teamtpm": {"models": ["mock-*"], "limits": {"rps": 1, "burst": 1,
+                                                         "tokens_per_minute": 200000}},
         },
         "keys": {},
         "passthrough": [{"path": "/tokenize", "methods": ["POST"]}],
@@ -72,7 +84,7 @@ def client(spoke: Spoke, key: str | None, **kw: Any) -> openai.OpenAI:
 
 def chat(c: openai.OpenAI, model: str = "mock-model", **kw: Any) -> Any:
     return c.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hello there"}],
+        model=model, messages=kw.pop("messages", [{"role": "user", "content": "hello there"}]),
         max_tokens=kw.pop("max_tokens", 4), **kw)
 
 

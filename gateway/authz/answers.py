@@ -159,13 +159,13 @@ _LIMIT_WORDS = {
 }
 
 
-def limit_denial(v: Verdict, requested: int = 0) -> Deny:
+def limit_denial(v: Verdict, requested: int = 0, prompt: int | None = None) -> Deny:
     """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers.
 
-    A request that can never pass (the limit is 0) is told so, and not to retry: no
-    retry-after, and `x-should-retry: false`, which the OpenAI SDKs obey instead of retrying
-    in vain. One that asks for more tokens than the window's whole limit is told it runs
-    only once the window is empty (limits/maths.fits), with both numbers.
+    A request that can never pass (the limit is 0, or it asks for more tokens than the
+    window's whole limit: `v.impossible`) is told so, with the numbers, and not to retry:
+    no retry-after, and `x-should-retry: false`, which the OpenAI SDKs obey instead of
+    retrying in vain. `requested` is its reservation, `prompt` the prompt's share of it.
     """
     assert v.tier is not None and v.limit is not None
     quota = v.limit in (TPD, TPMO, GTPD, GTPMO)
@@ -173,19 +173,20 @@ def limit_denial(v: Verdict, requested: int = 0) -> Deny:
     retry = max(1, math.ceil(v.retry_after))
     value = v.limit_value
     shown = f"{value:g}" if isinstance(value, float) else str(value)
-    never = value == 0
+    never = value == 0 or v.impossible
     what = f"{v.tier} tier limit {v.limit}={shown} ({_LIMIT_WORDS[v.limit]})"
     if never:
-        message = f"This request can never pass: {what}. Retrying will not help."
+        oversize = ""
+        if tokens and v.impossible:
+            parts = (f"prompt estimate {prompt} + completion {requested - prompt}"
+                     if prompt is not None else "prompt estimate + completion")
+            oversize = (f" It needs {requested} tokens ({parts}), more than the whole limit "
+                        f"of {shown}: lower max_tokens or shorten the prompt.")
+        message = f"This request can never pass: {what}.{oversize} Retrying will not help."
         headers = {"x-should-retry": "false", "x-gateway-limit-tier": v.tier}
     else:
-        oversize = ""
-        if tokens and value is not None and requested > value:
-            oversize = (f" It asks for {requested} tokens (prompt estimate + max_tokens), more "
-                        f"than the whole limit: it runs only when nothing else has used the "
-                        f"window; lower max_tokens to share it.")
         message = (f"{'Quota exhausted' if quota else 'Rate limit exceeded'}: {what}."
-                   f"{oversize} Retry after {retry}s.")
+                   f" Retry after {retry}s.")
         headers = {"retry-after": str(retry), "x-gateway-limit-tier": v.tier}
     rate = v.rate
     if v.limit == CONCURRENCY and rate.req_limit is None and value is not None:

@@ -28,7 +28,7 @@ from gateway.routes import Kind, canonical_path, route
 @dataclass(frozen=True)
 class AdmissionSettings:
     default_completion_tokens: int = 1024  # reserved when the request names no max_tokens
-    reserve_cap: int = 32768
+    reserve_cap: int = 32768  # on the completion side only (BodyFacts.reserve)
     continuous_models: tuple[str, ...] = ()  # globs: models whose engine reports continuous usage
     # A concurrency denial waits up to this for ends still on their way (Envoy-fed metering
     # learns of an end ~50 ms after the client did), then retries: no spurious 429.
@@ -122,7 +122,8 @@ class Authorizer:
         if verdict.limit == DUPLICATE:
             return _who(answers.duplicate_request_id(req.request_id), key, facts.model, facts)
         if not verdict.allowed:
-            return _who(answers.limit_denial(verdict, reserve), key, facts.model, facts)
+            return _who(answers.limit_denial(verdict, reserve, facts.prompt_tokens if billed
+                                             else None), key, facts.model, facts)
         if verdict.leased and self._on_admitted is not None:
             self._on_admitted(req.request_id)
         ctx = Context(

@@ -31,10 +31,11 @@ class BodyFacts:
     continuous_usage: bool = False  # ... asking for vLLM's continuous usage stats
 
     def reserve(self, default_completion: int, cap: int, generates: bool = True) -> int:
-        """Tokens to reserve: the prompt estimate plus the completion bound."""
-        prompt = self.prompt_tokens
-        completion = (self.max_tokens or default_completion) if generates else 0
-        return min(prompt + completion, cap)
+        """Tokens to reserve: the prompt estimate plus the completion bound. Only the
+        completion side is capped: the prompt is sent whatever max_tokens says, so a huge
+        prompt reserves (and must fit) all of itself."""
+        completion = min(self.max_tokens or default_completion, cap) if generates else 0
+        return self.prompt_tokens + completion
 
 
 def api_key(headers: dict[str, str]) -> str | None:

@@ -70,7 +70,7 @@ from gateway.envoyconf.filters import (
     USAGE_NAMESPACE,
     ext_authz,
     ext_proc,
-    http_door_replies,
+    local_replies,
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
 from gateway.metering.record import CUT_FLAGS
@@ -282,7 +282,7 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         merge_slashes=True,
         path_with_escaped_slashes_action=(
             HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
-        local_reply_config=http_door_replies() if limits.authz_http else None,
+        local_reply_config=local_replies(limits.max_request_bytes, limits.authz_http),
     )
 
 

@@ -53,6 +53,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 
 from gateway.authz import http_door
+from gateway.endpoints import ANTHROPIC_PREFIX
 from gateway.envoyconf.plain import quiet_imports
 from gateway.metering import handoff
 
@@ -62,6 +63,7 @@ with quiet_imports():
         AndFilter,
         ComparisonFilter,
         ComparisonFilterOp,
+        HeaderFilter,
         ResponseFlagFilter,
         StatusCodeFilter,
     )
@@ -71,7 +73,9 @@ with quiet_imports():
         GrpcServiceEnvoyGrpc,
         HttpUri,
         RuntimeUInt32,
+        SubstitutionFormatString,
     )
+    from envoy_data_plane.envoy.config.route.v3 import HeaderMatcher
     from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import (
         AuthorizationResponse,
         BufferSettings,
@@ -92,6 +96,7 @@ with quiet_imports():
     )
     from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
     from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
+    from envoy_data_plane.google.protobuf import Struct
 
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 AUTHZ_NAMESPACE = handoff.NAMESPACE  # where Envoy files the Check's metadata
@@ -140,17 +145,52 @@ def _http_door(timeout: timedelta) -> HttpService:
             dynamic_metadata_from_headers=_matchers(handoff.METADATA_KEYS)))
 
 
-def http_door_replies() -> LocalReplyConfig:
+def local_replies(max_request_bytes: int, authz_http: bool) -> LocalReplyConfig:
+    """Envoy's own answers in the API's shape: a body over the limit gets a JSON 413
+    (Anthropic's on the Messages API, OpenAI's elsewhere) instead of Envoy's plain text;
+    and, with the HTTP door, its stand-in statuses turned back (`http_door_replies`)."""
+    door = http_door_replies() if authz_http else []
+    return LocalReplyConfig(mappers=[*door, *too_large_replies(max_request_bytes)])
+
+
+def too_large_replies(max_request_bytes: int) -> list[ResponseMapper]:
+    """A 413 Envoy answers itself (the body outgrew ext_authz's buffer): its JSON by route,
+    as gateway/authz/answers.py shapes every other answer, naming the limit."""
+    message = (f"Request body too large: the limit is {max_request_bytes} bytes "
+               f"({max_request_bytes / (1 << 20):g} MiB).")
+    status = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
+        op=ComparisonFilterOp.EQ, value=RuntimeUInt32(
+            default_value=413, runtime_key="gateway.too_large_status"))))
+    on_messages = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
+        name=":path", string_match=StringMatcher(prefix=ANTHROPIC_PREFIX))))
+    anthropic: dict[str, object] = {"type": "error", "error": {
+        "type": "request_too_large", "message": message}, "request_id": "%REQ(X-REQUEST-ID)%"}
+    openai: dict[str, object] = {"error": {
+        "message": message, "type": "invalid_request_error", "param": None,
+        "code": "request_too_large"}, "request_id": "%REQ(X-REQUEST-ID)%"}
+    return [
+        ResponseMapper(filter=AccessLogFilter(and_filter=AndFilter(filters=[
+            status, on_messages])), body_format_override=_json(anthropic)),
+        ResponseMapper(filter=status, body_format_override=_json(openai)),
+    ]
+
+
+def _json(shape: dict[str, object]) -> SubstitutionFormatString:
+    return SubstitutionFormatString(json_format=Struct.from_dict(shape),
+                                    content_type="application/json")
+
+
+def http_door_replies() -> list[ResponseMapper]:
     """The door's stand-in statuses turned back into the real ones (a 503 denial, the
     gateway's own 200 answers): Envoy would read a 5xx from the door as its failure and a
     200 as an allow. Only ext_authz's replies (flag UAEX) are touched."""
-    return LocalReplyConfig(mappers=[ResponseMapper(
+    return [ResponseMapper(
         filter=AccessLogFilter(and_filter=AndFilter(filters=[
             AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
                 op=ComparisonFilterOp.EQ, value=RuntimeUInt32(
                     default_value=wire, runtime_key=f"gateway.door_status_{wire}")))),
             AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=["UAEX"])),
-        ])), status_code=status) for status, wire in sorted(http_door.WIRE_STATUS.items())])
+        ])), status_code=status) for status, wire in sorted(http_door.WIRE_STATUS.items())]
 
 
 def ext_proc(message_timeout: timedelta) -> ExternalProcessor:

@@ -14,7 +14,9 @@
 --         allowance follower), else that fallback; counted in gw:gtpd|gtpmo:<tier_key>:<period>.
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
---                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent.
+--                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent
+-- (retry_ms -1: never, the reservation is larger than the whole limit). A denial's numbers
+-- are the binding tier's own, both families, as they stand (it consumed nothing).
 -- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day,
 --       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
 --       7 global_tokens_per_day, 8 global_tokens_per_month (this spoke's allowance)
@@ -47,10 +49,16 @@ local function num(key)
   return tonumber(redis.call('GET', key) or 0)
 end
 
-local function fits(used, reserve, limit)
-  local need = reserve
-  if limit > 0 then need = math.min(reserve, limit) end  -- a zero limit admits nothing
-  return used + need <= limit
+-- Seconds (here ms) until `reserve` fits the sliding minute without new traffic; -1 never.
+-- The previous minute slides out over this one; this minute's count only in the next.
+local function slide_wait(prev, cur, reserve, limit)
+  local room = limit - reserve
+  if room < 0 then return -1 end
+  if prev * (1 - into) + cur <= room then return 0 end
+  if cur <= room then
+    return math.max(0, (1 - (room - cur) / prev) * 60000 - (now % 60000))
+  end
+  return to_minute + (1 - room / cur) * 60000
 end
 
 local function offer(best, limit, remaining, reset)
@@ -59,6 +67,45 @@ local function offer(best, limit, remaining, reset)
   if best[1] < 0 or remaining < best[2] or (remaining == best[2] and limit < best[1]) then
     best[1], best[2], best[3] = limit, remaining, math.ceil(reset)
   end
+end
+
+-- A token window's count and the time until it counts nothing again (the header's reset).
+local function window_use(key, w)
+  if w[1] ~= 3 then
+    return num(w[3]), w[4], 0, 0
+  end
+  local prev, cur = num('gw:tpm:' .. key .. ':' .. (minute - 1)), num(w[3])
+  local reset = 0
+  if cur > 0 then reset = to_minute + 60000 elseif prev > 0 then reset = to_minute end
+  return prev * (1 - into) + cur, reset, prev, cur
+end
+
+-- The numbers of the tier that refused (code), both families, as they stand: its rps (or
+-- its concurrency, full), and the token window that refused (no wait helps first), else
+-- its tightest. Only a denial pays for this second look.
+local function tier_numbers(x, code, reserve)
+  local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
+  if code == 2 then
+    rq = {x.conc, 0, 1000}
+  elseif x.rps then
+    local interval = 1000 / x.rps
+    local tat = math.max(num('gw:rps:' .. x.key), now)
+    local left = (now - tat - interval + x.burst * interval) / interval + 1e-4
+    rq = {x.burst, math.max(0, math.floor(left) + 1), math.ceil(tat - now)}
+  end
+  for _, w in ipairs(x.windows) do
+    local limit = w[2]
+    if limit then
+      local used, reset = window_use(x.key, w)
+      local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
+      if used + reserve > limit and (not refused or (reserve > limit and refused[4])) then
+        refused = {mine[1], mine[2], mine[3], reserve <= limit}
+      end
+      offer(tk, mine[1], mine[2], mine[3])
+    end
+  end
+  if refused and code >= 3 then tk = {refused[1], refused[2], refused[3]} end
+  return rq, tk
 end
 
 local out = {}
@@ -92,12 +139,23 @@ for r = 1, n do
     i = i + 9
   end
 
-  local code, at, retry = 0, -1, -1
+  -- Every tier is scanned, even past a denial (which commits nothing): the retry is the
+  -- longest wait of every limit that refuses now, and a limit no wait can satisfy (a
+  -- reservation larger than it) is the one named, with no retry (-1).
+  local code, at, retry = 0, -1, 0
   local rq, tk = {-1, -1, -1}, {-1, -1, -1}
   if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
     code, nt = 6, 0
   elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
     code, nt = 9, 0
+  end
+  local function refuse(c, t, wait)
+    if retry >= 0 and wait < 0 then
+      code, at, retry = c, t, -1  -- never: this one is the answer
+    elseif retry >= 0 then
+      if code == 0 then code, at = c, t end
+      if wait > retry then retry = wait end
+    end
   end
   for t = 1, nt do
     local x = tiers[t]
@@ -108,42 +166,38 @@ for r = 1, n do
       local new_tat = tat + interval
       local allow_at = new_tat - x.burst * interval
       if now < allow_at then
-        code, at, retry = 1, t, allow_at - now
-        rq, tk = {x.burst, 0, math.ceil(tat - now)}, {-1, -1, -1}  -- the binding tier's only
-        break
+        refuse(1, t, allow_at - now)
+      else
+        x.new_tat = new_tat
+        offer(rq, x.burst, (now - allow_at) / interval + 1e-4, new_tat - now)
       end
-      x.new_tat = new_tat
-      offer(rq, x.burst, (now - allow_at) / interval + 1e-4, new_tat - now)
     end
     if x.conc then
       local zk = 'gw:conc:' .. x.key
       redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
-      if redis.call('ZCARD', zk) >= x.conc then
-        code, at, retry = 2, t, 1000
-        rq, tk = {-1, -1, -1}, {-1, -1, -1}
-        break
-      end
+      if redis.call('ZCARD', zk) >= x.conc then refuse(2, t, 1000) end
     end
     for _, w in ipairs(x.windows) do
       local limit = w[2]
       if limit then
-        local used
-        if w[1] == 3 then
-          used = num('gw:tpm:' .. x.key .. ':' .. (minute - 1)) * (1 - into) + num(w[3])
-        else
-          used = num(w[3])
+        local used, reset, prev, cur = window_use(x.key, w)
+        if used + reserve > limit then
+          if reserve > limit and w[1] < 7 then  -- an allowance may grow: never "never"
+            refuse(w[1], t, -1)
+          elseif w[1] == 3 then
+            refuse(3, t, slide_wait(prev, cur, reserve, limit))
+          else
+            refuse(w[1], t, w[4])
+          end
+        elseif code == 0 then  -- after this request: its reservation counts this minute
+          if w[1] == 3 and reserve > 0 then reset = to_minute + 60000 end
+          offer(tk, limit, limit - used - reserve, reset)
         end
-        -- A spoke's allowance is a share: a request larger than what is left of it waits
-        -- for more share, even on an empty window (a local limit lets one through).
-        if (w[1] >= 7 and used + reserve > limit) or not fits(used, reserve, limit) then
-          code, at, retry = w[1], t, w[4]
-          rq, tk = {-1, -1, -1}, {limit, math.max(0, math.floor(limit - used)), math.ceil(w[4])}
-          break
-        end
-        offer(tk, limit, limit - used - reserve, w[4])
       end
     end
-    if code ~= 0 then break end
+  end
+  if code >= 1 and code <= 8 and code ~= 6 then  -- the binding tier's own numbers, both families
+    rq, tk = tier_numbers(tiers[at], code, reserve)
   end
 
   local leased = 0

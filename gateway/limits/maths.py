@@ -47,10 +47,38 @@ def sliding_minute(prev: float, cur: float, now: float) -> float:
 
 
 def fits(used: float, reserve: int, limit: int) -> bool:
-    """A request fits if its reservation fits what is left; one larger than the whole window
-    still runs when the window is empty, rather than being refused forever."""
-    need = min(reserve, limit) if limit > 0 else reserve  # a zero limit admits nothing
-    return used + need <= limit
+    """A request fits if its reservation fits what is left. One larger than the whole
+    window never fits: admission refuses it as impossible before asking the store."""
+    return used + reserve <= limit
+
+
+def sliding_wait(prev: float, cur: float, now: float, reserve: int, limit: int) -> float | None:
+    """Seconds until `reserve` fits the sliding minute if nothing else is admitted meanwhile
+    (0 if it fits now; None if it never can: larger than the whole limit).
+
+    The previous minute's count slides out linearly over the current minute; the current
+    minute's never does before it becomes the previous one. The sliding estimate is
+    continuous and, without new traffic, never rises: so waiting this long is enough, and
+    any shorter wait is not.
+    """
+    room = limit - reserve
+    if room < 0:
+        return None
+    into = now % MINUTE
+    if prev * (1.0 - into / MINUTE) + cur <= room:
+        return 0.0
+    if cur <= room:  # within this minute, once enough of the previous one slid out
+        return max(0.0, (1.0 - (room - cur) / prev) * MINUTE - into)
+    # only in the next minute, where this minute's count slides out in turn
+    return MINUTE - into + (1.0 - room / cur) * MINUTE
+
+
+def sliding_reset(prev: float, cur: float, now: float) -> float:
+    """Seconds until the sliding minute counts nothing again (OpenAI's "reset": back to the
+    whole limit), without new traffic."""
+    if cur > 0:
+        return seconds_to_minute_end(now) + MINUTE
+    return seconds_to_minute_end(now) if prev > 0 else 0.0
 
 
 # A spoke that holds no allowance for a global quota's period (the hub's allocator has not

@@ -45,6 +45,48 @@ class _Held:
 
 
 @dataclass
+class _Refusal:
+    """The limits that refuse one request: the first names the denial, the longest wait is
+    its retry, and a limit no wait satisfies (reservation larger than it) overrides both."""
+
+    tier: TierLimit | None = None
+    limit: str = ""
+    value: float | None = None
+    wait: float = 0.0
+    never: bool = False
+    own: dict[int, tuple[Tightest, Tightest, tuple[int, float, float] | None]] = field(
+        default_factory=dict)
+
+    def refuse(self, tier: TierLimit, limit: str, value: float, wait: float | None) -> None:
+        if self.never:
+            return
+        if wait is None:
+            self.tier, self.limit, self.value, self.never = tier, limit, value, True
+            return
+        if self.tier is None:
+            self.tier, self.limit, self.value = tier, limit, value
+        self.wait = max(self.wait, wait)
+
+    def numbers(self, tier: TierLimit, rq: Tightest, tk: Tightest,
+                refused: tuple[int, float, float] | None) -> None:
+        """A tier's own numbers as they stand, should it be the one that says no: its rps,
+        its tightest token window and the token window that refused it (if one did)."""
+        self.own[id(tier)] = (rq, tk, refused)
+
+    def verdict(self) -> Verdict:
+        assert self.tier is not None
+        rq, tk, refused = self.own[id(self.tier)]
+        if self.limit == CONCURRENCY:
+            rq = Tightest(int(self.value or 0), 0, 1.0)
+        if refused is not None and self.limit in (TPM, TPD, TPMO, GTPD, GTPMO):
+            tk = Tightest()
+            tk.offer(*refused)
+        rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
+        return Verdict(False, self.tier.tier, self.limit, self.value,
+                       0.0 if self.never else self.wait, rate, impossible=self.never)
+
+
+@dataclass
 class MemoryLimiter(Limiter, AllowanceStore):
     lease_ttl: float = 60.0
     start_ttl: float | None = None  # the first lease, until renewed (default: lease_ttl)
@@ -60,66 +102,89 @@ class MemoryLimiter(Limiter, AllowanceStore):
         return self.admit_now(req)
 
     def admit_now(self, req: AdmitRequest) -> Verdict:
+        """Every tier is scanned, even past a denial (which commits nothing), as in
+        admit.lua: the retry is the longest wait of every limit that refuses now."""
         now = req.now
         if req.request_id in self.held:
             return Verdict(False, limit=DUPLICATE)
         minute = maths.minute_index(now)
         rq, tk = Tightest(), Tightest()
         writes: list[tuple[TierLimit, float | None, list[str]]] = []
+        no = _Refusal()
         for t in req.tiers:
             key, s = f"{t.tier}:{t.name}", t.spec
+            own_rq, own_tk, denied_tk, denied_never = Tightest(), Tightest(), None, False
             new_tat = None
             if s.rps is not None and s.burst is not None:
                 g = maths.gcra(self.tat.get(key, 0.0), now, s.rps, s.burst)
                 if not g.allowed:
-                    return Verdict(False, t.tier, RPS, s.rps, g.retry_after, RateInfo(
-                        s.burst, 0, g.reset))
-                new_tat = g.new_tat
-                rq.offer(s.burst, g.remaining, g.reset)
-            if s.concurrency is not None:
-                live = self._live(key, now)
-                if len(live) >= s.concurrency:
-                    return Verdict(False, t.tier, CONCURRENCY, s.concurrency, 1.0)
+                    no.refuse(t, RPS, s.rps, g.retry_after)
+                    own_rq.offer(s.burst, 0, g.reset)
+                else:
+                    new_tat = g.new_tat
+                    rq.offer(s.burst, g.remaining, g.reset)
+                    own_rq.offer(s.burst, g.remaining + 1, g.reset - 1 / s.rps)
+            if s.concurrency is not None and len(self._live(key, now)) >= s.concurrency:
+                no.refuse(t, CONCURRENCY, s.concurrency, 1.0)
             token_keys = []
-            for kind, limit, wkey, used, reset in self._windows(key, t, now, minute):
+            for kind, limit, wkey, prev, cur in self._windows(key, t, now, minute):
                 if limit is None:
                     continue
-                strict = kind in (GTPD, GTPMO)  # a share: no oversize request on empty
-                if not maths.fits(used, req.reserve, limit) or (
-                        strict and used + req.reserve > limit):
-                    return Verdict(False, t.tier, kind, limit, reset, RateInfo(
-                        tok_limit=limit, tok_remaining=max(0, int(limit - used)), tok_reset=reset))
-                tk.offer(limit, limit - used - req.reserve, reset)
+                used = maths.sliding_minute(prev, cur, now) if kind == TPM else cur
+                if kind == TPM:
+                    wait = maths.sliding_wait(prev, cur, now, req.reserve, limit)
+                    reset = maths.sliding_reset(prev, cur, now)
+                    tk.offer(limit, limit - used - req.reserve,
+                             maths.sliding_reset(prev, cur + req.reserve, now))
+                else:
+                    reset = self._period_end(kind, now)
+                    # larger than the whole limit: never (but an allowance may grow)
+                    never = req.reserve > limit and kind not in (GTPD, GTPMO)
+                    wait = None if never else reset
+                    tk.offer(limit, limit - used - req.reserve, reset)
+                mine = (limit, limit - used, reset)
+                if not maths.fits(used, req.reserve, limit):
+                    no.refuse(t, kind, limit, wait)
+                    if denied_tk is None or (wait is None and not denied_never):
+                        denied_tk, denied_never = mine, wait is None
+                own_tk.offer(*mine)
                 token_keys.append(wkey)
+            no.numbers(t, own_rq, own_tk, denied_tk)
             writes.append((t, new_tat, token_keys))
+        if no.tier is not None:
+            return no.verdict()
         return self._commit(req, writes, rq, tk)
 
     def _windows(
         self, key: str, t: TierLimit, now: float, minute: int
     ) -> list[tuple[str, int | None, str, float, float]]:
+        """(kind, limit, counter key, previous minute's count, this window's count)."""
         s = t.spec
         cur = f"tpm:{key}:{minute}"
-        used_min = maths.sliding_minute(
-            self.tokens.get(f"tpm:{key}:{minute - 1}", 0), self.tokens.get(cur, 0), now)
         day_id, month_id = maths.day_id(now), maths.month_id(now)
         day, month = f"tpd:{key}:{day_id}", f"tpmo:{key}:{month_id}"
-        to_day, to_month = maths.seconds_to_day_end(now), maths.seconds_to_month_end(now)
         out = [
-            (TPM, s.tokens_per_minute, cur, used_min, maths.seconds_to_minute_end(now)),
-            (TPD, s.tokens_per_day, day, self.tokens.get(day, 0), to_day),
-            (TPMO, s.tokens_per_month, month, self.tokens.get(month, 0), to_month),
+            (TPM, s.tokens_per_minute, cur, self.tokens.get(f"tpm:{key}:{minute - 1}", 0),
+             self.tokens.get(cur, 0)),
+            (TPD, s.tokens_per_day, day, 0.0, self.tokens.get(day, 0)),
+            (TPMO, s.tokens_per_month, month, 0.0, self.tokens.get(month, 0)),
         ]
         if s.global_tokens_per_day is not None:  # this spoke's allowance, else the fallback
             g = f"gtpd:{key}:{day_id}"
             limit = self.allowances.get(f"tpd:{key}:{day_id}",
                                         maths.fallback_allowance(s.global_tokens_per_day))
-            out.append((GTPD, limit, g, self.tokens.get(g, 0), to_day))
+            out.append((GTPD, limit, g, 0.0, self.tokens.get(g, 0)))
         if s.global_tokens_per_month is not None:
             g = f"gtpmo:{key}:{month_id}"
             limit = self.allowances.get(f"tpmo:{key}:{month_id}",
                                         maths.fallback_allowance(s.global_tokens_per_month))
-            out.append((GTPMO, limit, g, self.tokens.get(g, 0), to_month))
+            out.append((GTPMO, limit, g, 0.0, self.tokens.get(g, 0)))
         return out
+
+    @staticmethod
+    def _period_end(kind: str, now: float) -> float:
+        return (maths.seconds_to_day_end(now) if kind in (TPD, GTPD)
+                else maths.seconds_to_month_end(now))
 
     def _live(self, key: str, now: float) -> dict[str, float]:
         live = self.leases.setdefault(key, {})

@@ -168,7 +168,8 @@ class RedisLimiter(Limiter):
         # A global quota's denial names the allowance this spoke enforced, not the quota.
         value = (rate.tok_limit if limit in (GTPD, GTPMO)
                  else getattr(tier.spec, limit) if limit else None)
-        return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate)
+        return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate,
+                       impossible=retry_ms < 0)
 
     async def end_many(self, ends: Sequence[Ending]) -> None:
         args: list[Any] = [len(ends)]

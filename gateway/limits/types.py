@@ -69,6 +69,8 @@ class Verdict:
     retry_after: float = 0.0
     rate: RateInfo = RateInfo()
     leased: bool = False  # a settlement is owed (concurrency lease or token reservation)
+    # the reservation is larger than the whole limit of `limit`: no wait will ever admit it
+    impossible: bool = False
 
 
 ALLOW_UNLIMITED = Verdict(True)

@@ -221,11 +221,11 @@ class Meter:
         elif self.status and self.status >= 400 and not completion:
             u, source = Usage(), "reported"  # an error answer: nothing was generated
         else:
-            prompt = self._messages.prompt()  # exact, when an Anthropic stream said it
-            if prompt is None:
+            cut = self._messages.cut(completion)  # exact input, when an Anthropic stream said it
+            if cut is None:
                 prompt = self.prompt_estimate if self.status or completion else 0
-            u = Usage(prompt, completion, prompt + completion)
-            source = "estimated"
+                cut = Usage(prompt, completion, prompt + completion)
+            u, source = cut, "estimated"
         ttft = (self.first_token - self.started) * 1000 if self.first_token else 0.0
         tpot = 0.0
         if self.first_token and self.last_token and u.completion_tokens > 1:

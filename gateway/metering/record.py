@@ -149,9 +149,11 @@ def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: di
                                               "cache_creation_input_tokens")}}) or Usage()
         source = "reported"
     elif messages and "prompt_tokens" in usage:  # only message_start: the input side is exact
-        prompt = sum(_int(usage.get(k)) for k in (
-            "prompt_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
-        u, source = Usage(prompt, completion, prompt + completion), "estimated"
+        u = from_messages({  # its cache counts included; the output estimated from what streamed
+            "input_tokens": _int(usage.get("prompt_tokens")), "output_tokens": completion,
+            **{k: _int(usage.get(k)) for k in ("cache_read_input_tokens",
+                                              "cache_creation_input_tokens")}}) or Usage()
+        source = "estimated"
     elif "prompt_tokens" in usage or "completion_tokens" in usage:
         p, c = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
         u = Usage(p, c, _int(usage.get("total_tokens")) or p + c,

@@ -101,11 +101,14 @@ class MessagesStream:
         """The whole usage once the output count is the engine's; None before."""
         return from_messages(self.fields) if self.final else None
 
-    def prompt(self) -> int | None:
-        """The input side alone, exact, as soon as message_start came."""
+    def cut(self, completion: int) -> Usage | None:
+        """A stream cut before its message_delta: the input side as message_start said it
+        (exact, the cache counts included) with `completion` estimated from what streamed;
+        None if message_start never came."""
         if "input_tokens" not in self.fields:
             return None
-        return sum(self.fields.get(n, 0) for n in MESSAGES_INPUT)
+        return from_messages({**{n: self.fields.get(n, 0) for n in MESSAGES_INPUT},
+                              "output_tokens": completion})
 
 
 def from_body(endpoint: str, obj: Any) -> tuple[Usage | None, str]:

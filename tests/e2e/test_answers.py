@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from datetime import datetime
 
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.authz.request import estimate_prompt_tokens
 from gateway.dev.stack import Spoke
 from testkit.envoys import access_log_entry
 from testkit.spoke import anthropic_client, chat, client, read_events
@@ -240,3 +242,155 @@ def test_access_log_says_how_long_the_gateway_held_a_request(
     assert denied.status_code == 401
     assert access_log_entry(spoke["envoy"].log_path, "request_id",
                             denied.headers["x-request-id"]).get("to_engine_us") is None
+
+
+# --- issue 21: every answer in the API's shape; headers that are true ---------------------------
+
+
+def test_a_body_over_the_limit_is_a_json_413_in_the_routes_shape(spoke: Spoke,
+                                                                keys: dict[str, str]) -> None:
+    """Envoy's own 413 (the body outgrew ext_authz's 8 MiB buffer) is JSON, as every other
+    answer: OpenAI's on chat completions, Anthropic's on the Messages API (whose SDK raises
+    its typed error)."""
+    big = "x" * (9 << 20)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client(spoke, keys["good"], timeout=60).chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": big}], max_tokens=1)
+    r = exc.value.response
+    assert r.status_code == 413 and r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert body["error"]["code"] == "request_too_large" and "8388608" in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["param"] is None
+    assert body["request_id"] == r.headers["x-request-id"]
+    with pytest.raises(anthropic.RequestTooLargeError) as aexc:
+        anthropic_client(spoke, keys["good"], timeout=60).messages.create(
+            model="mock-model", max_tokens=1, messages=[{"role": "user", "content": big}])
+    r = aexc.value.response
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    assert r.json()["request_id"] == r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_an_rps_429_from_a_tier_with_a_token_limit_says_its_tokens(
+        spoke: Spoke, keys: dict[str, str], api: str) -> None:
+    """Key, team and model tier: the denial carries the binding tier's token numbers too."""
+    e = _limited(spoke, keys["rps1tpm"], api)
+    h = e.response.headers
+    assert "rps" in e.message and h["x-gateway-limit-tier"] == "key"
+    assert h[_rate_header(api, "tokens", "limit")] == "100000"
+    assert int(h[_rate_header(api, "tokens", "remaining")]) < 100000  # the first one's share
+    if api == "anthropic":
+        for kind in ("input-tokens", "output-tokens"):
+            assert h[f"anthropic-ratelimit-{kind}-limit"] == "100000"
+    h = _limited(spoke, keys["teamtpm"], api).response.headers
+    assert h["x-gateway-limit-tier"] == "team"
+    assert h[_rate_header(api, "requests", "limit")] == "1"
+    assert h[_rate_header(api, "tokens", "limit")] == "200000"
+    c = client(spoke, keys["wide"])
+    with pytest.raises(openai.RateLimitError) as exc:
+        for _ in range(3):
+            chat(c, model="tight-model")
+    h = exc.value.response.headers
+    assert h["x-gateway-limit-tier"] == "model"
+    assert h["x-ratelimit-limit-requests"] == "1" and h["x-ratelimit-limit-tokens"] == "1000000"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_token_429_says_its_tiers_requests(spoke: Spoke, keys: dict[str, str],
+                                             api: str) -> None:
+    """The issue's Anthropic row: a 429 on a token limit has the requests family in full."""
+    e = _limited(spoke, keys["rpstpm"], api, tries=5, max_tokens=300)
+    h = e.response.headers
+    assert "tokens_per_minute" in e.message
+    assert h[_rate_header(api, "requests", "limit")] == "50"
+    assert h[_rate_header(api, "tokens", "limit")] == "400"
+    for name in ("remaining", "reset"):
+        assert _rate_header(api, "requests", name) in h
+        assert _rate_header(api, "tokens", name) in h
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_max_tokens_beyond_the_whole_limit_is_refused_as_impossible(
+        spoke: Spoke, keys: dict[str, str], api: str) -> None:
+    """max_tokens 4321 against a whole tokens_per_minute of 1234: refused with both numbers,
+    no retry-after, and nothing consumed (a request that fits still passes)."""
+    e = _limited(spoke, keys["tpm1234"], api, tries=1, max_tokens=4321)
+    h = e.response.headers
+    assert "never pass" in e.message and "tokens_per_minute=1234" in e.message
+    assert "completion 4321" in e.message
+    assert "retry-after" not in h and h["x-should-retry"] == "false"
+    assert h[_rate_header(api, "tokens", "limit")] == "1234"
+    again = _limited(spoke, keys["tpm1234"], api, tries=1, max_tokens=4321).response.headers
+    remaining = _rate_header(api, "tokens", "remaining")
+    assert again[remaining] == h[remaining]  # the first refusal consumed nothing
+    _ask(spoke, keys["tpm1234"], api, max_tokens=100)
+
+
+def test_a_huge_prompt_is_refused_as_impossible_at_the_model_tier(
+        spoke: Spoke, keys: dict[str, str]) -> None:
+    """A 5 MiB prompt (estimate ~1.3 M tokens; the issue's was 7 MiB) against a model tier of
+    1 M tokens a minute: the reservation cap bounds max_tokens only, so it is refused, not
+    admitted to eat the model's minute for everyone."""
+    c = client(spoke, keys["wide"], timeout=60)
+    with pytest.raises(openai.RateLimitError) as exc:
+        chat(c, model="tight-model", max_tokens=10,
+             messages=[{"role": "user", "content": "x" * (5 << 20)}])
+    e = exc.value
+    assert e.response.headers["x-gateway-limit-tier"] == "model"
+    assert "never pass" in e.message and "tokens_per_minute=1000000" in e.message
+    assert "prompt estimate 1310725 + completion 10" in e.message
+    assert "retry-after" not in e.response.headers
+    time.sleep(1)  # the model tier's rps (1/s), not its tokens, is all the next one waits for
+    assert chat(c, model="tight-model").usage.completion_tokens == 4
+
+
+def _sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.time()))
+
+
+@pytest.mark.slow
+def test_a_tokens_per_minute_retry_after_is_exactly_enough(spoke: Spoke,
+                                                          keys: dict[str, str]) -> None:
+    """Issue 21's rule, through Envoy: a client that waits the advertised retry-after gets
+    through, one that retries a second sooner does not. The limit (1000 a minute) and the
+    request's size are chosen so that the wait is 3.5 s from the probe: whole seconds
+    cannot round it either way. (The Lua is the same through either door: one run.)"""
+    if spoke.authz_http_address is None:
+        pytest.skip("the retry rule is the store's: proven through the HTTP door's spoke")
+    limit, hello = 1000, [{"role": "user", "content": "hello there"}]
+    c = client(spoke, keys["slide"])
+    if time.time() % 60 > 40:  # the first request and its check share one minute
+        _sleep_until((time.time() // 60 + 1) * 60 + 0.2)
+    minute = int(time.time() // 60)
+    first = c.chat.completions.with_raw_response.create(model="mock-model", messages=hello,
+                                                        max_tokens=600)
+    [event] = read_events(spoke.kafka_bootstrap, {first.headers["x-request-id"]})
+    used = int(event["usage"]["total_tokens"])  # what the minute's counter settles to
+    # This minute's count does not slide: a 429 now says exactly what is left.
+    deadline = time.monotonic() + 5
+    while True:
+        with pytest.raises(openai.RateLimitError) as exc:
+            chat(c, messages=hello, max_tokens=limit - used)
+        left = int(exc.value.response.headers["x-ratelimit-remaining-tokens"])
+        if left == limit - used or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert left == limit - used and int(time.time() // 60) == minute
+    # Next minute, `used` slides out: a reservation `need` fits once used * (1 - f) <=
+    # limit - need. Choose `need` to fit ~6 s into the minute and probe 3.5 s before.
+    start = (minute + 1) * 60
+    need = math.ceil(limit - used * (1 - 6 / 60))
+    fits_at = start + 60 * (1 - (limit - need) / used)
+    max_tokens = need - estimate_prompt_tokens({"messages": hello})
+    _sleep_until(fits_at - 3.5)
+    with pytest.raises(openai.RateLimitError) as exc:
+        chat(c, messages=hello, max_tokens=max_tokens)
+    assert "tokens_per_minute" in exc.value.message
+    retry = int(exc.value.response.headers["retry-after"])
+    assert retry == 4
+    time.sleep(retry - 1)
+    with pytest.raises(openai.RateLimitError):  # a second sooner: still refused
+        chat(c, messages=hello, max_tokens=max_tokens)
+    time.sleep(1)
+    assert chat(c, messages=hello, max_tokens=max_tokens).usage.completion_tokens == max_tokens

@@ -120,6 +120,28 @@ def test_a_stream_the_engine_breaks_is_upstream_error(spoke: Spoke, keys: dict[s
     assert event["served_model"] == "mock-model"
 
 
+@pytest.mark.parametrize("how", ["x-mock-cut-after", "x-mock-error-after"])
+def test_a_cut_stream_keeps_message_starts_cache_counts(spoke: Spoke, keys: dict[str, str],
+                                                       how: str) -> None:
+    """Issue 21: the engine cuts a stream whose message_start said cache read 43 and
+    creation 41; its event bills them (and the whole input side), not 0."""
+    c = anthropic_client(spoke, keys["good"], default_headers={
+        "x-mock-tokens-per-s": "100", how: "5", "x-mock-cache-read-tokens": "43",
+        "x-mock-cache-creation-tokens": "41"})
+    long: Any = [{"role": "user", "content": "word " * 120}]
+    raw = c.messages.with_raw_response.create(model="mock-model", max_tokens=40, messages=long,
+                                              stream=True)
+    with pytest.raises(Exception):  # noqa: B017 (the SDK's error event, or httpx2's broken read)
+        for _ in raw.parse():
+            pass
+    [event] = read_events(spoke.kafka_bootstrap, {raw.headers["x-request-id"]})
+    assert (event["outcome"], event["usage_source"]) == ("upstream_error", "estimated")
+    sent = _engine(spoke)["messages_usage_reported"]
+    assert (int(event["usage"]["cached_tokens"]), int(event["usage"]["cache_creation_tokens"])
+            ) == (43, 41)
+    assert int(event["usage"]["prompt_tokens"]) == sent["input_tokens"] + 43 + 41
+
+
 def test_concurrency_leases_hold_as_for_chat(spoke: Spoke, keys: dict[str, str]) -> None:
     """The same bound test_admission proves for chat completions, on /v1/messages."""
     async def go() -> list[int]:

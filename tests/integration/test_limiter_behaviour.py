@@ -194,7 +194,9 @@ async def test_tokens_per_minute_slides(h: Harness) -> None:
     assert (await h.admit(tpm, reserve=600)).allowed
     v = await h.admit(tpm, reserve=401)
     assert (v.allowed, v.limit, v.tier) == (False, "tokens_per_minute", "team")
-    assert v.retry_after == pytest.approx(60.0)  # until the minute ends
+    # this minute's 600 weighs fully until the minute ends, then slides out: 401 fits once
+    # 600 * (1 - f) <= 599, a tenth of a second into the next minute
+    assert v.retry_after == pytest.approx(60.1)
     h.clock.t = start + 90  # half-way through the next minute: 600 * 0.5 still counts
     assert not (await h.admit(tpm, reserve=701)).allowed
     assert (await h.admit(tpm, reserve=700)).allowed
@@ -224,10 +226,11 @@ async def test_tokens_per_month_resets_at_month_start(make: Make) -> None:
     assert (await h.admit(k, reserve=500)).allowed
 
 
-async def test_request_larger_than_window_runs_only_when_window_empty(h: Harness) -> None:
+async def test_request_larger_than_window_is_impossible(h: Harness) -> None:
     k = key(tokens_per_day=100)
-    assert (await h.admit(k, reserve=5000)).allowed
-    assert not (await h.admit(k, reserve=1)).allowed
+    v = await h.admit(k, reserve=5000)
+    assert not v.allowed and v.impossible and v.limit == "tokens_per_day"
+    assert (await h.admit(k, reserve=100)).allowed  # it consumed nothing
 
 
 

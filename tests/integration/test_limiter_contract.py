@@ -432,3 +432,77 @@ async def test_counters_say_where_a_tier_stands_after_admissions_and_a_settlemen
     got = {w.limit: (w.used, w.left) for w in standing(t, counters, T0).windows}
     assert got == {"rps": (3, 2), "concurrency": (2, 2), "tokens_per_minute": (240, 760),
                    "tokens_per_day": (240, 4760)}
+
+
+# --- the answers a 429 gives (issue 21) -------------------------------------------------------
+
+MINUTE_START = T0 - (T0 % 60)
+
+
+@pytest.mark.parametrize(("first_at", "probe_at", "wait"), [
+    (10, 20, 40 + 60 / 9),  # this minute's 900 only slides out in the next minute
+    (10, 63, 60 / 9 - 3),  # the previous minute's 900 slides out as this one goes on
+])
+async def test_a_tokens_per_minute_retry_after_is_exactly_when_it_fits(
+        limiter: Limiter, first_at: float, probe_at: float, wait: float) -> None:
+    """Waiting the retry-after admits the request; a second less does not."""
+    key = tier("key", "slide", tokens_per_minute=1000)
+    assert (await limiter.admit(req("first", [key], MINUTE_START + first_at, 900))).allowed
+    now = MINUTE_START + probe_at
+    v = await limiter.admit(req("probe", [key], now, 200))
+    assert not v.allowed and v.limit == "tokens_per_minute" and not v.impossible
+    assert v.retry_after == pytest.approx(wait, abs=0.002)
+    assert not (await limiter.admit(req("soon", [key], now + v.retry_after - 1, 200))).allowed
+    assert not (await limiter.admit(req("soon", [key], now + v.retry_after - 0.01,
+                                        200))).allowed
+    assert (await limiter.admit(req("then", [key], now + v.retry_after, 200))).allowed
+
+
+async def test_the_retry_after_is_the_longest_wait_of_every_limit_that_refuses(
+        limiter: Limiter) -> None:
+    """The first tier that refuses is named; the retry waits for all of them."""
+    for name, tiers in (("tok-first", [tier("team", "t-a", tokens_per_minute=1000),
+                                       tier("key", "k-a", rps=1, burst=1)]),
+                        ("rps-first", [tier("team", "t-b", rps=1, burst=1),
+                                       tier("key", "k-b", tokens_per_minute=1000)])):
+        assert (await limiter.admit(req(f"{name}-1", tiers, MINUTE_START + 10, 900))).allowed
+        v = await limiter.admit(req(f"{name}-2", tiers, MINUTE_START + 10.5, 200))
+        assert not v.allowed and v.tier == "team", name
+        assert v.retry_after == pytest.approx(49.5 + 60 / 9, abs=0.002), name
+
+
+async def test_a_denial_carries_its_tiers_requests_and_tokens(limiter: Limiter) -> None:
+    """An rps 429 from a tier with a token limit carries that tier's tokens as they stand,
+    a token 429 its requests; a concurrency 429 says 0 requests remaining."""
+    key = tier("key", "both", rps=2, burst=2, tokens_per_minute=1000, concurrency=5)
+    now = MINUTE_START + 30
+    assert (await limiter.admit(req("a", [key], now, 300))).allowed
+    assert (await limiter.admit(req("b", [key], now, 300))).allowed
+    v = await limiter.admit(req("c", [key], now, 300))
+    assert v.limit == "rps"
+    assert (v.rate.req_limit, v.rate.req_remaining) == (2, 0)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 400)
+    assert v.rate.tok_reset == pytest.approx(90, abs=0.002)  # this minute's 600 slide out next
+    v = await limiter.admit(req("d", [key], now + 1, 500))
+    assert v.limit == "tokens_per_minute"
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 400)
+    assert (v.rate.req_limit, v.rate.req_remaining) == (2, 2)
+    busy = tier("key", "busy", concurrency=1, tokens_per_day=10_000)
+    assert (await limiter.admit(req("e", [busy], now, 10))).allowed
+    v = await limiter.admit(req("f", [busy], now, 10))
+    assert v.limit == "concurrency"
+    assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (10_000, 9_990)
+
+
+async def test_a_reservation_larger_than_a_whole_window_is_impossible(limiter: Limiter) -> None:
+    """At any tier, the model tier included, even when another tier refuses first: no wait
+    helps, so that is the answer (with no retry), and nothing is consumed."""
+    tiers = [tier("model", "m-big", tokens_per_minute=1000),
+             tier("key", "k-big", rps=1, burst=1)]
+    assert (await limiter.admit(req("small", tiers, T0, 10))).allowed  # spends the key's rps
+    v = await limiter.admit(req("huge", tiers, T0, 1001))
+    assert not v.allowed and v.impossible
+    assert (v.tier, v.limit, v.limit_value) == ("model", "tokens_per_minute", 1000)
+    assert v.rate.tok_limit == 1000 and v.rate.tok_remaining == 990
+    assert (await limiter.admit(req("whole", tiers, T0 + 1, 990))).allowed

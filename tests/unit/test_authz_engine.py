@@ -541,11 +541,53 @@ def test_a_zero_limit_is_never_worth_retrying() -> None:
     assert "retry-after" not in d.headers and d.headers["x-should-retry"] == "false"
 
 
-def test_a_request_larger_than_the_whole_window_is_told_so() -> None:
-    d = answers.limit_denial(Verdict(False, "team", "tokens_per_minute", 1000, 20),
-                             requested=4000)
-    assert "asks for 4000 tokens" in d.message and "tokens_per_minute=1000" in d.message
-    assert d.headers["retry-after"] == "20"
+@pytest.mark.parametrize(("where", "limit"), [
+    ("key", "tokens_per_minute"), ("team", "tokens_per_day"), ("model", "tokens_per_month")])
+async def test_a_request_larger_than_a_whole_window_is_impossible_at_every_tier(
+        where: str, limit: str) -> None:
+    """Refused as impossible, with both numbers and no retry-after, and nothing consumed."""
+    spec = f"{{{limit}: 1234}}"
+    gate = Gate(policy(**{f"{where}_limits": spec}))  # type: ignore[arg-type]
+    d = denied(await gate.check(chat(max_tokens=4321)), 429,
+               "insufficient_quota" if limit != "tokens_per_minute" else "rate_limit_exceeded")
+    assert d.tier == where and d.retry_after is None
+    assert "never pass" in d.message and f"{limit}=1234" in d.message
+    assert "It needs 4326 tokens (prompt estimate 5 + completion 4321)" in d.message
+    assert "retry-after" not in d.headers and d.headers["x-should-retry"] == "false"
+    assert d.headers["x-ratelimit-limit-tokens"] == "1234"
+    assert d.headers["x-ratelimit-remaining-tokens"] == "1234"  # it consumed nothing
+    assert isinstance(await gate.check(chat(max_tokens=1000)), Allow)
+
+
+async def test_the_reservation_cap_bounds_the_completion_never_the_prompt() -> None:
+    """A 7 MiB prompt reserves all of its estimate; only max_tokens is capped."""
+    huge = chat(max_tokens=10**9)
+    huge["messages"][0]["content"] = "x" * (7 << 20)
+    gate = Gate(policy(model_limits="{tokens_per_minute: 1000000}"))
+    d = denied(await gate.check(huge), 429, "rate_limit_exceeded")
+    assert d.tier == "model" and "never pass" in d.message
+    prompt = (7 << 20 | 4) // 4 + 3 + 1  # ~4 chars a token (with "user"), 3 per message
+    assert f"prompt estimate {prompt} + completion 32768" in d.message
+    fits = Gate(policy(model_limits="{tokens_per_minute: 4000000}"))
+    ok = await fits.check(huge)
+    assert isinstance(ok, Allow) and ok.context.reserved == prompt + 32768
+
+
+async def test_a_denial_carries_both_header_families_of_its_tier() -> None:
+    """An rps 429 from a tier with a token limit says its tokens too, and a token 429 its
+    requests: the numbers as they stand (the denial consumed nothing)."""
+    gate = Gate(policy(key_limits="{rps: 1, burst: 1, tokens_per_minute: 5000}"))
+    assert isinstance(await gate.check(chat(max_tokens=100)), Allow)
+    d = denied(await gate.check(chat(max_tokens=100)), 429, "rate_limit_exceeded")
+    assert d.reason == "rps"
+    assert d.headers["x-ratelimit-limit-tokens"] == "5000"
+    assert d.headers["x-ratelimit-remaining-tokens"] == str(5000 - 105)
+    gate.clock.advance(1)
+    denied(await gate.check(chat(max_tokens=4900)), 429, "rate_limit_exceeded")
+    d = denied(await gate.check(chat(max_tokens=4900)), 429, "rate_limit_exceeded")
+    assert d.reason == "tokens_per_minute"
+    assert d.headers["x-ratelimit-limit-requests"] == "1"
+    assert d.headers["x-ratelimit-remaining-requests"] == "1"
 
 
 async def test_a_refused_known_key_is_named_on_its_denial() -> None:

@@ -176,13 +176,79 @@ def test_minute_index_and_end() -> None:
     (61, 40, 100, False),
     (100, 1, 100, False),
     (100, 0, 100, True),  # nothing reserved: nothing to refuse
-    (0, 5000, 100, True),  # larger than the whole window: runs when the window is empty
-    (0.5, 5000, 100, False),  # ...but not when anything is used
-    (1, 5000, 100, False),
+    (0, 5000, 100, False),  # larger than the whole window: never (refused as impossible)
+    (0, 101, 100, False),
     (99.5, 1, 100, False),  # fractional use from the sliding estimate counts
 ])
 def test_fits(used: float, reserve: int, limit: int, ok: bool) -> None:
     assert maths.fits(used, reserve, limit) is ok
+
+
+# --- sliding minute: when a refused reservation fits ------------------------------------------
+
+
+def _used(counts: dict[int, float], t: float) -> float:
+    """The sliding estimate at `t` from per-minute counts (no traffic after they were made)."""
+    m = maths.minute_index(t)
+    return maths.sliding_minute(counts.get(m - 1, 0.0), counts.get(m, 0.0), t)
+
+
+def test_sliding_wait_within_the_minute_as_the_previous_one_slides_out() -> None:
+    start = maths.minute_index(T0) * maths.MINUTE
+    # previous minute 900, this one 0, limit 1000: 200 fits once 900 * (1 - f) <= 800
+    wait = maths.sliding_wait(900, 0, start + 3, 200, 1000)
+    assert wait == pytest.approx(60 / 9 - 3)
+
+
+def test_sliding_wait_this_minutes_count_only_slides_in_the_next() -> None:
+    """The issue's bug: waiting for the minute's end is not enough, since at the start of
+    the next minute all of this minute's count still weighs."""
+    start = maths.minute_index(T0) * maths.MINUTE
+    wait = maths.sliding_wait(0, 900, start + 10, 200, 1000)
+    assert wait == pytest.approx(50 + 60 / 9)
+    counts = {maths.minute_index(T0): 900.0}
+    assert not maths.fits(_used(counts, start + 60.5), 200, 1000)  # the old answer: refused
+
+
+def test_sliding_wait_fits_now_or_never() -> None:
+    assert maths.sliding_wait(500, 100, T0, 400, 1000) == 0.0
+    assert maths.sliding_wait(0, 0, T0, 1001, 1000) is None
+    assert maths.sliding_wait(0, 0, T0, 1000, 1000) == 0.0
+
+
+def test_sliding_reset_is_when_the_window_counts_nothing() -> None:
+    start = maths.minute_index(T0) * maths.MINUTE
+    assert maths.sliding_reset(0, 0, start + 15) == 0.0
+    assert maths.sliding_reset(50, 0, start + 15) == 45.0
+    assert maths.sliding_reset(50, 1, start + 15) == 105.0
+
+
+counts_st = st.integers(min_value=0, max_value=5000)  # the counters hold whole tokens
+
+
+@settings(max_examples=400, deadline=None)
+@given(prev=counts_st, cur=counts_st, second=st.floats(min_value=0, max_value=59.999),
+       reserve=st.integers(min_value=1, max_value=5000),
+       limit=st.integers(min_value=1, max_value=5000))
+def test_sliding_wait_is_exactly_enough(prev: float, cur: float, second: float, reserve: int,
+                                        limit: int) -> None:
+    """Waiting the answer admits the reservation; any shorter wait does not (without new
+    traffic, across the minute boundary too)."""
+    m = maths.minute_index(T0)
+    now = m * maths.MINUTE + second
+    counts = {m - 1: prev, m: cur}
+    wait = maths.sliding_wait(prev, cur, now, reserve, limit)
+    if reserve > limit:
+        assert wait is None
+        return
+    assert wait is not None and 0 <= wait <= 2 * maths.MINUTE
+    # (1e-4 of a token: float error on epoch-sized timestamps; the store counts in ms)
+    assert maths.fits(_used(counts, now + wait) - 1e-4, reserve, limit)
+    if wait > 0.01:
+        assert not maths.fits(_used(counts, now + wait - 0.01), reserve, limit)
+        assert not maths.fits(_used(counts, now + wait * 0.5), reserve, limit)
+    else:
+        assert maths.fits(_used(counts, now), reserve, limit) or wait > 0
 
 
 # --- calendar windows (UTC) ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.limits.types import RateInfo, Verdict
 from gateway.metering import record
 from gateway.metering.meter import Meter
-from gateway.metering.usage import MessagesStream, from_messages
+from gateway.metering.usage import MessagesStream, Usage, from_messages
 
 MESSAGES = "/v1/messages"
 START_USAGE = {"input_tokens": 5, "cache_creation_input_tokens": 3,
@@ -84,7 +84,9 @@ def test_message_delta_replaces_only_the_fields_it_carries() -> None:
     assert (u.prompt_tokens, u.cached_tokens, u.cache_creation_tokens) == (11, 2, 3)
     s = MessagesStream()
     s.start({"usage": START_USAGE})
-    assert s.usage() is None and s.prompt() == 10  # output_tokens 1 is not the engine's last
+    assert s.usage() is None  # output_tokens 1 is not the engine's last
+    assert s.cut(4) == Usage(10, 4, 14, cached_tokens=2, cache_creation_tokens=3)
+    assert MessagesStream().cut(4) is None  # no message_start: nothing exact to say
 
 
 def test_a_cut_stream_has_the_exact_input_and_an_estimated_output() -> None:
@@ -92,6 +94,8 @@ def test_a_cut_stream_has_the_exact_input_and_an_estimated_output() -> None:
     r = m.result()
     assert r.source == "estimated" and not m.finished()
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (10, 5)  # not the estimate 99
+    # message_start's cache counts are kept (issue 21: a cut stream billed them 0)
+    assert (r.usage.cached_tokens, r.usage.cache_creation_tokens) == (2, 3)
     assert r.served_model == "served-m"
 
 

@@ -62,6 +62,20 @@ def test_a_cut_stream_without_usage_is_estimated_from_what_passed() -> None:
     assert (u.prompt_tokens, u.completion_tokens) == (12, 15)  # ceil(60 / 4) > 7 events
 
 
+def test_a_cut_anthropic_stream_keeps_message_starts_input_and_cache_counts() -> None:
+    """Only message_start came (the engine cut the stream): its input side is exact, the
+    cache read and creation counts included; the output is what streamed."""
+    messages = dict(AUTHZ, endpoint="/v1/messages")
+    rec = record.read(attrs(flags="UPE", authz=messages, path="/v1/messages",
+                            usage={"prompt_tokens": 7, "cache_read_input_tokens": 43,
+                                   "cache_creation_input_tokens": 41, "model": "served-m"},
+                            counted={"content_events": 5, "content_chars": 12}))
+    assert rec is not None and (rec.outcome, rec.source) == ("upstream_error", "estimated")
+    u = rec.result.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (91, 5, 96)
+    assert (u.cached_tokens, u.cache_creation_tokens) == (43, 41)
+
+
 def test_an_error_answer_generated_nothing() -> None:
     rec = record.read(attrs(code="400", usage="-", counted="-"))
     assert rec is not None and rec.outcome == "completed" and rec.source == "reported"
