@@ -8,10 +8,10 @@ from collections import Counter
 from typing import Any
 
 import httpx
-import redis
 
 from gateway.dev.stack import Spoke
 from gateway.limits import maths
+from gateway.redis_clients import sync_client
 from testkit.load import Result
 from testkit.spoke import read_events
 
@@ -38,7 +38,7 @@ def spool_depth(spoke: Spoke) -> float:
 
 def check(spoke: Spoke, results: list[Result], key_id: str, *, lease_ttl: float,
           engine_before: int = 0, token_check: bool = True) -> dict[str, Any]:
-    r = redis.Redis.from_url(spoke.redis_url)
+    r = sync_client(spoke.redis_url)
     _wait(lambda: httpx.get(f"{spoke.engine_url}/mock/stats").json()["in_flight"] == 0,
           30, "the engine has nothing in flight")
     # Leases come back: released at the end, or swept after the lease TTL (dead sidecar).
