@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 from conftest import LEASE_TTL
@@ -19,9 +20,11 @@ from conftest import LEASE_TTL
 from gateway.dev.procs import Service
 from gateway.dev.sentinels import primary_port, wait_sentinels
 from gateway.dev.stack import Spoke
+from gateway.policy.store import STATUS_KEY
+from gateway.redis_clients import sync_client
 from testkit.invariants import check
 from testkit.load import Load
-from testkit.spoke import start_spoke
+from testkit.spoke import policy_doc, publish, start_spoke
 
 
 @pytest.fixture
@@ -112,3 +115,12 @@ def test_primary_killed_under_load_then_back_as_a_replica(
         assert r.info("errorstats").get("errorstat_READONLY") is None
     stats = check(spoke, results, "fault", lease_ttl=LEASE_TTL)
     assert stats["admitted"] > 20
+    # The policy path follows too: a revision published through the Sentinel URL reaches
+    # the same sidecar, whose ACK lands on the new primary.
+    rev = publish(spoke.redis_url, policy_doc(keys))
+    with sync_client(spoke.redis_url) as r:
+        def acked() -> bool:
+            rows = [orjson.loads(v) for v in r.hvals(STATUS_KEY)]
+            return any(x["revision"] == rev and x["state"] == "ACK" for x in rows)
+
+        _until(acked, 20, f"an ACK of revision {rev}")
