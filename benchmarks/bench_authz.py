@@ -46,8 +46,9 @@ from loadgen_client import LoadGen
 from redis_probe import RedisProbe
 from wrk import WRK_MAX_REQUESTS, WRK_SCRIPT, run_wrk, wrk_version
 
-from gateway.dev.procs import Service, free_port, redis_service
+from gateway.dev.procs import Service, free_port, redis_service, sentinel_service
 from gateway.dev.publish import publish
+from gateway.dev.sentinels import SERVICE, sentinel_url, wait_sentinels
 from gateway.dev.stack import Spoke, sidecar_service, wait_ready
 from gateway.policy import secrets
 from testkit.check_requests import check_request
@@ -110,6 +111,8 @@ DIRECT = (
     Direct("direct redis 16KB", "redis", big_body()),
     # Tracing on and every Check sampled (the caller's traceparent says so): the worst case.
     Direct("direct redis 70B traced", "traced", SMALL_BODY, (("traceparent", TRACEPARENT),)),
+    # The same primary found through three Sentinels (redis+sentinel://): DESIGN §10.
+    Direct("direct sentinel 70B", "sentinel", SMALL_BODY),
 )
 PLAIN, FULL_PATH = "envoy plain", "envoy+sidecar"
 AUTHZ_ONLY = "envoy+authz"  # ext_authz alone: what issue 2's Check adds through Envoy
@@ -303,6 +306,14 @@ class Bench:
         print("A) direct gRPC Check", flush=True)
         redis = self.procs.start(redis_service(free_port(), self.workdir), self.load_cpus)
         redis_url = f"redis://{redis.address}/0"
+        # A healthy Sentinel setup around that primary (every Redis row has its replica):
+        # the "sentinel" sidecar finds the primary through the Sentinels.
+        watchers = {"redis": redis, "redis-replica": self.procs.start(redis_service(
+            free_port(), self.workdir, replica_of=redis.address), self.load_cpus)}
+        for i in range(3):
+            watchers[f"sentinel-{i}"] = self.procs.start(sentinel_service(
+                free_port(), self.workdir, SERVICE, redis.address), self.load_cpus)
+        wait_sentinels(watchers)
         doc = policy_doc(self.secret, key_concurrency=None)  # no ext_proc here to free leases
         publish(redis_url, doc, "bench")
         policy_file = self.workdir / "policy-embedded.yaml"
@@ -313,6 +324,7 @@ class Bench:
         backends: list[tuple[str, dict[str, str]]] = [
             ("redis", {"GATEWAY_REDIS_URL": redis_url}),
             ("embedded", {"GATEWAY_REDIS_URL": "", "GATEWAY_POLICY_FILE": str(policy_file)}),
+            ("sentinel", {"GATEWAY_REDIS_URL": sentinel_url(watchers)}),
             ("traced", {"GATEWAY_REDIS_URL": redis_url, "OTEL_TRACES_EXPORTER": "otlp",
                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{collector}"}),
         ]
@@ -369,7 +381,8 @@ class Bench:
         probe.close()
         for svc, _ in sidecars.values():
             svc.stop()
-        redis.stop()
+        for svc in reversed(watchers.values()):  # Sentinels first: no failover at the end
+            svc.stop()
 
     def direct_scenarios(self) -> tuple[Direct, ...]:
         if not self.baseline:
@@ -536,6 +549,11 @@ class Bench:
                 sidecar_cpu("direct redis 70B traced", c), sidecar_cpu("direct redis 70B", c))
             traced = by.get(("direct redis 70B traced", c))
             derived[f"traced_spans_per_check_c{c}"] = traced["spans_per_call"] if traced else None
+        for c in CONCURRENCIES:
+            derived[f"sentinel_cpu_ratio_c{c}"] = ratio(
+                sidecar_cpu("direct sentinel 70B", c), sidecar_cpu("direct redis 70B", c))
+            derived[f"sentinel_added_p50_ms_c{c}"] = diff(
+                get("direct sentinel 70B", c, "p50_ms"), get("direct redis 70B", c, "p50_ms"))
         derived["leases_leaked_through_envoy"] = self.leases_leaked
         derived["baseline"] = self.baseline
         return {"rows": rows, "derived": derived}
@@ -576,6 +594,9 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"tracing on, every Check sampled and exported over OTLP: sidecar CPU/check "
         f"c=1 {x(d['traced_cpu_ratio_c1'])}, c=64 {x(d['traced_cpu_ratio_c64'])} of untraced "
         f"(spans exported per Check: {_fmt(d['traced_spans_per_check_c64'], '.2f')} at c=64)",
+        f"Sentinel URL vs plain URL to the same primary, direct Check: sidecar CPU/check "
+        f"c=1 {x(d['sentinel_cpu_ratio_c1'])}, c=64 {x(d['sentinel_cpu_ratio_c64'])}; p50 "
+        f"c=1 {ms(d['sentinel_added_p50_ms_c1'])}, c=64 {ms(d['sentinel_added_p50_ms_c64'])}",
         *([f"this code vs baseline {d['baseline']}, direct Redis Check: sidecar CPU/check "
            f"c=1 {x(d['baseline_cpu_ratio_c1'])}, c=64 {x(d['baseline_cpu_ratio_c64'])}; "
            f"req/s c=1 {x(d['baseline_rps_ratio_c1'])}, c=64 {x(d['baseline_rps_ratio_c64'])}"]
