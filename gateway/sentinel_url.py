@@ -19,6 +19,22 @@ SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 DEFAULT_SENTINEL_PORT = 26379
 
 
+def check_redis_url(url: str) -> str:
+    """The URL unchanged if either client can use it, else ValueError saying why: read at
+    start, before anything connects."""
+    if is_sentinel(url):
+        parse_sentinel(url)
+    else:
+        from redis.connection import parse_url
+
+        try:
+            parse_url(url)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; or redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
+                             f" (rediss+sentinel:// for TLS)") from None
+    return url
+
+
 def is_sentinel(url: str) -> bool:
     return url.partition("://")[0].lower() in SCHEMES
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
+from gateway.cli import main as gateway
 from gateway.dev.procs import Service, free_port, redis_service
 from gateway.dev.sentinels import primary_port, sentinel_set, sentinel_url, wait_sentinels
 from gateway.limits.resp import RedisGone, RedisReplyError, RespClient
-from gateway.policy.store import PolicyStore
+from gateway.policy.store import POLICY_KEY, PolicyStore
 from gateway.redis_clients import limiter_client, policy_client, sync_client
 
 
@@ -120,3 +121,25 @@ def test_sync_client_reaches_the_primary(sentinels: dict[str, Service]) -> None:
         r.set("x", "y")
     with redis.Redis(port=sentinels["redis"].port, db=2) as r:
         assert r.get("x") == b"y"
+
+
+def test_cli_applies_and_reads_policy_through_the_sentinels(
+        sentinels: dict[str, Service], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    url = sentinel_url(sentinels)
+    doc = tmp_path / "p.yaml"
+    doc.write_text("models:\n  m: {}\n")
+    assert gateway(["policy", "apply", str(doc), "--redis-url", url]) == 0
+    assert gateway(["policy", "status", "--redis-url", url]) == 0
+    assert "current revision: 1" in capsys.readouterr().out
+    with redis.Redis(port=sentinels["redis"].port) as r:  # stored on the primary
+        assert r.hget(POLICY_KEY, "revision") == b"1"
+
+
+def test_a_bad_redis_url_is_a_clear_cli_error() -> None:
+    with pytest.raises(SystemExit) as err:
+        gateway(["policy", "status", "--redis-url", "redis+sentinel://u:secret@h:1"])
+    assert "names no service" in str(err.value.code) and "secret" not in str(err.value.code)
+    with pytest.raises(SystemExit) as err:
+        gateway(["policy", "status", "--redis-url", "http://h:1"])
+    assert "redis+sentinel://" in str(err.value.code)
