@@ -156,6 +156,7 @@ class RespClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._sentinel: SentinelURL | None = parse_sentinel(url) if is_sentinel(url) else None
+        self._order = list(self._sentinel.sentinels) if self._sentinel else []  # asked in turn
         # ValueError for any other scheme, naming the ones it knows
         opts = parse(url if self._sentinel is None else self._sentinel.node("127.0.0.1", 6379))
         unix = opts.get("connection_class") is UnixDomainSocketConnection
@@ -230,17 +231,20 @@ class RespClient:
         return conn
 
     async def _ask_sentinels(self, sentinel: SentinelURL) -> tuple[str, int]:
-        """The primary's address from the first Sentinel that knows it; RedisGone if none
+        """The primary's address from the first Sentinel that knows it (that one is asked
+        first next time, so a dead Sentinel costs its timeout once); RedisGone if none
         does. Each Sentinel gets one short connection, bounded by connect_timeout."""
         errors = []
         ask: tuple[Any, ...] = ("SENTINEL", "get-master-addr-by-name", sentinel.service)
-        for host, port in sentinel.sentinels:
+        for host, port in list(self._order):
             conn: _Connection | None = None
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     conn = await self._open(host, port)
                     reply = await conn.send(hiredis.pack_command(ask))
                 if isinstance(reply, list) and len(reply) == 2:
+                    self._order.remove((host, port))
+                    self._order.insert(0, (host, port))
                     return reply[0].decode(), int(reply[1])
                 errors.append(f"{host}:{port}: does not know {sentinel.service!r}")
             except (OSError, TimeoutError, RedisReplyError) as exc:

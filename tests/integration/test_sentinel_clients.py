@@ -116,6 +116,17 @@ async def test_no_sentinel_answering_is_a_clear_redis_gone() -> None:
         await client.call("PING")
 
 
+async def test_a_dead_sentinel_is_skipped_and_the_answering_one_asked_first(
+        sentinels: dict[str, Service]) -> None:
+    dead = ("127.0.0.1", free_port())
+    url = sentinel_url(sentinels).replace("://", f"://{dead[0]}:{dead[1]},", 1)
+    client = RespClient(url, connect_timeout=0.3)
+    assert await client.call("PING") == b"PONG"
+    assert client.primary == ("127.0.0.1", sentinels["redis"].port)
+    assert client._order[0] == ("127.0.0.1", sentinels["sentinel-0"].port)  # asked first now
+    await client.close()
+
+
 def test_sync_client_reaches_the_primary(sentinels: dict[str, Service]) -> None:
     with sync_client(sentinel_url(sentinels, db=2)) as r:
         r.set("x", "y")
