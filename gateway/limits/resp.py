@@ -204,11 +204,12 @@ class RespClient:
             host, port = await self._ask_sentinels(self._sentinel)
         role: Any = [b"master"]
         try:
-            conn = await self._open(host, port)
-            for cmd in self._setup:
-                await conn.send(hiredis.pack_command(cmd))
-            if self._sentinel is not None:
-                role = await conn.send(hiredis.pack_command(("ROLE",)))
+            async with asyncio.timeout(self.connect_timeout):
+                conn = await self._open(host, port)
+                for cmd in self._setup:
+                    await conn.send(hiredis.pack_command(cmd))
+                if self._sentinel is not None:
+                    role = await conn.send(hiredis.pack_command(("ROLE",)))
         except (OSError, TimeoutError, RedisReplyError) as exc:
             raise RedisGone(f"cannot connect to Redis: {exc.__class__.__name__}: {exc}") from exc
         if not is_primary(role):
@@ -220,14 +221,14 @@ class RespClient:
         return conn
 
     async def _open(self, host: str, port: int) -> _Connection:
+        """A connection (callers bound it with connect_timeout)."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self.connect_timeout):
-            if self._unix is not None:
-                _, conn = await loop.create_unix_connection(
-                    lambda: _Connection(loop, self.timeout), self._unix)
-            else:
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(loop, self.timeout), host, port, ssl=self._ssl)
+        if self._unix is not None:
+            _, conn = await loop.create_unix_connection(
+                lambda: _Connection(loop, self.timeout), self._unix)
+        else:
+            _, conn = await loop.create_connection(
+                lambda: _Connection(loop, self.timeout), host, port, ssl=self._ssl)
         return conn
 
     async def _ask_sentinels(self, sentinel: SentinelURL) -> tuple[str, int]:
