@@ -49,8 +49,9 @@ from loadgen_client import LoadGen
 from redis_probe import RedisProbe
 from wrk import WRK_MAX_REQUESTS, WRK_SCRIPT, run_wrk, wrk_version
 
-from gateway.dev.procs import Service, free_port, redis_service
+from gateway.dev.procs import Service, free_port, redis_service, sentinel_service
 from gateway.dev.publish import publish
+from gateway.dev.sentinels import SERVICE, sentinel_url, wait_sentinels
 from gateway.dev.stack import Spoke, sidecar_service, wait_ready
 from gateway.policy import secrets
 from testkit.check_requests import check_request
@@ -117,6 +118,8 @@ DIRECT = (
     Direct("direct redis 16KB", "redis", big_body()),
     # Tracing on and every Check sampled (the caller's traceparent says so): the worst case.
     Direct("direct redis 70B traced", "traced", SMALL_BODY, (("traceparent", TRACEPARENT),)),
+    # The same primary found through three Sentinels (redis+sentinel://): DESIGN §10.
+    Direct("direct sentinel 70B", "sentinel", SMALL_BODY),
 )
 PLAIN, FULL_PATH = "envoy plain", "envoy+sidecar"
 AUTHZ_ONLY = "envoy+authz"  # ext_authz alone: what issue 2's Check adds through Envoy
@@ -319,6 +322,14 @@ class Bench:
         print("A) direct gRPC Check", flush=True)
         redis = self.procs.start(redis_service(free_port(), self.workdir), self.load_cpus)
         redis_url = f"redis://{redis.address}/0"
+        # A healthy Sentinel setup around that primary (every Redis row has its replica):
+        # the "sentinel" sidecar finds the primary through the Sentinels.
+        watchers = {"redis": redis, "redis-replica": self.procs.start(redis_service(
+            free_port(), self.workdir, replica_of=redis.address), self.load_cpus)}
+        for i in range(3):
+            watchers[f"sentinel-{i}"] = self.procs.start(sentinel_service(
+                free_port(), self.workdir, SERVICE, redis.address), self.load_cpus)
+        wait_sentinels(watchers)
         # no ext_proc here to free leases
         doc = policy_doc(self.secret, key_concurrency=None, global_secret=self.global_secret)
         publish(redis_url, doc, "bench")
@@ -330,6 +341,7 @@ class Bench:
         backends: list[tuple[str, dict[str, str]]] = [
             ("redis", {"GATEWAY_REDIS_URL": redis_url}),
             ("embedded", {"GATEWAY_REDIS_URL": "", "GATEWAY_POLICY_FILE": str(policy_file)}),
+            ("sentinel", {"GATEWAY_REDIS_URL": sentinel_url(watchers)}),
             ("traced", {"GATEWAY_REDIS_URL": redis_url, "OTEL_TRACES_EXPORTER": "otlp",
                         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{collector}"}),
         ]
@@ -387,7 +399,8 @@ class Bench:
         probe.close()
         for svc, _ in sidecars.values():
             svc.stop()
-        redis.stop()
+        for svc in reversed(watchers.values()):  # Sentinels first: no failover at the end
+            svc.stop()
 
     def direct_scenarios(self) -> tuple[Direct, ...]:
         if not self.baseline:
@@ -562,6 +575,11 @@ class Bench:
                 sidecar_cpu("direct redis 70B traced", c), sidecar_cpu("direct redis 70B", c))
             traced = by.get(("direct redis 70B traced", c))
             derived[f"traced_spans_per_check_c{c}"] = traced["spans_per_call"] if traced else None
+        for c in CONCURRENCIES:
+            derived[f"sentinel_cpu_ratio_c{c}"] = ratio(
+                sidecar_cpu("direct sentinel 70B", c), sidecar_cpu("direct redis 70B", c))
+            derived[f"sentinel_added_p50_ms_c{c}"] = diff(
+                get("direct sentinel 70B", c, "p50_ms"), get("direct redis 70B", c, "p50_ms"))
         derived["leases_leaked_through_envoy"] = self.leases_leaked
         derived["baseline"] = self.baseline
         return {"rows": rows, "derived": derived}
@@ -607,6 +625,9 @@ def derived_lines(d: dict[str, Any]) -> str:
         f"Redis CPU/check c=1 {x(d['global_redis_cpu_ratio_c1'])}, "
         f"c=64 {x(d['global_redis_cpu_ratio_c64'])}; req/s c=1 {x(d['global_rps_ratio_c1'])}, "
         f"c=64 {x(d['global_rps_ratio_c64'])} of the same Check without",
+        f"Sentinel URL vs plain URL to the same primary, direct Check: sidecar CPU/check "
+        f"c=1 {x(d['sentinel_cpu_ratio_c1'])}, c=64 {x(d['sentinel_cpu_ratio_c64'])}; p50 "
+        f"c=1 {ms(d['sentinel_added_p50_ms_c1'])}, c=64 {ms(d['sentinel_added_p50_ms_c64'])}",
         *([f"this code vs baseline {d['baseline']}, direct Redis Check: sidecar CPU/check "
            f"c=1 {x(d['baseline_cpu_ratio_c1'])}, c=64 {x(d['baseline_cpu_ratio_c64'])}; "
            f"req/s c=1 {x(d['baseline_rps_ratio_c1'])}, c=64 {x(d['baseline_rps_ratio_c64'])}"]

@@ -27,7 +27,12 @@ from gateway.settings import Settings
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return Settings.from_args(args)
+    """Exit 2 with pydantic's words (which setting, what is wrong) for a bad setting."""
+    from pydantic import ValidationError
+    try:
+        return Settings.from_args(args)
+    except ValidationError as exc:
+        raise SystemExit(f"gateway: bad settings: {exc}") from None
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:

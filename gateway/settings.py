@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gateway.sentinel_url import check_redis_url
 
 # Who does the per-chunk work of metering (README "Two metering sources").
 Metering = Literal["envoy", "ext_proc"]
@@ -14,7 +17,9 @@ DEFAULT_METERING: Metering = "envoy"  # the cheaper one, with every guarantee (R
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+    # hide_input_in_errors: a refused URL may carry a password
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore",
+                                      hide_input_in_errors=True)
 
     listen: str = "127.0.0.1:9001"
     # ext_authz's HTTP door (`gateway envoy-config --authz-http`): the same Check, without
@@ -67,6 +72,11 @@ class Settings(BaseSettings):
     # `policy sync`: the last good revision on disk (a wiped Redis comes back serving it)
     sync_state_dir: Path = Path(".gateway-sync")
     sync_metrics_listen: str = "127.0.0.1:9103"  # `policy sync`'s /metrics, /healthz
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        return check_redis_url(v) if v else v
 
     @classmethod
     def from_args(cls, args: object) -> Settings:

@@ -19,6 +19,7 @@ class Result:
     completed: bool = False  # the client read the whole response
     error: str = ""
     seconds: float = 0.0
+    ended: float = 0.0  # time.monotonic() when the answer was complete
 
 
 @dataclass
@@ -80,5 +81,6 @@ class Load:
                     r.completed = True
         except httpx.HTTPError as exc:
             r.error = type(exc).__name__
-        r.seconds = time.monotonic() - t0
+        r.ended = time.monotonic()
+        r.seconds = r.ended - t0
         return r

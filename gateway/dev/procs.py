@@ -293,15 +293,22 @@ class Service:
         self.stop()
 
 
-def redis_service(port: int, workdir: Path | str) -> Service:
-    """A throwaway Redis on 127.0.0.1:`port`: no RDB snapshots, no AOF, files in `workdir`."""
+def _redis_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         raise ServiceError(
             "redis-server not found on PATH (Debian/Ubuntu: apt-get install redis-server)"
         )
+    return binary
+
+
+def redis_service(port: int, workdir: Path | str, *, replica_of: str | None = None) -> Service:
+    """A throwaway Redis on 127.0.0.1:`port`: no RDB snapshots, no AOF, files in `workdir`;
+    with `replica_of` (HOST:PORT), a replica of that primary."""
+    follow = ["--replicaof", *replica_of.rsplit(":", 1)] if replica_of else []
     argv = [
-        binary,
+        _redis_binary(),
+        *follow,
         "--port",
         str(port),
         "--bind",
@@ -313,7 +320,24 @@ def redis_service(port: int, workdir: Path | str) -> Service:
         "--dir",
         str(workdir),
     ]
-    return Service("redis", argv, port, workdir)
+    return Service("redis-replica" if replica_of else "redis", argv, port, workdir)
+
+
+def sentinel_service(port: int, workdir: Path | str, service: str, primary: str,
+                     down_after_ms: int = 1000) -> Service:
+    """A Redis Sentinel on 127.0.0.1:`port` watching `primary` (HOST:PORT) as `service`,
+    quorum 2 (so three of them make a failover). Its config file is its own: a Sentinel
+    rewrites it with what it learns."""
+    host, primary_port = primary.rsplit(":", 1)
+    conf = Path(workdir) / f"sentinel-{port}.conf"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text("\n".join([
+        f"port {port}", f"bind {LOOPBACK}", f"dir {workdir}",
+        f"sentinel monitor {service} {host} {primary_port} 2",
+        f"sentinel down-after-milliseconds {service} {down_after_ms}",
+        f"sentinel failover-timeout {service} 10000",
+        f"sentinel parallel-syncs {service} 1", ""]))
+    return Service("sentinel", [_redis_binary(), str(conf), "--sentinel"], port, workdir)
 
 
 def tansu_binary() -> str:

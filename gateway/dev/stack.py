@@ -20,6 +20,7 @@ from typing import Any
 from gateway.dev.envoy_proc import EnvoyService, envoy_service
 from gateway.dev.procs import Service, free_port, redis_service, tansu_service
 from gateway.dev.publish import publish
+from gateway.dev.sentinels import sentinel_set, sentinel_url
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
 from gateway.settings import DEFAULT_METERING, Metering
 
@@ -85,19 +86,22 @@ class Spoke:
     # Envoy-fed metering's heartbeat (Envoy's config and the sidecar's setting, together)
     record_heartbeat_s: float | None = None
     keep_request_ids: bool = False  # Envoy keeps a client's own x-request-id
+    # Redis as production runs it: a primary ("redis"), a replica ("redis-replica") and three
+    # Sentinels ("sentinel-N"); the sidecar gets the redis+sentinel:// URL
+    sentinel: bool = False
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.metrics_port = free_port()
-        redis = redis_service(free_port(), self.workdir)
+        pre: dict[str, Service] = (sentinel_set(self.workdir) if self.sentinel
+                                   else {"redis": redis_service(free_port(), self.workdir)})
         engine = (engine_service(free_port(), self.workdir, self.engine_ttft_ms,
                                  self.engine_tokens_per_s)
                   if self.engine is None else self.engine(free_port(), self.workdir))
-        env = {"GATEWAY_REDIS_URL": f"redis://{redis.address}/0", "GATEWAY_SPOKE": "dev",
+        env = {"GATEWAY_REDIS_URL": self._redis_url(pre), "GATEWAY_SPOKE": "dev",
                "GATEWAY_POLICY_RECHECK_S": "2", "GATEWAY_SPOOL_DIR": str(self.workdir / "spool"),
                "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl"),
                "GATEWAY_METERING": self.metering}
-        pre: dict[str, Service] = {"redis": redis}
         if self.kafka_bootstrap_shared:
             env["GATEWAY_KAFKA_BOOTSTRAP"] = self.kafka_bootstrap_shared
             env["GATEWAY_KAFKA_IDEMPOTENCE"] = "false"
@@ -182,7 +186,13 @@ class Spoke:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://{self.services['redis'].address}/0"
+        """What the sidecar is given: the primary's, or the Sentinels' URL."""
+        return self._redis_url(self.services)
+
+    def _redis_url(self, services: dict[str, Service]) -> str:
+        if self.sentinel:
+            return sentinel_url(services)
+        return f"redis://{services['redis'].address}/0"
 
     @property
     def kafka_bootstrap(self) -> str:

@@ -67,6 +67,7 @@ class Syncer:
     async def sync_once(self) -> None:
         """One round: restore from disk if Redis lost it, then follow the feed's entry."""
         async with self._lock:
+            await self.store.follow_primary()
             held = self.held = await self.store.current_revision()
             self._set_redis_up(True)
             if self.last_good.raw is not None and self.last_good.revision > held:

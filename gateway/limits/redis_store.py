@@ -8,6 +8,7 @@ lone request never waits. Every Redis failure becomes StoreUnavailable here, onc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -218,6 +219,10 @@ class RedisLimiter(Limiter):
         return Counters(float(tat or 0) / 1000, int(live or 0), p, c, d, m)
 
     async def ping(self) -> bool:
+        """Whether the store answers; under Sentinel, also leaves a demoted primary (the
+        app pings every second)."""
+        with contextlib.suppress(*REDIS_ERRORS):  # Sentinels away: the primary may answer
+            await self.redis.follow()
         try:
             return await self.redis.call("PING") == b"PONG"
         except REDIS_ERRORS:

@@ -25,6 +25,7 @@ import hiredis
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
 from gateway.errors import RedisGone, RedisLost, RedisReplyError
+from gateway.sentinel_url import SentinelURL, is_sentinel, parse_sentinel
 
 
 class _Connection(asyncio.Protocol):
@@ -69,6 +70,9 @@ class _Connection(asyncio.Protocol):
                 continue
             if isinstance(reply, hiredis.ReplyError):
                 fut.set_exception(RedisReplyError(str(reply)))
+                if demoted(str(reply)):  # a replica now: nothing more goes to it
+                    self._fail(RedisLost(f"the server is no primary now: {reply}"))
+                    return
             else:
                 fut.set_result(reply)
 
@@ -97,6 +101,17 @@ class _Connection(asyncio.Protocol):
             fut, _ = self.waiting.popleft()
             if not fut.done():
                 fut.set_exception(exc)
+
+
+def demoted(error: str) -> bool:
+    """An error reply that means the server is a replica now (a primary demoted under us):
+    it ran nothing (a replica refuses every write), and the connection must go."""
+    return error.startswith("READONLY")
+
+
+def is_primary(role_reply: Any) -> bool:
+    """Whether a ROLE reply is a primary's (`[b"master", offset, replicas]`)."""
+    return isinstance(role_reply, list) and bool(role_reply) and role_reply[0] == b"master"
 
 
 def parse(url: str) -> dict[str, Any]:
@@ -131,13 +146,19 @@ def _tls(opts: dict[str, Any]) -> ssl.SSLContext | None:
 
 class RespClient:
     """`redis://[[user]:password@]host[:port][/db]`, `rediss://...` (TLS; see tls_context)
-    or `unix:///path/to/socket?db=N`, parsed as redis-py parses them (`parse`)."""
+    or `unix:///path/to/socket?db=N`, parsed as redis-py parses them (`parse`); or
+    `redis+sentinel://` (gateway/sentinel_url.py): each connect then asks the Sentinels for
+    the primary and checks its ROLE, and `follow()` drops a connection the Sentinels no
+    longer name (a failover), so the next call goes to the new primary."""
 
     def __init__(self, url: str, timeout: float = 1.0, connect_timeout: float = 0.5) -> None:
         self.url = url
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        opts = parse(url)  # ValueError for any other scheme, naming the ones it knows
+        self._sentinel: SentinelURL | None = parse_sentinel(url) if is_sentinel(url) else None
+        self._order = list(self._sentinel.sentinels) if self._sentinel else []  # asked in turn
+        # ValueError for any other scheme, naming the ones it knows
+        opts = parse(url if self._sentinel is None else self._sentinel.node("127.0.0.1", 6379))
         unix = opts.get("connection_class") is UnixDomainSocketConnection
         self._unix: str | None = opts["path"] if unix else None
         self._host = opts.get("host") or "127.0.0.1"
@@ -151,12 +172,25 @@ class RespClient:
             self._setup.append(("SELECT", int(opts["db"])))
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[_Connection] | None = None
+        self.primary: tuple[str, int] | None = None  # where the connection goes (Sentinel)
 
     async def call(self, *args: Any) -> Any:
         conn = self._conn
         if conn is None or conn.lost is not None:
             conn = await self._connection()
         return await conn.send(hiredis.pack_command(args))
+
+    async def follow(self) -> None:
+        """Sentinel mode: if the Sentinels name another primary than the one connected to,
+        drop the connection (callers waiting on it get RedisLost: in doubt). A primary cut
+        off from the Sentinels keeps taking writes that a failover then discards; asking
+        every second bounds that window. RedisGone if no Sentinel answers."""
+        if self._sentinel is None:
+            return
+        named = await self._ask_sentinels(self._sentinel)
+        conn = self._conn
+        if conn is not None and conn.lost is None and named != self.primary:
+            conn._fail(RedisLost(f"the Sentinels name another primary: {named[0]}:{named[1]}"))
 
     async def _connection(self) -> _Connection:
         if self._connecting is None or self._connecting.done():
@@ -165,22 +199,62 @@ class RespClient:
         return await asyncio.shield(self._connecting)
 
     async def _connect(self) -> _Connection:
-        loop = asyncio.get_running_loop()
+        host, port = self._host, self._port
+        if self._sentinel is not None:
+            host, port = await self._ask_sentinels(self._sentinel)
+        role: Any = [b"master"]
         try:
             async with asyncio.timeout(self.connect_timeout):
-                if self._unix is not None:
-                    _, conn = await loop.create_unix_connection(
-                        lambda: _Connection(loop, self.timeout), self._unix)
-                else:
-                    _, conn = await loop.create_connection(
-                        lambda: _Connection(loop, self.timeout), self._host, self._port,
-                        ssl=self._ssl)
+                conn = await self._open(host, port)
                 for cmd in self._setup:
                     await conn.send(hiredis.pack_command(cmd))
+                if self._sentinel is not None:
+                    role = await conn.send(hiredis.pack_command(("ROLE",)))
         except (OSError, TimeoutError, RedisReplyError) as exc:
             raise RedisGone(f"cannot connect to Redis: {exc.__class__.__name__}: {exc}") from exc
-        self._conn = conn
+        if not is_primary(role):
+            conn._fail(RedisLost("not the primary"))
+            raise RedisGone(f"{host}:{port}, named by the Sentinels, is no primary (ROLE "
+                            f"{role[0] if isinstance(role, list) and role else role!r}): "
+                            f"a failover is under way")
+        self._conn, self.primary = conn, (host, port)
         return conn
+
+    async def _open(self, host: str, port: int) -> _Connection:
+        """A connection (callers bound it with connect_timeout)."""
+        loop = asyncio.get_running_loop()
+        if self._unix is not None:
+            _, conn = await loop.create_unix_connection(
+                lambda: _Connection(loop, self.timeout), self._unix)
+        else:
+            _, conn = await loop.create_connection(
+                lambda: _Connection(loop, self.timeout), host, port, ssl=self._ssl)
+        return conn
+
+    async def _ask_sentinels(self, sentinel: SentinelURL) -> tuple[str, int]:
+        """The primary's address from the first Sentinel that knows it (that one is asked
+        first next time, so a dead Sentinel costs its timeout once); RedisGone if none
+        does. Each Sentinel gets one short connection, bounded by connect_timeout."""
+        errors = []
+        ask: tuple[Any, ...] = ("SENTINEL", "get-master-addr-by-name", sentinel.service)
+        for host, port in list(self._order):
+            conn: _Connection | None = None
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    conn = await self._open(host, port)
+                    reply = await conn.send(hiredis.pack_command(ask))
+                if isinstance(reply, list) and len(reply) == 2:
+                    self._order.remove((host, port))
+                    self._order.insert(0, (host, port))
+                    return reply[0].decode(), int(reply[1])
+                errors.append(f"{host}:{port}: does not know {sentinel.service!r}")
+            except (OSError, TimeoutError, RedisReplyError) as exc:
+                errors.append(f"{host}:{port}: {exc.__class__.__name__}: {exc}")
+            finally:
+                if conn is not None and conn.transport is not None:
+                    conn.transport.close()
+        raise RedisGone(f"no Sentinel names a primary for {sentinel.service!r}: "
+                        + "; ".join(errors))
 
     async def close(self) -> None:
         if self._connecting is not None and not self._connecting.done():

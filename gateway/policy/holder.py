@@ -72,6 +72,7 @@ class RedisPolicySync:
     async def refresh(self) -> None:
         """Load the current revision if it is new; ACK or NACK it. Never raises for Redis."""
         try:
+            await self.store.follow_primary()
             stored = await self.store.current()
             if stored is None:
                 return

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from gateway.errors import RevisionConflict
 from gateway.policy.loader import parse_doc, to_data
@@ -48,6 +49,14 @@ class PolicyStore:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
         self._apply = redis.register_script(_APPLY)
+
+    async def follow_primary(self) -> None:
+        """Under Sentinel, ask the Sentinels now: redis-py asks only on connect, so an idle
+        connection would stay on a primary they no longer name (a partitioned one keeps
+        taking writes a failover then discards). A changed answer drops idle connections."""
+        pool = self.redis.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            await pool.get_master_address()
 
     async def current(self) -> Stored | None:
         rev, doc = await self.redis.hmget(POLICY_KEY, ["revision", "doc"])
