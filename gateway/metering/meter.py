@@ -18,7 +18,7 @@ from gateway.endpoints import Reader, reader_of
 from gateway.metering import usage as usage_mod
 from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
-from gateway.metering.usage import MessagesStream, Usage
+from gateway.metering.usage import ChoicesStream, MessagesStream, Usage
 
 __all__ = ["Injected", "Meter", "Result"]
 
@@ -57,6 +57,7 @@ class Meter:
     # or Anthropic's message_stop
     engine_error: bool = False  # the engine reported a failure inside its stream
     _messages: MessagesStream = field(default_factory=MessagesStream)
+    _choices: ChoicesStream = field(default_factory=ChoicesStream)
     _reader: Reader = field(init=False)  # how this endpoint's usage reads, looked up once
     _decoder: SseDecoder = field(default_factory=SseDecoder)
     _body: list[bytes] = field(default_factory=list)
@@ -146,7 +147,12 @@ class Meter:
                 else:
                     self._token(choice.get("text"))
         if obj.get("usage") is not None:
-            self._usage(obj)
+            u, model = usage_mod.from_body(self.endpoint, obj)
+            if u is not None:
+                self._choices.add(obj, u)
+                self.reported = self._choices.usage()
+            if model:
+                self.served_model = model
         return obj
 
     def _message_event(self, obj: dict[str, Any]) -> None:

@@ -94,3 +94,46 @@ def test_non_stream_json_and_embeddings() -> None:
     body = b'{"object":"list","model":"e","data":[],"usage":{"prompt_tokens":4,"total_tokens":4}}'
     assert m.chunk(body[:10], False) is None and m.chunk(body[10:], True) is None
     assert m.finished() and m.result().usage.total_tokens == 4
+
+
+def _usage_only(completion: int, prompt: int = 14) -> bytes:
+    return (b'data: {"id":"c","model":"m","choices":[],"usage":{"completion_tokens":%d,'
+            b'"prompt_tokens":%d,"total_tokens":%d,"prompt_tokens_details":'
+            b'{"cached_tokens":13}}}\n\n' % (completion, prompt, prompt + completion))
+
+
+def test_one_usage_chunk_per_choice_is_billed_their_sum() -> None:
+    """llama.cpp's server, `n: 2` with include_usage: each choice ends with its own
+    usage-only chunk; the client got both choices' tokens, so both are billed."""
+    body = (CHUNK % (b"a", b"") + CHUNK.replace(b'"index":0', b'"index":1') % (b"b", b"")
+            + _usage_only(8) + _usage_only(8) + b"data: [DONE]\n\n")
+    m, out = run(body, Injected(include_usage=True))
+    u = m.result().usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
+        28, 16, 44, 26)
+    assert b"usage" not in out  # both injected usage chunks are hidden
+
+
+def test_completions_usage_on_each_choices_finish_chunk_is_summed() -> None:
+    """llama.cpp's completions stream with a prompt list: each prompt's finish chunk
+    carries that prompt's usage, and no usage-only chunk follows."""
+    finish = (b'data: {"choices":[{"text":"","index":%d,"finish_reason":"length"}],'
+              b'"usage":{"completion_tokens":2,"prompt_tokens":%d,"total_tokens":%d}}\n\n')
+    body = finish % (1, 4, 6) + finish % (0, 2, 4) + b"data: [DONE]\n\n"
+    m, _ = run(body, endpoint="/v1/completions")
+    u = m.result().usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (6, 4, 10)
+
+
+def test_continuous_usage_per_choice_then_one_total_chunk() -> None:
+    """vLLM, `n: 2` with continuous usage: each choice's running count on its chunks, then
+    one usage-only chunk for all: that total is what is billed, not added to the rest."""
+    running = (b'data: {"choices":[{"index":%d,"delta":{"content":"x"}}],"usage":'
+               b'{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}\n\n')
+    body = running % (0, 1, 6) + running % (1, 1, 6) + running % (0, 2, 7)
+    cut, _ = run(body, Injected(continuous=True))
+    assert cut.result().usage.completion_tokens == 3  # a cut: each choice's latest, summed
+    whole, _ = run(body + _usage_only(4, prompt=5) + b"data: [DONE]\n\n",
+                   Injected(continuous=True))
+    u = whole.result().usage
+    assert (u.prompt_tokens, u.completion_tokens) == (5, 4)

@@ -26,7 +26,7 @@
 -- stream (an event with a "type":"error" member: Anthropic's and the Responses API's).
 -- USAGE, every text/event-stream response: the numbers of an event's "usage" object are
 -- published in llm.usage (what the engine reported; later events replace earlier values key
--- by key): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
+-- by key, except a chat/completions stream's per-choice usage, which is summed: stream_usage): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
 -- Anthropic's message_start, whose count is only the first token's), total_tokens,
 -- cached_tokens, reasoning_tokens (wherever they sit inside it), cache_read_input_tokens,
 -- cache_creation_input_tokens; and llm.usage:model, the first "model" string a stream names.
@@ -480,6 +480,45 @@ local function publish_usage(handle, usage)
   end
 end
 
+-- a + b, key by key (a key only one side has keeps its value).
+local function add_usage(a, b)
+  local out = {}
+  for key, n in pairs(a) do
+    out[key] = n
+  end
+  for key, n in pairs(b) do
+    out[key] = (out[key] or 0) + n
+  end
+  return out
+end
+
+-- The usage a chat/completions stream has reported so far, however the engine splits it.
+-- With n > 1 or a prompt list llama.cpp's server sends one usage-only event ("choices": [])
+-- per choice, and puts a completions choice's usage on its finish event; vLLM sends one
+-- usage-only event for all, and with continuous usage each choice's running count on its
+-- events. So: the usage-only events summed when there are any, else each choice's latest
+-- (by the first "index" of the event) summed. Events without "choices" (Anthropic,
+-- Responses) replace key by key. `acc` holds { only = sum or nil, by = { index = usage } }.
+local function stream_usage(acc, ev, usage)
+  local empty, has_choices = empty_choices(ev)
+  if not has_choices then
+    return usage
+  end
+  if empty then
+    acc.only = acc.only and add_usage(acc.only, usage) or usage
+    return acc.only
+  end
+  if acc.only then
+    return nil -- a choice's running count after the total: the total stands
+  end
+  acc.by[number_of(ev, '"index"') or 0] = usage
+  local total = {}
+  for _, u in pairs(acc.by) do
+    total = add_usage(total, u)
+  end
+  return total
+end
+
 local function starts_with_sse(content_type)
   return content_type ~= nil and find(lower(content_type), "text/event-stream", 1, true) == 1
 end
@@ -503,6 +542,7 @@ function envoy_on_response(handle)
 
   local events, chars, done, failed = 0, 0, false, false
   local named = false -- llm.usage:model published
+  local acc = { only = nil, by = {} } -- the usage reported so far (stream_usage)
   publish(handle, 0, 0, false, false)
 
   -- The unterminated tail: pieces in a table, joined only once an event completes, so a big
@@ -560,7 +600,10 @@ function envoy_on_response(handle)
         end
         local usage = usage_of(ev) -- one plain find for events without usage
         if usage ~= nil then
-          publish_usage(handle, usage)
+          usage = stream_usage(acc, ev, usage)
+          if usage ~= nil then
+            publish_usage(handle, usage)
+          end
         end
         local c = content_bytes(ev)
         if c > 0 then
