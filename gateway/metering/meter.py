@@ -149,8 +149,7 @@ class Meter:
         if obj.get("usage") is not None:
             u, model = usage_mod.from_body(self.endpoint, obj)
             if u is not None:
-                self._choices.add(obj, u)
-                self.reported = self._choices.usage()
+                self.reported = self._choices.add(obj, u)
             if model:
                 self.served_model = model
         return obj

@@ -131,21 +131,23 @@ class ChoicesStream:
         self.only: Usage | None = None  # the sum of the usage-only chunks so far
         self.by_choice: dict[int, Usage] = {}
 
-    def add(self, obj: dict[str, Any], u: Usage) -> None:
+    def add(self, obj: dict[str, Any], u: Usage) -> Usage:
+        """Take one event's usage; the usage that stands now. An event without `choices`
+        (not a chat or completions chunk) stands as it is, as in the Lua filter."""
         choices = obj.get("choices")
-        if isinstance(choices, list) and choices:
+        if not isinstance(choices, list):
+            return u
+        if choices:
             first = choices[0]
             index = first.get("index") if isinstance(first, dict) else None
             self.by_choice[_n(index)] = u
         else:
             self.only = u if self.only is None else plus(self.only, u)
-
-    def usage(self) -> Usage | None:
         if self.only is not None:
             return self.only
-        total: Usage | None = None
-        for u in self.by_choice.values():
-            total = u if total is None else plus(total, u)
+        total = Usage()
+        for each in self.by_choice.values():
+            total = plus(total, each)
         return total
 
 

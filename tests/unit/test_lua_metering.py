@@ -922,3 +922,9 @@ def test_continuous_usage_per_choice_then_the_total_chunk_stands() -> None:
     assert usage_of(run_response(chunks, {}))["completion_tokens"] == 3  # a cut: summed
     whole = usage_of(run_response([*chunks, _usage_only(4, prompt=5)], {}))
     assert (whole["prompt_tokens"], whole["completion_tokens"]) == (5, 4)
+
+
+def test_usage_without_choices_stands_as_it_is() -> None:
+    bare = (b'data: {"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}'
+            b'\n\n')
+    assert usage_of(run_response([bare % (2, 7), bare % (3, 8)], {}))["completion_tokens"] == 3

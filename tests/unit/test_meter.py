@@ -137,3 +137,12 @@ def test_continuous_usage_per_choice_then_one_total_chunk() -> None:
                    Injected(continuous=True))
     u = whole.result().usage
     assert (u.prompt_tokens, u.completion_tokens) == (5, 4)
+
+
+def test_usage_without_choices_stands_as_it_is() -> None:
+    """An event with usage but no `choices` member replaces, never adds (as the Lua filter:
+    only chat and completions chunks split their usage by choice)."""
+    bare = (b'data: {"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}'
+            b'\n\n')
+    m, _ = run(bare % (2, 7) + bare % (3, 8))
+    assert m.result().usage.completion_tokens == 3
