@@ -281,6 +281,9 @@ local USAGE_KEYS = {
 -- The index of the '}' closing the object that opens at `i`, as the pattern %b{} finds it
 -- (usage objects hold numbers and objects only, so no brace hides in a string), or nil.
 local function object_end(s, i)
+  if byte(s, i) ~= 123 then
+    return nil -- not an object ("usage": null): scanning on would end at some later '}'
+  end
   local depth = 0
   for k = i, #s do
     local b = byte(s, k)
