@@ -928,3 +928,35 @@ def test_usage_without_choices_stands_as_it_is() -> None:
     bare = (b'data: {"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}'
             b'\n\n')
     assert usage_of(run_response([bare % (2, 7), bare % (3, 8)], {}))["completion_tokens"] == 3
+
+
+FINISH = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+          b'"model":"m","object":"chat.completion.chunk"}\n\n')
+MOVED_USAGE = (b'data: {"id":"c","choices":[],"model":"m","usage":{"completion_tokens":3,'
+               b'"prompt_tokens":4,"total_tokens":7},"system_fingerprint":"fp-1",'
+               b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+WITH_MOVED = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+              b'"model":"m","object":"chat.completion.chunk","system_fingerprint":"fp-1",'
+              b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+
+
+@pytest.mark.parametrize("cut", [None, len(FINISH), len(FINISH) + 5])
+def test_what_the_engine_moved_onto_the_hidden_usage_chunk_goes_back(cut: int | None) -> None:
+    """Asked for usage, llama.cpp moves its `timings` and vLLM its `system_fingerprint` from
+    the finish chunk onto the usage chunk. Hiding that chunk, the gateway puts them back on
+    the finish chunk, which it held until the next event: the client gets what the engine
+    sends a client that did not ask."""
+    body = FINISH + MOVED_USAGE + b"data: [DONE]\n\n"
+    chunks = [body] if cut is None else [body[:cut], body[cut:]]
+    resp = run_response(chunks, {"hide_usage": True})
+    assert resp.body == WITH_MOVED + b"data: [DONE]\n\n"
+    assert usage_of(resp)["completion_tokens"] == 3
+    asked = run_response(chunks, {})  # the client asked for usage itself: nothing moves
+    assert asked.body == body
+
+
+def test_a_held_finish_chunk_goes_out_as_it_was_without_a_usage_chunk() -> None:
+    other = b'data: {"id":"c","choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
+    body = FINISH + other + FINISH
+    held = run_response([FINISH + other, FINISH], {"hide_usage": True})
+    assert held.chunks == [FINISH + other, FINISH] and held.body == body

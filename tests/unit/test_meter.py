@@ -146,3 +146,36 @@ def test_usage_without_choices_stands_as_it_is() -> None:
             b'\n\n')
     m, _ = run(bare % (2, 7) + bare % (3, 8))
     assert m.result().usage.completion_tokens == 3
+
+
+FINISH = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+          b'"model":"m","object":"chat.completion.chunk"}\n\n')
+MOVED_USAGE = (b'data: {"id":"c","choices":[],"model":"m","usage":{"completion_tokens":3,'
+               b'"prompt_tokens":4,"total_tokens":7},"system_fingerprint":"fp-1",'
+               b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+WITH_MOVED = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+              b'"model":"m","object":"chat.completion.chunk","system_fingerprint":"fp-1",'
+              b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(FINISH + MOVED_USAGE) + 13),
+                max_size=4))
+def test_what_the_engine_moved_onto_the_hidden_usage_chunk_goes_back(cuts: list[int]) -> None:
+    """Asked for usage, llama.cpp moves `timings` and vLLM `system_fingerprint` from the
+    finish chunk onto the usage chunk; hiding it, the gateway puts them back (any split)."""
+    body = FINISH + MOVED_USAGE + b"data: [DONE]\n\n"
+    m, out = run(body, Injected(include_usage=True), cuts)
+    assert out == WITH_MOVED + b"data: [DONE]\n\n"
+    assert m.result().usage.completion_tokens == 3
+    _, asked = run(body, cuts=cuts)  # the client asked itself: nothing moves
+    assert asked == body
+
+
+def test_a_held_finish_chunk_goes_out_as_it_was_without_a_usage_chunk() -> None:
+    other = b'data: {"id":"c","choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
+    body = FINISH + other + FINISH
+    m = Meter("/v1/chat/completions", True, Injected(include_usage=True))
+    m.response_headers(200, "text/event-stream")
+    first = m.chunk(FINISH + other, False)
+    assert first == FINISH + other and m.chunk(FINISH, False) == b""  # held
+    assert m.chunk(b"", True) == FINISH and body == first + FINISH
