@@ -18,11 +18,35 @@ from gateway.endpoints import Reader, reader_of
 from gateway.metering import usage as usage_mod
 from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
-from gateway.metering.usage import MessagesStream, Usage
+from gateway.metering.usage import ChoicesStream, MessagesStream, Usage
 
 __all__ = ["Injected", "Meter", "Result"]
 
 MAX_JSON_BODY = 16 << 20  # a non-stream body larger than this is not parsed for usage
+
+
+# What engines move from the finish chunk onto the usage chunk they were asked for.
+MOVED_TO_USAGE = ("system_fingerprint", "timings")
+
+
+def _finishes(obj: Any) -> bool:
+    """A chat/completions chunk that finishes a choice (its finish_reason a string)."""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices else None
+    return isinstance(first, dict) and isinstance(first.get("finish_reason"), str)
+
+
+def _restore_moved(held: bytes, held_obj: Any, hidden: Any) -> bytes:
+    """The held finish chunk with the members the hidden usage chunk took from it, put
+    before its closing brace (its own bytes otherwise untouched)."""
+    if not isinstance(hidden, dict) or not isinstance(held_obj, dict):
+        return held
+    extra = [b'"' + k.encode() + b'":' + orjson.dumps(hidden[k]) for k in MOVED_TO_USAGE
+             if k in hidden and k not in held_obj]
+    close = held.rfind(b"}")
+    if not extra or close < 0:
+        return held
+    return held[:close] + b"," + b",".join(extra) + held[close:]
 
 
 @dataclass
@@ -57,8 +81,10 @@ class Meter:
     # or Anthropic's message_stop
     engine_error: bool = False  # the engine reported a failure inside its stream
     _messages: MessagesStream = field(default_factory=MessagesStream)
+    _choices: ChoicesStream = field(default_factory=ChoicesStream)
     _reader: Reader = field(init=False)  # how this endpoint's usage reads, looked up once
     _decoder: SseDecoder = field(default_factory=SseDecoder)
+    _held: tuple[bytes, Any] | None = None  # a finish chunk waiting for the next event
     _body: list[bytes] = field(default_factory=list)
     _body_len: int = 0
 
@@ -91,10 +117,29 @@ class Meter:
                 self._observe(ev)
             return None
         out = [self._rewrite(ev) for ev in events]
+        if end and self._held is not None:
+            out.append(self._held[0])
+            self._held = None
         return b"".join(out)
 
     def _rewrite(self, ev: SseEvent) -> bytes:
+        """An event as the client gets it. Asked for usage, engines move a member of the
+        finish chunk onto the usage-only chunk (llama.cpp `timings`, vLLM
+        `system_fingerprint`): when that chunk is ours to hide, the finish chunk waits for
+        the next event and gets those members back (as the Lua filter does)."""
         obj = self._observe(ev)
+        out = self._hide(ev, obj)
+        prefix = b""
+        if self._held is not None:
+            held, held_obj = self._held
+            self._held = None
+            prefix = _restore_moved(held, held_obj, obj) if out == b"" else held
+        if self.injected.include_usage and out and _finishes(obj):
+            self._held = (out, obj)
+            return prefix
+        return prefix + out
+
+    def _hide(self, ev: SseEvent, obj: Any) -> bytes:
         if not isinstance(obj, dict) or "usage" not in obj:
             return ev.raw
         if obj.get("choices") == []:  # the final usage-only chunk
@@ -146,7 +191,11 @@ class Meter:
                 else:
                     self._token(choice.get("text"))
         if obj.get("usage") is not None:
-            self._usage(obj)
+            u, model = usage_mod.from_body(self.endpoint, obj)
+            if u is not None:
+                self.reported = self._choices.add(obj, u)
+            if model:
+                self.served_model = model
         return obj
 
     def _message_event(self, obj: dict[str, Any]) -> None:

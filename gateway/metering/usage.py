@@ -18,6 +18,15 @@ class Usage:
     cache_creation_tokens: int = 0  # of prompt_tokens, written to the cache (Anthropic)
 
 
+def plus(a: Usage, b: Usage) -> Usage:
+    return Usage(*(x + y for x, y in zip(_fields(a), _fields(b), strict=True)))
+
+
+def _fields(u: Usage) -> tuple[int, ...]:
+    return (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens,
+            u.reasoning_tokens, u.cache_creation_tokens)
+
+
 def _n(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
@@ -109,6 +118,40 @@ class MessagesStream:
             return None
         return from_messages({**{n: self.fields.get(n, 0) for n in MESSAGES_INPUT},
                               "output_tokens": completion})
+
+
+class ChoicesStream:
+    """A chat or completions stream's usage, however the engine splits it. With `n` > 1 or a
+    prompt list, llama.cpp's server sends one usage-only chunk (`"choices": []`) per choice
+    and puts a completions choice's usage on its own finish chunk; vLLM sends one usage-only
+    chunk for all choices, and with continuous usage each choice's running count on its
+    chunks. So: the usage-only chunks, summed, when there are any; else each choice's
+    latest usage, summed over the choices (one choice: simply the latest)."""
+
+    __slots__ = ("by_choice", "only")
+
+    def __init__(self) -> None:
+        self.only: Usage | None = None  # the sum of the usage-only chunks so far
+        self.by_choice: dict[int, Usage] = {}
+
+    def add(self, obj: dict[str, Any], u: Usage) -> Usage:
+        """Take one event's usage; the usage that stands now. An event without `choices`
+        (not a chat or completions chunk) stands as it is, as in the Lua filter."""
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return u
+        if choices:
+            first = choices[0]
+            index = first.get("index") if isinstance(first, dict) else None
+            self.by_choice[_n(index)] = u
+        else:
+            self.only = u if self.only is None else plus(self.only, u)
+        if self.only is not None:
+            return self.only
+        total = Usage()
+        for each in self.by_choice.values():
+            total = plus(total, each)
+        return total
 
 
 def from_body(endpoint: str, obj: Any) -> tuple[Usage | None, str]:

@@ -888,3 +888,75 @@ def test_the_http_doors_string_metadata_reads_as_the_grpc_checks() -> None:
     assert run_request(BODY, {k: str(v) if k != "splice" else v
                               for k, v in spliced.items()})[0] \
         == run_request(BODY, spliced)[0] != BODY
+
+
+def _usage_only(completion: int, prompt: int = 14) -> bytes:
+    return (b'data: {"id":"c","choices":[],"usage":{"completion_tokens":%d,"prompt_tokens":%d,'
+            b'"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":13}}}\n\n'
+            % (completion, prompt, prompt + completion))
+
+
+def test_one_usage_chunk_per_choice_is_summed_and_each_hidden() -> None:
+    """llama.cpp's server, `n: 2` with include_usage: one usage-only event per choice; the
+    client got both choices' tokens, so both are billed (as the ext_proc source does)."""
+    tokens = [b'data: {"id":"c","choices":[{"index":%d,"delta":{"content":"a"}}]}\n\n' % i
+              for i in (0, 1)]
+    resp = run_response([*tokens, _usage_only(8), _usage_only(8), b"data: [DONE]\n\n"],
+                        {"hide_usage": True})
+    assert usage_of(resp) == {"prompt_tokens": 28, "completion_tokens": 16,
+                              "total_tokens": 44, "cached_tokens": 26}
+    assert resp.body == b"".join(tokens) + b"data: [DONE]\n\n"
+
+
+def test_completions_usage_on_each_choices_finish_event_is_summed() -> None:
+    finish = (b'data: {"choices":[{"text":"","index":%d,"finish_reason":"length"}],'
+              b'"usage":{"completion_tokens":2,"prompt_tokens":%d,"total_tokens":%d}}\n\n')
+    usage = usage_of(run_response([finish % (1, 4, 6), finish % (0, 2, 4)], {}))
+    assert usage == {"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10}
+
+
+def test_continuous_usage_per_choice_then_the_total_chunk_stands() -> None:
+    running = (b'data: {"choices":[{"index":%d,"delta":{"content":"x"}}],"usage":'
+               b'{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}\n\n')
+    chunks = [running % (0, 1, 6), running % (1, 1, 6), running % (0, 2, 7)]
+    assert usage_of(run_response(chunks, {}))["completion_tokens"] == 3  # a cut: summed
+    whole = usage_of(run_response([*chunks, _usage_only(4, prompt=5)], {}))
+    assert (whole["prompt_tokens"], whole["completion_tokens"]) == (5, 4)
+
+
+def test_usage_without_choices_stands_as_it_is() -> None:
+    bare = (b'data: {"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}'
+            b'\n\n')
+    assert usage_of(run_response([bare % (2, 7), bare % (3, 8)], {}))["completion_tokens"] == 3
+
+
+FINISH = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+          b'"model":"m","object":"chat.completion.chunk"}\n\n')
+MOVED_USAGE = (b'data: {"id":"c","choices":[],"model":"m","usage":{"completion_tokens":3,'
+               b'"prompt_tokens":4,"total_tokens":7},"system_fingerprint":"fp-1",'
+               b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+WITH_MOVED = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+              b'"model":"m","object":"chat.completion.chunk","system_fingerprint":"fp-1",'
+              b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+
+
+@pytest.mark.parametrize("cut", [None, len(FINISH), len(FINISH) + 5])
+def test_what_the_engine_moved_onto_the_hidden_usage_chunk_goes_back(cut: int | None) -> None:
+    """Asked for usage, llama.cpp moves its `timings` and vLLM its `system_fingerprint` from
+    the finish chunk onto the usage chunk. Hiding that chunk, the gateway puts them back on
+    the finish chunk, which it held until the next event: the client gets what the engine
+    sends a client that did not ask."""
+    body = FINISH + MOVED_USAGE + b"data: [DONE]\n\n"
+    chunks = [body] if cut is None else [body[:cut], body[cut:]]
+    resp = run_response(chunks, {"hide_usage": True})
+    assert resp.body == WITH_MOVED + b"data: [DONE]\n\n"
+    assert usage_of(resp)["completion_tokens"] == 3
+    asked = run_response(chunks, {})  # the client asked for usage itself: nothing moves
+    assert asked.body == body
+
+
+def test_a_held_finish_chunk_goes_out_as_it_was_without_a_usage_chunk() -> None:
+    other = b'data: {"id":"c","choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
+    body = FINISH + other + FINISH
+    held = run_response([FINISH + other, FINISH], {"hide_usage": True})
+    assert held.chunks == [FINISH + other, FINISH] and held.body == body

@@ -94,3 +94,88 @@ def test_non_stream_json_and_embeddings() -> None:
     body = b'{"object":"list","model":"e","data":[],"usage":{"prompt_tokens":4,"total_tokens":4}}'
     assert m.chunk(body[:10], False) is None and m.chunk(body[10:], True) is None
     assert m.finished() and m.result().usage.total_tokens == 4
+
+
+def _usage_only(completion: int, prompt: int = 14) -> bytes:
+    return (b'data: {"id":"c","model":"m","choices":[],"usage":{"completion_tokens":%d,'
+            b'"prompt_tokens":%d,"total_tokens":%d,"prompt_tokens_details":'
+            b'{"cached_tokens":13}}}\n\n' % (completion, prompt, prompt + completion))
+
+
+def test_one_usage_chunk_per_choice_is_billed_their_sum() -> None:
+    """llama.cpp's server, `n: 2` with include_usage: each choice ends with its own
+    usage-only chunk; the client got both choices' tokens, so both are billed."""
+    body = (CHUNK % (b"a", b"") + CHUNK.replace(b'"index":0', b'"index":1') % (b"b", b"")
+            + _usage_only(8) + _usage_only(8) + b"data: [DONE]\n\n")
+    m, out = run(body, Injected(include_usage=True))
+    u = m.result().usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
+        28, 16, 44, 26)
+    assert b"usage" not in out  # both injected usage chunks are hidden
+
+
+def test_completions_usage_on_each_choices_finish_chunk_is_summed() -> None:
+    """llama.cpp's completions stream with a prompt list: each prompt's finish chunk
+    carries that prompt's usage, and no usage-only chunk follows."""
+    finish = (b'data: {"choices":[{"text":"","index":%d,"finish_reason":"length"}],'
+              b'"usage":{"completion_tokens":2,"prompt_tokens":%d,"total_tokens":%d}}\n\n')
+    body = finish % (1, 4, 6) + finish % (0, 2, 4) + b"data: [DONE]\n\n"
+    m, _ = run(body, endpoint="/v1/completions")
+    u = m.result().usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (6, 4, 10)
+
+
+def test_continuous_usage_per_choice_then_one_total_chunk() -> None:
+    """vLLM, `n: 2` with continuous usage: each choice's running count on its chunks, then
+    one usage-only chunk for all: that total is what is billed, not added to the rest."""
+    running = (b'data: {"choices":[{"index":%d,"delta":{"content":"x"}}],"usage":'
+               b'{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}\n\n')
+    body = running % (0, 1, 6) + running % (1, 1, 6) + running % (0, 2, 7)
+    cut, _ = run(body, Injected(continuous=True))
+    assert cut.result().usage.completion_tokens == 3  # a cut: each choice's latest, summed
+    whole, _ = run(body + _usage_only(4, prompt=5) + b"data: [DONE]\n\n",
+                   Injected(continuous=True))
+    u = whole.result().usage
+    assert (u.prompt_tokens, u.completion_tokens) == (5, 4)
+
+
+def test_usage_without_choices_stands_as_it_is() -> None:
+    """An event with usage but no `choices` member replaces, never adds (as the Lua filter:
+    only chat and completions chunks split their usage by choice)."""
+    bare = (b'data: {"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}'
+            b'\n\n')
+    m, _ = run(bare % (2, 7) + bare % (3, 8))
+    assert m.result().usage.completion_tokens == 3
+
+
+FINISH = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+          b'"model":"m","object":"chat.completion.chunk"}\n\n')
+MOVED_USAGE = (b'data: {"id":"c","choices":[],"model":"m","usage":{"completion_tokens":3,'
+               b'"prompt_tokens":4,"total_tokens":7},"system_fingerprint":"fp-1",'
+               b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+WITH_MOVED = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+              b'"model":"m","object":"chat.completion.chunk","system_fingerprint":"fp-1",'
+              b'"timings":{"cache_n":0,"predicted_n":3}}\n\n')
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(FINISH + MOVED_USAGE) + 13),
+                max_size=4))
+def test_what_the_engine_moved_onto_the_hidden_usage_chunk_goes_back(cuts: list[int]) -> None:
+    """Asked for usage, llama.cpp moves `timings` and vLLM `system_fingerprint` from the
+    finish chunk onto the usage chunk; hiding it, the gateway puts them back (any split)."""
+    body = FINISH + MOVED_USAGE + b"data: [DONE]\n\n"
+    m, out = run(body, Injected(include_usage=True), cuts)
+    assert out == WITH_MOVED + b"data: [DONE]\n\n"
+    assert m.result().usage.completion_tokens == 3
+    _, asked = run(body, cuts=cuts)  # the client asked itself: nothing moves
+    assert asked == body
+
+
+def test_a_held_finish_chunk_goes_out_as_it_was_without_a_usage_chunk() -> None:
+    other = b'data: {"id":"c","choices":[{"index":1,"delta":{"content":"x"}}]}\n\n'
+    body = FINISH + other + FINISH
+    m = Meter("/v1/chat/completions", True, Injected(include_usage=True))
+    m.response_headers(200, "text/event-stream")
+    first = m.chunk(FINISH + other, False)
+    assert first == FINISH + other and m.chunk(FINISH, False) == b""  # held
+    assert m.chunk(b"", True) == FINISH and body == first + FINISH

@@ -6,7 +6,9 @@
 --     content-length is set to the new length. Byte-exact, no JSON parsing. A body shorter
 --     than splice_at+splice_cut is left untouched.
 --   hide_usage (bool), RESPONSE: the gateway injected stream_options.include_usage: drop the
---     usage-only event ("choices":[] and a "usage" key), remove "usage":null from the others.
+--     usage-only event ("choices":[] and a "usage" key), remove "usage":null from the others;
+--     a finish event is held until the next one, and gets back what the engine moved from it
+--     onto the hidden usage event (MOVED_TO_USAGE).
 --   hide_continuous (bool), RESPONSE: the gateway injected continuous_usage_stats: remove the
 --     "usage":{...} member from every event that still has (non-empty) choices.
 --   From ext_authz's HTTP door every value is a string: flags "true", numbers "12".
@@ -26,7 +28,7 @@
 -- stream (an event with a "type":"error" member: Anthropic's and the Responses API's).
 -- USAGE, every text/event-stream response: the numbers of an event's "usage" object are
 -- published in llm.usage (what the engine reported; later events replace earlier values key
--- by key): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
+-- by key, except a chat/completions stream's per-choice usage, which is summed: stream_usage): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
 -- Anthropic's message_start, whose count is only the first token's), total_tokens,
 -- cached_tokens, reasoning_tokens (wherever they sit inside it), cache_read_input_tokens,
 -- cache_creation_input_tokens; and llm.usage:model, the first "model" string a stream names.
@@ -281,6 +283,9 @@ local USAGE_KEYS = {
 -- The index of the '}' closing the object that opens at `i`, as the pattern %b{} finds it
 -- (usage objects hold numbers and objects only, so no brace hides in a string), or nil.
 local function object_end(s, i)
+  if byte(s, i) ~= 123 then
+    return nil -- not an object ("usage": null): scanning on would end at some later '}'
+  end
   local depth = 0
   for k = i, #s do
     local b = byte(s, k)
@@ -457,6 +462,53 @@ local function rewrite(ev, hide_usage, hide_continuous)
   return ev
 end
 
+-- Asked for usage, engines move a member from the finish chunk onto the usage-only chunk
+-- (llama.cpp its "timings", vLLM its "system_fingerprint"). When that chunk is hidden, the
+-- finish chunk was held back until the next event, and gets the member back here: a client
+-- that did not ask for usage gets the finish chunk the engine would have sent it.
+local MOVED_TO_USAGE = { '"system_fingerprint"', '"timings"' }
+
+-- Does this chat/completions event finish a choice ("finish_reason" a string, not null)?
+local function finishes(ev)
+  local _, e = find(ev, '"finish_reason"', 1, true)
+  if e == nil then
+    return false
+  end
+  local v = value_at(ev, e)
+  return v ~= nil and byte(ev, v) == 34
+end
+
+-- The finish event `fin` with the members MOVED_TO_USAGE that the hidden usage event `ev`
+-- carries and `fin` lacks, put before its closing brace.
+local function restore_moved(fin, ev)
+  local extra = {}
+  for i = 1, #MOVED_TO_USAGE do
+    local key = MOVED_TO_USAGE[i]
+    local s = find(ev, key, 1, true)
+    if s ~= nil and find(fin, key, 1, true) == nil then
+      local v = value_at(ev, s + #key - 1)
+      local e
+      if v ~= nil and byte(ev, v) == 123 then
+        e = object_end(ev, v)
+      elseif v ~= nil and byte(ev, v) == 34 then
+        e = string_end(ev, v)
+      end
+      if e ~= nil then
+        extra[#extra + 1] = sub(ev, s, e)
+      end
+    end
+  end
+  if #extra == 0 then
+    return fin
+  end
+  for k = #fin, 1, -1 do
+    if byte(fin, k) == 125 then
+      return sub(fin, 1, k - 1) .. "," .. concat(extra, ",") .. sub(fin, k)
+    end
+  end
+  return fin
+end
+
 -- The dynamicMetadata() wrapper is fetched again each time: Envoy 1.40 kills the wrappers a
 -- script holds once it suspends between chunks ("object used outside of proper scope"). A
 -- script error mid-stream lets the rest of the body through untouched, but whatever this
@@ -478,6 +530,45 @@ local function publish_usage(handle, usage)
   for key, n in pairs(usage) do
     meta:set(USAGE_NS, key, n)
   end
+end
+
+-- a + b, key by key (a key only one side has keeps its value).
+local function add_usage(a, b)
+  local out = {}
+  for key, n in pairs(a) do
+    out[key] = n
+  end
+  for key, n in pairs(b) do
+    out[key] = (out[key] or 0) + n
+  end
+  return out
+end
+
+-- The usage a chat/completions stream has reported so far, however the engine splits it.
+-- With n > 1 or a prompt list llama.cpp's server sends one usage-only event ("choices": [])
+-- per choice, and puts a completions choice's usage on its finish event; vLLM sends one
+-- usage-only event for all, and with continuous usage each choice's running count on its
+-- events. So: the usage-only events summed when there are any, else each choice's latest
+-- (by the first "index" of the event) summed. Events without "choices" (Anthropic,
+-- Responses) replace key by key. `acc` holds { only = sum or nil, by = { index = usage } }.
+local function stream_usage(acc, ev, usage)
+  local empty, has_choices = empty_choices(ev)
+  if not has_choices then
+    return usage
+  end
+  if empty then
+    acc.only = acc.only and add_usage(acc.only, usage) or usage
+    return acc.only
+  end
+  if acc.only then
+    return nil -- a choice's running count after the total: the total stands
+  end
+  acc.by[number_of(ev, '"index"') or 0] = usage
+  local total = {}
+  for _, u in pairs(acc.by) do
+    total = add_usage(total, u)
+  end
+  return total
 end
 
 local function starts_with_sse(content_type)
@@ -503,6 +594,8 @@ function envoy_on_response(handle)
 
   local events, chars, done, failed = 0, 0, false, false
   local named = false -- llm.usage:model published
+  local acc = { only = nil, by = {} } -- the usage reported so far (stream_usage)
+  local fin -- a finish event held back (hide_usage): restore_moved
   publish(handle, 0, 0, false, false)
 
   -- The unterminated tail: pieces in a table, joined only once an event completes, so a big
@@ -527,7 +620,8 @@ function envoy_on_response(handle)
         held_len = held_len + len
         out = ""
         if held_len > MAX_HELD then
-          out = concat(held)
+          out = (fin or "") .. concat(held) -- a held finish event first: the order stays
+          fin = nil
           held, held_len, oversized = {}, 0, true
         end
       end
@@ -560,7 +654,10 @@ function envoy_on_response(handle)
         end
         local usage = usage_of(ev) -- one plain find for events without usage
         if usage ~= nil then
-          publish_usage(handle, usage)
+          usage = stream_usage(acc, ev, usage)
+          if usage ~= nil then
+            publish_usage(handle, usage)
+          end
         end
         local c = content_bytes(ev)
         if c > 0 then
@@ -572,7 +669,16 @@ function envoy_on_response(handle)
           failed = true
         end
         if rewriting then
-          parts[#parts + 1] = rewrite(ev, hide_usage, hide_continuous)
+          local r = rewrite(ev, hide_usage, hide_continuous)
+          if fin ~= nil then -- a held finish event goes out before this one
+            parts[#parts + 1] = r == "" and restore_moved(fin, ev) or fin
+            fin = nil
+          end
+          if hide_usage and r ~= "" and finishes(r) then
+            fin = r -- held until the next event: is it the usage event to hide?
+          else
+            parts[#parts + 1] = r
+          end
         end
         pos = stop + 1
       end
@@ -605,7 +711,7 @@ function envoy_on_response(handle)
   -- reaches the client. When the stream ends with trailers instead, the last data chunk was
   -- already sent and its wrapper is dead: setBytes raises, pcall keeps the script alive, and
   -- the held tail is lost (SSE over HTTP/1.1 from vLLM never carries trailers).
-  if rewriting and last ~= nil and held_len > 0 then
-    pcall(last.setBytes, last, last_out .. concat(held))
+  if rewriting and last ~= nil and (held_len > 0 or fin ~= nil) then
+    pcall(last.setBytes, last, last_out .. (fin or "") .. concat(held))
   end
 end
