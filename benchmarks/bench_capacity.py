@@ -29,6 +29,11 @@ traceback in the sidecars' logs.
 CPU placement (2+ CPUs, unless --no-pin): Envoys and sidecars on CPU 0; the client, engines,
 Redis and Tansu on CPU 1. With CPU 1 near 100 % the client, not the gateway, bounds req/s.
 The issue's targets are printed beside the numbers, not asserted.
+
+`--py-spy BIN`: py-spy (`pip install --target DIR py-spy`; BIN is its binary) records the
+spoke's sidecar through the measured rounds (`--py-spy-out`, collapsed stacks, the
+flamegraph's input), and the hottest functions by own time are printed: where the fixed
+cost goes. Sampling costs the sidecar CPU, so a profiled run's numbers are not its figures.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -261,17 +267,34 @@ class Bench:
             await asyncio.sleep(self.args.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
             self.idle = {k: (after[k] - v) / wall * 1e6 for k, v in before.items() if k in after}
-            for rnd in range(self.args.rounds):
-                order = self.paths if rnd % 2 == 0 else self.paths[::-1]
-                for workload in WORKLOADS:
-                    for conc in CONCURRENCY:
-                        for path in order:
-                            await self.phase(session, rnd, path, workload, conc,
-                                             self.per_worker(conc))
-                print(f"  round {rnd} ({' '.join(order)}): " + "; ".join(
-                    f"{p.path} {p.workload} c{p.concurrency} "
-                    f"{len(p.answers) / p.wall_s:.0f} req/s"
-                    for p in self.phases if p.round == rnd and p.concurrency == 32), flush=True)
+            spy = self.start_py_spy()
+            try:
+                await self.rounds(session)
+            finally:
+                if spy is not None:
+                    spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
+                    spy.wait(30)
+
+    def start_py_spy(self) -> subprocess.Popen[bytes] | None:
+        if not self.args.py_spy:
+            return None
+        pid = self.spokes[SPOKE]["sidecar"].pid
+        return subprocess.Popen([self.args.py_spy, "record", "--pid", str(pid), "--rate", "250",
+                                 "--format", "raw", "--nonblocking", "-o",
+                                 self.args.py_spy_out], stdout=subprocess.DEVNULL)
+
+    async def rounds(self, session: aiohttp.ClientSession) -> None:
+        for rnd in range(self.args.rounds):
+            order = self.paths if rnd % 2 == 0 else self.paths[::-1]
+            for workload in WORKLOADS:
+                for conc in CONCURRENCY:
+                    for path in order:
+                        await self.phase(session, rnd, path, workload, conc,
+                                         self.per_worker(conc))
+            print(f"  round {rnd} ({' '.join(order)}): " + "; ".join(
+                f"{p.path} {p.workload} c{p.concurrency} "
+                f"{len(p.answers) / p.wall_s:.0f} req/s"
+                for p in self.phases if p.round == rnd and p.concurrency == 32), flush=True)
 
     def row(self, path: str, workload: str, conc: int) -> dict[str, Any]:
         ph = [p for p in self.phases
@@ -379,6 +402,29 @@ def target_lines(values: dict[str, float]) -> list[str]:
     return out
 
 
+def hottest(collapsed: Path, top: int = 25) -> list[str]:
+    """The functions with the most samples on top of the stack (own time), and by inclusive
+    time, from py-spy's collapsed stacks ("frame;frame;... count" lines)."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    with contextlib.suppress(OSError):
+        for line in collapsed.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not n.isdigit():
+                continue
+            frames = stack.split(";")
+            total += int(n)
+            own[frames[-1]] += int(n)
+            for f in set(frames):
+                incl[f] += int(n)
+    out = [f"py-spy: {total} samples of the sidecar ({collapsed}); own time:"]
+    out += [f"  {n / total:6.1%}  {f}" for f, n in own.most_common(top)] if total else []
+    out.append("inclusive:")
+    out += [f"  {n / total:6.1%}  {f}" for f, n in incl.most_common(top * 2)] if total else []
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -395,6 +441,10 @@ def main() -> int:
                         help="... at c=32 (quick 64, full 1600)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
+    parser.add_argument("--py-spy", metavar="BIN", default=None,
+                        help="record the spoke's sidecar with this py-spy binary")
+    parser.add_argument("--py-spy-out", default=str(HERE / "results" / "capacity-sidecar.txt"),
+                        help="py-spy's collapsed stacks (default: %(default)s)")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.requests_c1 = args.requests_c1 or (20 if args.quick else 200)
@@ -424,6 +474,8 @@ def main() -> int:
         else:
             shutil.rmtree(bench.workdir, ignore_errors=True)
 
+    if args.py_spy:
+        print("\n".join(hottest(Path(args.py_spy_out))))
     rows = bench.summary()
     values = targets(rows)
     print("\n" + render_table(rows))
