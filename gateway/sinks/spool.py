@@ -55,6 +55,10 @@ class Spool:
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
         self._write_size = 0
+        # The last segment stays open for appends: a group commit is then one write and one
+        # fsync, not also an open and a close (its path's lookup) each time.
+        self._write_fd: int | None = None
+        self._write_fd_seg = 0
         self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
         self._lock_fd: int | None = None
 
@@ -73,6 +77,7 @@ class Spool:
         return self
 
     def close(self) -> None:
+        self._close_segment()
         if self._lock_fd is not None and self.delivered:
             self.persist_delivered()
         if self._lock_fd is not None:
@@ -163,15 +168,30 @@ class Spool:
         if not self._segments or self._write_size >= self.segment_bytes:
             self._segments.append(first)
             self._write_size = 0
-        path = self.dir / _seg_name(self._segments[-1])
         data = b"".join(lines)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = self._segment_fd(self._segments[-1])
         try:
             os.write(fd, data)
             os.fsync(fd)
-        finally:
-            os.close(fd)
+        except OSError:
+            self._close_segment()  # reopened by the next group commit
+            raise
         self._write_size += len(data)
+
+    def _segment_fd(self, seg: int) -> int:
+        """The open append fd of segment `seg` (the last one), opening it on a change."""
+        if self._write_fd is None or self._write_fd_seg != seg:
+            self._close_segment()
+            self._write_fd = os.open(self.dir / _seg_name(seg),
+                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._write_fd_seg = seg
+        return self._write_fd
+
+    def _close_segment(self) -> None:
+        if self._write_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self._write_fd = None
 
     # -- reading back and delivery marks -----------------------------------------------
 

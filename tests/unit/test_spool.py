@@ -167,3 +167,30 @@ async def test_the_delivered_mark_is_written_at_most_and_at_latest_every_persist
     assert mark.read_text() == "20"
     shipper.cancel()
     writer.cancel()
+
+
+def _open_segments(spool_dir: Path) -> list[str]:
+    """The segment files this process holds open (its fds' targets, by name)."""
+    names = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = fd.readlink()
+        except OSError:
+            continue
+        if target.parent == spool_dir and target.suffix == ".log":
+            names.append(target.name)
+    return names
+
+
+async def test_group_commits_append_through_one_open_segment(tmp_path: Path) -> None:
+    """The last segment stays open across group commits; a rotation closes the old one, and
+    close() the last: no fd per commit, none leaked."""
+    sp = Spool(tmp_path, "i", segment_bytes=200).open()
+    for _ in range(8):
+        _put(sp, 2)
+        await sp.commit()
+        assert _open_segments(tmp_path / "i") == [f"{sp._segments[-1]:020d}.log"]
+    assert len(sp._segments) > 1  # rotated at least once
+    assert _seqs(sp.read_batch(100)) == list(range(1, 17))
+    sp.close()
+    assert _open_segments(tmp_path / "i") == []
