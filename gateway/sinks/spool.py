@@ -7,7 +7,8 @@ seq continues from the spool after a restart, so it is gap-free per instance.
 
 `append` never blocks the request path: it assigns the seq and queues the line; a writer
 task writes and fsyncs queued lines together (group commit), then wakes the shipper,
-which reads lines back from the files (page cache) in order.
+which takes them in order from memory (the lines just made durable), or reads them back
+from the files when it fell behind by more than RECENT_MAX (the sink away, a restart).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import os
 import socket
 import time
@@ -27,6 +29,9 @@ import orjson
 from gateway.errors import SpoolLocked
 
 SEGMENT_BYTES = 64 << 20
+# Lines just made durable, kept in memory for the shipper (seq order, contiguous): it sends
+# them without reading the file back. Past this many (the sink is away) it reads the files.
+RECENT_MAX = 10_000  # ~7 MB of typical events
 
 
 def _seg_name(first_seq: int) -> str:
@@ -60,6 +65,7 @@ class Spool:
         self._write_fd: int | None = None
         self._write_fd_seg = 0
         self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
+        self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
         self._lock_fd: int | None = None
 
     # -- opening and recovery ---------------------------------------------------------
@@ -143,7 +149,9 @@ class Spool:
         # Lines put while this group is being written wait for the next one.
         batch, last, self._queue = self._queue, self._queued_seq, []
         callbacks, self._callbacks = self._callbacks, []
-        await asyncio.to_thread(self._write, last - len(batch) + 1, batch)
+        first = last - len(batch) + 1
+        await asyncio.to_thread(self._write, first, batch)
+        self._keep_recent(first, batch)
         self.durable_seq = last
         self.durable.set()
         for cb in callbacks:
@@ -154,6 +162,25 @@ class Spool:
                 self._waiters.append((seq, fut))
             elif not fut.done():
                 fut.set_result(None)
+
+    def _keep_recent(self, first: int, lines: list[bytes]) -> None:
+        recent = self._recent
+        if recent and recent[-1][0] != first - 1:
+            recent.clear()  # never a gap: what is kept is one run of seqs
+        recent.extend(enumerate(lines, first))
+        while recent and (len(recent) > RECENT_MAX or recent[0][0] <= self.delivered):
+            recent.popleft()
+
+    def _read_recent(self, want: int, limit: int) -> list[tuple[int, bytes]] | None:
+        """Up to `limit` lines from seq `want` on, from memory (which holds every durable
+        line after the first it holds); None when `want` is not there."""
+        recent = self._recent
+        while recent and recent[0][0] < want:
+            recent.popleft()  # delivered (the shipper reads from delivered + 1, in order)
+        if not recent or recent[0][0] != want:
+            return None
+        n = min(limit, len(recent))
+        return [(seq, line[:-1]) for seq, line in itertools.islice(recent, n)]
 
     async def until_durable(self, seq: int) -> None:
         """Return once event `seq` is on disk (for a caller that must not acknowledge
@@ -205,6 +232,8 @@ class Spool:
         out: list[tuple[int, bytes]] = []
         if self.delivered + 1 > self.durable_seq:
             return out
+        if (kept := self._read_recent(self.delivered + 1, limit)) is not None:
+            return kept
         seg, offset, seq = self._seek(self.delivered + 1)
         while len(out) < limit and seq <= self.durable_seq:
             with open(self.dir / _seg_name(seg), "rb") as f:

@@ -194,3 +194,22 @@ async def test_group_commits_append_through_one_open_segment(tmp_path: Path) -> 
     assert _seqs(sp.read_batch(100)) == list(range(1, 17))
     sp.close()
     assert _open_segments(tmp_path / "i") == []
+
+
+async def test_the_shipper_reads_what_it_just_wrote_from_memory_else_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lines just made durable come back without reading the file; a reader further behind
+    than RECENT_MAX (the sink away) gets the same lines from the file."""
+    from gateway.sinks import spool as spool_module
+    monkeypatch.setattr(spool_module, "RECENT_MAX", 5)
+    sp = Spool(tmp_path, "i").open()
+    for _ in range(4):
+        _put(sp, 3)
+        await sp.commit()
+    assert _seqs(sp.read_batch(100)) == list(range(1, 13))  # 1..7 only on disk
+    sp.mark_delivered(7, persist=False)
+    [segment] = (tmp_path / "i").glob("*.log")
+    on_disk = segment.read_bytes().splitlines()
+    segment.unlink()  # from here on, a read of the file would fail
+    assert sp.read_batch(100) == [(s, on_disk[s - 1]) for s in range(8, 13)]
+    assert _seqs(sp.read_batch(2)) == [8, 9]
