@@ -287,14 +287,15 @@ class Bench:
         for rnd in range(self.args.rounds):
             order = self.paths if rnd % 2 == 0 else self.paths[::-1]
             for workload in WORKLOADS:
-                for conc in CONCURRENCY:
+                for conc in self.args.concurrency:
                     for path in order:
                         await self.phase(session, rnd, path, workload, conc,
                                          self.per_worker(conc))
             print(f"  round {rnd} ({' '.join(order)}): " + "; ".join(
                 f"{p.path} {p.workload} c{p.concurrency} "
                 f"{len(p.answers) / p.wall_s:.0f} req/s"
-                for p in self.phases if p.round == rnd and p.concurrency == 32), flush=True)
+                for p in self.phases if p.round == rnd
+                and p.concurrency == self.args.concurrency[-1]), flush=True)
 
     def row(self, path: str, workload: str, conc: int) -> dict[str, Any]:
         ph = [p for p in self.phases
@@ -315,7 +316,7 @@ class Bench:
     def summary(self) -> list[dict[str, Any]]:
         rows = []
         for workload in WORKLOADS:
-            for conc in CONCURRENCY:
+            for conc in self.args.concurrency:
                 plain = self.row(PLAIN, workload, conc)
                 for path in self.paths:
                     r = plain if path == PLAIN else self.row(path, workload, conc)
@@ -381,12 +382,14 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 def targets(rows: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["path"], r["workload"], r["concurrency"]): r for r in rows}
-    chat32, chat1 = by[SPOKE, "chat", 32], by[SPOKE, "chat", 1]
-    out = {"sidecar_us_c32": chat32["cpu_us_per_req"].get("sidecar", float("nan")),
-           "rps_x_plain_c32": chat32["rps_x_plain"],
-           "added_p50_c1": chat1["added_p50_ms"], "added_p99_c1": chat1["added_p99_ms"]}
-    if "rps_x_baseline" in chat32:
-        out["rps_x_baseline_c32"] = chat32["rps_x_baseline"]
+    out: dict[str, float] = {}
+    if chat32 := by.get((SPOKE, "chat", 32)):
+        out |= {"sidecar_us_c32": chat32["cpu_us_per_req"].get("sidecar", float("nan")),
+                "rps_x_plain_c32": chat32["rps_x_plain"]}
+        if "rps_x_baseline" in chat32:
+            out["rps_x_baseline_c32"] = chat32["rps_x_baseline"]
+    if chat1 := by.get((SPOKE, "chat", 1)):
+        out |= {"added_p50_c1": chat1["added_p50_ms"], "added_p99_c1": chat1["added_p99_ms"]}
     return out
 
 
@@ -439,6 +442,9 @@ def main() -> int:
                         help="... at c=8 (quick 40, full 800)")
     parser.add_argument("--requests-c32", type=int, default=None,
                         help="... at c=32 (quick 64, full 1600)")
+    parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                        help="closed-loop clients per phase, comma-separated (default: "
+                             "%(default)s)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
@@ -446,6 +452,9 @@ def main() -> int:
     parser.add_argument("--py-spy-out", default=str(HERE / "results" / "capacity-sidecar.txt"),
                         help="py-spy's collapsed stacks (default: %(default)s)")
     args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if not set(args.concurrency) <= set(CONCURRENCY):
+        parser.error(f"--concurrency: each one of {CONCURRENCY}")
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.requests_c1 = args.requests_c1 or (20 if args.quick else 200)
     args.requests_c8 = args.requests_c8 or (40 if args.quick else 800)
@@ -506,7 +515,7 @@ def main() -> int:
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
-        "workload": {"max_tokens": MAX_TOKENS, "concurrency": CONCURRENCY,
+        "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,
                      "requests": {"c1": args.requests_c1, "c8": args.requests_c8,
                                   "c32": args.requests_c32}},
         "rounds": args.rounds, "targets": TARGETS, "target_values": values, "rows": rows,
