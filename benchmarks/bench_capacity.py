@@ -280,7 +280,7 @@ class Bench:
             return None
         pid = self.spokes[SPOKE]["sidecar"].pid
         return subprocess.Popen([self.args.py_spy, "record", "--pid", str(pid), "--rate", "250",
-                                 "--format", "raw", "--nonblocking", "-o",
+                                 "--format", "raw", "--nonblocking", *self.args.py_spy_flags, "-o",
                                  self.args.py_spy_out], stdout=subprocess.DEVNULL)
 
     async def rounds(self, session: aiohttp.ClientSession) -> None:
@@ -449,6 +449,8 @@ def main() -> int:
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
                         help="record the spoke's sidecar with this py-spy binary")
+    parser.add_argument("--py-spy-flag", dest="py_spy_flags", action="append", default=[],
+                        help="one more py-spy record flag, e.g. --py-spy-flag=--native")
     parser.add_argument("--py-spy-out", default=str(HERE / "results" / "capacity-sidecar.txt"),
                         help="py-spy's collapsed stacks (default: %(default)s)")
     args = parser.parse_args()
