@@ -265,11 +265,22 @@ class Spool:
         tmp = self.dir / "delivered.tmp"
         tmp.write_text(str(self.delivered))
         os.replace(tmp, self.dir / "delivered")
-        self._persisted = self.delivered
-        self._drop_delivered_segments()
+        self.mark_written(self.delivered)
 
-    def _drop_delivered_segments(self) -> None:
-        seq = self.delivered
+    def write_mark(self, delivered: int) -> None:
+        """Write the delivered mark `delivered` (a value `delivered` held), from any thread:
+        its own temporary file, so a concurrent persist_delivered cannot mix with it (the
+        last rename wins; an older mark only means duplicates, never a loss)."""
+        tmp = self.dir / "delivered.bg.tmp"
+        tmp.write_text(str(delivered))
+        os.replace(tmp, self.dir / "delivered")
+
+    def mark_written(self, delivered: int) -> None:
+        """`delivered` is on disk: segments wholly at or below it can go (event loop)."""
+        self._persisted = delivered
+        self._drop_delivered_segments(delivered)
+
+    def _drop_delivered_segments(self, seq: int) -> None:
         # Segments wholly delivered (the next one starts at or below seq + 1) are removed.
         while len(self._segments) > 1 and self._segments[1] <= seq + 1:
             with contextlib.suppress(FileNotFoundError):

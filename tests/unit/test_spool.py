@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -213,3 +214,24 @@ async def test_the_shipper_reads_what_it_just_wrote_from_memory_else_the_file(
     segment.unlink()  # from here on, a read of the file would fail
     assert sp.read_batch(100) == [(s, on_disk[s - 1]) for s in range(8, 13)]
     assert _seqs(sp.read_batch(2)) == [8, 9]
+
+
+async def test_a_mark_written_off_the_loop_drops_only_segments_below_it(tmp_path: Path) -> None:
+    """The shipper writes the delivered mark in a thread while deliveries go on: the
+    segments dropped are those below the mark on disk, not below what is delivered by
+    then, so a restart finds every event after its mark."""
+    sp = Spool(tmp_path, "i", segment_bytes=100).open()
+    for _ in range(6):
+        _put(sp, 3)
+        await sp.commit()
+    sp.mark_delivered(6, persist=False)
+    await asyncio.to_thread(sp.write_mark, 6)
+    sp.mark_delivered(18, persist=False)  # delivered on while the mark was being written
+    sp.mark_written(6)
+    assert sp.delivered_unpersisted
+    sp._close_segment()
+    assert sp._lock_fd is not None
+    os.close(sp._lock_fd)  # a crash: nothing more reaches the disk
+    again = Spool(tmp_path, "i").open()
+    assert (again.delivered, again.last_seq) == (6, 18)
+    assert _seqs(again.read_batch(100)) == list(range(7, 19))
