@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_authz.py
 	$(BIN)/python benchmarks/bench_metering.py
 	$(BIN)/python benchmarks/bench_sources.py
+	$(BIN)/python benchmarks/bench_capacity.py
 	$(BIN)/python benchmarks/bench_spool.py
 	$(BIN)/python benchmarks/bench_span_encode.py
 	$(BIN)/python benchmarks/bench_stages.py

@@ -23,7 +23,7 @@ from gateway.billing.commands import (
     cmd_usage_tail,
 )
 from gateway.errors import PolicyError
-from gateway.settings import Settings
+from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, Settings
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -377,9 +377,10 @@ def cmd_keys_update(args: argparse.Namespace) -> int:
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from gateway.envoyconf.bootstrap import EnvoyPorts, render
+    door = None if args.grpc_check else args.authz_http
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
                                        engine=args.engine, admin=args.admin, otlp=args.otlp,
-                                       authz_http=args.authz_http),
+                                       authz_http=door),
                             metering=args.metering, heartbeat_s=args.record_heartbeat_s,
                             keep_request_ids=args.keep_request_ids))
     return 0
@@ -451,8 +452,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ext_authz, ext_proc, records and health, gRPC "
                         "(default: $GATEWAY_LISTEN, else 127.0.0.1:9001)")
     p.add_argument("--authz-http-listen", dest="authz_http_listen", default=None,
-                   help="ext_authz's HTTP door, for Envoy's http_service (default: "
-                        "$GATEWAY_AUTHZ_HTTP_LISTEN, else not served)")
+                   help="ext_authz's HTTP door, the reference config's Check (default: "
+                        "$GATEWAY_AUTHZ_HTTP_LISTEN, else 127.0.0.1:9002; empty: not served)")
     p.add_argument("--metrics-listen", dest="metrics_listen", default=None,
                    help="/metrics, /healthz, /readyz (default: $GATEWAY_METRICS_LISTEN, "
                         "else 127.0.0.1:9102)")
@@ -652,12 +653,18 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("envoy-config", help="print the Envoy bootstrap YAML")
     p.add_argument("--listen", default="127.0.0.1:10000",
                    help="Envoy's listener, an IP and port (default: %(default)s)")
-    p.add_argument("--sidecar", default="127.0.0.1:9001",
-                   help="the sidecar's gRPC address (default: %(default)s)")
-    p.add_argument("--authz-http", dest="authz_http", default=None, metavar="HOST:PORT",
-                   help="send ext_authz's Checks to the sidecar's HTTP door there (its "
-                        "GATEWAY_AUTHZ_HTTP_LISTEN): the same decisions at a fraction of "
-                        "gRPC's cost (default: the gRPC Check at --sidecar)")
+    p.add_argument("--sidecar", default=REFERENCE_LISTEN,
+                   help="the sidecar's gRPC address: records, ext_proc, health "
+                        "(default: %(default)s)")
+    door = p.add_mutually_exclusive_group()
+    door.add_argument("--authz-http", dest="authz_http", default=REFERENCE_AUTHZ_HTTP,
+                      metavar="HOST:PORT",
+                      help="ext_authz's Checks go to the sidecar's HTTP door there (its "
+                           "GATEWAY_AUTHZ_HTTP_LISTEN): the same decisions at a fraction of "
+                           "gRPC's cost (default: %(default)s)")
+    door.add_argument("--grpc-check", dest="grpc_check", action="store_true",
+                      help="ext_authz's Checks go to the gRPC Check at --sidecar instead "
+                           "(for managed gateways, where only gRPC ext_authz attaches)")
     p.add_argument("--engine", default="127.0.0.1:8000",
                    help="the OpenAI-compatible engine, host:port (default: %(default)s)")
     p.add_argument("--admin", default="127.0.0.1:9901",

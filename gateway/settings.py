@@ -15,16 +15,21 @@ Metering = Literal["envoy", "ext_proc"]
 METERING_SOURCES: tuple[Metering, ...] = ("envoy", "ext_proc")
 DEFAULT_METERING: Metering = "envoy"  # the cheaper one, with every guarantee (README)
 
+# The reference addresses (DESIGN §7): `gateway serve`'s defaults, which `envoy/envoy.yaml`
+# (`gateway envoy-config`'s default) reaches. The Check goes through the HTTP door.
+REFERENCE_LISTEN = "127.0.0.1:9001"
+REFERENCE_AUTHZ_HTTP = "127.0.0.1:9002"
+
 
 class Settings(BaseSettings):
     # hide_input_in_errors: a refused URL may carry a password
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore",
                                       hide_input_in_errors=True)
 
-    listen: str = "127.0.0.1:9001"
-    # ext_authz's HTTP door (`gateway envoy-config --authz-http`): the same Check, without
-    # gRPC's cost per call. Empty: not served.
-    authz_http_listen: str = ""
+    listen: str = REFERENCE_LISTEN
+    # ext_authz's HTTP door, the reference config's Check (`gateway envoy-config`): the same
+    # Check without gRPC's cost per call. Empty: not served (a gRPC-Check-only Envoy).
+    authz_http_listen: str = REFERENCE_AUTHZ_HTTP
     metrics_listen: str = "127.0.0.1:9102"
     redis_url: str | None = None  # unset → embedded mode (policy file, in-process counters)
     policy_file: Path | None = None

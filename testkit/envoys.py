@@ -21,12 +21,13 @@ WITHOUT_EXT_PROC = (EXT_PROC,)  # the Check alone, no ext_proc stream
 
 def envoy_without(drop: tuple[str, ...], sidecar: str, engine: str, workdir: Path,
                   name: str) -> Service:
-    """An Envoy (not started) on a free port, rendered as the ext_proc spoke's but without the
-    `drop` filters, to the same sidecar and engine addresses. Its port is `.port`."""
+    """An Envoy (not started) on a free port, rendered as the ext_proc spoke's (the gRPC
+    Check) but without the `drop` filters, to the same sidecar and engine addresses. Its
+    port is `.port`."""
     port, admin = free_port(), free_port()
     config = yaml.safe_load(render(EnvoyPorts(
         listen=f"{LOOPBACK}:{port}", sidecar=sidecar, engine=engine,
-        admin=f"{LOOPBACK}:{admin}"), metering="ext_proc"))
+        admin=f"{LOOPBACK}:{admin}", authz_http=None), metering="ext_proc"))
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     filters = hcm["typed_config"]["http_filters"]
     hcm["typed_config"]["http_filters"] = [f for f in filters if f["name"] not in drop]

@@ -32,6 +32,7 @@ def sidecar_service(port: int, metrics_port: int, workdir: Path, env: dict[str, 
     full_env = {
         "GATEWAY_LISTEN": f"{LOOP}:{port}",
         "GATEWAY_METRICS_LISTEN": f"{LOOP}:{metrics_port}",
+        "GATEWAY_AUTHZ_HTTP_LISTEN": "",  # the door on a fixed port: only when `env` asks
         **env,
     }
     return Service("sidecar", argv, port, workdir, env=full_env)

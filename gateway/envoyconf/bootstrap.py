@@ -74,7 +74,13 @@ from gateway.envoyconf.filters import (
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
 from gateway.metering.record import CUT_FLAGS
-from gateway.settings import DEFAULT_METERING, METERING_SOURCES, Metering
+from gateway.settings import (
+    DEFAULT_METERING,
+    METERING_SOURCES,
+    REFERENCE_AUTHZ_HTTP,
+    REFERENCE_LISTEN,
+    Metering,
+)
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.accesslog.v3 import (
@@ -155,12 +161,13 @@ class EnvoyPorts:
     """Where everything listens or is reached, as "host:port" (DESIGN.md §7 reference)."""
 
     listen: str = "127.0.0.1:10000"
-    sidecar: str = "127.0.0.1:9001"
+    sidecar: str = REFERENCE_LISTEN
     engine: str = "127.0.0.1:8000"
     admin: str = "127.0.0.1:9901"
     otlp: str | None = None  # an OTLP/gRPC collector for Envoy's spans; None: no tracing
-    # The sidecar's ext_authz HTTP door (its GATEWAY_AUTHZ_HTTP_LISTEN); None: gRPC Checks
-    authz_http: str | None = None
+    # The sidecar's ext_authz HTTP door (its GATEWAY_AUTHZ_HTTP_LISTEN), the reference
+    # config's Check; None: the gRPC Check at `sidecar` (managed gateways)
+    authz_http: str | None = REFERENCE_AUTHZ_HTTP
 
 
 @dataclass(frozen=True)

@@ -61,10 +61,13 @@ def plan(body: bytes, endpoint: str, model: str, stream: bool, stream_options: b
     span = _top_level_value(body, b"stream_options") if (
         stream_options or b'"stream_options"' in body) else None
     if span is None:  # insert ours right after the opening brace
-        start = len(body) - len(body.lstrip())
+        # (found by matching the whitespace, not by lstrip(): a copy of a 400 KB prompt
+        # each, to read one byte)
+        start = _skip_space(body, 0)
         if body[start:start + 1] != b"{":
             return None
-        sep = b"" if body[start + 1:].lstrip().startswith(b"}") else b","
+        after = _skip_space(body, start + 1)
+        sep = b"" if body[after:after + 1] == b"}" else b","
         return Splice(start + 1, 0, b'"stream_options":' + orjson.dumps(options) + sep, want)
     start, end = span
     try:
@@ -75,6 +78,15 @@ def plan(body: bytes, endpoint: str, model: str, stream: bool, stream_options: b
     # anyway) is replaced, never left to win as a duplicate key after ours.
     merged = {**theirs, **options} if isinstance(theirs, dict) else options
     return Splice(start, end - start, orjson.dumps(merged), want)
+
+
+_SPACE = re.compile(rb"\s*")  # what bytes.lstrip() strips
+
+
+def _skip_space(body: bytes, at: int) -> int:
+    """Where the first byte at or after `at` that is not whitespace is."""
+    m = _SPACE.match(body, at)
+    return m.end() if m else at
 
 
 # JSON strings (with escapes) and the structural characters; everything else is skipped.

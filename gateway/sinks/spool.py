@@ -7,7 +7,8 @@ seq continues from the spool after a restart, so it is gap-free per instance.
 
 `append` never blocks the request path: it assigns the seq and queues the line; a writer
 task writes and fsyncs queued lines together (group commit), then wakes the shipper,
-which reads lines back from the files (page cache) in order.
+which takes them in order from memory (the lines just made durable), or reads them back
+from the files when it fell behind by more than RECENT_MAX (the sink away, a restart).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import itertools
 import os
 import socket
 import time
@@ -27,6 +29,9 @@ import orjson
 from gateway.errors import SpoolLocked
 
 SEGMENT_BYTES = 64 << 20
+# Lines just made durable, kept in memory for the shipper (seq order, contiguous): it sends
+# them without reading the file back. Past this many (the sink is away) it reads the files.
+RECENT_MAX = 10_000  # ~7 MB of typical events
 
 
 def _seg_name(first_seq: int) -> str:
@@ -55,7 +60,12 @@ class Spool:
         self.durable = asyncio.Event()  # set when durable_seq moves
         self._segments: list[int] = []  # first seq of each segment, ascending
         self._write_size = 0
+        # The last segment stays open for appends: a group commit is then one write and one
+        # fsync, not also an open and a close (its path's lookup) each time.
+        self._write_fd: int | None = None
+        self._write_fd_seg = 0
         self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
+        self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
         self._lock_fd: int | None = None
 
     # -- opening and recovery ---------------------------------------------------------
@@ -73,6 +83,7 @@ class Spool:
         return self
 
     def close(self) -> None:
+        self._close_segment()
         if self._lock_fd is not None and self.delivered:
             self.persist_delivered()
         if self._lock_fd is not None:
@@ -138,7 +149,9 @@ class Spool:
         # Lines put while this group is being written wait for the next one.
         batch, last, self._queue = self._queue, self._queued_seq, []
         callbacks, self._callbacks = self._callbacks, []
-        await asyncio.to_thread(self._write, last - len(batch) + 1, batch)
+        first = last - len(batch) + 1
+        await asyncio.to_thread(self._write, first, batch)
+        self._keep_recent(first, batch)
         self.durable_seq = last
         self.durable.set()
         for cb in callbacks:
@@ -149,6 +162,25 @@ class Spool:
                 self._waiters.append((seq, fut))
             elif not fut.done():
                 fut.set_result(None)
+
+    def _keep_recent(self, first: int, lines: list[bytes]) -> None:
+        recent = self._recent
+        if recent and recent[-1][0] != first - 1:
+            recent.clear()  # never a gap: what is kept is one run of seqs
+        recent.extend(enumerate(lines, first))
+        while recent and (len(recent) > RECENT_MAX or recent[0][0] <= self.delivered):
+            recent.popleft()
+
+    def _read_recent(self, want: int, limit: int) -> list[tuple[int, bytes]] | None:
+        """Up to `limit` lines from seq `want` on, from memory (which holds every durable
+        line after the first it holds); None when `want` is not there."""
+        recent = self._recent
+        while recent and recent[0][0] < want:
+            recent.popleft()  # delivered (the shipper reads from delivered + 1, in order)
+        if not recent or recent[0][0] != want:
+            return None
+        n = min(limit, len(recent))
+        return [(seq, line[:-1]) for seq, line in itertools.islice(recent, n)]
 
     async def until_durable(self, seq: int) -> None:
         """Return once event `seq` is on disk (for a caller that must not acknowledge
@@ -163,15 +195,30 @@ class Spool:
         if not self._segments or self._write_size >= self.segment_bytes:
             self._segments.append(first)
             self._write_size = 0
-        path = self.dir / _seg_name(self._segments[-1])
         data = b"".join(lines)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = self._segment_fd(self._segments[-1])
         try:
             os.write(fd, data)
             os.fsync(fd)
-        finally:
-            os.close(fd)
+        except OSError:
+            self._close_segment()  # reopened by the next group commit
+            raise
         self._write_size += len(data)
+
+    def _segment_fd(self, seg: int) -> int:
+        """The open append fd of segment `seg` (the last one), opening it on a change."""
+        if self._write_fd is None or self._write_fd_seg != seg:
+            self._close_segment()
+            self._write_fd = os.open(self.dir / _seg_name(seg),
+                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._write_fd_seg = seg
+        return self._write_fd
+
+    def _close_segment(self) -> None:
+        if self._write_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self._write_fd = None
 
     # -- reading back and delivery marks -----------------------------------------------
 
@@ -185,6 +232,8 @@ class Spool:
         out: list[tuple[int, bytes]] = []
         if self.delivered + 1 > self.durable_seq:
             return out
+        if (kept := self._read_recent(self.delivered + 1, limit)) is not None:
+            return kept
         seg, offset, seq = self._seek(self.delivered + 1)
         while len(out) < limit and seq <= self.durable_seq:
             with open(self.dir / _seg_name(seg), "rb") as f:
@@ -216,11 +265,22 @@ class Spool:
         tmp = self.dir / "delivered.tmp"
         tmp.write_text(str(self.delivered))
         os.replace(tmp, self.dir / "delivered")
-        self._persisted = self.delivered
-        self._drop_delivered_segments()
+        self.mark_written(self.delivered)
 
-    def _drop_delivered_segments(self) -> None:
-        seq = self.delivered
+    def write_mark(self, delivered: int) -> None:
+        """Write the delivered mark `delivered` (a value `delivered` held), from any thread:
+        its own temporary file, so a concurrent persist_delivered cannot mix with it (the
+        last rename wins; an older mark only means duplicates, never a loss)."""
+        tmp = self.dir / "delivered.bg.tmp"
+        tmp.write_text(str(delivered))
+        os.replace(tmp, self.dir / "delivered")
+
+    def mark_written(self, delivered: int) -> None:
+        """`delivered` is on disk: segments wholly at or below it can go (event loop)."""
+        self._persisted = delivered
+        self._drop_delivered_segments(delivered)
+
+    def _drop_delivered_segments(self, seq: int) -> None:
         # Segments wholly delivered (the next one starts at or below seq + 1) are removed.
         while len(self._segments) > 1 and self._segments[1] <= seq + 1:
             with contextlib.suppress(FileNotFoundError):

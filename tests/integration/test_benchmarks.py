@@ -69,6 +69,17 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
     assert all(r["ok"] == r["requests_total"] > 0 for r in doc["rows"]), doc["rows"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_capacity_quick(tmp_path: Path) -> None:
+    doc = run("bench_capacity.py", tmp_path)  # exits 1 on errors or a failed read-back
+    assert doc["checks_passed"] and doc["kafka_check"]["spoke"]["ok"]
+    assert {(r["path"], r["workload"], r["concurrency"]) for r in doc["rows"]} == {
+        (p, w, c) for p in ("plain", "spoke") for w in ("chat", "embeddings")
+        for c in (1, 8, 32)}
+    assert all(r["ok"] == r["requests"] > 0 for r in doc["rows"]), doc["rows"]
+
+
 def test_lua_per_chunk_quick(tmp_path: Path) -> None:
     doc = run("lua_per_chunk.py", tmp_path)
     assert [r["shape"] for r in doc["rows"]] == [

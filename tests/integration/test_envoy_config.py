@@ -4,6 +4,7 @@ and nothing in it lets a request reach the engine without ext_authz."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import socketserver
 import subprocess
 import threading
@@ -22,10 +23,12 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from google.rpc import status_pb2
 
+from gateway import cli
 from gateway.dev.envoy_proc import envoy_binary, envoy_service
 from gateway.dev.procs import free_port
 from gateway.envoyconf.bootstrap import EXT_AUTHZ, HCM, EnvoyPorts, render
-from gateway.settings import METERING_SOURCES
+from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, SIDECAR_CLUSTER
+from gateway.settings import METERING_SOURCES, Settings
 from testkit.envoys import access_log_entry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,8 +38,8 @@ def random_ports(door: str = "grpc") -> EnvoyPorts:
     """Free ports for everything; sidecar and engine are never started (nothing listens).
     `door`: how ext_authz reaches the sidecar, its gRPC Check or its HTTP door."""
     ports = EnvoyPorts(*(f"127.0.0.1:{free_port()}" for _ in range(4)))
-    return dataclasses.replace(ports, authz_http=f"127.0.0.1:{free_port()}") \
-        if door == "http" else ports
+    return dataclasses.replace(ports, authz_http=f"127.0.0.1:{free_port()}" if door == "http"
+                               else None)
 
 
 DOORS = ["grpc", "http"]
@@ -66,6 +69,49 @@ def per_filter_configs(hcm: dict[str, Any]) -> Iterator[tuple[str, str, Any]]:
         for route in vhost["routes"]:
             for name, cfg in route.get("typed_per_filter_config", {}).items():
                 yield f"route {route['match']}", name, cfg
+
+
+def cluster_addresses(config: dict[str, Any]) -> dict[str, str]:
+    """Each cluster's one endpoint, as "host:port"."""
+    found = {}
+    for cluster in config["static_resources"]["clusters"]:
+        [locality] = cluster["load_assignment"]["endpoints"]
+        [endpoint] = locality["lb_endpoints"]
+        sock = endpoint["endpoint"]["address"]["socket_address"]
+        found[cluster["name"]] = f"{sock['address']}:{sock['port_value']}"
+    return found
+
+
+def check_door(config: dict[str, Any]) -> str:
+    """How the committed config's ext_authz reaches the sidecar: "http" or "grpc"."""
+    [hcm] = hcms(config)
+    authz = hcm["http_filters"][0]["typed_config"]
+    return "http" if "http_service" in authz else "grpc" if "grpc_service" in authz else "?"
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "envoy-ext-proc.yaml"])
+def test_reference_config_reaches_what_serve_binds_on_defaults(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN §7: `gateway serve` on default settings and the committed reference config
+    work together, with the Check through the HTTP door (the cheaper path)."""
+    for var in [v for v in os.environ if v.startswith("GATEWAY_")]:
+        monkeypatch.delenv(var)
+    serve = Settings()
+    config = yaml.safe_load((REPO / "envoy" / name).read_text())
+    clusters = cluster_addresses(config)
+    assert clusters[SIDECAR_CLUSTER] == serve.listen
+    assert clusters[AUTHZ_HTTP_CLUSTER] == serve.authz_http_listen
+    assert check_door(config) == "http"
+
+
+def test_envoy_config_cli_default_is_the_reference_and_grpc_check_is_a_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["envoy-config"]) == 0
+    assert capsys.readouterr().out == (REPO / "envoy" / "envoy.yaml").read_text()
+    assert cli.main(["envoy-config", "--grpc-check"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert check_door(config) == "grpc"
+    assert AUTHZ_HTTP_CLUSTER not in cluster_addresses(config)
 
 
 def test_committed_envoy_yaml_is_render_output() -> None:

@@ -98,6 +98,7 @@ def test_envoy_fails_closed_when_the_sidecar_is_down(tmp_path: Path) -> None:
         admin=f"127.0.0.1:{admin}",
         sidecar=f"127.0.0.1:{free_port()}",
         engine=f"127.0.0.1:{free_port()}",
+        authz_http=f"127.0.0.1:{free_port()}",
     )
     with envoy_service(render(ports), admin, listen, tmp_path):
         for path, body in [("/v1/chat/completions", b'{"model": "m"}'), ("/v1/models", None)]:

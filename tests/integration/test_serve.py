@@ -34,6 +34,7 @@ def _sidecar(tmp: Path, env: dict[str, str]) -> tuple[Service, int]:
     port, mport = free_port(), free_port()
     svc = Service("sidecar", [sys.executable, "-m", "gateway", "serve"], port, tmp, env={
         "GATEWAY_LISTEN": f"127.0.0.1:{port}", "GATEWAY_METRICS_LISTEN": f"127.0.0.1:{mport}",
+        "GATEWAY_AUTHZ_HTTP_LISTEN": "",  # never the fixed default port; tests that want it set it
         **env})
     return svc.start(), mport
 

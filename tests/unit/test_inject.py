@@ -66,3 +66,16 @@ def test_a_planned_splice_always_yields_json_with_include_usage(doc: dict[str, o
 @pytest.mark.parametrize("body", [b"", b"   ", b"null"])
 def test_odd_bodies_are_left_alone(body: bytes) -> None:
     assert planned(body) is None
+
+
+@given(st.sampled_from([b"", b" ", b"\t\r\n", b" \x0b\x0c "]),
+       st.sampled_from([b"", b" ", b"\n  "]), st.booleans())
+def test_whitespace_around_the_brace_is_skipped_as_json_allows(
+        before: bytes, inside: bytes, empty: bool) -> None:
+    """The splice goes right after the first brace, whatever whitespace precedes it or
+    follows it, with a comma only when a member follows."""
+    rest = b"}" if empty else b'"model":"m"}'
+    body = before + b"{" + inside + rest
+    out = planned(body)
+    assert out == before + b'{"stream_options":{"include_usage":true}' + \
+        (b"" if empty else b",") + inside + rest
