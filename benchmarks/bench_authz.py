@@ -349,7 +349,10 @@ class Bench:
             # The older commit's package first on sys.path (PYTHONSAFEPATH: not the cwd's).
             base = baseline_tree(self.baseline, self.workdir / "baseline")
             self.note(f"baseline: {self.baseline} = {base.describe}")
-            backends.append(("baseline", {"GATEWAY_REDIS_URL": redis_url, **base.env}))
+            # Its own database, with the policy it can read (no global_limits before those)
+            base_url = f"redis://{redis.address}/1"
+            publish(base_url, policy_doc(self.secret, key_concurrency=None), "bench")
+            backends.append(("baseline", {"GATEWAY_REDIS_URL": base_url, **base.env}))
         for backend, env in backends:
             metrics_port = free_port()
             env |= self.sink_env(backend)
