@@ -335,7 +335,11 @@ class Bench:
         publish(redis_url, doc, "bench")
         policy_file = self.workdir / "policy-embedded.yaml"
         policy_file.write_text(yaml.safe_dump(doc))
-        common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1"}
+        # Direct Checks admit requests that never end (no Envoy, no record): past their
+        # lease the sweep would bill tens of thousands of orphans during the run, which the
+        # baseline before heartbeats (renewing them forever) never did. Not what A measures.
+        common = {"GATEWAY_LOG_LEVEL": "warning", "GATEWAY_WORKERS": "1",
+                  "GATEWAY_ORPHAN_GRACE_MS": str(3_600_000)}
         sidecars: dict[str, tuple[Service, int]] = {}
         collector, self.spans = self.stack.enter_context(otlp_receiver())
         backends: list[tuple[str, dict[str, str]]] = [

@@ -26,6 +26,7 @@ from gateway.sinks.spool import Spool
 # record, flushed every 50 ms), and how many such words are kept for streams not ended yet.
 CUT_WAIT_S = 1.0
 TOLD_MAX = 10_000
+SWEEP_BATCH = 100  # orphans claimed per store call
 
 
 def _no_prices(model: str, at: float) -> Rates | None:
@@ -50,8 +51,13 @@ class Recorder:
         while True:
             await asyncio.sleep(interval)
             try:
-                for o in await self.leases.limiter.sweep(time.time() - grace):
-                    self.orphan(o)
+                while True:  # a batch at a time, until the backlog (an Envoy crash's) is done
+                    batch = await self.leases.limiter.sweep(time.time() - grace, SWEEP_BATCH)
+                    for o in batch:
+                        self.orphan(o)
+                    if len(batch) < SWEEP_BATCH:
+                        break
+                    await asyncio.sleep(0)  # let the Checks waiting meanwhile through
             except StoreUnavailable:
                 continue
             except Exception:
@@ -65,6 +71,7 @@ class Recorder:
             meter.reported = Usage(prompt, completion, prompt + completion)
         else:
             meter.reported = Usage(prompt_tokens=o.charged, total_tokens=o.charged)
+        metrics.ORPHANS.inc()
         log.warning("orphaned_request", request_id=o.request_id, key_id=facts.key_id,
                     charged=o.charged, checkpoint=o.checkpoint)
         return self.finish(facts, meter, "upstream_error", time.time(),

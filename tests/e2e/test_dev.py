@@ -161,4 +161,4 @@ def test_stopping_gateway_dev_bills_a_stream_in_flight(tmp_path: Path) -> None:
     assert isinstance(usage, dict) and int(usage["completion_tokens"]) > 0, event
     assert event["usage_source"] == "estimated"  # from what it streamed until the cut
     sidecar_log = next((tmp_path / "dev").glob("sidecar-*.log")).read_text()
-    assert "orphaned_request" not in sidecar_log and "admission_unheard" not in sidecar_log
+    assert "orphaned_request" not in sidecar_log and "admissions_unheard" not in sidecar_log
