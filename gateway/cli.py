@@ -23,16 +23,15 @@ from gateway.billing.commands import (
     cmd_usage_tail,
 )
 from gateway.errors import PolicyError
-from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, Settings
+from gateway.hub.commands import (
+    cmd_hub_allocate,
+    cmd_hub_publish,
+    cmd_hub_status,
+    cmd_policy_sync,
+)
+from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, Settings, cli_settings
 
-
-def _settings(args: argparse.Namespace) -> Settings:
-    """Exit 2 with pydantic's words (which setting, what is wrong) for a bad setting."""
-    from pydantic import ValidationError
-    try:
-        return Settings.from_args(args)
-    except ValidationError as exc:
-        raise SystemExit(f"gateway: bad settings: {exc}") from None
+_settings = cli_settings
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -150,78 +149,6 @@ def cmd_policy_status(args: argparse.Namespace) -> int:
                   f"{r['revision']:>5} {r['state']:5} {age:>10}  {err}")
     nack = [*rows.values(), *syncers.values()]
     return 1 if any(r["state"] == "NACK" for r in nack) else 0
-
-
-def cmd_policy_sync(args: argparse.Namespace) -> int:
-    import uvloop
-
-    from gateway.hub.allowances import AllowanceFollower
-    from gateway.hub.sync import default_id, run_sync
-    from gateway.log import configure
-    s = _settings(args)
-    configure(s.log_level)
-    if not s.redis_url or not s.feed_bootstrap:
-        raise SystemExit("policy sync needs GATEWAY_REDIS_URL (the spoke) and "
-                         "GATEWAY_HUB_BOOTSTRAP or GATEWAY_KAFKA_BOOTSTRAP (the hub's Kafka)")
-    # The spoke's allowances of global quotas follow the hub beside its revisions.
-    allowances = AllowanceFollower(s.feed_bootstrap, s.spoke, redis_url=s.redis_url,
-                                   idempotence=s.kafka_idempotence,
-                                   deadline=s.redis_deadline_ms / 1000)
-    uvloop.run(run_sync(s, args.id or default_id(), extra=[allowances.run]))
-    return 0
-
-
-def _hub_bootstrap(args: argparse.Namespace) -> tuple[Settings, str]:
-    s = _settings(args)
-    bootstrap = args.bootstrap or s.feed_bootstrap
-    if not bootstrap:
-        raise SystemExit("no hub Kafka: pass --bootstrap, or set GATEWAY_HUB_BOOTSTRAP or "
-                         "GATEWAY_KAFKA_BOOTSTRAP")
-    return s, bootstrap
-
-
-def cmd_hub_publish(args: argparse.Namespace) -> int:
-    from gateway.hub.publish import publish
-    s, bootstrap = _hub_bootstrap(args)
-    try:
-        text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
-        revision = _run_value(publish(bootstrap, text, args.file, args.target_spoke,
-                                      idempotence=s.kafka_idempotence))
-    except PolicyError as err:
-        print("invalid policy, nothing published:", file=sys.stderr)
-        for p in err.problems:
-            print(f"  {err.source}: {p}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:
-        print(f"nothing published: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # Kafka away: say it, exit non-zero
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"published revision {revision} for spoke {args.target_spoke}")
-    return 0
-
-
-def cmd_hub_status(args: argparse.Namespace) -> int:
-    from gateway.hub import feed, fleet
-    from gateway.hub.topics import POLICY_TOPIC, STATUS_TOPIC, read_all
-    s, bootstrap = _hub_bootstrap(args)
-
-    async def fetch() -> tuple[dict[str, bytes], dict[str, bytes]]:
-        return (feed.latest(await read_all(bootstrap, STATUS_TOPIC)),
-                feed.latest(await read_all(bootstrap, POLICY_TOPIC)))
-
-    try:
-        statuses, policies = _run_value(fetch())
-    except Exception as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    view = fleet.fleet(statuses, policies, time.time())
-    if args.output == "json":
-        print(orjson.dumps(view).decode())
-    else:
-        sys.stdout.write(fleet.table(view, s.status_interval_s))
-    return 0
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -390,20 +317,6 @@ def cmd_dev(args: argparse.Namespace) -> int:
     from gateway.dev.spoke import run_spoke
     return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp,
                      metering=args.metering, drain_s=args.drain_s)
-
-
-def cmd_hub_allocate(args: argparse.Namespace) -> int:
-    import uvloop
-
-    from gateway.hub.allocator import Allocator
-    from gateway.log import configure
-    s, bootstrap = _hub_bootstrap(args)
-    configure(s.log_level)
-    if args.interval_s <= 0:
-        raise SystemExit(f"--interval-s must be > 0, not {args.interval_s}")
-    uvloop.run(Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
-                         usage_topic=s.usage_topic).run())
-    return 0
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:

@@ -122,3 +122,13 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return not self.redis_url
+
+
+def cli_settings(args: object) -> Settings:
+    """A command's settings (env, then its flags); exit 2 with pydantic's words (which
+    setting, what is wrong) for a bad one."""
+    from pydantic import ValidationError
+    try:
+        return Settings.from_args(args)
+    except ValidationError as exc:
+        raise SystemExit(f"gateway: bad settings: {exc}") from None

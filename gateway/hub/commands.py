@@ -1,0 +1,108 @@
+"""`gateway hub ...` and `gateway policy sync`: the hub's reference tools and the spoke's
+follower of the hub (DESIGN §10)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from gateway.errors import PolicyError
+from gateway.settings import Settings, cli_settings
+
+
+def _run_value(coro: Any) -> Any:
+    async def wrap() -> Any:
+        return await coro
+    return asyncio.run(wrap())
+
+
+def cmd_policy_sync(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from gateway.hub.allowances import AllowanceFollower
+    from gateway.hub.sync import default_id, run_sync
+    from gateway.log import configure
+    s = cli_settings(args)
+    configure(s.log_level)
+    if not s.redis_url or not s.feed_bootstrap:
+        raise SystemExit("policy sync needs GATEWAY_REDIS_URL (the spoke) and "
+                         "GATEWAY_HUB_BOOTSTRAP or GATEWAY_KAFKA_BOOTSTRAP (the hub's Kafka)")
+    # The spoke's allowances of global quotas follow the hub beside its revisions.
+    allowances = AllowanceFollower(s.feed_bootstrap, s.spoke, redis_url=s.redis_url,
+                                   idempotence=s.kafka_idempotence,
+                                   deadline=s.redis_deadline_ms / 1000)
+    uvloop.run(run_sync(s, args.id or default_id(), extra=[allowances.run]))
+    return 0
+
+
+def _hub_bootstrap(args: argparse.Namespace) -> tuple[Settings, str]:
+    s = cli_settings(args)
+    bootstrap = args.bootstrap or s.feed_bootstrap
+    if not bootstrap:
+        raise SystemExit("no hub Kafka: pass --bootstrap, or set GATEWAY_HUB_BOOTSTRAP or "
+                         "GATEWAY_KAFKA_BOOTSTRAP")
+    return s, bootstrap
+
+
+def cmd_hub_publish(args: argparse.Namespace) -> int:
+    from gateway.hub.publish import publish
+    s, bootstrap = _hub_bootstrap(args)
+    try:
+        text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+        revision = _run_value(publish(bootstrap, text, args.file, args.target_spoke,
+                                      idempotence=s.kafka_idempotence))
+    except PolicyError as err:
+        print("invalid policy, nothing published:", file=sys.stderr)
+        for p in err.problems:
+            print(f"  {err.source}: {p}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"nothing published: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # Kafka away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"published revision {revision} for spoke {args.target_spoke}")
+    return 0
+
+
+def cmd_hub_status(args: argparse.Namespace) -> int:
+    from gateway.hub import feed, fleet
+    from gateway.hub.topics import POLICY_TOPIC, STATUS_TOPIC, read_all
+    s, bootstrap = _hub_bootstrap(args)
+
+    async def fetch() -> tuple[dict[str, bytes], dict[str, bytes]]:
+        return (feed.latest(await read_all(bootstrap, STATUS_TOPIC)),
+                feed.latest(await read_all(bootstrap, POLICY_TOPIC)))
+
+    try:
+        statuses, policies = _run_value(fetch())
+    except Exception as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    view = fleet.fleet(statuses, policies, time.time())
+    if args.output == "json":
+        print(orjson.dumps(view).decode())
+    else:
+        sys.stdout.write(fleet.table(view, s.status_interval_s))
+    return 0
+
+
+def cmd_hub_allocate(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from gateway.hub.allocator import Allocator
+    from gateway.log import configure
+    s, bootstrap = _hub_bootstrap(args)
+    configure(s.log_level)
+    if args.interval_s <= 0:
+        raise SystemExit(f"--interval-s must be > 0, not {args.interval_s}")
+    uvloop.run(Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
+                         usage_topic=s.usage_topic).run())
+    return 0
