@@ -9,12 +9,9 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from gateway.billing.commands import (
     cmd_usage_consume,
@@ -22,31 +19,32 @@ from gateway.billing.commands import (
     cmd_usage_report,
     cmd_usage_tail,
 )
-from gateway.errors import PolicyError
 from gateway.hub.commands import (
     cmd_hub_allocate,
     cmd_hub_publish,
     cmd_hub_status,
     cmd_policy_sync,
 )
-from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, Settings, cli_settings
+from gateway.policy_commands import (
+    cmd_keys_create,
+    cmd_keys_enable,
+    cmd_keys_list,
+    cmd_keys_mint,
+    cmd_keys_revoke,
+    cmd_keys_show,
+    cmd_keys_update,
+    cmd_policy_apply,
+    cmd_policy_show,
+    cmd_policy_status,
+    limit_value,
+)
+from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
 
 _settings = cli_settings
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
     return asyncio.run(coro)
-
-
-def _backend(s: Settings) -> Any:
-    from gateway.policy.admin import FileBackend, RedisBackend
-    if s.redis_url:
-        from gateway.policy.store import PolicyStore
-        from gateway.redis_clients import policy_client
-        return RedisBackend(PolicyStore(policy_client(s.redis_url, s.redis_deadline_ms / 1000)))
-    if s.policy_file:
-        return FileBackend(s.policy_file)
-    raise SystemExit("set GATEWAY_REDIS_URL (spoke) or GATEWAY_POLICY_FILE (embedded)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -66,240 +64,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.app import run
     uvloop.run(run(s))
     return 0
-
-
-def cmd_policy_apply(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    path = Path(args.file)
-    try:
-        text = sys.stdin.buffer.read() if args.file == "-" else path.read_bytes()
-        done = _run_value(admin.apply(_backend(_settings(args)), text, str(path),
-                                      prune=args.prune, allow_empty=args.allow_empty,
-                                      dry_run=args.dry_run))
-    except PolicyError as err:
-        print("invalid policy, nothing published:", file=sys.stderr)
-        for p in err.problems:
-            print(f"  {err.source}: {p}", file=sys.stderr)
-        return 2
-    except (admin.ApplyRefused, OSError) as exc:
-        print(f"nothing published: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # e.g. a revision conflict or Redis down: say it, exit non-zero
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"changes against revision {done.base}:")
-    print("\n".join(done.diff.lines()))
-    if done.revision is not None:
-        print(f"applied revision {done.revision}")
-        return 0
-    print("dry run: nothing published")
-    if done.refused:
-        print(f"apply would refuse: {done.refused}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def cmd_policy_show(args: argparse.Namespace) -> int:
-    from gateway.policy.loader import dump_json, dump_yaml
-    rev, doc = _run_value(_backend(_settings(args)).read())
-    if args.output == "json":
-        sys.stdout.buffer.write(dump_json(doc, rev) + b"\n")
-    else:
-        sys.stdout.write(dump_yaml(doc, rev))
-    return 0
-
-
-def _run_value(coro: Any) -> Any:
-    async def wrap() -> Any:
-        return await coro
-    return asyncio.run(wrap())
-
-
-def cmd_policy_status(args: argparse.Namespace) -> int:
-    s = _settings(args)
-    if not s.redis_url:
-        rev, _ = _run_value(_backend(s).read())
-        print(f"embedded mode: {s.policy_file} revision {rev} (no per-instance status)")
-        return 0
-    from gateway.policy.store import PolicyStore
-    from gateway.redis_clients import policy_client
-
-    async def fetch() -> tuple[int, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-        store = PolicyStore(policy_client(s.redis_url or "", s.redis_deadline_ms / 1000))
-        return (await store.current_revision(), await store.statuses(),
-                await store.sync_statuses())
-
-    current, rows, syncers = _run_value(fetch())
-    print(f"current revision: {current}")
-    print(f"{'INSTANCE':32} {'HELD':>5} {'STATE':5} {'LAST SEEN':>10}  ERROR")
-    now = time.time()
-    for inst, r in sorted(rows.items()):
-        age = f"{now - r['seen_at']:.0f}s ago"
-        print(f"{inst:32} {r['revision']:>5} {r['state']:5} {age:>10}  {r.get('error') or ''}")
-    if syncers:  # `policy sync` followers of the hub's feed
-        print(f"\n{'SYNCER':32} {'FEED':5} {'FEED REV':>8} {'HELD':>5} {'STATE':5} "
-              f"{'LAST SEEN':>10}  ERROR")
-        for name, r in sorted(syncers.items()):
-            age = f"{now - r['seen_at']:.0f}s ago"
-            err = r.get("error") or ""
-            if r["feed"] != "up":
-                err = f"feed unreachable, retrying: {r.get('feed_error')}" + (
-                    f"; {err}" if err else "")
-            print(f"{name:32} {r['feed']:5} {r.get('feed_revision') or '-':>8} "
-                  f"{r['revision']:>5} {r['state']:5} {age:>10}  {err}")
-    nack = [*rows.values(), *syncers.values()]
-    return 1 if any(r["state"] == "NACK" for r in nack) else 0
-
-
-def cmd_keys_create(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    limits = {"rps": args.rps, "concurrency": args.concurrency,
-              "tokens_per_day": args.tokens_per_day, "tokens_per_minute": args.tokens_per_minute}
-    models = [m for m in (args.models or "").split(",") if m] or None
-    try:
-        new = _run_value(admin.create_key(
-            _backend(_settings(args)), args.team, key_id=args.key_id, models=models,
-            expires_in=args.expires_in, limits=limits))
-    except (PolicyError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"key_id:   {new.key_id}\nrevision: {new.revision}\nsecret:   {new.secret}")
-    print("The secret is shown once; only its SHA-256 is stored.", file=sys.stderr)
-    return 0
-
-
-def cmd_keys_mint(args: argparse.Namespace) -> int:
-    """A key for a hand-written policy: the secret (shown once) and the entry to paste."""
-    import re
-
-    from gateway.policy import secrets
-    if not re.fullmatch(secrets.KEY_ID_PATTERN, args.key_id):
-        print(f"error: key id {args.key_id!r} is not {secrets.KEY_ID_RULE}", file=sys.stderr)
-        return 2
-    secret = secrets.new_secret(args.key_id)
-    sha = secrets.digest(secret).hex()
-    print(f"secret:   {secret}\nsha256:   {sha}")
-    print(f"\npolicy entry (under keys:):\n  {args.key_id}:\n    team: {args.team}\n"
-          f"    sha256: \"{sha}\"")
-    print("The secret is shown once; only its SHA-256 belongs in the policy.", file=sys.stderr)
-    return 0
-
-
-def cmd_keys_list(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    _, doc = _run_value(_backend(_settings(args)).read())
-    rows = admin.key_rows(doc)
-    if args.output == "json":
-        print(orjson.dumps(rows).decode())
-        return 0
-    print(f"{'KEY_ID':20} {'TEAM':16} {'STATE':9} {'EXPIRES':26} MODELS")
-    for r in rows:
-        print(f"{r['key_id']:20} {r['team']:16} {r['state']:9} {r['expires_at']:26} {r['models']}")
-    return 0
-
-
-def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
-    from gateway.policy import admin
-    try:
-        done = _run_value(edit(_backend(_settings(args)), args.key_id))
-    except KeyError:
-        print(f"error: no key {args.key_id}", file=sys.stderr)
-        return 2
-    except (PolicyError, ValueError) as exc:
-        print(f"error, nothing published: {exc}", file=sys.stderr)
-        return 2
-    except admin.RevisionConflict as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if done.changed:
-        print(f"{verb} {args.key_id} in revision {done.revision}")
-    else:
-        print(f"{args.key_id} {same}: nothing changed (revision {done.revision})")
-    return 0
-
-
-def cmd_keys_show(args: argparse.Namespace) -> int:
-    from gateway import keys_show
-    from gateway.policy.model import Policy
-    s = _settings(args)
-    rev, doc = _run_value(_backend(s).read())
-    if args.key_id not in doc.keys:
-        print(f"error: no key {args.key_id}", file=sys.stderr)
-        return 2
-    policy = Policy.compile(doc, rev)
-    now = time.time()
-
-    async def read() -> list[Any]:
-        tiers = keys_show.key_tiers(policy, args.key_id)
-        if not s.redis_url:
-            return await keys_show.standings(tiers, None, now)
-        from gateway.limits.redis_store import RedisLimiter
-        from gateway.redis_clients import limiter_client
-        limiter = RedisLimiter(limiter_client(s.redis_url, s.redis_deadline_ms / 1000))
-        try:
-            return await keys_show.standings(tiers, limiter.counters, now)
-        finally:
-            await limiter.close()
-    try:
-        rows = _run_value(read())
-    except Exception as exc:  # the store away: say it, exit non-zero
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    data = keys_show.as_data(policy, args.key_id, rows, now, counters=bool(s.redis_url))
-    print(orjson.dumps(data).decode() if args.output == "json" else keys_show.table(data))
-    return 0
-
-
-def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    return _key_edit(args, admin.revoke_key, "revoked", "is already revoked")
-
-
-def cmd_keys_enable(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    return _key_edit(args, admin.enable_key, "re-enabled", "is already enabled")
-
-
-def _limit_value(text: str) -> float | None:
-    """A limit flag's value: a number, or `none` to remove that limit."""
-    if text.strip().lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `none`") from None
-    return int(value) if value.is_integer() else value
-
-
-def cmd_keys_update(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    limits = {name: getattr(args, name) for name in admin.LIMIT_FIELDS
-              if getattr(args, name) is not admin.UNSET}
-    for name, value in limits.items():
-        if name != "rps" and isinstance(value, float):
-            print(f"error: --{name.replace('_', '-')} must be a whole number", file=sys.stderr)
-            return 2
-    models: Any = admin.UNSET
-    if args.models is not None:
-        models = None if args.models == "team" else [m for m in args.models.split(",") if m]
-    expires: Any = admin.UNSET
-    try:
-        if args.no_expiry:
-            expires = None
-        elif args.expires_in:
-            expires = admin.expiry(args.expires_in)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not limits and models is admin.UNSET and expires is admin.UNSET:
-        print("error: nothing to update: give limits (--rps ...), --models, --expires-in or "
-              "--no-expiry", file=sys.stderr)
-        return 2
-
-    def edit(backend: Any, key_id: str) -> Any:
-        return admin.update_key(backend, key_id, limits=limits, models=models,
-                                expires_at=expires)
-    return _key_edit(args, edit, "updated", "already has these settings")
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
@@ -489,7 +253,7 @@ def parser() -> argparse.ArgumentParser:
                        ("tokens_per_minute", "tokens, sliding minute"),
                        ("tokens_per_day", "tokens per UTC day"),
                        ("tokens_per_month", "tokens per UTC month")):
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=_limit_value,
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=limit_value,
                        default=admin_unset(), metavar="N|none",
                        help=f"the key tier's {kind}; none removes it (default: unchanged)")
     p.add_argument("--models", default=None,

@@ -4,22 +4,15 @@ follower of the hub (DESIGN §10)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from gateway.errors import PolicyError
+from gateway.policy_commands import run_value
 from gateway.settings import Settings, cli_settings
-
-
-def _run_value(coro: Any) -> Any:
-    async def wrap() -> Any:
-        return await coro
-    return asyncio.run(wrap())
 
 
 def cmd_policy_sync(args: argparse.Namespace) -> int:
@@ -55,7 +48,7 @@ def cmd_hub_publish(args: argparse.Namespace) -> int:
     s, bootstrap = _hub_bootstrap(args)
     try:
         text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
-        revision = _run_value(publish(bootstrap, text, args.file, args.target_spoke,
+        revision = run_value(publish(bootstrap, text, args.file, args.target_spoke,
                                       idempotence=s.kafka_idempotence))
     except PolicyError as err:
         print("invalid policy, nothing published:", file=sys.stderr)
@@ -82,7 +75,7 @@ def cmd_hub_status(args: argparse.Namespace) -> int:
                 feed.latest(await read_all(bootstrap, POLICY_TOPIC)))
 
     try:
-        statuses, policies = _run_value(fetch())
+        statuses, policies = run_value(fetch())
     except Exception as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
