@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.metering.sources import MeteringSource, source_named
 from gateway.sentinel_url import check_redis_url
 
 # Who does the per-chunk work of metering (README "Two metering sources").
@@ -95,10 +96,15 @@ class Settings(BaseSettings):
         return tuple(p.strip() for p in self.continuous_usage_models.split(",") if p.strip())
 
     @property
+    def source(self) -> MeteringSource:
+        """What GATEWAY_METERING's source asks of the sidecar (gateway/metering/sources.py)."""
+        return source_named(self.metering)
+
+    @property
     def concurrency_grace_s(self) -> float:
         if self.concurrency_grace_ms is not None:
             return self.concurrency_grace_ms / 1000
-        return 0.1 if self.metering == "envoy" else 0.0
+        return self.source.concurrency_grace_s
 
     @property
     def orphan_grace_s(self) -> float:
@@ -107,7 +113,7 @@ class Settings(BaseSettings):
         for ~36 s), and it carries the real usage where the orphan's event has none."""
         if self.orphan_grace_ms is not None:
             return self.orphan_grace_ms / 1000
-        return 45.0 if self.metering == "envoy" else 0.0
+        return self.source.orphan_grace_s
 
     @property
     def unheard_s(self) -> float:

@@ -22,6 +22,7 @@ from gateway.dev.procs import Service, free_port, redis_service, tansu_service
 from gateway.dev.publish import publish
 from gateway.dev.sentinels import sentinel_set, sentinel_url
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
+from gateway.metering.sources import source_named
 from gateway.settings import DEFAULT_METERING, Metering
 
 LOOP = "127.0.0.1"
@@ -114,7 +115,8 @@ class Spoke:
             env |= {"OTEL_TRACES_EXPORTER": "otlp",
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{self.otlp}"}
         door = None
-        if self.authz_http if self.authz_http is not None else self.metering == "envoy":
+        if (self.authz_http if self.authz_http is not None
+                else not source_named(self.metering).portable):
             door = env["GATEWAY_AUTHZ_HTTP_LISTEN"] = f"{LOOP}:{free_port()}"
         self.authz_http_address = door
         extra: dict[str, Any] = {"keep_request_ids": self.keep_request_ids}

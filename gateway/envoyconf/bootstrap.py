@@ -74,9 +74,9 @@ from gateway.envoyconf.filters import (
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
 from gateway.metering.record import CUT_FLAGS
+from gateway.metering.sources import MeteringSource, source_named
 from gateway.settings import (
     DEFAULT_METERING,
-    METERING_SOURCES,
     REFERENCE_AUTHZ_HTTP,
     REFERENCE_LISTEN,
     Metering,
@@ -175,7 +175,7 @@ class _Limits:
     max_request_bytes: int
     authz_timeout: timedelta
     message_timeout: timedelta
-    metering: Metering
+    source: MeteringSource
     authz_http: bool = False
     heartbeat: timedelta = envoy_metering.RECORD_HEARTBEAT
     keep_request_ids: bool = False
@@ -228,13 +228,11 @@ def bootstrap(
     keep_request_ids: bool = False,
 ) -> Bootstrap:
     """The typed bootstrap: one listener, the sidecar and engine clusters, admin."""
-    if metering not in METERING_SOURCES:
-        raise ValueError(f"metering: {metering!r} is not one of {', '.join(METERING_SOURCES)}")
     limits = _Limits(
         max_request_bytes=max_request_bytes,
         authz_timeout=timedelta(seconds=authz_timeout_s),
         message_timeout=timedelta(seconds=message_timeout_s),
-        metering=metering,
+        source=source_named(metering),
         authz_http=bool(ports.authz_http),
         heartbeat=timedelta(seconds=heartbeat_s),
         keep_request_ids=keep_request_ids,
@@ -274,12 +272,12 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
             *_metering_filters(limits),
             HttpFilter(name=ROUTER, typed_config=Any.pack(Router())),
         ],
-        access_log=[_stdout_access_log(limits.metering),
-                    envoy_metering.record_log() if limits.metering == "envoy" else
+        access_log=[_stdout_access_log(limits.source),
+                    envoy_metering.record_log() if limits.source.records_are_events else
                     envoy_metering.record_log(only_flags=CUT_FLAGS)],
         # Envoy-fed metering: a heartbeat record per request in flight (metering.py)
         access_log_options=HttpConnectionManagerHcmAccessLogOptions(
-            access_log_flush_interval=limits.heartbeat) if limits.metering == "envoy" else None,
+            access_log_flush_interval=limits.heartbeat) if limits.source.heartbeat else None,
         use_remote_address=True,
         # A client's own x-request-id is replaced: it is the usage event's id (a config
         # that keeps them is refused a live duplicate at admission, README)
@@ -296,13 +294,17 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
 def _metering_filters(limits: _Limits) -> list[HttpFilter]:
     """ext_proc sees every chunk; the Envoy source does the byte work in Envoy's own
     filters (gateway/envoyconf/metering.py)."""
-    if limits.metering == "ext_proc":
-        return [HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout)))]
-    return [
-        HttpFilter(name=envoy_metering.LUA, typed_config=Any.pack(envoy_metering.lua())),
-        HttpFilter(name=envoy_metering.JSON_TO_METADATA,
-                   typed_config=Any.pack(envoy_metering.json_to_metadata())),
-    ]
+    filters: list[HttpFilter] = []
+    if limits.source.ext_proc_filter:
+        filters.append(
+            HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout))))
+    if limits.source.lua_filters:
+        filters += [
+            HttpFilter(name=envoy_metering.LUA, typed_config=Any.pack(envoy_metering.lua())),
+            HttpFilter(name=envoy_metering.JSON_TO_METADATA,
+                       typed_config=Any.pack(envoy_metering.json_to_metadata())),
+        ]
+    return filters
 
 
 def _route_config() -> RouteConfiguration:
@@ -317,9 +319,9 @@ def _route_config() -> RouteConfiguration:
     )
 
 
-def _stdout_access_log(metering: Metering) -> AccessLog:
+def _stdout_access_log(source: MeteringSource) -> AccessLog:
     fmt = dict(ACCESS_LOG_FORMAT)
-    if metering == "envoy":
+    if source.lua_filters:
         fmt["usage"] = f"%DYNAMIC_METADATA({envoy_metering.USAGE_NS})%"
     log_format = SubstitutionFormatString(json_format=Struct.from_dict(fmt))
     return AccessLog(

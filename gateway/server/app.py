@@ -102,7 +102,7 @@ class App:
         ), on_abandoned=self.leases.void,
             # Envoy-fed metering has no stream in the sidecar to renew a lease from: it is
             # renewed while Envoy's heartbeat records say the request lives, until its end.
-            on_admitted=self.leases.watch if s.metering == "envoy" else None,
+            on_admitted=self.leases.watch if s.source.watches else None,
             ends_settled=self.leases.next_flush)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
@@ -117,7 +117,7 @@ class App:
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, self.tracing), self.server)
         # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
-        RecordsService(recorder, emits=s.metering == "envoy").register(self.server)
+        RecordsService(recorder, emits=s.source.records_are_events).register(self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
