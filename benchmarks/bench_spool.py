@@ -57,7 +57,7 @@ from gateway.dev.usage_topic import USAGE_TOPIC, read_topic
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
-from gateway.metering.usage import Usage
+from gateway.usage_event import Usage
 from gateway.sinks.producers import KafkaProducer, Record
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
