@@ -37,8 +37,8 @@ unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway testkit tests benchmarks
-	$(BIN)/mypy gateway testkit
+	$(BIN)/ruff check gateway devspoke testkit tests benchmarks
+	$(BIN)/mypy gateway devspoke testkit
 	$(BIN)/lint-imports
 
 protos: $(STAMP)

@@ -20,7 +20,7 @@ from pathlib import Path
 from common import markdown_table
 from redis import Redis
 
-from gateway.dev.procs import free_port, redis_service
+from devspoke.procs import free_port, redis_service
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "gateway/limits/admit.lua"

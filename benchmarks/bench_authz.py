@@ -49,10 +49,10 @@ from loadgen_client import LoadGen
 from redis_probe import RedisProbe
 from wrk import WRK_MAX_REQUESTS, WRK_SCRIPT, run_wrk, wrk_version
 
-from gateway.dev.procs import Service, free_port, redis_service, sentinel_service
-from gateway.dev.publish import publish
-from gateway.dev.sentinels import SERVICE, sentinel_url, wait_sentinels
-from gateway.dev.stack import Spoke, sidecar_service, wait_ready
+from devspoke.procs import Service, free_port, redis_service, sentinel_service
+from devspoke.publish import publish
+from devspoke.sentinels import SERVICE, sentinel_url, wait_sentinels
+from devspoke.stack import Spoke, sidecar_service, wait_ready
 from gateway.policy import secrets
 from testkit.check_requests import check_request
 from testkit.envoys import WITHOUT_EXT_PROC, WITHOUT_GATEWAY, access_log_outcomes, envoy_without

@@ -7,7 +7,7 @@ allows, through the reference config, against an Envoy with no gateway at all.
 Paths, measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
   (testkit.envoys.envoy_without), to the spoke's mock engine;
-* `spoke`: a whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
+* `spoke`: a whole spoke (devspoke.stack.Spoke: Redis, Tansu, mock engine, sidecar,
   Envoy) with the reference config: Envoy-fed metering, the Check through the HTTP door;
 * with `--baseline REV`, `baseline`: a second whole spoke whose sidecar and Envoy bootstrap
   are REV's code (`git archive`), its reference config as REV renders it by default.
@@ -70,9 +70,9 @@ from common import (
 )
 from streaming import pct, serve_one_key
 
-from gateway.dev.procs import Service, free_port
-from gateway.dev.stack import Spoke
-from gateway.dev.usage_topic import read_topic
+from devspoke.procs import Service, free_port
+from devspoke.stack import Spoke
+from devspoke.usage_topic import read_topic
 from gateway.envoyconf.bootstrap import EnvoyPorts
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without

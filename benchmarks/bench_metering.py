@@ -5,7 +5,7 @@ the sidecar (ext_authz + ext_proc FULL_DUPLEX_STREAMED, spool, Kafka) vs plain E
         [--baseline REV]
 
 Two paths to one mock engine, measured in one run:
-* `metered`: the whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
+* `metered`: the whole spoke (devspoke.stack.Spoke: Redis, Tansu, mock engine, sidecar,
   Envoy from gateway.envoyconf.bootstrap.render);
 * `plain`: a second Envoy rendered from the same config with the ext_authz and ext_proc
   http_filters deleted;
@@ -84,9 +84,9 @@ from common import (
 )
 from streaming import Api, Sample, Workload, closed_loop, pct, serve_one_key
 
-from gateway.dev.procs import Service, free_port
-from gateway.dev.stack import Spoke
-from gateway.dev.usage_topic import read_topic
+from devspoke.procs import Service, free_port
+from devspoke.stack import Spoke
+from devspoke.usage_topic import read_topic
 from gateway.envoyconf.bootstrap import EnvoyPorts
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without

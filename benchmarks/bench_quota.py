@@ -34,8 +34,8 @@ from pathlib import Path
 import redis
 from common import git_state, machine_info
 
-from gateway.dev.procs import free_port, redis_service
-from gateway.dev.stack import Spoke
+from devspoke.procs import free_port, redis_service
+from devspoke.stack import Spoke
 from gateway.limits import maths
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient, Script

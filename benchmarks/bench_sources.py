@@ -6,7 +6,7 @@ and throughput of each, against an Envoy with no gateway at all.
 Three paths (four with --grpc-check), measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
   (testkit.envoys.envoy_without), to the ext_proc spoke's mock engine;
-* `ext_proc`: a whole spoke (gateway.dev.stack.Spoke: Redis, Tansu, mock engine, sidecar,
+* `ext_proc`: a whole spoke (devspoke.stack.Spoke: Redis, Tansu, mock engine, sidecar,
   Envoy) with metering=ext_proc: every SSE chunk goes through the sidecar;
 * `envoy`: a second spoke with metering=envoy: Envoy's Lua and
   json_to_metadata filters do the byte work, one OpenTelemetry access-log record per request
@@ -77,9 +77,9 @@ import orjson
 from common import git_state, markdown_table, pin, proc_cpu_s, scan_log, sched_ns
 from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 
-from gateway.dev.procs import Service, free_port
-from gateway.dev.stack import Spoke
-from gateway.dev.usage_topic import read_topic
+from devspoke.procs import Service, free_port
+from devspoke.stack import Spoke
+from devspoke.usage_topic import read_topic
 from gateway.policy import secrets
 from gateway.settings import Metering
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without

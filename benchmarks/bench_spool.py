@@ -52,15 +52,15 @@ from typing import Any
 
 from common import git_state, markdown_table, pin
 
-from gateway.dev.procs import Service, free_port, tansu_service
-from gateway.dev.usage_topic import USAGE_TOPIC, read_topic
+from devspoke.procs import Service, free_port, tansu_service
+from devspoke.usage_topic import USAGE_TOPIC, read_topic
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
-from gateway.metering.usage import Usage
 from gateway.sinks.producers import KafkaProducer, Record
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
+from gateway.usage_event import Usage
 
 HERE = Path(__file__).resolve().parent
 TARGET_EVENTS_PER_S = 5000

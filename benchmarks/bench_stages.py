@@ -30,8 +30,8 @@ from common import Processes, git_state, markdown_table, split_cpus
 from loadgen_client import LoadGen
 from stage_server import STAGES
 
-from gateway.dev.procs import Service, free_port, redis_service
-from gateway.dev.publish import publish
+from devspoke.procs import Service, free_port, redis_service
+from devspoke.publish import publish
 from gateway.policy import secrets
 from testkit.check_requests import check_request
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.policy import secrets
 
 Api = Literal["chat", "messages"]

@@ -77,8 +77,20 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+FROM_A_CHECKOUT = ("gateway dev runs from a checkout of the repository, not from an installed "
+                   "package: git clone <the repository> && cd <it> && make run\n")
+
+
 def cmd_dev(args: argparse.Namespace) -> int:
-    from gateway.dev.spoke import run_spoke
+    # The local spoke (devspoke/, with the mock engine) is no part of the wheel: `make run`'s
+    # venv finds it in the checkout (scripts/bootstrap.sh's .pth).
+    try:
+        from devspoke.spoke import run_spoke
+    except ModuleNotFoundError as exc:
+        if exc.name != "devspoke":
+            raise
+        sys.stderr.write(FROM_A_CHECKOUT)
+        return 2
     return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp,
                      metering=args.metering, drain_s=args.drain_s)
 
@@ -139,7 +151,7 @@ def parser() -> argparse.ArgumentParser:
     _store_flags(p)
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("dev", help="the whole local spoke in one command")
+    p = sub.add_parser("dev", help="the whole local spoke in one command (from a checkout)")
     p.add_argument("--port", type=int, default=10000,
                    help="Envoy's listener on 127.0.0.1 (default: %(default)s)")
     p.add_argument("--drain-s", dest="drain_s", type=float, default=5.0,

@@ -14,10 +14,7 @@ stdlib's meaning for callers that catch that).
      ├── ApplyRefused       [ValueError] `policy apply` would do harm nobody asked for
      ├── SinkUnavailable    not delivered to Kafka/JSONL: try again later
      ├── SpoolLocked        the spool directory belongs to a live instance
-     ├── ReportError        [ValueError] a usage report that cannot be answered
-     ├── ServiceError       [RuntimeError] a process `gateway dev` runs did not come up
-     ├── RequestError       [ValueError] the mock engine refuses a request (its 400)
-     └── Died               [ConnectionResetError] the mock engine stopped mid-answer on purpose
+     └── ReportError        [ValueError] a usage report that cannot be answered
 
 The limiter turns RedisLost into StoreInDoubt, and RedisGone/RedisReplyError into
 StoreUnavailable, at its edge.
@@ -87,15 +84,3 @@ class SpoolLocked(GatewayError):
 
 class ReportError(GatewayError, ValueError):
     """A request for a report that cannot be answered (a bad date, an empty database)."""
-
-
-class ServiceError(GatewayError, RuntimeError):
-    """A service could not be found, did not start, or died while starting."""
-
-
-class RequestError(GatewayError, ValueError):
-    """A request the mock engine rejects with 400, like a real OpenAI-compatible server."""
-
-
-class Died(GatewayError, ConnectionResetError):
-    """The mock engine stopped mid-generation on purpose; the connection is already gone."""

@@ -21,5 +21,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 echo "bootstrap: installing the gateway package and its dev/test extras"
 .venv/bin/pip install -q -e '.[dev,test]' 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import gateway, grpc, envoy.service.auth.v3.external_auth_pb2, aiohttp, openai
+# devspoke/ (`gateway dev`) and testkit/ are not in the package: the venv imports them from
+# this checkout, as the tests and the benchmarks do.
+SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+pwd > "$SITE/gateway-checkout.pth"
+.venv/bin/python -c "import gateway, devspoke, testkit, grpc, envoy.service.auth.v3.external_auth_pb2, aiohttp, openai
 from gateway.server.proto_fields import check_or_exit; check_or_exit()"

@@ -11,8 +11,8 @@ from typing import Any
 
 import yaml
 
-from gateway.dev.envoy_proc import envoy_service
-from gateway.dev.procs import LOOPBACK, Service, free_port
+from devspoke.envoy_proc import envoy_service
+from devspoke.procs import LOOPBACK, Service, free_port
 from gateway.envoyconf.bootstrap import EXT_AUTHZ, EXT_PROC, EnvoyPorts, render
 
 WITHOUT_GATEWAY = (EXT_AUTHZ, EXT_PROC)  # plain Envoy: straight to the engine

@@ -21,8 +21,8 @@ import orjson
 import redis
 import yaml
 
-from gateway.dev.procs import LOOPBACK, Service, free_port, tansu_service
-from gateway.dev.stack import Spoke
+from devspoke.procs import LOOPBACK, Service, free_port, tansu_service
+from devspoke.stack import Spoke
 from gateway.policy import secrets
 from testkit.spoke import KEY_LIMITS, policy_doc
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.limits import maths
 from gateway.redis_clients import sync_client
 from testkit.load import Result

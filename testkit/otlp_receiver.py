@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
+from devspoke.procs import free_port
 from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
-from gateway.dev.procs import free_port
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Any
 import openai
 import orjson
 
-from gateway.dev.procs import free_port
-from gateway.dev.stack import Spoke
+from devspoke.procs import free_port
+from devspoke.stack import Spoke
 from gateway.hub.quota_topic import POLICY_TOPIC
 
 
@@ -166,7 +166,7 @@ def quota_doc(keys: dict[str, str], quota: int) -> dict[str, Any]:
 
 @dataclass
 class Fleet:
-    kafka: Any  # the shared Tansu (a gateway.dev.procs.Service)
+    kafka: Any  # the shared Tansu (a devspoke.procs.Service)
     spokes: dict[str, Spoke]
     keys: dict[str, str]  # key id → secret
     procs: list[Proc]
@@ -178,8 +178,8 @@ def fleet(workdir: Path, teams: list[str], quota: int,
           names: tuple[str, ...] = ("east", "west")) -> Iterator[Fleet]:
     """Whole spokes on one Tansu, serving one policy (on their Redis and on the hub's feed),
     each with its allowance follower; no allocator yet. Everything stops on exit."""
-    from gateway.dev.procs import tansu_service
-    from gateway.dev.publish import publish
+    from devspoke.procs import tansu_service
+    from devspoke.publish import publish
     from gateway.policy import secrets
 
     kafka = tansu_service(free_port(), workdir).start()

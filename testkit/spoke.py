@@ -11,10 +11,10 @@ import anthropic
 import openai
 import orjson
 
-from gateway.dev.procs import free_port
-from gateway.dev.publish import publish as publish_policy
-from gateway.dev.stack import Spoke
-from gateway.dev.usage_topic import read_topic
+from devspoke.procs import free_port
+from devspoke.publish import publish as publish_policy
+from devspoke.stack import Spoke
+from devspoke.usage_topic import read_topic
 from gateway.policy import secrets
 
 KEY_LIMITS: dict[str, dict[str, Any]] = {

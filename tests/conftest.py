@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.dev.procs import Service, free_port, redis_service
+from devspoke.procs import Service, free_port, redis_service
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from gateway.endpoints import Api
 from gateway.limits.types import RateInfo
-from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.metering.inject import Splice
+from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from gateway.authz.decision import Allow, Decision, Deny, Reply
 from gateway.authz.request import AuthzRequest
 from gateway.endpoints import api_of
 from gateway.metering import handoff
-from gateway.metering.cancel import CancelRule
+from gateway.policy.billing_rules import CancelRule
 
 UPSTREAM = answers.CONTEXT_HEADERS
 RATE_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")  # to the client, allowed or denied

@@ -19,8 +19,8 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
 from gateway.errors import SinkUnavailable
-from gateway.metering.events import rfc3339
 from gateway.sinks.producers import KafkaProducer
+from gateway.usage_event import rfc3339
 
 QUOTA_TOPIC = "llm.quota.v1"
 POLICY_TOPIC = "llm.policy.v1"

@@ -1,49 +1,10 @@
-"""How a stream the client cancelled is billed: a policy rule, applied to the facts (pure).
-
-The team's rule (or the platform's, `gateway/policy/schema.py` `Billing`) reaches metering
-in the Check's metadata (`handoff`), so the rule a request was admitted under is the one
-it is billed under, whatever the policy says by the time it ends.
-
-* `generated`: what the engine generated: the prompt and every completion token it reported
-  (continuous usage), or, when it reported none, the estimate from what streamed.
-* `delivered`: the prompt, and the completion tokens estimated from the content that passed
-  to the client (never more than were generated).
-* `none`: nothing.
-"""
+"""How a stream the client cancelled is billed: the team's rule
+(gateway/policy/billing_rules.py), applied to the facts (pure)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
-from gateway.metering.usage import Usage
-
-CancelRule = Literal["generated", "delivered", "none"]
-CANCEL_RULES: tuple[CancelRule, ...] = ("generated", "delivered", "none")
-DEFAULT_CANCEL_RULE: CancelRule = "generated"  # the behaviour before rules existed
-
-
-@dataclass(frozen=True, slots=True)
-class Cancellation:
-    """The facts of a client-cancelled stream, and the rule it was billed by. All empty for
-    every other outcome."""
-
-    billing_rule: str = ""
-    prompt_tokens: int = 0  # the prompt the engine processed (billed unless `none`)
-    generated_completion_tokens: int = 0
-    delivered_completion_tokens: int = 0
-
-
-NOT_CANCELLED = Cancellation()
-
-
-def rule_of(value: object) -> CancelRule:
-    """A rule read from metadata: an unknown or absent value is the default (a Check from a
-    version that wrote none bills as before)."""
-    for rule in CANCEL_RULES:
-        if value == rule:
-            return rule
-    return DEFAULT_CANCEL_RULE
+from gateway.policy.billing_rules import CancelRule
+from gateway.usage_event import Cancellation, Usage
 
 
 def bill(usage: Usage, delivered: int, rule: CancelRule) -> tuple[Usage, Cancellation]:

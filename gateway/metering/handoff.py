@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule, rule_of
 from gateway.metering.inject import Injected, Splice
+from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule, rule_of
 
 # Envoy files ext_authz's dynamic metadata under this namespace, whatever the filter is named.
 NAMESPACE = "envoy.filters.http.ext_authz"
@@ -75,7 +75,7 @@ def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leas
            cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> Metadata:
     """An allowed request's entries that repeat for every request of a caller and model shape
     (the Check encodes them once). `cancelled`: how the team bills a stream its client
-    cancels (gateway/metering/cancel.py), fixed at admission."""
+    cancels (gateway/policy/billing_rules.py), fixed at admission."""
     return {"key_id": key_id, "team": team, "model": model, "stream": stream,
             "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
             "include_usage": include_usage, "continuous_usage": continuous_usage,

@@ -18,7 +18,8 @@ from gateway.endpoints import Reader, reader_of
 from gateway.metering import usage as usage_mod
 from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
-from gateway.metering.usage import ChoicesStream, MessagesStream, Usage
+from gateway.metering.usage import ChoicesStream, MessagesStream
+from gateway.usage_event import Usage
 
 __all__ = ["Injected", "Meter", "Result"]
 

@@ -19,7 +19,8 @@ from gateway.endpoints import Reader, reader_of
 from gateway.metering import handoff
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Result
-from gateway.metering.usage import Usage, from_messages
+from gateway.metering.usage import from_messages
+from gateway.usage_event import Usage
 
 # %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
 # cut its stream after the headers; the rest fail before or while connecting.

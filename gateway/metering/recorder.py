@@ -13,14 +13,14 @@ from gateway.errors import StoreUnavailable
 from gateway.limits.leases import Leases
 from gateway.limits.types import Orphan
 from gateway.log import log
-from gateway.metering.cancel import NOT_CANCELLED, bill
-from gateway.metering.cost import Rates, cost
-from gateway.metering.events import UsageEvent, event_json, rfc3339
+from gateway.metering.cancel import bill
+from gateway.metering.cost import cost
 from gateway.metering.handoff import RequestFacts, orphan_facts
 from gateway.metering.meter import Meter, Result
 from gateway.metering.record import UPSTREAM_FLAGS
-from gateway.metering.usage import Usage
+from gateway.policy.prices import Rates
 from gateway.sinks.spool import Spool
+from gateway.usage_event import NOT_CANCELLED, Usage, UsageEvent, event_json, rfc3339
 
 # How long a stream ext_proc saw end early waits for Envoy's word on why (its access-log
 # record, flushed every 50 ms), and how many such words are kept for streams not ended yet.

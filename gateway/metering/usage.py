@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.endpoints import Reader, reader_of
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    cached_tokens: int = 0  # of prompt_tokens, read from the engine's prompt cache
-    reasoning_tokens: int = 0  # of completion_tokens
-    cache_creation_tokens: int = 0  # of prompt_tokens, written to the cache (Anthropic)
+from gateway.usage_event import Usage
 
 
 def plus(a: Usage, b: Usage) -> Usage:

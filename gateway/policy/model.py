@@ -10,9 +10,9 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
-from gateway.metering.cost import PriceBook, Rates
-from gateway.policy.schema import GlobalLimits, Limits, PolicyDoc, Price
+from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
+from gateway.policy.prices import PriceBook, Rates
+from gateway.policy.schema import GlobalLimits, Limits, PolicyDoc
 from gateway.routes import PassThrough
 
 TIERS = ("model", "team", "key")
@@ -118,12 +118,6 @@ class KeyRecord:
         return self.key_acl is None or self.key_acl.allows(model)
 
 
-def _rates(p: Price) -> Rates:
-    return Rates(p.effective.timestamp(), p.input,
-                 p.input if p.cached_input is None else p.cached_input,
-                 p.input if p.cache_creation is None else p.cache_creation, p.output)
-
-
 @dataclass(frozen=True)
 class Policy:
     revision: int
@@ -165,7 +159,7 @@ class Policy:
             keys=keys,
             passthrough=tuple(PassThrough(p.path, frozenset(p.methods))
                               for p in doc.passthrough),
-            prices={name: PriceBook([_rates(p) for p in m.prices])
+            prices={name: PriceBook([Rates.of(p) for p in m.prices])
                     for name, m in doc.models.items() if m.prices},
         )
 

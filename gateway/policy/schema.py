@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from gateway.errors import PathError
-from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
+from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.secrets import KEY_ID_PATTERN, KEY_ID_RULE
 from gateway.routes import canonical_path
 

@@ -25,9 +25,9 @@ from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.types import Limiter
 from gateway.log import log
-from gateway.metering.cost import Rates
 from gateway.metering.recorder import Recorder
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
+from gateway.policy.prices import Rates
 from gateway.policy.store import PolicyStore
 from gateway.server import authz_http
 from gateway.server.authz_service import AuthorizationService

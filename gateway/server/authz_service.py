@@ -23,7 +23,7 @@ from gateway.authz.request import AuthzRequest
 from gateway.endpoints import api_of
 from gateway.log import log
 from gateway.metering import handoff
-from gateway.metering.cancel import CancelRule
+from gateway.policy.billing_rules import CancelRule
 from gateway.server import check_wire
 
 HVO = base_pb2.HeaderValueOption

@@ -25,10 +25,10 @@ from google.protobuf import struct_pb2
 
 from gateway import metrics, tracing
 from gateway.metering import handoff
-from gateway.metering.events import UsageEvent
 from gateway.metering.exchange import Exchange
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.recorder import Recorder
+from gateway.usage_event import UsageEvent
 
 ATTR_NS = "envoy.filters.http.ext_proc"
 HVO = base_pb2.HeaderValueOption

@@ -14,9 +14,9 @@ import orjson
 
 from gateway import metrics
 from gateway.log import log
-from gateway.metering.events import CE_TYPE
 from gateway.sinks.producers import Producer, Record
 from gateway.sinks.spool import Spool
+from gateway.usage_event import CE_TYPE
 
 
 def record(line: bytes) -> Record:

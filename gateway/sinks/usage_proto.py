@@ -10,7 +10,7 @@ from __future__ import annotations
 from google.protobuf import json_format
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
-from gateway.metering.events import UsageEvent
+from gateway.usage_event import UsageEvent
 
 
 def to_proto(e: UsageEvent) -> usage_pb2.UsageEvent:

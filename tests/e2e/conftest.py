@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES
 from testkit.spoke import start_spoke
 

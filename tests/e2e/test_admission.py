@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.settings import METERING_SOURCES
 from testkit.spoke import (
     KEY_LIMITS,

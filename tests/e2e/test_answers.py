@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
+from devspoke.stack import Spoke
 from gateway.authz.request import estimate_prompt_tokens
-from gateway.dev.stack import Spoke
 from testkit.envoys import access_log_entry
 from testkit.spoke import anthropic_client, chat, client, read_events
 

@@ -17,8 +17,8 @@ import orjson
 import pytest
 import redis
 
+from devspoke.stack import Spoke
 from gateway.cli import main
-from gateway.dev.stack import Spoke
 from gateway.policy import secrets
 from testkit.spoke import client, policy_doc, publish, read_events
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.limits import maths
 from gateway.policy import secrets
 from testkit.spoke import client, policy_doc, publish, read_events

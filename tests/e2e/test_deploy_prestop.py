@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.dev.envoy_proc import EnvoyService
-from gateway.dev.stack import Spoke
+from devspoke.envoy_proc import EnvoyService
+from devspoke.stack import Spoke
 from testkit.spoke import read_events, start_spoke
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "envoy-prestop.sh"

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.dev.procs import free_port, port_open
-from gateway.dev.usage_topic import read_topic
+from devspoke.procs import free_port, port_open
+from devspoke.usage_topic import read_topic
 
 
 def _ignore_sigint() -> None:

@@ -8,7 +8,7 @@ import socket
 import httpx
 import redis
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.policy import secrets
 from testkit.spoke import read_events
 

@@ -20,8 +20,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.dev.procs import Service
-from gateway.dev.stack import Spoke
+from devspoke.procs import Service
+from devspoke.stack import Spoke
 from gateway.hub import feed
 from gateway.hub.topics import POLICY_TOPIC, produce, read_all
 from gateway.policy import secrets

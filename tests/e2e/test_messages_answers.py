@@ -8,7 +8,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from testkit.spoke import anthropic_client, read_events
 
 AUTHZ_ONLY = True  # the answers are the Check's: one metering source proves it

@@ -15,7 +15,7 @@ import httpx2  # the anthropic SDK's HTTP client (a fork of httpx)
 import pytest
 import redis
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from testkit.spoke import anthropic_client, read_events
 
 MSG: Any = [{"role": "user", "content": "count these five words"}]

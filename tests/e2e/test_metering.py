@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from testkit.spoke import client, read_events
 
 MSG = [{"role": "user", "content": "count these five words"}]

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.limits import maths
 from testkit import quota as hub
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.settings import METERING_SOURCES
 from testkit.spoke import read_events, start_spoke
 

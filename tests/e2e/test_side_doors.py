@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.dev.procs import Service
-from gateway.dev.stack import Spoke
+from devspoke.procs import Service
+from devspoke.stack import Spoke
 from testkit.spoke import client, start_spoke
 
 AUTHZ_ONLY = True  # routing and the model checks happen at the Check: one metering source proves it

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.dev.procs import free_port
-from gateway.dev.stack import Spoke
+from devspoke.procs import free_port
+from devspoke.stack import Spoke
 from gateway.settings import METERING_SOURCES
 from testkit.otlp_receiver import Receiver, Span, otlp_receiver
 from testkit.spoke import client, start_spoke

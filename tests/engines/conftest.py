@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from gateway.dev.procs import Service, free_port
-from gateway.dev.stack import Spoke
+from devspoke.procs import Service, free_port
+from devspoke.stack import Spoke
 from gateway.policy import secrets
 from gateway.settings import METERING_SOURCES
 from testkit import tiny_model

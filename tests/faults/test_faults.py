@@ -9,8 +9,8 @@ import pytest
 from conftest import KAFKA_OUTAGE_S, LEASE_TTL
 from proxy import SlowProxy
 
+from devspoke.stack import Spoke
 from gateway.cli import main as gateway
-from gateway.dev.stack import Spoke
 from testkit.invariants import check
 from testkit.load import Load
 

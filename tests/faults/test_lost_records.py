@@ -19,7 +19,7 @@ import pytest
 import yaml
 from proxy import SlowProxy
 
-from gateway.dev.stack import Spoke
+from devspoke.stack import Spoke
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
 from gateway.settings import Metering
 from testkit.invariants import check

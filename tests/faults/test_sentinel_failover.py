@@ -17,9 +17,9 @@ import pytest
 import redis
 from conftest import LEASE_TTL
 
-from gateway.dev.procs import Service
-from gateway.dev.sentinels import primary_port, wait_sentinels
-from gateway.dev.stack import Spoke
+from devspoke.procs import Service
+from devspoke.sentinels import primary_port, wait_sentinels
+from devspoke.stack import Spoke
 from gateway.policy.store import STATUS_KEY
 from gateway.redis_clients import sync_client
 from testkit.invariants import check

@@ -23,9 +23,9 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from google.rpc import status_pb2
 
+from devspoke.envoy_proc import envoy_binary, envoy_service
+from devspoke.procs import free_port
 from gateway import cli
-from gateway.dev.envoy_proc import envoy_binary, envoy_service
-from gateway.dev.procs import free_port
 from gateway.envoyconf.bootstrap import EXT_AUTHZ, HCM, EnvoyPorts, render
 from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, SIDECAR_CLUSTER
 from gateway.settings import METERING_SOURCES, Settings

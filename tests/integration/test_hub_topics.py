@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from devspoke.procs import Service, free_port, tansu_service
 from gateway.cli import main
-from gateway.dev.procs import Service, free_port, tansu_service
 from gateway.hub import feed
 from gateway.hub.feed import Record
 from gateway.hub.topics import Follower, ensure_compacted, produce, read_all

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.dev.procs import free_port, redis_service
+from devspoke.procs import free_port, redis_service
 from gateway.errors import RedisLost, StoreInDoubt
 from gateway.limits import maths
 from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances

@@ -27,8 +27,8 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.dev.envoy_proc import envoy_service
-from gateway.dev.procs import LOOPBACK, Service, free_port
+from devspoke.envoy_proc import envoy_service
+from devspoke.procs import LOOPBACK, Service, free_port
 from gateway.envoyconf import lua as envoy_lua
 
 AUTHZ_NS = "envoy.filters.http.ext_authz"

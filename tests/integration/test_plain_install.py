@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,9 +26,9 @@ import pytest
 import redis
 import yaml
 
-from gateway.dev.envoy_proc import envoy_service
-from gateway.dev.procs import LOOPBACK, Service, free_port
-from gateway.dev.stack import engine_service, wait_ready
+from devspoke.envoy_proc import envoy_service
+from devspoke.procs import LOOPBACK, Service, free_port
+from devspoke.stack import engine_service, wait_ready
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
 from testkit.otlp_receiver import otlp_receiver
 
@@ -140,6 +141,22 @@ def test_plain_install_in_the_shadowed_state_meters_every_request(
         assert "record_unreadable" not in sidecar.log_path.read_text()
         traced = spans.wait_for(REQUESTS, TRACE)
         assert sorted(s.attributes["gateway.request_id"] for s in traced) == sorted(ids)
+
+
+def test_the_wheel_is_the_product_alone(venv: Path, tmp_path: Path) -> None:
+    """The wheel holds the gateway package and nothing else: the local spoke (devspoke/, the
+    mock engine the tests check against) and the harnesses run from a checkout, and an
+    installed `gateway dev` says so in one line."""
+    [wheel] = (venv.parent / "dist").glob("gateway-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        tops = {name.split("/")[0] for name in z.namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"gateway"}, tops
+    done = subprocess.run([str(venv / "bin" / "gateway"), "dev"], capture_output=True,
+                          text=True, cwd=tmp_path, env=_clean_env(), timeout=60)
+    assert done.returncode == 2, done
+    assert done.stdout == ""
+    [line] = done.stderr.splitlines()  # one line: no traceback
+    assert "checkout" in line and "make run" in line, line
 
 
 def _events(path: Path, count: int, timeout: float = 20.0) -> list[dict[str, object]]:

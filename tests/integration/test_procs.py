@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.dev.envoy_proc import envoy_service
-from gateway.dev.procs import (
+from devspoke.envoy_proc import envoy_service
+from devspoke.procs import (
     Service,
     ServiceError,
     free_port,

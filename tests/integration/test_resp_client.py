@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio
 import trustme
 
-from gateway.dev.procs import Service, free_port, redis_service
+from devspoke.procs import Service, free_port, redis_service
 from gateway.limits.resp import RedisGone, RedisReplyError, RespClient, Script, tls_context
 
 

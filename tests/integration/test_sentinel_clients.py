@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from devspoke.procs import Service, free_port, redis_service
+from devspoke.sentinels import primary_port, sentinel_set, sentinel_url, wait_sentinels
 from gateway.cli import main as gateway
-from gateway.dev.procs import Service, free_port, redis_service
-from gateway.dev.sentinels import primary_port, sentinel_set, sentinel_url, wait_sentinels
 from gateway.limits.resp import RedisGone, RedisReplyError, RespClient
 from gateway.policy.store import POLICY_KEY, PolicyStore
 from gateway.redis_clients import limiter_client, policy_client, sync_client

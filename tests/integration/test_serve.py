@@ -14,7 +14,7 @@ import yaml
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.dev.procs import Service, free_port
+from devspoke.procs import Service, free_port
 from gateway.policy import secrets
 from testkit.check_requests import check_request
 

@@ -197,9 +197,9 @@ def test_a_price_change_mid_day_bills_the_morning_at_the_old_price(db: UsageDb) 
     from gateway.metering.handoff import RequestFacts
     from gateway.metering.meter import Result
     from gateway.metering.recorder import Recorder
-    from gateway.metering.usage import Usage
     from gateway.policy.loader import load
     from gateway.sinks.usage_proto import from_json
+    from gateway.usage_event import Usage
 
     before = load("""
 models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2}]}}

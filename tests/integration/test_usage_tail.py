@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from gateway.dev.procs import Service, free_port, tansu_service
+from devspoke.procs import Service, free_port, tansu_service
 
 
 @pytest.fixture(scope="module")

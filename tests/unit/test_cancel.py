@@ -10,10 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.metering import handoff, record
-from gateway.metering.cancel import CANCEL_RULES, Cancellation, bill, rule_of
+from gateway.metering.cancel import bill
 from gateway.metering.exchange import Exchange
 from gateway.metering.recorder import Recorder
-from gateway.metering.usage import Usage
+from gateway.policy.billing_rules import CANCEL_RULES, rule_of
+from gateway.usage_event import Cancellation, Usage
 
 # The engine reported 30 completion tokens (continuous usage); 12 reached the client.
 REPORTED = Usage(prompt_tokens=100, completion_tokens=30, total_tokens=130, cached_tokens=64,

@@ -9,12 +9,13 @@ import orjson
 import pytest
 
 from gateway.errors import PolicyError
-from gateway.metering.cost import PriceBook, Rates, cost
+from gateway.metering.cost import cost
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Result
 from gateway.metering.recorder import Recorder
-from gateway.metering.usage import Usage
 from gateway.policy.loader import dump_yaml, load, parse_doc
+from gateway.policy.prices import PriceBook, Rates
+from gateway.usage_event import Usage
 
 
 def ts(text: str) -> float:

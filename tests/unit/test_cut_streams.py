@@ -10,10 +10,10 @@ from typing import Any
 from gateway.clock import SystemClock
 from gateway.limits.leases import Leases
 from gateway.limits.memory import MemoryLimiter
-from gateway.metering.events import UsageEvent
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
+from gateway.usage_event import UsageEvent
 
 
 class FakeSpool:

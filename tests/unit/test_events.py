@@ -6,10 +6,8 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.metering.cancel import Cancellation
-from gateway.metering.events import UsageEvent, event_json
-from gateway.metering.usage import Usage
 from gateway.sinks.usage_proto import from_json, proto_json, to_proto
+from gateway.usage_event import Cancellation, Usage, UsageEvent, event_json
 
 text = st.text(max_size=20)
 count = st.integers(min_value=0, max_value=2**62)

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from devspoke.procs import free_port
 from gateway.authz import answers, http_door
 from gateway.authz.decision import Allow, Context, Decision, Reply
 from gateway.authz.request import AuthzRequest
-from gateway.dev.procs import free_port
 from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice

@@ -17,7 +17,8 @@ from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.limits.types import RateInfo, Verdict
 from gateway.metering import record
 from gateway.metering.meter import Meter
-from gateway.metering.usage import MessagesStream, Usage, from_messages
+from gateway.metering.usage import MessagesStream, from_messages
+from gateway.usage_event import Usage
 
 MESSAGES = "/v1/messages"
 START_USAGE = {"input_tokens": 5, "cache_creation_input_tokens": 3,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.dev.mock_engine import MockConfig, main, serve
+from devspoke.mock_engine import MockConfig, main, serve
 
 CHAT = "/v1/chat/completions"
 Event = tuple[str | None, str]  # (event name, data)
@@ -539,11 +539,14 @@ async def test_messages_need_max_tokens(client: httpx.AsyncClient, max_tokens: A
     [
         (400, "invalid_request_error"),
         (401, "authentication_error"),
+        (402, "billing_error"),
         (403, "permission_error"),
         (404, "not_found_error"),
         (413, "request_too_large"),
         (429, "rate_limit_error"),
         (500, "api_error"),
+        (503, "api_error"),
+        (504, "timeout_error"),
         (529, "overloaded_error"),
     ],
 )
@@ -572,7 +575,7 @@ async def test_count_tokens(client: httpx.AsyncClient) -> None:
 
 
 def test_base64_embeddings_decode_to_the_float_vector() -> None:
-    from gateway.dev.mock_tokens import embedding
+    from devspoke.mock_tokens import embedding
 
     packed = embedding("a b", "base64")
     floats = embedding("a b", "float")

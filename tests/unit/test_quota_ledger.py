@@ -25,7 +25,7 @@ def usage(spoke: str, eid: str, tokens: int, ts: float = NOW) -> dict[str, Any]:
 
 
 def maths_rfc3339(ts: float) -> str:
-    from gateway.metering.events import rfc3339
+    from gateway.usage_event import rfc3339
     return rfc3339(ts)
 
 

@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gateway.dev.procs import LOOPBACK, Service
-from gateway.errors import ServiceError
+from devspoke.errors import ServiceError
+from devspoke.procs import LOOPBACK, Service
 
 
 def envoy_binary() -> str:

@@ -14,15 +14,15 @@ from importlib import resources
 from pathlib import Path
 from types import FrameType
 
-from gateway.dev.publish import policy_backend
-from gateway.dev.stack import Spoke
-from gateway.dev.usage_topic import USAGE_TOPIC, find_event
+from devspoke.publish import policy_backend
+from devspoke.stack import Spoke
+from devspoke.usage_topic import USAGE_TOPIC, find_event
 from gateway.policy import admin
 from gateway.settings import DEFAULT_METERING, Metering
 
 
 async def apply_demo_policy(redis_url: str) -> admin.NewKey:
-    text = resources.files("gateway.dev").joinpath("demo_policy.yaml").read_bytes()
+    text = resources.files("devspoke").joinpath("demo_policy.yaml").read_bytes()
     async with policy_backend(redis_url) as backend:
         await admin.apply(backend, text, "demo_policy.yaml")
         return await admin.create_key(backend, "demo", key_id="demo",

@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.dev import mock_http as mh
-from gateway.dev import mock_tokens as mt
-from gateway.dev.mock_tokens import Job
+from devspoke import mock_http as mh
+from devspoke import mock_tokens as mt
+from devspoke.mock_tokens import Job
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

@@ -19,9 +19,9 @@ from typing import Any, NoReturn
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.dev import mock_tokens as mt
-from gateway.dev.mock_tokens import Job, MockStats, Pace
-from gateway.errors import Died, RequestError
+from devspoke import mock_tokens as mt
+from devspoke.errors import Died, RequestError
+from devspoke.mock_tokens import Job, MockStats, Pace
 
 
 @dataclass

@@ -15,8 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.authz.answers import anthropic_error_type
-from gateway.errors import RequestError
+from devspoke.errors import RequestError
 
 EMBEDDING_DIM = 8
 FINGERPRINT = "fp_mock"
@@ -193,9 +192,28 @@ OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 
 
+# Anthropic's documented error.type per HTTP status (its API reference, "Errors"): the mock's
+# own copy, not the gateway's, so a wrong entry there is caught by the tests, not repeated.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
 def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    """The error an Anthropic-style engine answers: the gateway's own table of types."""
-    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+    """The error an Anthropic-style engine answers; a status the table lacks is `api_error`
+    from 500 up, `invalid_request_error` below."""
+    kind = ANTHROPIC_ERROR_TYPES.get(
+        status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def message_object(job: Job, text: str | None, usage: dict[str, int]) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.dev.envoy_proc import EnvoyService, envoy_service
-from gateway.dev.procs import Service, free_port, redis_service, tansu_service
-from gateway.dev.publish import publish
-from gateway.dev.sentinels import sentinel_set, sentinel_url
+from devspoke.envoy_proc import EnvoyService, envoy_service
+from devspoke.procs import Service, free_port, redis_service, tansu_service
+from devspoke.publish import publish
+from devspoke.sentinels import sentinel_set, sentinel_url
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
 from gateway.metering.sources import source_named
 from gateway.settings import DEFAULT_METERING, Metering
@@ -59,7 +59,7 @@ def wait_ready(metrics_url: str, timeout: float = 30.0) -> None:
 
 def engine_service(port: int, workdir: Path, ttft_ms: float = 20, tokens_per_s: float = 500,
                    ) -> Service:
-    argv = [sys.executable, "-m", "gateway.dev.mock_engine", "--host", LOOP, "--port", str(port),
+    argv = [sys.executable, "-m", "devspoke.mock_engine", "--host", LOOP, "--port", str(port),
             "--ttft-ms", str(ttft_ms), "--tokens-per-s", str(tokens_per_s)]
     return Service("engine", argv, port, workdir)
 
@@ -181,7 +181,7 @@ class Spoke:
         return None
 
     def publish(self, doc: dict[str, Any], source: str, *, prune: bool = False) -> int:
-        """Publish a policy (gateway.dev.publish) to this spoke's Redis; its revision."""
+        """Publish a policy (devspoke.publish) to this spoke's Redis; its revision."""
         return publish(self.redis_url, doc, source, prune=prune)
 
     def wait_ready(self, timeout: float = 30.0) -> None:

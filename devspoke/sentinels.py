@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gateway.dev.procs import LOOPBACK, Service, free_port, redis_service, sentinel_service
+from devspoke.procs import LOOPBACK, Service, free_port, redis_service, sentinel_service
 
 SERVICE = "spoke"
 

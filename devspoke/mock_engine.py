@@ -26,11 +26,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.dev import mock_http as mh
-from gateway.dev import mock_messages
-from gateway.dev import mock_tokens as mt
-from gateway.dev.mock_http import MockConfig, observe
-from gateway.dev.mock_tokens import Job, MockStats, StreamOpts
+from devspoke import mock_http as mh
+from devspoke import mock_messages
+from devspoke import mock_tokens as mt
+from devspoke.mock_http import MockConfig, observe
+from devspoke.mock_tokens import Job, MockStats, StreamOpts
 
 DEFAULT_MODEL = "mock-model"
 

@@ -1,4 +1,7 @@
-"""The usage event (protos/gateway/usage/v1/usage.proto) and its JSON.
+"""The usage event (protos/gateway/usage/v1/usage.proto), what it carries, and its JSON.
+
+A leaf: metering makes the event and sinks encode it, so the type sits below both and
+imports nothing of the gateway.
 
 The value on the topic is the proto3 JSON mapping with the proto's field names: 64-bit
 integers are JSON strings, and every field is present, zeros included. `event_json` writes
@@ -14,15 +17,38 @@ from datetime import UTC, datetime
 
 import orjson
 
-from gateway.metering.cancel import NOT_CANCELLED, Cancellation
-from gateway.metering.usage import Usage
-
 CE_TYPE = "gateway.usage.v1"
 
 
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts (gateway/metering/usage.py reads them from each API's answers)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, read from the engine's prompt cache
+    reasoning_tokens: int = 0  # of completion_tokens
+    cache_creation_tokens: int = 0  # of prompt_tokens, written to the cache (Anthropic)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancellation:
+    """The facts of a client-cancelled stream, and the rule it was billed by
+    (gateway/metering/cancel.py). All empty for every other outcome."""
+
+    billing_rule: str = ""
+    prompt_tokens: int = 0  # the prompt the engine processed (billed unless `none`)
+    generated_completion_tokens: int = 0
+    delivered_completion_tokens: int = 0
+
+
+NOT_CANCELLED = Cancellation()
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from gateway.errors import ServiceError
+from devspoke.errors import ServiceError
 
 LOOPBACK = "127.0.0.1"
 LOG_TAIL_CHARS = 2000
