@@ -77,8 +77,9 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     return 0
 
 
-FROM_A_CHECKOUT = ("gateway dev runs from a checkout of the repository, not from an installed "
-                   "package: git clone <the repository> && cd <it> && make run\n")
+FROM_A_CHECKOUT = ("gateway dev: the local spoke (mock engine, Envoy, Redis, broker) runs from a "
+                   "checkout of the gateway repository, not from an installed package; in the "
+                   "checkout, run: make run\n")
 
 
 def cmd_dev(args: argparse.Namespace) -> int:
