@@ -71,8 +71,10 @@ def lim() -> Store:
     return Store(lease_ttl=TTL)
 
 
-def ledger_of(lim: Store, clock: FakeClock, **kw: object) -> Ledger:
-    ledger = Ledger(lim, clock, lease_ttl=TTL, unheard_s=1.0, **kw)  # type: ignore[arg-type]
+def ledger_of(lim: Store, clock: FakeClock, watches: bool = False,
+              max_lifetime_s: float = float("inf")) -> Ledger:
+    ledger = Ledger(lim, clock, lease_ttl=TTL, watches=watches, unheard_s=1.0,
+                    max_lifetime_s=max_lifetime_s)
     ledger.start()
     return ledger
 
