@@ -21,9 +21,10 @@ from envoy.service.auth.v3 import external_auth_pb2 as pb
 
 from gateway.authz.engine import Authorizer
 from gateway.clock import SystemClock
+from gateway.limits.ledger import Ledger
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
-from gateway.limits.types import AdmitRequest, Verdict
+from gateway.limits.types import AdmitRequest, Admitted, Verdict
 from gateway.policy.holder import FilePolicySync, PolicyHolder
 from gateway.server.authz_service import AuthorizationService, to_request
 
@@ -33,7 +34,7 @@ OK = b"\x0a\x00\x1a\x00"  # CheckResponse{status: {}, ok_response: {}}
 
 class AlwaysAllow:
     async def admit(self, req: AdmitRequest) -> Verdict:
-        return Verdict(True)
+        return Admitted()
 
     async def close(self) -> None:
         pass
@@ -43,7 +44,9 @@ async def main(port: int, stage: str, policy_file: str, redis_url: str) -> None:
     holder = PolicyHolder()
     FilePolicySync(holder, Path(policy_file)).refresh()
     limiter = RedisLimiter(RespClient(redis_url), 30, 5) if stage == "redis" else AlwaysAllow()
-    svc = AuthorizationService(Authorizer(holder.get, limiter, SystemClock()))  # type: ignore[arg-type]
+    clock = SystemClock()
+    ledger = Ledger(limiter, clock, 30, 5)  # type: ignore[arg-type]
+    svc = AuthorizationService(Authorizer(holder.get, limiter, clock, ledger=ledger))  # type: ignore[arg-type]
 
     async def floor(request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> bytes:
         return OK

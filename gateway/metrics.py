@@ -46,6 +46,14 @@ ADMISSIONS_UNHEARD = Counter(
 ADMISSIONS_OPEN = Gauge(
     "gateway_admissions_open", "Admissions this instance is renewing (requests in flight)",
     multiprocess_mode="livesum")
+ADMISSIONS_EXPIRED = Counter(
+    "gateway_admissions_expired_total",
+    "Admissions given up at GATEWAY_ADMISSION_MAX_LIFETIME_S (no longer renewed); the orphan "
+    "sweep frees and bills them unless their end comes first")
+LEDGER_REFUSED = Counter(
+    "gateway_ledger_refused_total",
+    "Admission transitions refused as no-ops: no request id, or a stage they cannot come from",
+    ["transition", "stage"])
 ORPHANS = Counter("gateway_orphans_total", "Admissions the orphan sweep freed and billed")
 SPOOL_OLDEST_AGE = Gauge(
     "gateway_usage_spool_oldest_age_seconds",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.metering.sources import MeteringSource, source_named
@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     # An admission's first lease: its ext_proc stream must begin (and renew it) within this,
     # else the slot frees itself (the client left between the Check and ext_proc).
     lease_start_ttl_s: float = 5.0
+    # No admission is renewed for longer than this (6 h: far past any real generation):
+    # one whose stream or heartbeats never stop is then given up, its lease runs out, and
+    # the orphan sweep frees its slots and bills its last checkpoint.
+    admission_max_lifetime_s: float = Field(default=21600.0, gt=0)
     default_completion_tokens: int = 1024
     reserve_cap_tokens: int = 32768  # caps max_tokens in a reservation; the prompt counts whole
     # Degraded states are loud: an error log (once a minute) when the oldest undelivered

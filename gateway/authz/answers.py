@@ -23,7 +23,7 @@ from gateway.limits.types import (
     TPM,
     TPMO,
     RateInfo,
-    Verdict,
+    Refused,
 )
 from gateway.metering.handoff import DUPLICATE_ID
 
@@ -159,7 +159,7 @@ _LIMIT_WORDS = {
 }
 
 
-def limit_denial(v: Verdict, requested: int = 0, prompt: int | None = None) -> Deny:
+def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None) -> Deny:
     """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers.
 
     A request that can never pass (the limit is 0, or it asks for more tokens than the
@@ -167,7 +167,6 @@ def limit_denial(v: Verdict, requested: int = 0, prompt: int | None = None) -> D
     no retry-after, and `x-should-retry: false`, which the OpenAI SDKs obey instead of
     retrying in vain. `requested` is its reservation, `prompt` the prompt's share of it.
     """
-    assert v.tier is not None and v.limit is not None
     quota = v.limit in (TPD, TPMO, GTPD, GTPMO)
     tokens = quota or v.limit == TPM
     retry = max(1, math.ceil(v.retry_after))
@@ -218,6 +217,14 @@ def duplicate_request_id(request_id: str) -> Deny:
     one id, one admission, one usage event. No event of its own: the id is the other's."""
     return Deny(409, "duplicate_request_id",
                 f"A request with x-request-id {request_id[:80]!r} is already in flight; "
+                "send each request with its own id.", DUPLICATE_ID)
+
+
+def voided_request_id(request_id: str) -> Deny:
+    """An admission with this x-request-id was voided moments ago (the gateway gave up
+    waiting for its store, and answered 503): the id is not admitted again for minutes."""
+    return Deny(409, "duplicate_request_id",
+                f"A request with x-request-id {request_id[:80]!r} was given up moments ago; "
                 "send each request with its own id.", DUPLICATE_ID)
 
 

@@ -9,7 +9,7 @@ closed, never allow unmetered.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gateway.authz import answers
@@ -18,7 +18,17 @@ from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model,
 from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.errors import BodyError, PathError, StoreInDoubt, StoreUnavailable
-from gateway.limits.types import CONCURRENCY, DUPLICATE, AdmitRequest, Limiter, Verdict
+from gateway.limits.ledger import Ledger
+from gateway.limits.types import (
+    CONCURRENCY,
+    AdmitRequest,
+    Admitted,
+    DuplicateId,
+    Limiter,
+    Refused,
+    Verdict,
+    Voided,
+)
 from gateway.metering import handoff, inject
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
@@ -36,23 +46,23 @@ class AdmissionSettings:
 
 
 class Authorizer:
+    """`ledger` follows what is admitted here to its end: it is told of each admission that
+    owes the store its end, and of those nobody will act on (`abandon`)."""
+
     def __init__(
         self,
         policy: Callable[[], Policy | None],
         limiter: Limiter,
         clock: Clock,
         settings: AdmissionSettings = AdmissionSettings(),
-        on_abandoned: Callable[[str], None] | None = None,
-        on_admitted: Callable[[str], None] | None = None,
-        ends_settled: Callable[[float], Awaitable[None]] | None = None,
+        *,
+        ledger: Ledger,
     ) -> None:
         self._policy = policy
         self._limiter = limiter
         self._clock = clock
         self._settings = settings
-        self._on_abandoned = on_abandoned  # admissions we stopped waiting for
-        self._on_admitted = on_admitted  # leased admissions (renewed from here on)
-        self._ends_settled = ends_settled  # waits for the next batch of releases
+        self._ledger = ledger
 
     async def check(self, req: AuthzRequest) -> Decision:
         decision = await self._check(req)
@@ -103,7 +113,7 @@ class Authorizer:
             s.default_completion_tokens, s.reserve_cap, endpoint is None or endpoint.generates
         ) if billed else 0
         tiers = policy.tiers_for(facts.model, key)
-        verdict = Verdict(True)
+        verdict: Verdict = Admitted()  # no limits: nothing to admit, nothing owed
         if tiers and not req.request_id:  # its slots and its event would have no name
             return _who(answers.bad_request(
                 "The request has no x-request-id; the gateway admits none without one."), key,
@@ -119,16 +129,19 @@ class Authorizer:
                     self.abandon(req.request_id)  # it may still commit: undo it
                 return _who(answers.unavailable(
                     f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model, facts)
-        if verdict.limit == DUPLICATE:
+        if isinstance(verdict, DuplicateId):
             return _who(answers.duplicate_request_id(req.request_id), key, facts.model, facts)
-        if not verdict.allowed:
+        if isinstance(verdict, Voided):
+            return _who(answers.voided_request_id(req.request_id), key, facts.model, facts)
+        if isinstance(verdict, Refused):
             return _who(answers.limit_denial(verdict, reserve, facts.prompt_tokens if billed
                                              else None), key, facts.model, facts)
-        if verdict.leased and self._on_admitted is not None:
-            self._on_admitted(req.request_id)
+        owed = verdict.owes_settlement
+        if owed:
+            self._ledger.admitted(req.request_id)
         ctx = Context(
             req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
-            reserve if verdict.leased else 0, verdict.leased, endpoint=path,
+            reserve if owed else 0, owed, endpoint=path,
             prompt_estimate=facts.prompt_tokens if billed else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
@@ -144,20 +157,23 @@ class Authorizer:
         and tries again. A denial commits nothing, so a retry is a fresh admission."""
         verdict = await self._limiter.admit(req)
         grace = self._settings.concurrency_grace_s
-        if verdict.allowed or verdict.limit != CONCURRENCY or not grace or \
-                self._ends_settled is None:
+        if not grace or not _no_slot(verdict):
             return verdict
         give_up = time.monotonic() + grace
-        while verdict.limit == CONCURRENCY and (left := give_up - time.monotonic()) > 0:
-            await self._ends_settled(left)
+        while _no_slot(verdict) and (left := give_up - time.monotonic()) > 0:
+            await self._ledger.next_flush(left)
             verdict = await self._limiter.admit(replace(req, now=self._clock.now()))
         return verdict
 
     def abandon(self, request_id: str) -> None:
         """Nobody will act on this request's admission (we gave up on the store, or Envoy
         gave up on us): undo whatever the store committed, or will commit, for it."""
-        if self._on_abandoned is not None:
-            self._on_abandoned(request_id)
+        self._ledger.voided(request_id)
+
+
+def _no_slot(verdict: Verdict) -> bool:
+    """Refused for concurrency: a slot may be freed by an end on its way to the store."""
+    return isinstance(verdict, Refused) and verdict.limit == CONCURRENCY
 
 
 def _who(deny: Deny, key: KeyRecord, model: str | None = None,

@@ -11,7 +11,6 @@ from gateway.limits.standing import Counters
 from gateway.limits.tightest import Tightest
 from gateway.limits.types import (
     CONCURRENCY,
-    DUPLICATE,
     GTPD,
     GTPMO,
     RPS,
@@ -20,10 +19,13 @@ from gateway.limits.types import (
     TPMO,
     Abandon,
     AdmitRequest,
+    Admitted,
+    DuplicateId,
     Ending,
     Limiter,
     Orphan,
     RateInfo,
+    Refused,
     Release,
     Settle,
     Verdict,
@@ -73,7 +75,7 @@ class _Refusal:
         its tightest token window and the token window that refused it (if one did)."""
         self.own[id(tier)] = (rq, tk, refused)
 
-    def verdict(self) -> Verdict:
+    def verdict(self) -> Refused:
         assert self.tier is not None
         rq, tk, refused = self.own[id(self.tier)]
         if self.limit == CONCURRENCY:
@@ -82,8 +84,8 @@ class _Refusal:
             tk = Tightest()
             tk.offer(*refused)
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
-        return Verdict(False, self.tier.tier, self.limit, self.value,
-                       0.0 if self.never else self.wait, rate, impossible=self.never)
+        return Refused(self.tier.tier, self.limit, self.value, 0.0 if self.never else self.wait,
+                       rate, impossible=self.never)
 
 
 @dataclass
@@ -106,7 +108,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
         admit.lua: the retry is the longest wait of every limit that refuses now."""
         now = req.now
         if req.request_id in self.held:
-            return Verdict(False, limit=DUPLICATE)
+            return DuplicateId()
         minute = maths.minute_index(now)
         rq, tk = Tightest(), Tightest()
         writes: list[tuple[TierLimit, float | None, list[str]]] = []
@@ -198,7 +200,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
         writes: list[tuple[TierLimit, float | None, list[str]]],
         rq: Tightest,
         tk: Tightest,
-    ) -> Verdict:
+    ) -> Admitted:
         lease_keys, token_keys = [], []
         for t, new_tat, tkeys in writes:
             key = f"{t.tier}:{t.name}"
@@ -217,7 +219,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
                 lease_keys, token_keys, req.reserve, req.meta,
                 req.now + first_lease(self.lease_ttl, self.start_ttl))
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
-        return Verdict(True, rate=rate, leased=leased)
+        return Admitted(rate, owes_settlement=leased)
 
     async def end_many(self, ends: Sequence[Ending]) -> None:
         for end in ends:

@@ -19,26 +19,35 @@ from gateway.limits import maths, standing
 from gateway.limits.resp import RedisReplyError, RespClient, Script
 from gateway.limits.standing import Counters
 from gateway.limits.types import (
-    DUPLICATE,
+    CONCURRENCY,
     GTPD,
     GTPMO,
-    LIMIT_CODES,
-    VOIDED,
+    RPS,
+    TPD,
+    TPM,
+    TPMO,
     Abandon,
     AdmitRequest,
+    Admitted,
+    DuplicateId,
     Ending,
     Limiter,
     Orphan,
     RateInfo,
+    Refused,
     Release,
     Verdict,
     Void,
+    Voided,
     first_lease,
 )
 from gateway.policy.model import TierLimit
 
 REDIS_ERRORS = (RedisReplyError, OSError, asyncio.TimeoutError)  # RedisGone is an OSError
 MAX_BATCH = 256
+# admit.lua's answer codes: 0 admitted, a limit's code, or one of these two.
+LIMIT_CODES = {1: RPS, 2: CONCURRENCY, 3: TPM, 4: TPD, 5: TPMO, 7: GTPD, 8: GTPMO}
+VOIDED_CODE, DUPLICATE_CODE = 6, 9
 
 
 def _lua(name: str) -> str:
@@ -161,15 +170,16 @@ class RedisLimiter(Limiter):
             _none(tl), _none(tr), treset / 1000 if treset >= 0 else None,
         )
         if code == 0:
-            return Verdict(True, rate=rate, leased=bool(leased))
+            return Admitted(rate, owes_settlement=bool(leased))
+        if code == VOIDED_CODE:
+            return Voided()
+        if code == DUPLICATE_CODE:
+            return DuplicateId()
         limit = LIMIT_CODES[code]
-        if limit in (VOIDED, DUPLICATE):
-            return Verdict(False, limit=limit)
         tier = req.tiers[at - 1]
         # A global quota's denial names the allowance this spoke enforced, not the quota.
-        value = (rate.tok_limit if limit in (GTPD, GTPMO)
-                 else getattr(tier.spec, limit) if limit else None)
-        return Verdict(False, tier.tier, limit, value, max(retry_ms, 0) / 1000, rate,
+        value = rate.tok_limit if limit in (GTPD, GTPMO) else getattr(tier.spec, limit)
+        return Refused(tier.tier, limit, value, max(retry_ms, 0) / 1000, rate,
                        impossible=retry_ms < 0)
 
     async def end_many(self, ends: Sequence[Ending]) -> None:

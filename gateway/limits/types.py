@@ -12,13 +12,8 @@ from gateway.policy.model import TierLimit
 # Which limit tripped, in the order they are checked within a tier.
 RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "tokens_per_day", \
     "tokens_per_month"
-VOIDED = "voided"  # the caller gave up before the store answered; never shown to a client
 # This spoke's allowance of a quota shared by all spokes (DESIGN §10), checked after the rest.
 GTPD, GTPMO = "global_tokens_per_day", "global_tokens_per_month"
-# Another request with this id is in flight: two live requests never share an admission
-# (its slots, its reservation, its usage event), whatever ids a client chooses.
-DUPLICATE = "duplicate"
-LIMIT_CODES = (None, RPS, CONCURRENCY, TPM, TPD, TPMO, VOIDED, GTPD, GTPMO, DUPLICATE)
 
 
 def first_lease(lease_ttl: float, start_ttl: float | None) -> float:
@@ -60,20 +55,43 @@ class RateInfo:
     tok_reset: float | None = None
 
 
+# What the store answers an admission: one of four verdicts (`Verdict`).
 @dataclass(frozen=True, slots=True)
-class Verdict:
-    allowed: bool
-    tier: str | None = None  # 'model' | 'team' | 'key' that denied
-    limit: str | None = None  # which limit of that tier
-    limit_value: float | None = None
+class Admitted:
+    """Every tier let it through, and it is committed in all of them."""
+
+    rate: RateInfo = RateInfo()
+    # The store holds something of it (a concurrency slot, a token reservation): its end
+    # is owed to the store (released, settled), else its lease runs out to the orphan sweep.
+    owes_settlement: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A limit said no; nothing was committed at any tier."""
+
+    tier: str  # 'model' | 'team' | 'key': the tier that said no
+    limit: str  # which of its limits (RPS, CONCURRENCY, TPM, ...)
+    limit_value: float | None
     retry_after: float = 0.0
     rate: RateInfo = RateInfo()
-    leased: bool = False  # a settlement is owed (concurrency lease or token reservation)
-    # the reservation is larger than the whole limit of `limit`: no wait will ever admit it
+    # the reservation is larger than the whole limit: no wait will ever admit it
     impossible: bool = False
 
 
-ALLOW_UNLIMITED = Verdict(True)
+@dataclass(frozen=True, slots=True)
+class Voided:
+    """Its caller gave up before the store answered, and voided it: nothing was committed.
+    Meant for nobody; a client sees it only by reusing that request id within minutes."""
+
+
+@dataclass(frozen=True, slots=True)
+class DuplicateId:
+    """Another request with this id is in flight: two live requests never share an admission
+    (its slots, its reservation, its usage event), whatever ids a client chooses."""
+
+
+Verdict = Admitted | Refused | Voided | DuplicateId
 
 
 # How an admission ends: what `Limiter.end_many` is given, in order, one store call a batch.

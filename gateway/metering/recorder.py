@@ -10,7 +10,7 @@ from collections.abc import Callable
 from gateway import metrics
 from gateway.endpoints import billed
 from gateway.errors import StoreUnavailable
-from gateway.limits.leases import Leases
+from gateway.limits.ledger import Ledger
 from gateway.limits.types import Orphan
 from gateway.log import log
 from gateway.metering.cancel import bill
@@ -34,11 +34,11 @@ def _no_prices(model: str, at: float) -> Rates | None:
 
 
 class Recorder:
-    def __init__(self, spool: Spool, spoke: str, leases: Leases,
+    def __init__(self, spool: Spool, spoke: str, ledger: Ledger,
                  price: Callable[[str, float], Rates | None] = _no_prices) -> None:
         self.spool = spool
         self.spoke = spoke
-        self.leases = leases
+        self.ledger = ledger
         self.price = price  # the held policy's price of a model at an instant
         # ext_proc: streams that ended early, waiting to learn who ended them; and the
         # words that came before their stream's end did.
@@ -52,7 +52,7 @@ class Recorder:
             await asyncio.sleep(interval)
             try:
                 while True:  # a batch at a time, until the backlog (an Envoy crash's) is done
-                    batch = await self.leases.limiter.sweep(time.time() - grace, SWEEP_BATCH)
+                    batch = await self.ledger.sweep(time.time() - grace, SWEEP_BATCH)
                     for o in batch:
                         self.orphan(o)
                     if len(batch) < SWEEP_BATCH:
@@ -80,7 +80,7 @@ class Recorder:
     def _settlement(self, facts: RequestFacts, tokens: int) -> Callable[[], None] | None:
         if not facts.leased:
             return None
-        return lambda: self.leases.settle(facts.request_id, tokens)
+        return lambda: self.ledger.settled(facts.request_id, tokens)
 
     def finish(self, facts: RequestFacts, meter: Meter, outcome: str, started: float,
                source: str | None = None, ended: float | None = None) -> UsageEvent:
@@ -101,7 +101,7 @@ class Recorder:
         client_cancelled. (An Envoy without that log, a managed gateway: client_cancelled.)"""
         rid = facts.request_id
         if facts.leased:
-            self.leases.release(rid)  # its next request must find the slot free
+            self.ledger.released(rid)  # its next request must find the slot free
         ended = time.time()
 
         def emit(outcome: str) -> None:
@@ -142,7 +142,7 @@ class Recorder:
         if outcome == "denied":
             source = ""  # nothing was metered: there is no usage to have a source
         if facts.leased:
-            self.leases.release(facts.request_id)
+            self.ledger.released(facts.request_id)
         seq = self.spool.next_seq()
         event = UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,

@@ -20,7 +20,7 @@ from gateway.addresses import split_hostport
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
 from gateway.hub.status import Status, StatusReporter, now_text
-from gateway.limits.leases import Leases
+from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.types import Limiter
@@ -49,7 +49,7 @@ class App:
     holder: PolicyHolder = field(default_factory=PolicyHolder)
     limiter: Limiter | None = None
     sync: RedisPolicySync | FilePolicySync | None = None
-    leases: Leases | None = None
+    ledger: Ledger | None = None
     server: grpc.aio.Server | None = None
     http: asyncio.Server | None = None
     authz_http: asyncio.Server | None = None  # ext_authz's HTTP door, when configured
@@ -84,10 +84,13 @@ class App:
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
         self.sync.start()
-        self.leases = Leases(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s,
-                             unheard_s=s.unheard_s)
-        self.leases.start()
-        recorder = self._start_usage_pipeline(self.leases)
+        # Envoy-fed metering has no stream in the sidecar to renew a lease from: an admission
+        # is renewed while Envoy's heartbeat records say the request lives, until its end.
+        self.ledger = Ledger(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s,
+                             watches=s.source.watches, unheard_s=s.unheard_s,
+                             max_lifetime_s=s.admission_max_lifetime_s)
+        self.ledger.start()
+        recorder = self._start_usage_pipeline(self.ledger)
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
             self.store_up = await self._store_answers()
             self.reporter = StatusReporter(s.feed_bootstrap, self.status, s.status_interval_s,
@@ -99,11 +102,7 @@ class App:
             reserve_cap=s.reserve_cap_tokens,
             continuous_models=s.continuous_models,
             concurrency_grace_s=s.concurrency_grace_s,
-        ), on_abandoned=self.leases.void,
-            # Envoy-fed metering has no stream in the sidecar to renew a lease from: it is
-            # renewed while Envoy's heartbeat records say the request lives, until its end.
-            on_admitted=self.leases.watch if s.source.watches else None,
-            ends_settled=self.leases.next_flush)
+        ), ledger=self.ledger)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -115,9 +114,10 @@ class App:
         authz = AuthorizationService(authorizer, self.tracing)
         authz.register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(recorder, self.tracing), self.server)
+            ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
         # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
-        RecordsService(recorder, emits=s.source.records_are_events).register(self.server)
+        RecordsService(recorder, self.ledger, emits=s.source.records_are_events).register(
+            self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
@@ -136,7 +136,7 @@ class App:
                  mode="embedded" if s.embedded else "redis",
                  revision=self.holder.policy.revision if self.holder.policy else None)
 
-    def _start_usage_pipeline(self, leases: Leases) -> Recorder:
+    def _start_usage_pipeline(self, ledger: Ledger) -> Recorder:
         """Spool (ours, plus any a dead instance left behind) → shipper → Kafka or JSONL."""
         s = self.settings
         self.spool = Spool(s.spool_dir, self.instance_id).open()
@@ -152,7 +152,7 @@ class App:
         if len(spools) > 1:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
-        recorder = Recorder(self.spool, s.spoke, leases, price=self._price)
+        recorder = Recorder(self.spool, s.spoke, ledger, price=self._price)
         self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3,
                                                                     s.orphan_grace_s)))
         return recorder
@@ -229,8 +229,8 @@ class App:
             await self.server.stop(grace)
         if self.spool:
             await self.spool.commit()  # events reach the disk, and queue their settlements,
-        if self.leases:
-            await self.leases.stop()  # ... which are flushed here
+        if self.ledger:
+            await self.ledger.stop()  # ... which are flushed here
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

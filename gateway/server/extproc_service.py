@@ -24,6 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 from gateway import metrics, tracing
+from gateway.limits.ledger import Ledger
 from gateway.metering import handoff
 from gateway.metering.exchange import Exchange
 from gateway.metering.handoff import RequestFacts
@@ -139,8 +140,10 @@ def _annotate(span: tracing.Span, e: UsageEvent) -> None:
 
 
 class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, recorder: Recorder, tracer: tracing.Tracing | None = None) -> None:
+    def __init__(self, recorder: Recorder, ledger: Ledger,
+                 tracer: tracing.Tracing | None = None) -> None:
         self.recorder = recorder
+        self.ledger = ledger
         self.tracing = tracer
 
     async def Process(
@@ -175,8 +178,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 response = stream.handle(msg)
                 if first and stream.facts:
                     if stream.facts.leased:  # renewed, with the usage seen so far
-                        self.recorder.leases.begin(stream.facts.request_id,
-                                                   stream.meter.checkpoint)
+                        self.ledger.begun(stream.facts.request_id, stream.meter.checkpoint)
                     if self.tracing is not None:
                         tp, ts = tracing.trace_context(
                             context.invocation_metadata(), stream.facts.traceparent)

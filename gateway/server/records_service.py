@@ -20,6 +20,7 @@ import grpc
 
 from gateway import metrics
 from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
+from gateway.limits.ledger import Ledger
 from gateway.log import log
 from gateway.metering import record
 from gateway.metering.recorder import Recorder
@@ -38,8 +39,9 @@ class RecordsService:
     (ext_proc, which emits its own) Envoy sends records only for streams that ended early,
     and each only tells the recorder who ended it (the response flags)."""
 
-    def __init__(self, recorder: Recorder, emits: bool = True) -> None:
+    def __init__(self, recorder: Recorder, ledger: Ledger, emits: bool = True) -> None:
         self.recorder = recorder
+        self.ledger = ledger
         self.emits = emits
         self._seen: OrderedDict[str, None] = OrderedDict()
 
@@ -93,7 +95,7 @@ class RecordsService:
             # Envoy answered itself: perhaps the Check never came back (a sidecar killed
             # mid-Check), having committed an admission nobody will use: void it now rather
             # than leave it to the orphan sweep (a no-op when there is none).
-            self.recorder.leases.void(rec.request_id)
+            self.ledger.voided(rec.request_id)
         return event.seq
 
     def _heard(self, attrs: dict[str, str]) -> None:
@@ -106,7 +108,7 @@ class RecordsService:
             checkpoint = record.checkpoint(attrs)
         except Exception:
             checkpoint = None  # its final record (or the sweep) bills it
-        self.recorder.leases.heard(rid, checkpoint)
+        self.ledger.heard(rid, checkpoint)
 
     def _unreadable(self, attrs: dict[str, str], exc: Exception) -> None:
         """A record that names its request but whose facts cannot be read: the request is
@@ -116,4 +118,4 @@ class RecordsService:
         log.error("record_unreadable", request_id=rid, error=repr(exc))
         if rid is not None and rid not in self._seen:
             self._seen[rid] = None
-            self.recorder.leases.abandon(rid)
+            self.ledger.orphaned(rid)

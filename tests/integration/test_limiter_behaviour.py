@@ -18,7 +18,16 @@ from gateway.clock import FakeClock
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
-from gateway.limits.types import AdmitRequest, Limiter, Release, Settle, Verdict, Void
+from gateway.limits.types import (
+    AdmitRequest,
+    Admitted,
+    Limiter,
+    Refused,
+    Release,
+    Settle,
+    Verdict,
+    Void,
+)
 from gateway.policy.model import LimitSpec, TierLimit
 
 T0 = 1_800_000_000.0
@@ -60,7 +69,8 @@ class Harness:
     async def used(self, tier: TierLimit) -> int:
         """Tokens counted in the tier's (single) token window, observed with a 0-token probe."""
         v = await self.admit(tier, reserve=0)
-        assert v.allowed and v.rate.tok_limit is not None and v.rate.tok_remaining is not None
+        assert isinstance(v, Admitted)
+        assert v.rate.tok_limit is not None and v.rate.tok_remaining is not None
         return v.rate.tok_limit - v.rate.tok_remaining
 
     def in_flight(self, tier: str, name: str) -> int:
@@ -124,44 +134,46 @@ def h(make: Make) -> Harness:
 
 async def test_denial_at_team_tier_consumes_nothing_at_key_tier(h: Harness) -> None:
     t, k1 = team(rps=1), key("k1", rps=1)
-    assert (await h.admit(t, key("k2", rps=1))).allowed  # k2 takes the team's one request
+    # k2 takes the team's one request
+    assert isinstance(await h.admit(t, key("k2", rps=1)), Admitted)
 
     denied = await h.admit(t, k1)
-    assert not denied.allowed and denied.tier == "team" and denied.limit == "rps"
+    assert isinstance(denied, Refused) and (denied.tier, denied.limit) == ("team", "rps")
 
     # k1's own bucket was not touched by the denied request: its one request is still there
-    assert (await h.admit(k1)).allowed
-    assert not (await h.admit(k1)).allowed
+    assert isinstance(await h.admit(k1), Admitted)
+    assert isinstance(await h.admit(k1), Refused)
 
 
 async def test_denial_at_key_tier_consumes_nothing_at_earlier_tiers(h: Harness) -> None:
     m, t = model(rps=1, concurrency=1), team(rps=1, tokens_per_day=1000)
     k1 = key("k1", rps=1)
-    assert (await h.admit(k1)).allowed  # k1's only request, spent outside the team
+    assert isinstance(await h.admit(k1), Admitted)  # k1's only request, spent outside the team
 
     denied = await h.admit(m, t, k1, reserve=100)
-    assert not denied.allowed and denied.tier == "key" and denied.limit == "rps"
+    assert isinstance(denied, Refused) and (denied.tier, denied.limit) == ("key", "rps")
 
     # model and team checked first and passed, but committed nothing: no rps spent,
     # no lease held, no tokens reserved
     assert h.in_flight("model", "qwen3-coder") == 0
     assert await h.used(TierLimit("team", "team-a", spec(tokens_per_day=1000))) == 0
-    assert (await h.admit(m, t, key("k2"), reserve=100)).allowed
+    assert isinstance(await h.admit(m, t, key("k2"), reserve=100), Admitted)
 
 
 async def test_token_denial_takes_no_lease_and_no_rps(h: Harness) -> None:
     t = team(rps=1, concurrency=1)
     k1 = key("k1", tokens_per_day=100)
-    assert (await h.admit(k1, reserve=100)).allowed  # k1's day budget now used
+    assert isinstance(await h.admit(k1, reserve=100), Admitted)  # k1's day budget now used
     denied = await h.admit(t, k1, reserve=10)
     assert (denied.tier, denied.limit) == ("key", "tokens_per_day")
     assert h.in_flight("team", "team-a") == 0
-    assert (await h.admit(t)).allowed  # the team's one rps cell and its slot are still free
+    # the team's one rps cell and its slot are still free
+    assert isinstance(await h.admit(t), Admitted)
 
 
 async def test_no_tiers_allows_and_owes_nothing(h: Harness) -> None:
     v = await h.admit()
-    assert v.allowed and not v.leased
+    assert isinstance(v, Admitted) and not v.owes_settlement
     assert h.holds_nothing()
 
 
@@ -170,14 +182,14 @@ async def test_no_tiers_allows_and_owes_nothing(h: Harness) -> None:
 
 async def test_rps_denial_verdict(h: Harness) -> None:
     k = key(rps=2.0, burst=1)
-    assert (await h.admit(k)).allowed
+    assert isinstance(await h.admit(k), Admitted)
     v = await h.admit(k)
-    assert not v.allowed
+    assert isinstance(v, Refused)
     assert (v.tier, v.limit, v.limit_value) == ("key", "rps", 2.0)
     assert v.retry_after == pytest.approx(0.5)
     assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
     h.clock.advance(0.5)
-    assert (await h.admit(k)).allowed
+    assert isinstance(await h.admit(k), Admitted)
 
 
 async def test_first_failing_tier_is_reported(h: Harness) -> None:
@@ -191,52 +203,52 @@ async def test_tokens_per_minute_slides(h: Harness) -> None:
     start = (h.clock.now() // 60) * 60
     h.clock.t = start
     tpm = team(tokens_per_minute=1000)
-    assert (await h.admit(tpm, reserve=600)).allowed
+    assert isinstance(await h.admit(tpm, reserve=600), Admitted)
     v = await h.admit(tpm, reserve=401)
-    assert (v.allowed, v.limit, v.tier) == (False, "tokens_per_minute", "team")
+    assert isinstance(v, Refused) and (v.limit, v.tier) == ("tokens_per_minute", "team")
     # this minute's 600 weighs fully until the minute ends, then slides out: 401 fits once
     # 600 * (1 - f) <= 599, a tenth of a second into the next minute
     assert v.retry_after == pytest.approx(60.1)
     h.clock.t = start + 90  # half-way through the next minute: 600 * 0.5 still counts
-    assert not (await h.admit(tpm, reserve=701)).allowed
-    assert (await h.admit(tpm, reserve=700)).allowed
+    assert isinstance(await h.admit(tpm, reserve=701), Refused)
+    assert isinstance(await h.admit(tpm, reserve=700), Admitted)
 
 
 async def test_tokens_per_day_resets_at_utc_midnight(make: Make) -> None:
     h = make(start=datetime(2027, 1, 15, 23, 59, tzinfo=UTC).timestamp())
     k = key(tokens_per_day=1000)
-    assert (await h.admit(k, reserve=1000)).allowed
+    assert isinstance(await h.admit(k, reserve=1000), Admitted)
     v = await h.admit(k, reserve=1)
-    assert (v.allowed, v.limit, v.limit_value) == (False, "tokens_per_day", 1000)
+    assert isinstance(v, Refused) and (v.limit, v.limit_value) == ("tokens_per_day", 1000)
     assert v.retry_after == pytest.approx(60.0)
     assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 0)
     h.clock.advance(59.5)
-    assert not (await h.admit(k, reserve=1)).allowed
+    assert isinstance(await h.admit(k, reserve=1), Refused)
     h.clock.advance(0.5)  # 00:00:00 UTC
-    assert (await h.admit(k, reserve=1000)).allowed
+    assert isinstance(await h.admit(k, reserve=1000), Admitted)
 
 
 async def test_tokens_per_month_resets_at_month_start(make: Make) -> None:
     h = make(start=datetime(2028, 2, 29, 12, tzinfo=UTC).timestamp())
     k = key(tokens_per_month=500)
-    assert (await h.admit(k, reserve=500)).allowed
+    assert isinstance(await h.admit(k, reserve=500), Admitted)
     v = await h.admit(k, reserve=1)
     assert (v.limit, v.retry_after) == ("tokens_per_month", pytest.approx(12 * 3600))
     h.clock.advance(12 * 3600)
-    assert (await h.admit(k, reserve=500)).allowed
+    assert isinstance(await h.admit(k, reserve=500), Admitted)
 
 
 async def test_request_larger_than_window_is_impossible(h: Harness) -> None:
     k = key(tokens_per_day=100)
     v = await h.admit(k, reserve=5000)
-    assert not v.allowed and v.impossible and v.limit == "tokens_per_day"
-    assert (await h.admit(k, reserve=100)).allowed  # it consumed nothing
+    assert isinstance(v, Refused) and v.impossible and v.limit == "tokens_per_day"
+    assert isinstance(await h.admit(k, reserve=100), Admitted)  # it consumed nothing
 
 
 
 async def test_zero_token_limit_admits_nothing(h: Harness) -> None:
     v = await h.admit(team(tokens_per_day=0), reserve=10)
-    assert not v.allowed
+    assert isinstance(v, Refused)
     assert (v.tier, v.limit) == ("team", "tokens_per_day")
 
 
@@ -246,56 +258,57 @@ async def test_zero_token_limit_admits_nothing(h: Harness) -> None:
 async def test_concurrency_limit_and_release_on_settle(h: Harness) -> None:
     t = team(concurrency=2)
     a, b = await h.admit(t, rid="a"), await h.admit(t, rid="b")
-    assert a.allowed and b.allowed and a.leased and b.leased
+    assert isinstance(a, Admitted) and isinstance(b, Admitted)
+    assert a.owes_settlement and b.owes_settlement
     c = await h.admit(t, rid="c")
-    assert not c.allowed
+    assert isinstance(c, Refused)
     assert (c.tier, c.limit, c.limit_value) == ("team", "concurrency", 2)
     assert c.retry_after > 0
 
     await h.settle("a", None)
     assert h.in_flight("team", "team-a") == 1
-    assert (await h.admit(t, rid="d")).allowed
-    assert not (await h.admit(t, rid="e")).allowed
+    assert isinstance(await h.admit(t, rid="d"), Admitted)
+    assert isinstance(await h.admit(t, rid="e"), Refused)
 
 
 async def test_lease_expires_without_settle(make: Make) -> None:
     h = make(lease_ttl=10.0)
     t = team(concurrency=2)
-    assert (await h.admit(t)).allowed and (await h.admit(t)).allowed
+    assert isinstance(await h.admit(t), Admitted) and isinstance(await h.admit(t), Admitted)
     h.clock.advance(9.9)
-    assert not (await h.admit(t)).allowed
+    assert isinstance(await h.admit(t), Refused)
     h.clock.advance(0.1)  # both leases are now lease_ttl old: the slots come back
     assert h.in_flight("team", "team-a") == 0
-    assert (await h.admit(t)).allowed and (await h.admit(t)).allowed
+    assert isinstance(await h.admit(t), Admitted) and isinstance(await h.admit(t), Admitted)
 
 
 async def test_renew_extends_a_lease(make: Make) -> None:
     h = make(lease_ttl=10.0)
     t = team(concurrency=2)
-    assert (await h.admit(t, rid="long")).allowed
-    assert (await h.admit(t, rid="short")).allowed
+    assert isinstance(await h.admit(t, rid="long"), Admitted)
+    assert isinstance(await h.admit(t, rid="short"), Admitted)
     h.clock.advance(5)
     await h.lim.renew(["long"], h.clock.now())  # still streaming: good until t+15
     h.clock.advance(5)
     assert h.in_flight("team", "team-a") == 1  # "short" expired
-    assert (await h.admit(t)).allowed
-    assert not (await h.admit(t)).allowed
+    assert isinstance(await h.admit(t), Admitted)
+    assert isinstance(await h.admit(t), Refused)
     h.clock.advance(5)
     assert h.in_flight("team", "team-a") == 1  # "long" ran out too
 
 
 async def test_renew_of_settled_or_unknown_request_does_nothing(h: Harness) -> None:
     t = team(concurrency=1)
-    assert (await h.admit(t, rid="a")).allowed
+    assert isinstance(await h.admit(t, rid="a"), Admitted)
     await h.settle("a", None)
     await h.lim.renew(["a", "never-seen"], h.clock.now())
     assert h.in_flight("team", "team-a") == 0
-    assert (await h.admit(t, rid="b")).allowed
+    assert isinstance(await h.admit(t, rid="b"), Admitted)
 
 
 async def test_lease_held_at_every_tier_with_concurrency(h: Harness) -> None:
     tiers = (model(concurrency=5), team(concurrency=5), key(concurrency=1))
-    assert (await h.admit(*tiers, rid="a")).allowed
+    assert isinstance(await h.admit(*tiers, rid="a"), Admitted)
     assert [h.in_flight(*tn) for tn in
             (("model", "qwen3-coder"), ("team", "team-a"), ("key", "k1"))] == [1, 1, 1]
     await h.settle("a", 10)
@@ -309,11 +322,11 @@ async def test_lease_held_at_every_tier_with_concurrency(h: Harness) -> None:
 async def test_reservation_is_counted_at_admission(h: Harness) -> None:
     k = key(tokens_per_day=1000)
     v = await h.admit(k, reserve=400, rid="a")
-    assert v.allowed and v.leased
+    assert isinstance(v, Admitted) and v.owes_settlement
     assert v.rate.tok_remaining == 600
     assert await h.used(k) == 400
-    assert (await h.admit(k, reserve=600)).allowed
-    assert not (await h.admit(k, reserve=1)).allowed
+    assert isinstance(await h.admit(k, reserve=600), Admitted)
+    assert isinstance(await h.admit(k, reserve=1), Refused)
 
 
 @pytest.mark.parametrize(("actual", "used"), [(700, 700), (100, 100), (0, 0), (None, 400)])
@@ -321,7 +334,7 @@ async def test_settle_replaces_reservation_with_actual(
     h: Harness, actual: int | None, used: int
 ) -> None:
     k = key(tokens_per_day=1000)
-    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(k, reserve=400, rid="a"), Admitted)
     await h.settle("a", actual)
     assert await h.used(k) == used
 
@@ -329,25 +342,25 @@ async def test_settle_replaces_reservation_with_actual(
 async def test_settle_applies_to_every_token_window_and_tier(h: Harness) -> None:
     t = team(tokens_per_minute=10_000, tokens_per_day=10_000)
     k = key(tokens_per_month=10_000)
-    assert (await h.admit(t, k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(t, k, reserve=400, rid="a"), Admitted)
     await h.settle("a", 1500)
     assert h.windows() == {"tpm:team:team-a": 1500, "tpd:team:team-a": 1500, "tpmo:key:k1": 1500}
 
 
 async def test_settle_twice_is_idempotent(h: Harness) -> None:
     k = key(tokens_per_day=1000, concurrency=1)
-    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(k, reserve=400, rid="a"), Admitted)
     await h.settle("a", 100)
     await h.settle("a", 900)  # a second settlement (retry, duplicate end) changes nothing
     await h.settle("a", None)
     assert await h.used(key(tokens_per_day=1000)) == 100
-    assert (await h.admit(key(concurrency=1), rid="b")).allowed
+    assert isinstance(await h.admit(key(concurrency=1), rid="b"), Admitted)
 
 
 async def test_settle_after_lease_expiry_still_settles_tokens(make: Make) -> None:
     h = make(lease_ttl=5.0)
     k = key(tokens_per_day=1000, concurrency=1)
-    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(k, reserve=400, rid="a"), Admitted)
     h.clock.advance(30)
     await h.settle("a", 50)
     assert await h.used(key(tokens_per_day=1000)) == 50
@@ -356,7 +369,7 @@ async def test_settle_after_lease_expiry_still_settles_tokens(make: Make) -> Non
 async def test_end_many_applies_each_in_order(h: Harness) -> None:
     k = key(tokens_per_day=1000, concurrency=3)
     for rid in "abc":
-        assert (await h.admit(k, reserve=100, rid=rid)).allowed
+        assert isinstance(await h.admit(k, reserve=100, rid=rid), Admitted)
     await h.lim.end_many([Settle("a", 10), Settle("b", None), Settle("a", 999)])
     assert h.in_flight("key", "k1") == 1  # only c still holds a slot
     assert await h.used(key(tokens_per_day=1000)) == 10 + 100 + 100
@@ -364,7 +377,7 @@ async def test_end_many_applies_each_in_order(h: Harness) -> None:
 
 async def test_actual_below_zero_never_drives_counter_negative(h: Harness) -> None:
     k = key(tokens_per_day=1000)
-    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(k, reserve=400, rid="a"), Admitted)
     h.forget_tokens()  # e.g. the day window rolled over between admission and settlement
     await h.settle("a", 0)
     assert all(v >= 0 for v in h.windows().values())
@@ -372,7 +385,7 @@ async def test_actual_below_zero_never_drives_counter_negative(h: Harness) -> No
 
 async def test_release_frees_the_slots_and_keeps_the_reservation(h: Harness) -> None:
     k = key(tokens_per_day=1000, concurrency=1)
-    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(k, reserve=400, rid="a"), Admitted)
     await h.lim.release("a")  # the response ended; its event is not yet durable
     assert h.in_flight("key", "k1") == 0
     assert await h.used(key(tokens_per_day=1000)) == 400
@@ -382,7 +395,7 @@ async def test_release_frees_the_slots_and_keeps_the_reservation(h: Harness) -> 
 
 async def test_void_charges_nothing_and_frees_everything(h: Harness) -> None:
     k = key(tokens_per_day=1000, concurrency=1)
-    assert (await h.admit(k, reserve=400, rid="a")).allowed
+    assert isinstance(await h.admit(k, reserve=400, rid="a"), Admitted)
     await h.lim.void("a")
     assert h.in_flight("key", "k1") == 0 and h.holds_nothing()
     assert await h.used(key(tokens_per_day=1000)) == 0
@@ -392,8 +405,8 @@ async def test_void_charges_nothing_and_frees_everything(h: Harness) -> None:
 
 async def test_endings_of_one_batch_apply_in_order(h: Harness) -> None:
     k = key(tokens_per_day=1000, concurrency=2)
-    assert (await h.admit(k, reserve=100, rid="a")).allowed
-    assert (await h.admit(k, reserve=100, rid="b")).allowed
+    assert isinstance(await h.admit(k, reserve=100, rid="a"), Admitted)
+    assert isinstance(await h.admit(k, reserve=100, rid="b"), Admitted)
     await h.lim.end_many([Release("a"), Settle("a", 5), Void("b"), Settle("b", 70)])
     assert h.in_flight("key", "k1") == 0 and h.holds_nothing()
     assert await h.used(key(tokens_per_day=1000)) == 5
@@ -406,7 +419,7 @@ async def test_rate_info_picks_the_tightest_tier(h: Harness) -> None:
     t = team(rps=10, burst=10, tokens_per_day=1000)
     k = key(rps=2, burst=2, tokens_per_day=10_000)
     v = await h.admit(t, k, reserve=400)
-    assert v.allowed
+    assert isinstance(v, Admitted)
     # requests: team 9/10 left, key 1/2 left -> key; tokens: team 600/1000, key 9600/10000 -> team
     assert (v.rate.req_limit, v.rate.req_remaining) == (2, 1)
     assert v.rate.req_reset == pytest.approx(0.5)
@@ -417,11 +430,11 @@ async def test_rate_info_picks_the_tightest_tier(h: Harness) -> None:
 async def test_remaining_requests_never_overstate_what_is_admitted(h: Harness) -> None:
     t, k = team(rps=1, burst=4), key(rps=1, burst=100)
     for _ in range(80):  # the key alone spends 80 of its 100 cells (e.g. via another team)
-        assert (await h.admit(k)).allowed
+        assert isinstance(await h.admit(k), Admitted)
     v = await h.admit(t, k)
-    assert v.allowed and v.rate.req_remaining is not None
+    assert isinstance(v, Admitted) and v.rate.req_remaining is not None
     admitted = 0
-    while (await h.admit(t, k)).allowed:
+    while isinstance(await h.admit(t, k), Admitted):
         admitted += 1
     assert admitted == 3  # the team's cells bind
     assert v.rate.req_remaining == admitted
@@ -429,15 +442,15 @@ async def test_remaining_requests_never_overstate_what_is_admitted(h: Harness) -
 
 async def test_remaining_tokens_never_overstate_what_is_admitted(h: Harness) -> None:
     t, k = team(tokens_per_day=1000), key(tokens_per_day=10_000)
-    assert (await h.admit(k, reserve=5000)).allowed  # the key spent 5000 elsewhere
+    assert isinstance(await h.admit(k, reserve=5000), Admitted)  # the key spent 5000 elsewhere
     v = await h.admit(t, k, reserve=400)
-    assert v.allowed
-    assert (await h.admit(t, k, reserve=600)).allowed
-    assert not (await h.admit(t, k, reserve=1)).allowed  # 600 was all that was left
+    assert isinstance(v, Admitted)
+    assert isinstance(await h.admit(t, k, reserve=600), Admitted)
+    assert isinstance(await h.admit(t, k, reserve=1), Refused)  # 600 was all that was left
     assert v.rate.tok_remaining == 600
 
 
 async def test_rate_info_without_limits_is_empty(h: Harness) -> None:
     v = await h.admit(team(concurrency=3))
-    assert v.allowed
+    assert isinstance(v, Admitted)
     assert v.rate.req_limit is None and v.rate.tok_limit is None

@@ -19,7 +19,17 @@ from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisA
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
-from gateway.limits.types import GTPD, GTPMO, Abandon, AdmitRequest, Limiter
+from gateway.limits.types import (
+    GTPD,
+    GTPMO,
+    Abandon,
+    AdmitRequest,
+    Admitted,
+    DuplicateId,
+    Limiter,
+    Refused,
+    Voided,
+)
 from gateway.policy.model import LimitSpec, TierLimit
 
 T0 = 1_800_000_000.0  # a fixed wall-clock instant (2027-01-15)
@@ -62,55 +72,56 @@ def req(rid: str, tiers: list[TierLimit], now: float = T0, reserve: int = 0) -> 
 async def test_team_denial_does_not_consume_key_rps(limiter: Limiter) -> None:
     team = tier("team", "team-a", concurrency=1)
     key = tier("key", "k1", rps=1)
-    assert (await limiter.admit(req("r1", [team], T0))).allowed  # fills the team's one slot
+    # fills the team's one slot
+    assert isinstance(await limiter.admit(req("r1", [team], T0)), Admitted)
     denied = await limiter.admit(req("r2", [team, key], T0))
-    assert not denied.allowed and denied.tier == "team" and denied.limit == "concurrency"
+    assert isinstance(denied, Refused) and (denied.tier, denied.limit) == ("team", "concurrency")
     # The key's single RPS cell was not spent by the denied request:
     await limiter.settle("r1", None)
     ok = await limiter.admit(req("r3", [team, key], T0))
-    assert ok.allowed
+    assert isinstance(ok, Admitted)
 
 
 async def test_rps_burst_then_retry_after(limiter: Limiter) -> None:
     key = tier("key", "k1", rps=2, burst=2)
-    assert (await limiter.admit(req("a", [key]))).allowed
-    assert (await limiter.admit(req("b", [key]))).allowed
+    assert isinstance(await limiter.admit(req("a", [key])), Admitted)
+    assert isinstance(await limiter.admit(req("b", [key])), Admitted)
     v = await limiter.admit(req("c", [key]))
-    assert not v.allowed and v.tier == "key" and v.limit == "rps"
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "rps")
     assert 0.4 <= v.retry_after <= 0.5
-    assert (await limiter.admit(req("d", [key], T0 + 0.5))).allowed
+    assert isinstance(await limiter.admit(req("d", [key], T0 + 0.5)), Admitted)
 
 
 async def test_lease_released_on_settle_and_expires_after_crash(limiter: Limiter) -> None:
     key = tier("key", "k1", concurrency=2)
     for rid in ("a", "b"):
-        assert (await limiter.admit(req(rid, [key]))).allowed
-    assert not (await limiter.admit(req("c", [key]))).allowed
+        assert isinstance(await limiter.admit(req(rid, [key])), Admitted)
+    assert isinstance(await limiter.admit(req("c", [key])), Refused)
     await limiter.settle("a", None)
-    assert (await limiter.admit(req("c", [key]))).allowed
+    assert isinstance(await limiter.admit(req("c", [key])), Admitted)
     # 'b' and 'c' are never settled (a crashed sidecar): slots come back after the lease TTL.
-    assert not (await limiter.admit(req("d", [key], T0 + 59))).allowed
-    assert (await limiter.admit(req("d", [key], T0 + 61))).allowed
+    assert isinstance(await limiter.admit(req("d", [key], T0 + 59)), Refused)
+    assert isinstance(await limiter.admit(req("d", [key], T0 + 61)), Admitted)
 
 
 async def test_renew_keeps_long_streams_leased(limiter: Limiter) -> None:
     key = tier("key", "k1", concurrency=1)
-    assert (await limiter.admit(req("long", [key]))).allowed
+    assert isinstance(await limiter.admit(req("long", [key])), Admitted)
     await limiter.renew(["long"], T0 + 50)  # lease now ends at T0 + 110
-    assert not (await limiter.admit(req("x", [key], T0 + 100))).allowed
-    assert (await limiter.admit(req("x", [key], T0 + 111))).allowed
+    assert isinstance(await limiter.admit(req("x", [key], T0 + 100)), Refused)
+    assert isinstance(await limiter.admit(req("x", [key], T0 + 111)), Admitted)
 
 
 async def test_a_denial_carries_only_the_binding_tiers_numbers(limiter: Limiter) -> None:
     """The 429's x-ratelimit-* headers are the tier that said no, not a looser one's."""
     team = tier("team", "t1", tokens_per_minute=10_000, rps=100)
     key = tier("key", "k1", rps=1, burst=1)
-    assert (await limiter.admit(req("a", [team, key], reserve=10))).allowed
+    assert isinstance(await limiter.admit(req("a", [team, key], reserve=10)), Admitted)
     v = await limiter.admit(req("b", [team, key], reserve=10))
     assert (v.tier, v.limit) == ("key", "rps")
     assert v.rate.tok_limit is None and v.rate.req_limit == 1
     tight = tier("key", "k2", tokens_per_minute=5)
-    assert (await limiter.admit(req("c0", [team, tight], reserve=3))).allowed
+    assert isinstance(await limiter.admit(req("c0", [team, tight], reserve=3)), Admitted)
     v = await limiter.admit(req("c", [team, tight], reserve=3))
     assert (v.tier, v.limit) == ("key", "tokens_per_minute")
     assert v.rate.req_limit is None and v.rate.tok_limit == 5
@@ -120,8 +131,8 @@ async def test_renew_names_the_requests_that_hold_nothing_any_more(limiter: Limi
     """A request settled elsewhere (its end reached another instance) or never admitted:
     the renewer is told, and stops renewing it."""
     key = tier("key", "k1", concurrency=2)
-    assert (await limiter.admit(req("live", [key]))).allowed
-    assert (await limiter.admit(req("done", [key]))).allowed
+    assert isinstance(await limiter.admit(req("live", [key])), Admitted)
+    assert isinstance(await limiter.admit(req("done", [key])), Admitted)
     await limiter.settle("done", 0)
     gone = await limiter.renew(["live", "done", "never-seen"], T0 + 1)
     assert sorted(gone) == ["done", "never-seen"]
@@ -131,76 +142,76 @@ async def test_an_admission_nobody_follows_frees_its_slot_after_the_start_ttl(
         start_ttl_limiter: Limiter) -> None:
     """The client left between the Check and ext_proc: no stream renews the first lease."""
     lim, key = start_ttl_limiter, tier("key", "k1", concurrency=1)
-    assert (await lim.admit(req("left", [key]))).allowed
-    assert not (await lim.admit(req("x", [key], T0 + 4))).allowed
-    assert (await lim.admit(req("x", [key], T0 + 6))).allowed
+    assert isinstance(await lim.admit(req("left", [key])), Admitted)
+    assert isinstance(await lim.admit(req("x", [key], T0 + 4)), Refused)
+    assert isinstance(await lim.admit(req("x", [key], T0 + 6)), Admitted)
 
 
 async def test_a_stream_that_began_renews_past_the_start_ttl(start_ttl_limiter: Limiter) -> None:
     lim, key = start_ttl_limiter, tier("key", "k1", concurrency=1)
-    assert (await lim.admit(req("began", [key]))).allowed
+    assert isinstance(await lim.admit(req("began", [key])), Admitted)
     await lim.renew(["began"], T0 + 2)  # ext_proc began: the lease now ends at T0 + 62
-    assert not (await lim.admit(req("x", [key], T0 + 61))).allowed
-    assert (await lim.admit(req("x", [key], T0 + 63))).allowed
+    assert isinstance(await lim.admit(req("x", [key], T0 + 61)), Refused)
+    assert isinstance(await lim.admit(req("x", [key], T0 + 63)), Admitted)
 
 
 async def test_reservation_then_settlement(limiter: Limiter) -> None:
     key = tier("key", "k1", tokens_per_day=1000)
-    assert (await limiter.admit(req("a", [key], reserve=600))).allowed
+    assert isinstance(await limiter.admit(req("a", [key], reserve=600)), Admitted)
     v = await limiter.admit(req("b", [key], reserve=600))  # 600 + 600 > 1000: reserved
-    assert not v.allowed and v.limit == "tokens_per_day"
+    assert isinstance(v, Refused) and v.limit == "tokens_per_day"
     await limiter.settle("a", 100)  # actual 100 replaces the 600 reserved
-    assert (await limiter.admit(req("b", [key], reserve=600))).allowed
+    assert isinstance(await limiter.admit(req("b", [key], reserve=600)), Admitted)
     await limiter.settle("b", 850)  # 100 + 850 = 950 used
     v = await limiter.admit(req("c", [key], reserve=100))
-    assert not v.allowed
+    assert isinstance(v, Refused)
     await limiter.settle("b", 850)  # a second settlement changes nothing
-    assert (await limiter.admit(req("c", [key], reserve=50))).allowed
+    assert isinstance(await limiter.admit(req("c", [key], reserve=50)), Admitted)
 
 
 async def test_unknown_usage_keeps_the_reservation(limiter: Limiter) -> None:
     key = tier("key", "k1", tokens_per_minute=100)
-    assert (await limiter.admit(req("a", [key], reserve=80))).allowed
+    assert isinstance(await limiter.admit(req("a", [key], reserve=80)), Admitted)
     await limiter.settle("a", None)
-    assert not (await limiter.admit(req("b", [key], reserve=30))).allowed
+    assert isinstance(await limiter.admit(req("b", [key], reserve=30)), Refused)
 
 
 async def test_minute_window_slides(limiter: Limiter) -> None:
     key = tier("key", "k1", tokens_per_minute=100)
     start = T0 - (T0 % 60)  # the start of a minute
-    assert (await limiter.admit(req("a", [key], start + 1, reserve=100))).allowed
-    assert not (await limiter.admit(req("b", [key], start + 59, reserve=10))).allowed
+    assert isinstance(await limiter.admit(req("a", [key], start + 1, reserve=100)), Admitted)
+    assert isinstance(await limiter.admit(req("b", [key], start + 59, reserve=10)), Refused)
     # 30 s into the next minute, half of the previous minute's 100 still counts.
-    assert not (await limiter.admit(req("b", [key], start + 60 + 29, reserve=60))).allowed
-    assert (await limiter.admit(req("b", [key], start + 60 + 31, reserve=45))).allowed
+    assert isinstance(await limiter.admit(req("b", [key], start + 60 + 29, reserve=60)), Refused)
+    assert isinstance(await limiter.admit(req("b", [key], start + 60 + 31, reserve=45)), Admitted)
 
 
 async def test_day_quota_is_insufficient_quota_until_midnight(limiter: Limiter) -> None:
     key = tier("key", "k1", tokens_per_day=10)
-    assert (await limiter.admit(req("a", [key], reserve=10))).allowed
+    assert isinstance(await limiter.admit(req("a", [key], reserve=10)), Admitted)
     v = await limiter.admit(req("b", [key], reserve=1))
-    assert not v.allowed and v.limit == "tokens_per_day"
+    assert isinstance(v, Refused) and v.limit == "tokens_per_day"
     midnight = T0 - (T0 % 86400) + 86400
     assert abs(v.retry_after - (midnight - T0)) < 2
-    assert (await limiter.admit(req("b", [key], midnight + 1, reserve=1))).allowed
+    assert isinstance(await limiter.admit(req("b", [key], midnight + 1, reserve=1)), Admitted)
 
 
 async def test_three_tiers_report_the_tightest(limiter: Limiter) -> None:
     tiers = [tier("model", "m", rps=100), tier("team", "t", rps=10), tier("key", "k", rps=5)]
     v = await limiter.admit(req("a", tiers))
-    assert v.allowed and v.rate.req_limit == 5 and v.rate.req_remaining == 4
+    assert isinstance(v, Admitted) and v.rate.req_limit == 5 and v.rate.req_remaining == 4
     model_only = [tier("model", "m", rps=1, burst=1), tier("key", "k2", rps=5)]
     denied = await limiter.admit(req("b", model_only, T0 + 1))
-    assert denied.allowed
+    assert isinstance(denied, Admitted)
     denied = await limiter.admit(req("c", model_only, T0 + 1))
-    assert not denied.allowed and denied.tier == "model"
+    assert isinstance(denied, Refused) and denied.tier == "model"
 
 
 async def test_orphans_are_swept_once_and_their_reservation_cancelled(limiter: Limiter) -> None:
     lim = limiter
     key = tier("key", "k1", concurrency=1, tokens_per_day=1000)
     admit = AdmitRequest("lost", (key,), 600, T0, meta='["k1","t","m","/v1/chat/completions",true]')
-    assert (await lim.admit(admit)).allowed
+    assert isinstance(await lim.admit(admit), Admitted)
     await lim.admit(req("settled", [key], T0))  # denied: the slot is held by 'lost'
     assert await lim.sweep(T0 + 59) == []  # its lease is still live
     [orphan] = await lim.sweep(T0 + 61)
@@ -208,9 +219,9 @@ async def test_orphans_are_swept_once_and_their_reservation_cancelled(limiter: L
     assert orphan.meta.startswith('["k1"')
     assert await lim.sweep(T0 + 62) == []  # claimed exactly once
     v = await lim.admit(req("next", [key], T0 + 62, reserve=1000))
-    assert v.allowed  # the slot is free and the 600 reserved were given back
+    assert isinstance(v, Admitted)  # the slot is free and the 600 reserved were given back
     await lim.settle("lost", 500)  # a late settlement finds nothing to change
-    assert not (await lim.admit(req("more", [key], T0 + 64, reserve=1))).allowed
+    assert isinstance(await lim.admit(req("more", [key], T0 + 64, reserve=1)), Refused)
 
 
 async def test_an_orphan_is_charged_its_last_checkpoint(limiter: Limiter) -> None:
@@ -219,28 +230,30 @@ async def test_an_orphan_is_charged_its_last_checkpoint(limiter: Limiter) -> Non
     lim = limiter
     key = tier("key", "ck", concurrency=2, tokens_per_day=1000)
     meta = '["ck","t","m","/v1/chat/completions",true]'
-    assert (await lim.admit(AdmitRequest("streaming", (key,), 600, T0, meta=meta))).allowed
+    streaming = AdmitRequest("streaming", (key,), 600, T0, meta=meta)
+    assert isinstance(await lim.admit(streaming), Admitted)
     await lim.renew(["streaming"], T0 + 10, {"streaming": (12, 30)})
     await lim.renew(["streaming"], T0 + 20, {"streaming": (12, 55)})  # the latest wins
     await lim.renew(["streaming"], T0 + 30)  # a renewal without one keeps it
     [orphan] = await lim.sweep(T0 + 91)
     assert (orphan.request_id, orphan.checkpoint, orphan.charged) == ("streaming", (12, 55), 67)
     # 1000 - 67 left for the day: 933 fit, 934 do not
-    assert not (await lim.admit(req("big", [key], T0 + 92, reserve=934))).allowed
-    assert (await lim.admit(req("fits", [key], T0 + 92, reserve=933))).allowed
+    assert isinstance(await lim.admit(req("big", [key], T0 + 92, reserve=934)), Refused)
+    assert isinstance(await lim.admit(req("fits", [key], T0 + 92, reserve=933)), Admitted)
 
 
 async def test_a_live_request_id_is_never_admitted_twice(limiter: Limiter) -> None:
     """An Envoy that keeps client ids must not let one repeated id share an admission (and
     bypass the concurrency limit): refused while live, admitted again once it ended."""
     key = tier("key", "dup", concurrency=2)
-    assert (await limiter.admit(req("same", [key]))).allowed
+    assert isinstance(await limiter.admit(req("same", [key])), Admitted)
     v = await limiter.admit(req("same", [key]))
-    assert not v.allowed and v.limit == "duplicate"
-    assert (await limiter.admit(req("other", [key]))).allowed  # the limit itself still holds
-    assert not (await limiter.admit(req("third", [key]))).allowed
+    assert isinstance(v, DuplicateId)
+    # the limit itself still holds
+    assert isinstance(await limiter.admit(req("other", [key])), Admitted)
+    assert isinstance(await limiter.admit(req("third", [key])), Refused)
     await limiter.settle("same", None)
-    assert (await limiter.admit(req("same", [key], T0 + 1))).allowed
+    assert isinstance(await limiter.admit(req("same", [key], T0 + 1)), Admitted)
 
 
 async def test_an_abandoned_admission_is_swept_at_once(limiter: Limiter) -> None:
@@ -248,27 +261,29 @@ async def test_an_abandoned_admission_is_swept_at_once(limiter: Limiter) -> None
     checkpoint, without waiting for its lease (or the sweep's grace) to run out."""
     key = tier("key", "ab", concurrency=1, tokens_per_day=1000)
     meta = '["ab","t","m","/v1/chat/completions",true]'
-    assert (await limiter.admit(AdmitRequest("garbled", (key,), 600, T0, meta=meta))).allowed
+    garbled = AdmitRequest("garbled", (key,), 600, T0, meta=meta)
+    assert isinstance(await limiter.admit(garbled), Admitted)
     await limiter.renew(["garbled"], T0 + 1, {"garbled": (10, 20)})
     assert await limiter.sweep(T0 + 2) == []
     await limiter.end_many([Abandon("garbled")])
     [orphan] = await limiter.sweep(T0 + 2)
     assert (orphan.request_id, orphan.charged, orphan.checkpoint) == ("garbled", 30, (10, 20))
-    assert (await limiter.admit(req("next", [key], T0 + 3, reserve=970))).allowed
+    assert isinstance(await limiter.admit(req("next", [key], T0 + 3, reserve=970)), Admitted)
 
 
 async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:
     lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
     key = tier("key", "k1", concurrency=1, tokens_per_day=100)
     # the admission ran, then its caller gave up: the void releases it
-    assert (await lim.admit(req("late", [key], reserve=100))).allowed
+    assert isinstance(await lim.admit(req("late", [key], reserve=100)), Admitted)
     await lim.void("late")
     assert (await lim.sweep(T0 + 120)) == []  # nothing left to orphan
     # the void arrived first: the admission, when it finally runs, is refused
     await lim.void("later")
     v = await lim.admit(req("later", [key], reserve=100))
-    assert not v.allowed and v.limit == "voided"
-    assert (await lim.admit(req("next", [key], reserve=100))).allowed  # all 100 still there
+    assert isinstance(v, Voided)
+    # all 100 still there
+    assert isinstance(await lim.admit(req("next", [key], reserve=100)), Admitted)
     await lim.close()
 
 
@@ -280,7 +295,7 @@ async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) 
                        deadline=0.1)
     key = [tier("key", "k1", rps=1000)]
     try:
-        assert (await lim.admit(req("warm", key))).allowed
+        assert isinstance(await lim.admit(req("warm", key)), Admitted)
         redis.pause()
         t0 = time.monotonic()
         results = await asyncio.gather(*(lim.admit(req(f"r{i}", key)) for i in range(20)),
@@ -289,7 +304,7 @@ async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) 
         assert all(isinstance(r, StoreInDoubt) for r in results), results
         assert 0.09 < took < 0.5, took  # the 0.1 s deadline, not the 2 s stall timeout
         redis.resume()
-        assert (await lim.admit(req("after", key, T0 + 1))).allowed
+        assert isinstance(await lim.admit(req("after", key, T0 + 1)), Admitted)
     finally:
         redis.resume()
         await lim.close()
@@ -316,7 +331,7 @@ async def test_an_admission_whose_connection_died_after_sending_is_in_doubt(
             await ping
         redis.resume()
         await lim.void("sent")  # what the caller does with an admission in doubt
-        assert (await lim.admit(req("next", key, T0 + 1))).allowed  # its slot is free
+        assert isinstance(await lim.admit(req("next", key, T0 + 1)), Admitted)  # its slot is free
     finally:
         redis.resume()
         await lim.close()
@@ -342,9 +357,9 @@ async def test_a_spoke_without_an_allowance_enforces_the_fallback_share(limiter:
     fallback = maths.fallback_allowance(1000)
     assert fallback == 100  # 10 %: stated in the README and docs/contracts.md
     for i in range(10):
-        assert (await limiter.admit(req(f"r{i}", [team], reserve=10))).allowed
+        assert isinstance(await limiter.admit(req(f"r{i}", [team], reserve=10)), Admitted)
     v = await limiter.admit(req("over", [team], reserve=10))
-    assert not v.allowed and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 100)
+    assert isinstance(v, Refused) and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 100)
     assert v.rate.tok_limit == 100 and v.rate.tok_remaining == 0
 
 
@@ -354,19 +369,19 @@ async def test_the_allowance_is_the_spokes_total_and_denies_atomically(limiter: 
     store = allowances_of(limiter)
     applied = await store.apply_allowances(1, [Allowance("team:g", "day", DAY_ID, 300)])
     assert applied == [Applied("team:g", "day", DAY_ID, 300, 0)]
-    assert (await limiter.admit(req("a", [team], reserve=250))).allowed
+    assert isinstance(await limiter.admit(req("a", [team], reserve=250)), Admitted)
     v = await limiter.admit(req("b", [team, key], reserve=100))  # 350 > 300: denied
-    assert not v.allowed and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 300)
+    assert isinstance(v, Refused) and (v.tier, v.limit, v.limit_value) == ("team", GTPD, 300)
     # The denial at the team's quota spent nothing of the key's one RPS cell:
-    assert (await limiter.admit(req("c", [team, key], reserve=50))).allowed
+    assert isinstance(await limiter.admit(req("c", [team, key], reserve=50)), Admitted)
     if isinstance(limiter, RedisLimiter):  # the spoke's own counter expires after its day
         ttl = await limiter.redis.call("PTTL", f"gw:gtpd:team:g:{DAY_ID}")
         assert 86_400_000 < int(ttl) <= 172_800_000
     # A larger total from the allocator (not an increment: the counter stays the truth).
     applied = await store.apply_allowances(2, [Allowance("team:g", "day", DAY_ID, 400)])
     assert applied == [Applied("team:g", "day", DAY_ID, 400, 300)]
-    assert (await limiter.admit(req("d", [team], reserve=100))).allowed
-    assert not (await limiter.admit(req("e", [team], reserve=1))).allowed
+    assert isinstance(await limiter.admit(req("d", [team], reserve=100)), Admitted)
+    assert isinstance(await limiter.admit(req("e", [team], reserve=1)), Refused)
 
 
 async def test_settlement_gives_back_the_allowance_it_did_not_use(limiter: Limiter) -> None:
@@ -374,11 +389,11 @@ async def test_settlement_gives_back_the_allowance_it_did_not_use(limiter: Limit
     store = allowances_of(limiter)
     month = maths.month_id(T0)
     await store.apply_allowances(1, [Allowance("team:g", "month", month, 500)])
-    assert (await limiter.admit(req("a", [team], reserve=400))).allowed
+    assert isinstance(await limiter.admit(req("a", [team], reserve=400)), Admitted)
     v = await limiter.admit(req("b", [team], reserve=200))
-    assert not v.allowed and v.limit == GTPMO
+    assert isinstance(v, Refused) and v.limit == GTPMO
     await limiter.settle("a", 100)  # actual 100 replaces the 400 reserved
-    assert (await limiter.admit(req("b", [team], reserve=400))).allowed
+    assert isinstance(await limiter.admit(req("b", [team], reserve=400)), Admitted)
 
 
 async def test_an_allowance_is_never_stored_below_use_nor_an_older_one_applied(
@@ -386,26 +401,26 @@ async def test_an_allowance_is_never_stored_below_use_nor_an_older_one_applied(
     key = tier("key", "k1", global_tokens_per_day=10_000)
     store = allowances_of(limiter)
     await store.apply_allowances(5, [Allowance("key:k1", "day", DAY_ID, 1000)])
-    assert (await limiter.admit(req("a", [key], reserve=600))).allowed
+    assert isinstance(await limiter.admit(req("a", [key], reserve=600)), Admitted)
     applied = await store.apply_allowances(6, [Allowance("key:k1", "day", DAY_ID, 200)])
     assert applied == [Applied("key:k1", "day", DAY_ID, 600, 600)]  # lowered only to its use
-    assert not (await limiter.admit(req("b", [key], reserve=1))).allowed
+    assert isinstance(await limiter.admit(req("b", [key], reserve=1)), Refused)
     # A replayed or older generation changes nothing (the allocator may have moved on).
     assert await store.apply_allowances(5, [Allowance("key:k1", "day", DAY_ID, 5000)]) is None
     assert await store.allowance_generation() == 6
     again = await store.apply_allowances(6, [Allowance("key:k1", "day", DAY_ID, 200)])
     assert again == applied  # the same generation again: the same answer
-    assert not (await limiter.admit(req("b", [key], reserve=1))).allowed
+    assert isinstance(await limiter.admit(req("b", [key], reserve=1)), Refused)
 
 
 async def test_the_next_day_starts_on_its_fallback_share(limiter: Limiter) -> None:
     team = tier("team", "g", global_tokens_per_day=1000)
     await allowances_of(limiter).apply_allowances(
         1, [Allowance("team:g", "day", DAY_ID, 1000)])
-    assert (await limiter.admit(req("a", [team], reserve=900))).allowed
+    assert isinstance(await limiter.admit(req("a", [team], reserve=900)), Admitted)
     midnight = T0 - (T0 % 86400) + 86400
-    assert (await limiter.admit(req("b", [team], midnight + 1, reserve=100))).allowed
-    assert not (await limiter.admit(req("c", [team], midnight + 1, reserve=1))).allowed
+    assert isinstance(await limiter.admit(req("b", [team], midnight + 1, reserve=100)), Admitted)
+    assert isinstance(await limiter.admit(req("c", [team], midnight + 1, reserve=1)), Refused)
 
 
 async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: Limiter) -> None:
@@ -414,8 +429,8 @@ async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: 
     team = tier("team", "g", global_tokens_per_day=10_000)
     await allowances_of(limiter).apply_allowances(1, [Allowance("team:g", "day", DAY_ID, 8)])
     v = await limiter.admit(req("big", [team], reserve=22))
-    assert not v.allowed and (v.limit, v.limit_value) == (GTPD, 8)
-    assert (await limiter.admit(req("small", [team], reserve=8))).allowed
+    assert isinstance(v, Refused) and (v.limit, v.limit_value) == (GTPD, 8)
+    assert isinstance(await limiter.admit(req("small", [team], reserve=8)), Admitted)
 
 
 async def test_counters_say_where_a_tier_stands_after_admissions_and_a_settlement(
@@ -426,7 +441,7 @@ async def test_counters_say_where_a_tier_stands_after_admissions_and_a_settlemen
 
     t = tier("key", "show", rps=5, concurrency=4, tokens_per_minute=1000, tokens_per_day=5000)
     for rid in ("s1", "s2", "s3"):
-        assert (await limiter.admit(req(rid, [t], reserve=100))).allowed
+        assert isinstance(await limiter.admit(req(rid, [t], reserve=100)), Admitted)
     await limiter.end_many([Settle("s1", 40)])  # ended: its lease freed, 40 tokens, not 100
     counters = await limiter.counters("key:show", T0)
     got = {w.limit: (w.used, w.left) for w in standing(t, counters, T0).windows}
@@ -447,15 +462,17 @@ async def test_a_tokens_per_minute_retry_after_is_exactly_when_it_fits(
         limiter: Limiter, first_at: float, probe_at: float, wait: float) -> None:
     """Waiting the retry-after admits the request; a second less does not."""
     key = tier("key", "slide", tokens_per_minute=1000)
-    assert (await limiter.admit(req("first", [key], MINUTE_START + first_at, 900))).allowed
+    first = await limiter.admit(req("first", [key], MINUTE_START + first_at, 900))
+    assert isinstance(first, Admitted)
     now = MINUTE_START + probe_at
     v = await limiter.admit(req("probe", [key], now, 200))
-    assert not v.allowed and v.limit == "tokens_per_minute" and not v.impossible
+    assert isinstance(v, Refused) and v.limit == "tokens_per_minute" and not v.impossible
     assert v.retry_after == pytest.approx(wait, abs=0.002)
-    assert not (await limiter.admit(req("soon", [key], now + v.retry_after - 1, 200))).allowed
-    assert not (await limiter.admit(req("soon", [key], now + v.retry_after - 0.01,
-                                        200))).allowed
-    assert (await limiter.admit(req("then", [key], now + v.retry_after, 200))).allowed
+    soon = await limiter.admit(req("soon", [key], now + v.retry_after - 1, 200))
+    assert isinstance(soon, Refused)
+    soon = await limiter.admit(req("soon", [key], now + v.retry_after - 0.01, 200))
+    assert isinstance(soon, Refused)
+    assert isinstance(await limiter.admit(req("then", [key], now + v.retry_after, 200)), Admitted)
 
 
 async def test_the_retry_after_is_the_longest_wait_of_every_limit_that_refuses(
@@ -465,9 +482,10 @@ async def test_the_retry_after_is_the_longest_wait_of_every_limit_that_refuses(
                                        tier("key", "k-a", rps=1, burst=1)]),
                         ("rps-first", [tier("team", "t-b", rps=1, burst=1),
                                        tier("key", "k-b", tokens_per_minute=1000)])):
-        assert (await limiter.admit(req(f"{name}-1", tiers, MINUTE_START + 10, 900))).allowed
+        first = await limiter.admit(req(f"{name}-1", tiers, MINUTE_START + 10, 900))
+        assert isinstance(first, Admitted)
         v = await limiter.admit(req(f"{name}-2", tiers, MINUTE_START + 10.5, 200))
-        assert not v.allowed and v.tier == "team", name
+        assert isinstance(v, Refused) and v.tier == "team", name
         assert v.retry_after == pytest.approx(49.5 + 60 / 9, abs=0.002), name
 
 
@@ -476,8 +494,8 @@ async def test_a_denial_carries_its_tiers_requests_and_tokens(limiter: Limiter) 
     a token 429 its requests; a concurrency 429 says 0 requests remaining."""
     key = tier("key", "both", rps=2, burst=2, tokens_per_minute=1000, concurrency=5)
     now = MINUTE_START + 30
-    assert (await limiter.admit(req("a", [key], now, 300))).allowed
-    assert (await limiter.admit(req("b", [key], now, 300))).allowed
+    assert isinstance(await limiter.admit(req("a", [key], now, 300)), Admitted)
+    assert isinstance(await limiter.admit(req("b", [key], now, 300)), Admitted)
     v = await limiter.admit(req("c", [key], now, 300))
     assert v.limit == "rps"
     assert (v.rate.req_limit, v.rate.req_remaining) == (2, 0)
@@ -488,7 +506,7 @@ async def test_a_denial_carries_its_tiers_requests_and_tokens(limiter: Limiter) 
     assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 400)
     assert (v.rate.req_limit, v.rate.req_remaining) == (2, 2)
     busy = tier("key", "busy", concurrency=1, tokens_per_day=10_000)
-    assert (await limiter.admit(req("e", [busy], now, 10))).allowed
+    assert isinstance(await limiter.admit(req("e", [busy], now, 10)), Admitted)
     v = await limiter.admit(req("f", [busy], now, 10))
     assert v.limit == "concurrency"
     assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
@@ -500,9 +518,10 @@ async def test_a_reservation_larger_than_a_whole_window_is_impossible(limiter: L
     helps, so that is the answer (with no retry), and nothing is consumed."""
     tiers = [tier("model", "m-big", tokens_per_minute=1000),
              tier("key", "k-big", rps=1, burst=1)]
-    assert (await limiter.admit(req("small", tiers, T0, 10))).allowed  # spends the key's rps
+    # spends the key's rps
+    assert isinstance(await limiter.admit(req("small", tiers, T0, 10)), Admitted)
     v = await limiter.admit(req("huge", tiers, T0, 1001))
-    assert not v.allowed and v.impossible
+    assert isinstance(v, Refused) and v.impossible
     assert (v.tier, v.limit, v.limit_value) == ("model", "tokens_per_minute", 1000)
     assert v.rate.tok_limit == 1000 and v.rate.tok_remaining == 990
-    assert (await limiter.admit(req("whole", tiers, T0 + 1, 990))).allowed
+    assert isinstance(await limiter.admit(req("whole", tiers, T0 + 1, 990)), Admitted)

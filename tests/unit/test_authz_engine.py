@@ -15,8 +15,9 @@ from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.clock import FakeClock
 from gateway.errors import StoreInDoubt, StoreUnavailable
+from gateway.limits.ledger import Ledger, Stage
 from gateway.limits.memory import MemoryLimiter
-from gateway.limits.types import AdmitRequest, RateInfo, Verdict
+from gateway.limits.types import AdmitRequest, DuplicateId, RateInfo, Refused, Verdict, Voided
 from gateway.policy import secrets
 from gateway.policy.loader import load
 from gateway.policy.model import Policy
@@ -78,9 +79,9 @@ class Gate:
     def __init__(self, pol: Policy | None, limiter: Any = None) -> None:
         self.clock = FakeClock(NOW)
         self.limiter = limiter if limiter is not None else CountingLimiter()
-        self.abandoned: list[str] = []
+        self.ledger = Ledger(self.limiter, self.clock, lease_ttl=30)
         self.authz = Authorizer(lambda: pol, self.limiter, self.clock, AdmissionSettings(),
-                                on_abandoned=self.abandoned.append)
+                                ledger=self.ledger)
         self.n = 0
 
     async def check(
@@ -351,14 +352,39 @@ async def test_store_unavailable_fails_closed() -> None:
     assert gate.limiter.calls == 1
     assert "connection refused" in d.message
     assert d.headers.get("retry-after") == "1"
-    assert gate.abandoned == []  # nothing was committed
+    assert gate.ledger.stage("req-1") is None  # nothing was committed: nothing to undo
 
 
 async def test_store_past_the_deadline_fails_closed_and_voids_the_admission() -> None:
     gate = Gate(policy(key_limits="{rps: 100}"), LateLimiter())
     d = denied(await gate.check(chat()), 503, "service_unavailable")
     assert "timed out" in d.message
-    assert len(gate.abandoned) == 1  # it may commit later: the leases void it
+    assert gate.ledger.stage("req-1") is Stage.VOIDED  # it may commit later: voided
+
+
+class Answers(CountingLimiter):
+    """A store that answers every admission with one verdict."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__()
+        self.verdict = verdict
+
+    async def admit(self, req: AdmitRequest) -> Verdict:
+        self.calls += 1
+        return self.verdict
+
+
+async def test_a_live_request_id_is_refused_as_a_duplicate() -> None:
+    gate = Gate(policy(key_limits="{concurrency: 4}"), Answers(DuplicateId()))
+    d = denied(await gate.check(chat()), 409, "duplicate_request_id")
+    assert "already in flight" in d.message and gate.ledger.stage("req-1") is None
+
+
+async def test_an_id_voided_moments_ago_is_refused_not_admitted() -> None:
+    """A client reusing the id of a request the gateway gave up on (503) minutes ago."""
+    gate = Gate(policy(key_limits="{concurrency: 4}"), Answers(Voided()))
+    d = denied(await gate.check(chat()), 409, "duplicate_request_id")
+    assert "given up" in d.message and gate.ledger.stage("req-1") is None
 
 
 async def test_no_policy_denies_everything() -> None:
@@ -377,8 +403,8 @@ async def test_no_policy_denies_everything() -> None:
     (answers.model_not_allowed("m"), "invalid_request_error"),
     (answers.bad_request("bad"), "invalid_request_error"),
     (answers.unavailable("down"), "server_error"),
-    (answers.limit_denial(Verdict(False, "key", "rps", 2.0, 0.5)), "requests"),
-    (answers.limit_denial(Verdict(False, "team", "tokens_per_day", 10, 60)),
+    (answers.limit_denial(Refused("key", "rps", 2.0, 0.5)), "requests"),
+    (answers.limit_denial(Refused("team", "tokens_per_day", 10, 60)),
      "insufficient_quota"),
 ])
 def test_error_body_is_openai_shaped(deny: Deny, etype: str) -> None:
@@ -390,10 +416,10 @@ def test_error_body_is_openai_shaped(deny: Deny, etype: str) -> None:
 
 
 def test_limit_denial_rounds_retry_after_up() -> None:
-    d = answers.limit_denial(Verdict(False, "team", "tokens_per_minute", 1000, 12.2))
+    d = answers.limit_denial(Refused("team", "tokens_per_minute", 1000, 12.2))
     assert d.retry_after == 13 and d.headers["retry-after"] == "13"
     assert "Retry after 13s" in d.message
-    tiny = answers.limit_denial(Verdict(False, "key", "rps", 100.0, 0.001))
+    tiny = answers.limit_denial(Refused("key", "rps", 100.0, 0.001))
     assert tiny.headers["retry-after"] == "1"  # never 0: a client would retry at once
 
 
@@ -466,18 +492,39 @@ async def test_a_passthrough_body_naming_a_model_gets_the_model_checks() -> None
     assert isinstance(d, Allow) and d.context.model == "" and d.context.reserved == 0
 
 
-# --- Envoy-fed metering: leases begun at the Check, the concurrency grace --------------------
+# --- the ledger: admissions it follows, the concurrency grace ------------------------------
 
 
-async def test_a_leased_admission_is_handed_to_the_renewer() -> None:
-    begun: list[str] = []
+def alice(rid: str) -> AuthzRequest:
+    return AuthzRequest(rid, "POST", "/v1/chat/completions",
+                        {"authorization": f"Bearer {SECRETS['alice']}"},
+                        json.dumps(chat()).encode())
+
+
+async def test_an_admission_that_owes_its_end_is_entered_in_the_ledger() -> None:
     pol = policy(key_limits="{concurrency: 1}")
-    authz = Authorizer(lambda: pol, CountingLimiter(), FakeClock(NOW), on_admitted=begun.append)
-    req = AuthzRequest("r1", "POST", "/v1/chat/completions",
-                       {"authorization": f"Bearer {SECRETS['alice']}"},
-                       json.dumps(chat()).encode())
-    assert isinstance(await authz.check(req), Allow)
-    assert begun == ["r1"]
+    lim = CountingLimiter()
+    ledger = Ledger(lim, FakeClock(NOW), lease_ttl=30, watches=True)
+    authz = Authorizer(lambda: pol, lim, FakeClock(NOW), ledger=ledger)
+    assert isinstance(await authz.check(alice("r1")), Allow)
+    assert ledger.stage("r1") is Stage.ADMITTED
+
+
+async def test_abandon_voids_the_admission_in_the_ledger() -> None:
+    """Envoy gave up on the Check after it admitted: the admission is undone."""
+    pol = policy(key_limits="{concurrency: 1}")
+    lim = CountingLimiter()
+    ledger = Ledger(lim, FakeClock(NOW), lease_ttl=30)
+    ledger.start()
+    try:
+        authz = Authorizer(lambda: pol, lim, FakeClock(NOW), ledger=ledger)
+        assert isinstance(await authz.check(alice("r1")), Allow)
+        authz.abandon("r1")
+        assert ledger.stage("r1") is Stage.VOIDED
+        await ledger.next_flush(1.0)
+        assert "r1" not in lim.held  # its slot is free again, charged nothing
+    finally:
+        await ledger.stop()
 
 
 async def test_a_concurrency_denial_waits_for_ends_on_their_way() -> None:
@@ -485,41 +532,32 @@ async def test_a_concurrency_denial_waits_for_ends_on_their_way() -> None:
     record comes ~50 ms after the client saw the end): wait for it, not a 429."""
     pol = policy(key_limits="{concurrency: 1}")
     lim = CountingLimiter()
-    waits: list[float] = []
-
-    async def ends_settled(timeout: float) -> None:
-        waits.append(timeout)
-        await lim.settle("first", 0)  # the release lands meanwhile
-
-    authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
-                       AdmissionSettings(concurrency_grace_s=0.1), ends_settled=ends_settled)
-
-    def req(rid: str) -> AuthzRequest:
-        return AuthzRequest(rid, "POST", "/v1/chat/completions",
-                            {"authorization": f"Bearer {SECRETS['alice']}"},
-                            json.dumps(chat()).encode())
-
-    assert isinstance(await authz.check(req("first")), Allow)
-    assert isinstance(await authz.check(req("second")), Allow)
-    assert len(waits) == 1 and 0 < waits[0] <= 0.1 and lim.calls == 3
+    ledger = Ledger(lim, FakeClock(NOW), lease_ttl=30, watches=True)
+    ledger.start()
+    try:
+        authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
+                           AdmissionSettings(concurrency_grace_s=0.5), ledger=ledger)
+        assert isinstance(await authz.check(alice("first")), Allow)
+        asyncio.get_running_loop().call_later(0.02, ledger.released, "first")
+        assert isinstance(await authz.check(alice("second")), Allow)
+        assert lim.calls == 3  # the first, the second's denial, its retry after the release
+    finally:
+        await ledger.stop()
 
 
 async def test_without_a_release_the_grace_ends_in_the_429() -> None:
     pol = policy(key_limits="{concurrency: 1}")
     lim = CountingLimiter()
-
-    async def nothing_ends(timeout: float) -> None:
-        await asyncio.sleep(timeout)
-
-    authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
-                       AdmissionSettings(concurrency_grace_s=0.05), ends_settled=nothing_ends)
-    body = json.dumps(chat()).encode()
-    auth = {"authorization": f"Bearer {SECRETS['alice']}"}
-    assert isinstance(await authz.check(AuthzRequest("a", "POST", "/v1/chat/completions",
-                                                     auth, body)), Allow)
-    d = await authz.check(AuthzRequest("b", "POST", "/v1/chat/completions", auth, body))
-    denied(d, 429, "rate_limit_exceeded")
-    assert lim.calls == 3  # one admission, one retry after the grace, nothing more
+    ledger = Ledger(lim, FakeClock(NOW), lease_ttl=30)
+    ledger.start()
+    try:
+        authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
+                           AdmissionSettings(concurrency_grace_s=0.05), ledger=ledger)
+        assert isinstance(await authz.check(alice("a")), Allow)
+        denied(await authz.check(alice("b")), 429, "rate_limit_exceeded")
+        assert lim.calls == 3  # one admission, one retry after the grace, nothing more
+    finally:
+        await ledger.stop()
 
 
 # --- truthful 429s (issue 11) ----------------------------------------------------------------
@@ -529,14 +567,14 @@ def test_error_type_says_tokens_or_requests_as_openai_does() -> None:
     def etype(d: Deny) -> str:
         return str(orjson.loads(answers.error_body(d, "r"))["error"]["type"])
 
-    assert etype(answers.limit_denial(Verdict(False, "key", "rps", 2.0, 0.5))) == "requests"
-    assert etype(answers.limit_denial(Verdict(False, "key", "concurrency", 4, 1))) == "requests"
-    assert etype(answers.limit_denial(Verdict(False, "team", "tokens_per_minute", 9, 1))) == \
+    assert etype(answers.limit_denial(Refused("key", "rps", 2.0, 0.5))) == "requests"
+    assert etype(answers.limit_denial(Refused("key", "concurrency", 4, 1))) == "requests"
+    assert etype(answers.limit_denial(Refused("team", "tokens_per_minute", 9, 1))) == \
         "tokens"
 
 
 def test_a_zero_limit_is_never_worth_retrying() -> None:
-    d = answers.limit_denial(Verdict(False, "key", "tokens_per_day", 0, 3600), requested=50)
+    d = answers.limit_denial(Refused("key", "tokens_per_day", 0, 3600), requested=50)
     assert "never pass" in d.message and d.retry_after is None
     assert "retry-after" not in d.headers and d.headers["x-should-retry"] == "false"
 

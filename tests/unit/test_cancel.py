@@ -102,20 +102,20 @@ class FakeSpool:
             on_durable()
 
 
-class FakeLeases:
+class FakeLedger:
     def __init__(self) -> None:
-        self.settled: dict[str, int | None] = {}
+        self.settlements: dict[str, int | None] = {}
 
-    def release(self, request_id: str) -> None:
+    def released(self, request_id: str) -> None:
         pass
 
-    def settle(self, request_id: str, tokens: int | None) -> None:
-        self.settled[request_id] = tokens
+    def settled(self, request_id: str, tokens: int | None) -> None:
+        self.settlements[request_id] = tokens
 
 
-def _recorder() -> tuple[Recorder, FakeSpool, FakeLeases]:
-    spool, leases = FakeSpool(), FakeLeases()
-    return Recorder(spool, "s", leases), spool, leases  # type: ignore[arg-type]
+def _recorder() -> tuple[Recorder, FakeSpool, FakeLedger]:
+    spool, ledger = FakeSpool(), FakeLedger()
+    return Recorder(spool, "s", ledger), spool, ledger  # type: ignore[arg-type]
 
 
 AUTHZ = {"request_id": "r1", "key_id": "k", "team": "t", "model": "m", "stream": True,
@@ -147,23 +147,23 @@ def _envoy_record(rule: str, flags: str, continuous: bool) -> record.Record:
 def test_a_client_cancel_via_envoys_record(rule: str, continuous: bool, billed: Usage,
                                            generated: int) -> None:
     rec = _envoy_record(rule, "DC", continuous)
-    rec_, spool, leases = _recorder()
+    rec_, spool, ledger = _recorder()
     event = rec_.emit(rec.facts, rec.result, rec.status, rec.outcome, rec.started, rec.ended,
                       rec.source)
     assert event.outcome == "client_cancelled" and event.usage == billed
     assert event.cancellation == Cancellation(rule, 9 if continuous else 12, generated, 6)
-    assert leases.settled == {"r1": billed.total_tokens}  # the counters settle to the bill
+    assert ledger.settlements == {"r1": billed.total_tokens}  # the counters settle to the bill
     assert orjson.loads(spool.lines[0])["cancellation"]["billing_rule"] == rule
 
 
 @pytest.mark.parametrize("rule", CANCEL_RULES)
 def test_other_outcomes_ignore_the_rule(rule: str) -> None:
     rec = _envoy_record(rule, "-", continuous=True)  # completed
-    rec_, _, leases = _recorder()
+    rec_, _, ledger = _recorder()
     event = rec_.emit(rec.facts, rec.result, rec.status, rec.outcome, rec.started, rec.ended,
                       rec.source)
     assert event.outcome == "completed" and event.usage == Usage(9, 10, 19)
-    assert event.cancellation == Cancellation() and leases.settled == {"r1": 19}
+    assert event.cancellation == Cancellation() and ledger.settlements == {"r1": 19}
 
 
 CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","model":"m",'
@@ -182,8 +182,8 @@ def test_a_client_cancel_via_ext_proc(rule: str, billed: Usage) -> None:
     for i, n in enumerate((2, 5, 8)):
         ex.response_body(CHUNK % (b"abc"[i:i + 1], n, 7 + n), False)
     assert ex.outcome() == "client_cancelled"
-    rec_, _, leases = _recorder()
+    rec_, _, ledger = _recorder()
     event = rec_.finish(ex.facts, ex.meter, ex.outcome(), ex.started)  # type: ignore[arg-type]
     assert event.usage == billed and event.usage_source == "reported"
     assert event.cancellation == Cancellation(rule, 7, 8, 3)
-    assert leases.settled == {"r1": billed.total_tokens}
+    assert ledger.settlements == {"r1": billed.total_tokens}

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from gateway.clock import SystemClock
-from gateway.limits.leases import Leases
+from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
@@ -32,7 +32,7 @@ class FakeSpool:
 def recorder() -> tuple[Recorder, FakeSpool]:
     spool = FakeSpool()
     clock = SystemClock()
-    return Recorder(spool, "s", Leases(MemoryLimiter(clock), clock, 30.0)), spool  # type: ignore[arg-type]
+    return Recorder(spool, "s", Ledger(MemoryLimiter(), clock, 30.0)), spool  # type: ignore[arg-type]
 
 
 def facts(rid: str) -> RequestFacts:

@@ -21,6 +21,7 @@ from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest, api_key, parse_body
 from gateway.clock import FakeClock
 from gateway.errors import BodyError, PolicyError
+from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.metering.meter import Injected, Meter
 from gateway.metering.sse import SseDecoder
@@ -54,7 +55,8 @@ bodies = st.one_of(
 
 
 def authorizer() -> Authorizer:
-    return Authorizer(lambda: POLICY, MemoryLimiter(), FakeClock())
+    limiter, clock = MemoryLimiter(), FakeClock()
+    return Authorizer(lambda: POLICY, limiter, clock, ledger=Ledger(limiter, clock, 30))
 
 
 @given(headers=st.dictionaries(header_text, header_text, max_size=6), body=bodies,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from gateway.authz import answers
 from gateway.authz.decision import Deny
 from gateway.endpoints import ENDPOINTS, Api, api_of
-from gateway.limits.types import RateInfo, Verdict
+from gateway.limits.types import RateInfo, Refused
 from gateway.metering import record
 from gateway.metering.meter import Meter
 from gateway.metering.usage import MessagesStream, from_messages
@@ -171,7 +171,7 @@ def test_error_bodies_in_anthropics_shape() -> None:
 def test_a_429_carries_anthropics_rate_limit_headers_for_the_binding_tier() -> None:
     rate = RateInfo(req_limit=10, req_remaining=0, req_reset=0.5,
                     tok_limit=1000, tok_remaining=20, tok_reset=30.0)
-    deny = answers.limit_denial(Verdict(False, "team", "rps", 10, 0.5, rate=rate))
+    deny = answers.limit_denial(Refused("team", "rps", 10, 0.5, rate=rate))
 
     h = answers.denial_headers(replace(deny, api=Api.ANTHROPIC))
     assert h["retry-after"] == "1" and h["x-gateway-limit-tier"] == "team"
@@ -187,7 +187,7 @@ def test_a_429_carries_anthropics_rate_limit_headers_for_the_binding_tier() -> N
 
 
 def test_a_concurrency_429_names_the_limit_in_both_shapes() -> None:
-    deny = answers.limit_denial(Verdict(False, "key", "concurrency", 1.0, 1.0))
+    deny = answers.limit_denial(Refused("key", "concurrency", 1.0, 1.0))
     assert deny.headers["x-ratelimit-limit-requests"] == "1"
 
     h = answers.denial_headers(replace(deny, api=Api.ANTHROPIC))

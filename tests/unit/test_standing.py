@@ -8,7 +8,7 @@ from gateway import keys_show
 from gateway.limits import maths
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.standing import Counters, redis_keys, standing
-from gateway.limits.types import AdmitRequest
+from gateway.limits.types import AdmitRequest, Admitted
 from gateway.policy.loader import load
 from gateway.policy.model import LimitSpec, TierLimit
 
@@ -53,7 +53,7 @@ async def test_the_memory_limiters_counters_after_admissions() -> None:
     tier = TierLimit("key", "k", LimitSpec(rps=5, burst=5, concurrency=4,
                                            tokens_per_minute=1000, tokens_per_day=5000))
     for rid in ("a", "b"):
-        assert (await lim.admit(AdmitRequest(rid, (tier,), 100, T0))).allowed
+        assert isinstance(await lim.admit(AdmitRequest(rid, (tier,), 100, T0)), Admitted)
     got = standing(tier, await lim.counters("key:k", T0), T0)
     assert {w.limit: (w.used, w.left) for w in got.windows} == {
         "rps": (2, 3), "concurrency": (2, 2), "tokens_per_minute": (200, 800),

@@ -17,6 +17,7 @@ import gateway
 from gateway import tracing
 from gateway.authz.engine import Authorizer
 from gateway.clock import FakeClock
+from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.policy import secrets
 from gateway.policy.loader import load
@@ -90,7 +91,8 @@ def service(pol: Policy | None) -> tuple[AuthorizationService, tracing.Tracing,
     exporter = InMemorySpanExporter()
     t = tracing.from_env({}, exporter=exporter)
     assert t is not None
-    authz = Authorizer(lambda: pol, MemoryLimiter(), FakeClock(1_800_000_000.0))
+    limiter, clock = MemoryLimiter(), FakeClock(1_800_000_000.0)
+    authz = Authorizer(lambda: pol, limiter, clock, ledger=Ledger(limiter, clock, 30))
     return AuthorizationService(authz, t), t, exporter
 
 

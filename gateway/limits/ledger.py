@@ -1,0 +1,404 @@
+"""The ledger of admissions: where each admission this process follows stands, from the
+Check to its one end, and the store calls that move it on.
+
+An admission the store committed (`Admitted(owes_settlement=True)`) holds concurrency slots
+and a token reservation until it ends. One idempotent method per transition:
+
+    admitted ──> begun ──> released ──> settled     (Envoy-fed metering: no `begun`)
+        └──────────┴───────────┴──────> voided | orphaned (or settled without a release)
+
+    heard: Envoy's heartbeat of a request in flight (renew it; adopt it if unknown here)
+    given up by the renewal loop: unheard (Envoy said nothing of it for `unheard_s`) or
+    expired (older than `max_lifetime_s`): no longer renewed, its lease runs out and the
+    orphan sweep frees and bills it (its last checkpoint), unless its end comes first.
+
+Callers never await the store (a stream that Envoy reset must not wait on Redis in its
+`finally`): endings are queued and sent in batches by one background task, retried while
+the store is down. A second task renews what this process follows (begun streams, watched
+admissions) in one store call per tick, checkpointing each one's usage so far. An
+admission nobody ends still runs out on its own (crash safety).
+
+A transition with no request id, or from a stage it cannot come from, is a no-op, counted
+in gateway_ledger_refused_total and logged once per kind, never raised: the caller is a
+stream's `finally` or a batch of Envoy's records, which must not fail for it. Repeating
+a transition (a cut stream's second release) is quietly nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from gateway import batching, metrics
+from gateway.clock import Clock
+from gateway.errors import StoreUnavailable
+from gateway.limits.types import (
+    Abandon,
+    Ending,
+    Limiter,
+    Orphan,
+    Release,
+    Settle,
+    Void,
+    first_lease,
+)
+from gateway.log import log
+
+# Ended admissions are remembered this long (at most this many), so that a late or repeated
+# call about them is recognised: a heartbeat after the end, a release after the settlement.
+ENDED_KEEP_S = 120.0
+ENDED_MAX = 100_000
+
+Progress = Callable[[], tuple[int, int] | None]  # (prompt, completion) tokens so far
+
+
+class Stage(Enum):
+    """Where an admission stands, as this process knows it (one it knows nothing of has no
+    stage: it may be another process's, or from before a restart)."""
+
+    ADMITTED = "admitted"  # the Check admitted it here; watched: renewed while Envoy says it lives
+    BEGUN = "begun"  # its metering stream began here: renewed, with its usage so far
+    RELEASED = "released"  # its response ended, its slots are freed; the settlement follows
+    UNHEARD = "unheard"  # watched, but not heard of for `unheard_s`: no longer renewed
+    EXPIRED = "expired"  # older than the maximum lifetime: never renewed again
+    SETTLED = "settled"  # its reservation replaced by what it used: done
+    VOIDED = "voided"  # its caller gave up on it: released, charged nothing
+    ORPHANED = "orphaned"  # handed to (or claimed by) the orphan sweep, which bills it
+
+
+LIVE = frozenset({Stage.ADMITTED, Stage.BEGUN, Stage.RELEASED})  # followed here
+GIVEN_UP = frozenset({Stage.UNHEARD, Stage.EXPIRED})  # the store holds them until the sweep
+# The rest are remembered a while (ENDED_KEEP_S), as ended.
+
+# The stages each transition may come from (None: unknown here). A given-up admission may
+# still end; an ended id is admitted (or begun elsewhere) again only by a new request that
+# reuses it; a void is always safe (it charges nothing, and a late admission of a reused id
+# must not commit).
+FROM: dict[str, frozenset[Stage | None]] = {
+    "admitted": frozenset({None, *GIVEN_UP, Stage.SETTLED, Stage.VOIDED, Stage.ORPHANED}),
+    "begun": frozenset({None, Stage.ADMITTED, Stage.SETTLED}),
+    "heard": frozenset({None, Stage.ADMITTED, *GIVEN_UP}),
+    "released": frozenset({None, Stage.ADMITTED, Stage.BEGUN, *GIVEN_UP}),
+    "settled": frozenset({None, *LIVE, *GIVEN_UP}),
+    "voided": frozenset({None, *LIVE, *GIVEN_UP, Stage.SETTLED, Stage.ORPHANED}),
+    "orphaned": frozenset({None, *LIVE, *GIVEN_UP}),
+}
+# A transition repeated from the stage it leads to changes nothing (idempotence).
+REPEATS = {"admitted": Stage.ADMITTED, "begun": Stage.BEGUN, "released": Stage.RELEASED,
+           "settled": Stage.SETTLED, "voided": Stage.VOIDED, "orphaned": Stage.ORPHANED}
+
+
+@dataclass(slots=True)
+class _Admission:
+    stage: Stage
+    since: float  # when this process learned of it: its lifetime counts from here
+    heard_until: float | None = None  # watched: renewed until then, unless heard of again
+    progress: Progress | None = None  # its usage so far, checkpointed at each renewal
+    fresh: bool = True  # not renewed yet: renewed at the next tick, not the next round
+    ended_at: float = 0.0
+
+    def renewed(self) -> bool:
+        watched = self.stage is Stage.ADMITTED and self.heard_until is not None
+        return watched or self.stage is Stage.BEGUN
+
+
+class Ledger:
+    """`watches`: admissions only Envoy follows (Envoy-fed metering, no stream here): each
+    is renewed from the Check on, while Envoy's heartbeats (`heard`) say its request lives.
+    Otherwise an admission is renewed once its metering stream has `begun`.
+
+    `unheard_s`: how long a watched admission is renewed without any word of its request
+    from Envoy (Envoy died, or lost the record). `max_lifetime_s`: no admission is renewed
+    past it (a stream or a heartbeat that never stops must not hold a slot for ever)."""
+
+    def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float,
+                 start_ttl: float | None = None, *, watches: bool = False,
+                 unheard_s: float | None = None, max_lifetime_s: float = float("inf")) -> None:
+        self._limiter = limiter
+        self._clock = clock
+        self.watches = watches
+        self.unheard_s = lease_ttl if unheard_s is None else unheard_s
+        self.max_lifetime_s = max_lifetime_s
+        self.first_lease = first_lease(lease_ttl, start_ttl)
+        self.renew_every = max(lease_ttl / 3, 0.05)
+        # Streams that began since the last tick get their first renewal within a third of
+        # the start TTL; the rest are renewed every third of the lease TTL.
+        self.tick = max(self.first_lease / 3, 0.05)
+        self._live: dict[str, _Admission] = {}
+        self._ended: OrderedDict[str, _Admission] = OrderedDict()  # oldest end first
+        self._refused: set[tuple[str, str]] = set()  # kinds of refusal already logged
+        self._pending: list[Ending] = []
+        self._wake = asyncio.Event()
+        self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._settle_loop()),
+                       asyncio.create_task(self._renew_loop())]
+
+    async def stop(self) -> None:
+        """Flush what is pending (best effort), then stop the background tasks."""
+        with contextlib.suppress(StoreUnavailable, TimeoutError):
+            async with asyncio.timeout(2):
+                await self._flush()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def stage(self, request_id: str) -> Stage | None:
+        """Where this admission stands here (None: unknown, or ended long enough ago)."""
+        a = self._find(request_id)
+        return a.stage if a is not None else None
+
+    # --- the transitions ---------------------------------------------------------------
+
+    def admitted(self, request_id: str) -> None:
+        """The Check admitted it and the store holds something of it. Watched, it is renewed
+        from now on; otherwise its metering stream takes it on (`begun`, here or in another
+        process) and this entry is forgotten once the first lease has run out."""
+        a = self._find(request_id)
+        if not self._may("admitted", request_id, a):
+            return
+        now = self._clock.now()
+        self._ended.pop(request_id, None)
+        self._live[request_id] = _Admission(
+            Stage.ADMITTED, now, heard_until=now + self.unheard_s if self.watches else None)
+
+    def begun(self, request_id: str, progress: Progress | None = None) -> None:
+        """Its metering stream began: renew its lease from now on; `progress` (prompt,
+        completion tokens so far) is checkpointed with each renewal."""
+        a = self._find(request_id)
+        if not self._may("begun", request_id, a):
+            return
+        if a is not None and a.stage is Stage.ADMITTED:
+            a.stage, a.heard_until, a.progress = Stage.BEGUN, None, progress
+            return
+        self._ended.pop(request_id, None)  # admitted by another process (or a new request)
+        self._live[request_id] = _Admission(Stage.BEGUN, self._clock.now(), progress=progress)
+
+    def heard(self, request_id: str, checkpoint: tuple[int, int] | None) -> None:
+        """Envoy's heartbeat record of a request still in flight (perhaps admitted by another
+        instance, or before a restart): renew it, checkpointing its usage so far. One given
+        up as unheard is taken back (within its lifetime); an expired one only stays known."""
+        a = self._find(request_id)
+        if not self._may("heard", request_id, a):
+            return
+        now = self._clock.now()
+        if a is not None and a.stage in GIVEN_UP and now - a.since >= self.max_lifetime_s:
+            self._remember(request_id, a, Stage.EXPIRED, now)  # kept while heard, not renewed
+            return
+        if a is None:  # adopted: renewed at the next tick
+            a = self._live[request_id] = _Admission(Stage.ADMITTED, now)
+        elif a.stage is Stage.UNHEARD:
+            del self._ended[request_id]
+            a.stage, a.fresh = Stage.ADMITTED, True
+            self._live[request_id] = a
+        a.heard_until = now + self.unheard_s
+        if checkpoint is not None:
+            a.progress = lambda: checkpoint
+
+    def released(self, request_id: str) -> None:
+        """The response ended: free its concurrency slots at once (its next request must
+        find them free). The rest of the settlement waits for the usage event (`settled`).
+        Only what this process renews is released early; any other admission is freed by
+        its settlement, moments later."""
+        a = self._find(request_id)
+        if not self._may("released", request_id, a):
+            return
+        if a is not None and a.renewed():
+            self._send(Release(request_id))
+        if a is None:
+            a = _Admission(Stage.RELEASED, self._clock.now())
+        self._ended.pop(request_id, None)
+        self._live[request_id] = a
+        a.stage, a.heard_until, a.progress = Stage.RELEASED, None, None
+
+    def settled(self, request_id: str, actual_tokens: int | None) -> None:
+        """Replace the reservation with the actual count, once the request's usage event is
+        durable: a sidecar killed before that leaves the admission to the orphan sweep, so
+        the request still gets exactly one event."""
+        if self._end("settled", request_id, Stage.SETTLED):
+            self._send(Settle(request_id, actual_tokens))
+
+    def voided(self, request_id: str) -> None:
+        """Undo an admission nobody will act on (its answer came too late, or the Check was
+        cancelled): whatever the store committed, or commits later, is released and
+        charged nothing."""
+        if self._end("voided", request_id, Stage.VOIDED):
+            self._send(Void(request_id))
+
+    def orphaned(self, request_id: str) -> None:
+        """Nobody will report this request's end (its record is unreadable): to the sweep,
+        which frees it and bills its last checkpoint."""
+        if self._end("orphaned", request_id, Stage.ORPHANED):
+            self._send(Abandon(request_id))
+
+    async def sweep(self, now: float, limit: int) -> list[Orphan]:
+        """Claim (once, across instances) admissions whose lease ran out unsettled: each
+        is freed and billed by the store, and ends here as orphaned."""
+        orphans = await self._limiter.sweep(now, limit)
+        at = self._clock.now()
+        for o in orphans:
+            a = self._find(o.request_id) or _Admission(Stage.ORPHANED, at)
+            self._remember(o.request_id, a, Stage.ORPHANED, at)
+        return orphans
+
+    async def next_flush(self, timeout: float) -> None:
+        """Wait until the next batch of endings reached the store, or `timeout`: an
+        admission denied for concurrency may find the slot it needs freed by then."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._flushed.wait(), timeout)
+
+    # --- bookkeeping -------------------------------------------------------------------
+
+    def _find(self, request_id: str) -> _Admission | None:
+        a = self._live.get(request_id)
+        return a if a is not None else self._ended.get(request_id)
+
+    def _may(self, transition: str, request_id: str, a: _Admission | None) -> bool:
+        """Whether `transition` applies now: a repeat is quietly nothing, the rest refused."""
+        if not request_id:
+            self._refuse(transition, request_id, "no_id")
+            return False
+        if a is not None and a.stage is REPEATS.get(transition):
+            return False
+        if (a.stage if a is not None else None) in FROM[transition]:
+            return True
+        self._refuse(transition, request_id, a.stage.value if a is not None else "unknown")
+        return False
+
+    def _refuse(self, transition: str, request_id: str, stage: str) -> None:
+        metrics.LEDGER_REFUSED.labels(transition, stage).inc()
+        if (transition, stage) not in self._refused:  # once a kind: a bug, not a flood
+            self._refused.add((transition, stage))
+            log.warning("ledger_transition_refused", transition=transition, stage=stage,
+                        request_id=request_id[:80], note="counted from now on, not logged")
+
+    def _end(self, transition: str, request_id: str, stage: Stage) -> bool:
+        a = self._find(request_id)
+        if not self._may(transition, request_id, a):
+            return False
+        now = self._clock.now()
+        self._remember(request_id, a or _Admission(stage, now), stage, now)
+        return True
+
+    def _remember(self, request_id: str, a: _Admission, stage: Stage, now: float) -> None:
+        """No longer followed: kept a while, so that late calls about it are recognised."""
+        self._live.pop(request_id, None)
+        a.stage, a.ended_at, a.progress = stage, now, None
+        self._ended[request_id] = a
+        self._ended.move_to_end(request_id)
+        if len(self._ended) > ENDED_MAX:
+            self._ended.popitem(last=False)
+
+    def _send(self, end: Ending) -> None:
+        self._pending.append(end)
+        self._wake.set()
+
+    def _look_after(self, now: float) -> None:
+        """Give up what is no longer worth renewing; forget what ended long enough ago."""
+        unheard: list[str] = []
+        expired: list[str] = []
+        for rid, a in list(self._live.items()):
+            if a.stage is Stage.RELEASED:
+                continue  # its settlement follows its durable event
+            if a.stage is Stage.ADMITTED and a.heard_until is None:
+                if now - a.since >= self.first_lease:  # its stream began elsewhere, or never
+                    del self._live[rid]
+            elif now - a.since >= self.max_lifetime_s:
+                self._remember(rid, a, Stage.EXPIRED, now)
+                expired.append(rid)
+            elif a.heard_until is not None and a.heard_until < now:
+                self._remember(rid, a, Stage.UNHEARD, now)
+                unheard.append(rid)
+        while self._ended and next(iter(self._ended.values())).ended_at < now - ENDED_KEEP_S:
+            self._ended.popitem(last=False)
+        # One line a tick, not one per request: an Envoy that died with thousands of
+        # requests in flight must not stall the event loop (and every Check) on logging.
+        if unheard:
+            metrics.ADMISSIONS_UNHEARD.inc(len(unheard))
+            log.warning("admissions_unheard", count=len(unheard), request_ids=unheard[:10],
+                        unheard_s=self.unheard_s)
+        if expired:
+            metrics.ADMISSIONS_EXPIRED.inc(len(expired))
+            log.warning("admissions_expired", count=len(expired), request_ids=expired[:10],
+                        max_lifetime_s=self.max_lifetime_s)
+
+    # --- the background tasks ----------------------------------------------------------
+
+    async def _flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, []
+        try:
+            await self._limiter.end_many(batch)
+        except Exception:
+            self._pending = batch + self._pending
+            raise
+        self._flushed.set()
+        self._flushed = asyncio.Event()
+
+    async def _settle_loop(self) -> None:
+        backoff = 0.05
+        while True:
+            await self._wake.wait()
+            await batching.gather(lambda: len(self._pending))  # requests ending together
+            self._wake.clear()
+            try:
+                await self._flush()
+                backoff = 0.05
+            except Exception as exc:  # StoreUnavailable, or anything: never stop settling
+                metrics.SETTLE_ERRORS.inc()
+                log.warning("settle_deferred", pending=len(self._pending), error=repr(exc))
+                # Retry soon, and at once when another request ends: a slot held one second
+                # too long after Redis returns is a spurious 429 for someone.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), backoff)
+                backoff = min(backoff * 2, 0.5)
+                self._wake.set()
+
+    def _checkpoints(self, ids: list[str]) -> dict[str, tuple[int, int]]:
+        out = {}
+        for rid in ids:
+            a = self._live.get(rid)
+            read = a.progress if a is not None else None
+            try:
+                seen = read() if read is not None else None
+            except Exception:  # a checkpoint is best effort; the renewal is not
+                log.exception("checkpoint_failed", request_id=rid)
+                continue
+            if seen is not None:
+                out[rid] = seen
+        return out
+
+    async def _renew_loop(self) -> None:
+        last_all = self._clock.now()
+        while True:
+            await asyncio.sleep(self.tick)
+            now = self._clock.now()
+            self._look_after(now)
+            renewed = [(rid, a) for rid, a in self._live.items() if a.renewed()]
+            metrics.ADMISSIONS_OPEN.set(len(renewed))
+            everyone = now - last_all >= self.renew_every - self.tick / 2
+            ids = [rid for rid, a in renewed if everyone or a.fresh]
+            if not ids:
+                if everyone:
+                    last_all = now
+                continue
+            try:
+                gone = await self._limiter.renew(ids, now, self._checkpoints(ids))
+            except Exception as exc:
+                log.warning("lease_renew_failed", active=len(ids), error=repr(exc))
+                continue
+            for rid in ids:
+                if (a := self._live.get(rid)) is not None:
+                    a.fresh = False
+            for rid in gone:  # it holds nothing any more (settled elsewhere, or swept)
+                if (a := self._live.get(rid)) is not None and a.renewed():
+                    del self._live[rid]
+            if everyone:
+                last_all = now
