@@ -25,7 +25,7 @@ class ResponseFacts:
     # event, message_stop) or a whole JSON document
     engine_error: bool = False  # the engine reported a failure inside its stream
     content_events: int = 0  # events that carried content towards the client
-    content_chars: int = 0  # the length of that content
+    content_chars: int = 0  # the bytes of that content, as its JSON text was written
     usage: Usage | None = None  # as the engine reported it, normalised; None: not reported
     # `usage` is only the input side (an Anthropic stream cut after message_start): its
     # output is to be estimated from what streamed

@@ -32,6 +32,12 @@ MAX_JSON_BODY = 16 << 20  # a non-stream body larger than this is not parsed for
 MOVED_TO_USAGE = ("system_fingerprint", "timings")
 
 
+def _written(text: Any) -> int:
+    """A content string's length as the Lua filter counts it (llm.stream:content_chars):
+    the bytes of its JSON text, as engines write it (UTF-8, JSON's short escapes)."""
+    return len(orjson.dumps(text)) - 2 if isinstance(text, str) and text else 0
+
+
 def _finishes(obj: Any) -> bool:
     """A chat/completions chunk that finishes a choice (its finish_reason a string)."""
     choices = obj.get("choices") if isinstance(obj, dict) else None
@@ -169,20 +175,23 @@ class Meter:
         if reader is Reader.RESPONSES:
             kind = obj.get("type", "")
             if kind == "response.output_text.delta":
-                self._token(obj.get("delta"))
+                self._token(_written(obj.get("delta")))
             elif kind in ("response.completed", "response.incomplete", "response.failed"):
                 self._usage(obj)
                 self.saw_end = True
             elif kind == "error":  # the engine failed mid-stream
                 self.engine_error = True
             return obj
+        written = 0
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict):
                 delta = choice.get("delta")
                 if isinstance(delta, dict):
-                    self._token(delta.get("content") or delta.get("reasoning_content"))
+                    written += _written(delta.get("content")) + _written(
+                        delta.get("reasoning_content"))
                 else:
-                    self._token(choice.get("text"))
+                    written += _written(choice.get("text"))
+        self._token(written)
         if obj.get("usage") is not None:
             u, model = usage_mod.from_body(self.endpoint, obj)
             if u is not None:
@@ -197,7 +206,7 @@ class Meter:
         if kind == "content_block_delta":
             d = obj.get("delta")
             if isinstance(d, dict):
-                self._token(d.get("text") or d.get("thinking") or d.get("partial_json"))
+                self._token(_written(d.get("text") or d.get("thinking") or d.get("partial_json")))
         elif kind == "message_start":
             message = obj.get("message")
             self._messages.start(message)
@@ -212,14 +221,15 @@ class Meter:
         elif kind == "error":
             self.engine_error = True
 
-    def _token(self, text: Any) -> None:
-        if isinstance(text, str) and text:
+    def _token(self, written: int) -> None:
+        """One event that carried `written` bytes of content (none: not a content event)."""
+        if written:
             now = time.monotonic()
             if self.first_token is None:
                 self.first_token = now
             self.last_token = now
             self.content_events += 1
-            self.content_chars += len(text)
+            self.content_chars += written
 
     def _usage(self, obj: Any) -> None:
         u, model = usage_mod.from_body(self.endpoint, obj)

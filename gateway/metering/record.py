@@ -115,6 +115,9 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
     served = reported.get("model")
     events, chars = _int(counted.get("content_events")), _int(counted.get("content_chars"))
     ttft_us, gen_us = _num(attrs.get("ttft_us")), _num(attrs.get("gen_us"))
+    total_ms = _num(attrs.get("total_ms"))
+    if gen_us is None and ttft_us is not None and total_ms is not None:
+        gen_us = max(total_ms * 1000 - ttft_us, 0.0)  # cut: it generated until its end
     return ResponseFacts(
         status=int(_num(attrs.get("code")) or 0), flags=flags, ended=not flags & CUT_FLAGS,
         end_seen=counted.get("done") is True, engine_error=counted.get("failed") is True,
