@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 from gateway import metrics, tracing
-from gateway.metering import billing, handoff
+from gateway.metering import handoff
 from gateway.metering.events import UsageEvent
 from gateway.metering.exchange import Exchange
 from gateway.metering.handoff import RequestFacts
@@ -163,12 +163,11 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 if span is not None:
                     span.end()
                 return
-            response = stream.response()
-            if billing.outcome(facts, response) == "client_cancelled":
-                # or the engine cut it: Envoy will say which
-                self.recorder.finish_cut(facts, response, stream.started, annotate)
+            # A stream that ended early: its client left, or the engine cut it (Envoy says)
+            if stream.outcome() == "client_cancelled":
+                self.recorder.finish_cut(facts, stream.response(), stream.started, annotate)
             else:
-                annotate(self.recorder.finish(facts, response, stream.started))
+                annotate(self.recorder.finish(facts, stream.response(), stream.started))
 
         try:
             async for msg in request_iterator:
