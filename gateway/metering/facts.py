@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from gateway.metering.usage import Usage
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: that costs µs a request (treated as immutable all the same)
 class ResponseFacts:
     status: int = 0  # 0: no response (the client left before the engine answered)
     # Envoy's %RESPONSE_FLAGS% (who cut the stream: the engine, UPE, or the client, DC);

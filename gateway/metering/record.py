@@ -36,7 +36,7 @@ class Unreadable(ValueError):
     """A record whose Check facts cannot be read: its request is billed as an orphan."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: that costs µs a record (treated as immutable all the same)
 class Record:
     request_id: str
     facts: RequestFacts
@@ -115,9 +115,9 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
     served = reported.get("model")
     events, chars = _int(counted.get("content_events")), _int(counted.get("content_chars"))
     ttft_us, gen_us = _num(attrs.get("ttft_us")), _num(attrs.get("gen_us"))
-    total_ms = _num(attrs.get("total_ms"))
-    if gen_us is None and ttft_us is not None and total_ms is not None:
-        gen_us = max(total_ms * 1000 - ttft_us, 0.0)  # cut: it generated until its end
+    if gen_us is None and events and ttft_us is not None:  # cut: generating until its end
+        total_ms = _num(attrs.get("total_ms"))
+        gen_us = max(total_ms * 1000 - ttft_us, 0.0) if total_ms is not None else None
     return ResponseFacts(
         status=int(_num(attrs.get("code")) or 0), flags=flags, ended=not flags & CUT_FLAGS,
         end_seen=counted.get("done") is True, engine_error=counted.get("failed") is True,
