@@ -35,7 +35,11 @@ MOVED_TO_USAGE = ("system_fingerprint", "timings")
 def _written(text: Any) -> int:
     """A content string's length as the Lua filter counts it (llm.stream:content_chars):
     the bytes of its JSON text, as engines write it (UTF-8, JSON's short escapes)."""
-    return len(orjson.dumps(text)) - 2 if isinstance(text, str) and text else 0
+    if not isinstance(text, str) or not text:
+        return 0
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return len(text)  # most tokens: nothing to escape, one byte a character
+    return len(orjson.dumps(text)) - 2
 
 
 def _finishes(obj: Any) -> bool:
@@ -187,11 +191,12 @@ class Meter:
             if isinstance(choice, dict):
                 delta = choice.get("delta")
                 if isinstance(delta, dict):
-                    written += _written(delta.get("content")) + _written(
-                        delta.get("reasoning_content"))
+                    more = delta.get("reasoning_content")
+                    written += _written(delta.get("content")) + (_written(more) if more else 0)
                 else:
                     written += _written(choice.get("text"))
-        self._token(written)
+        if written:
+            self._token(written)
         if obj.get("usage") is not None:
             u, model = usage_mod.from_body(self.endpoint, obj)
             if u is not None:
