@@ -146,9 +146,10 @@ def engine_chunks(engine_url: str, wl: Workload) -> list[bytes]:
 def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, float]:
     """The sidecar's own Python per response-body chunk, without gRPC: parse the
     ProcessingRequest, RequestStream.handle (SSE decode, meter, hide the usage chunk, echo),
-    serialize the answer; then Meter.result(). Median over `repeats` streams."""
+    serialize the answer; then what it bills (billing.settle). Median over `repeats` streams."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+    from gateway.metering.billing import settle
     from gateway.metering.handoff import RequestFacts
     from gateway.metering.meter import Injected, Meter
     from gateway.server.extproc_service import RequestStream
@@ -169,7 +170,7 @@ def inprocess_chunk_cost(chunks: list[bytes], repeats: int = 200) -> dict[str, f
         out_bytes = 0
         for w in wire:
             out_bytes += len(rs.handle(ep.ProcessingRequest.FromString(w)).SerializeToString())
-        rs.meter.result()
+        settle(rs.facts, rs.response())
         per.append((time.perf_counter() - t0) / len(wire) * 1e6)
     return {"us_per_chunk": statistics.median(per), "us_per_chunk_min": min(per),
             "chunks_per_stream": len(wire),

@@ -112,7 +112,7 @@ def emit(recorder: Recorder, i: int, event_id: str) -> None:
     """One request's end, exactly as the sidecar does it: Recorder.finish (event JSON,
     next_seq, put, metrics)."""
     facts, meter, started = finished_request(i, event_id)
-    recorder.finish(facts, meter, "completed", started)
+    recorder.finish(facts, meter.facts(ended=True), started)
 
 
 def build_cost_us(n: int) -> dict[str, float]:
@@ -124,7 +124,7 @@ def build_cost_us(n: int) -> dict[str, float]:
         reqs = [finished_request(i, str(uuid.uuid4())) for i in range(n)]
         t0 = time.perf_counter()
         for facts, meter, started in reqs:
-            rec.finish(facts, meter, "completed", started)
+            rec.finish(facts, meter.facts(ended=True), started)
         per.append((time.perf_counter() - t0) / n * 1e6)
     t0 = time.perf_counter()
     for i in range(n):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from gateway.metering import billing
+from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 
@@ -67,12 +69,9 @@ class Exchange:
     def response_trailers(self) -> None:
         self.ended = True
 
+    def response(self, flags: frozenset[str] = frozenset()) -> ResponseFacts:
+        """The response's facts as seen so far; `flags`: Envoy's word on who ended it."""
+        return self.meter.facts(ended=self.ended, flags=flags)
+
     def outcome(self) -> str:
-        f = self.facts
-        if f is not None and f.denied_status:
-            return "denied"
-        if f is None or not f.key_id:
-            return "denied"  # an Envoy local reply (e.g. 413) that no key was admitted for
-        if self.meter.status >= 500 or self.meter.engine_error:  # 5xx, or an error event
-            return "upstream_error"
-        return "completed" if self.ended or self.meter.finished() else "client_cancelled"
+        return billing.outcome(self.facts or RequestFacts(), self.response())

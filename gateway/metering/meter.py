@@ -1,13 +1,14 @@
-"""One request's response, observed chunk by chunk, turned into its usage facts.
+"""One request's response, observed chunk by chunk, turned into its facts.
 
 Sans-I/O: the ext_proc handler feeds it response headers and body chunks; it answers with
 the bytes to forward when it had to change them (to hide a usage chunk the gateway asked
-for on the client's behalf), and at the end it says what was used and how it ended.
+for on the client's behalf), and at the end it says what the response was
+(`facts()`, gateway/metering/facts.py): what is billed is decided from those, as for
+Envoy's record (gateway/metering/billing.py).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,18 +17,30 @@ import orjson
 
 from gateway.endpoints import Reader, reader_of
 from gateway.metering import usage as usage_mod
+from gateway.metering.billing import metered
+from gateway.metering.facts import ResponseFacts
 from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
 from gateway.metering.usage import ChoicesStream, MessagesStream
 from gateway.usage_event import Usage
 
-__all__ = ["Injected", "Meter", "Result"]
+__all__ = ["Injected", "Meter"]
 
 MAX_JSON_BODY = 16 << 20  # a non-stream body larger than this is not parsed for usage
 
 
 # What engines move from the finish chunk onto the usage chunk they were asked for.
 MOVED_TO_USAGE = ("system_fingerprint", "timings")
+
+
+def _written(text: Any) -> int:
+    """A content string's length as the Lua filter counts it (llm.stream:content_chars):
+    the bytes of its JSON text, as engines write it (UTF-8, JSON's short escapes)."""
+    if not isinstance(text, str) or not text:
+        return 0
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return len(text)  # most tokens: nothing to escape, one byte a character
+    return len(orjson.dumps(text)) - 2
 
 
 def _finishes(obj: Any) -> bool:
@@ -48,18 +61,6 @@ def _restore_moved(held: bytes, held_obj: Any, hidden: Any) -> bytes:
     if not extra or close < 0:
         return held
     return held[:close] + b"," + b",".join(extra) + held[close:]
-
-
-@dataclass
-class Result:
-    usage: Usage
-    source: str  # 'reported' | 'estimated'
-    served_model: str
-    ttft_ms: float
-    tpot_ms: float
-    # completion tokens estimated from the content that passed towards the client
-    # (max(content events, ceil(chars / 4))): what a cancelled stream delivered
-    delivered: int = 0
 
 
 @dataclass
@@ -109,6 +110,8 @@ class Meter:
             if self._body_len <= MAX_JSON_BODY:
                 self._body.append(data)
                 self._body_len += len(data)
+            if end:  # read only whole: a body cut short has no usage (as for Envoy's record)
+                self._parse_body()
             return None
         events = self._decoder.feed(data)
         if end:
@@ -177,20 +180,24 @@ class Meter:
         if reader is Reader.RESPONSES:
             kind = obj.get("type", "")
             if kind == "response.output_text.delta":
-                self._token(obj.get("delta"))
+                self._token(_written(obj.get("delta")))
             elif kind in ("response.completed", "response.incomplete", "response.failed"):
                 self._usage(obj)
                 self.saw_end = True
             elif kind == "error":  # the engine failed mid-stream
                 self.engine_error = True
             return obj
+        written = 0
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict):
                 delta = choice.get("delta")
                 if isinstance(delta, dict):
-                    self._token(delta.get("content") or delta.get("reasoning_content"))
+                    more = delta.get("reasoning_content")
+                    written += _written(delta.get("content")) + (_written(more) if more else 0)
                 else:
-                    self._token(choice.get("text"))
+                    written += _written(choice.get("text"))
+        if written:
+            self._token(written)
         if obj.get("usage") is not None:
             u, model = usage_mod.from_body(self.endpoint, obj)
             if u is not None:
@@ -205,7 +212,7 @@ class Meter:
         if kind == "content_block_delta":
             d = obj.get("delta")
             if isinstance(d, dict):
-                self._token(d.get("text") or d.get("thinking") or d.get("partial_json"))
+                self._token(_written(d.get("text") or d.get("thinking") or d.get("partial_json")))
         elif kind == "message_start":
             message = obj.get("message")
             self._messages.start(message)
@@ -220,14 +227,15 @@ class Meter:
         elif kind == "error":
             self.engine_error = True
 
-    def _token(self, text: Any) -> None:
-        if isinstance(text, str) and text:
+    def _token(self, written: int) -> None:
+        """One event that carried `written` bytes of content (none: not a content event)."""
+        if written:
             now = time.monotonic()
             if self.first_token is None:
                 self.first_token = now
             self.last_token = now
             self.content_events += 1
-            self.content_chars += len(text)
+            self.content_chars += written
 
     def _usage(self, obj: Any) -> None:
         u, model = usage_mod.from_body(self.endpoint, obj)
@@ -235,14 +243,6 @@ class Meter:
             self.reported = u
         if model:
             self.served_model = model
-
-    def finished(self) -> bool:
-        """Did the engine finish its answer? A client that stops reading at `[DONE]` may hang
-        up before Envoy passes on end_of_stream, so the engine's own end marker counts."""
-        if self.sse:
-            return self.saw_end
-        self._parse_body()
-        return self.saw_end
 
     def _parse_body(self) -> None:
         if self._body and self._body_len <= MAX_JSON_BODY and not self.saw_end:
@@ -258,26 +258,21 @@ class Meter:
         None before its first byte, or for a whole-JSON answer (read only at its end)."""
         if not self.sse:
             return None
-        u = self.result().usage
+        u, _ = metered(self.facts(), self.prompt_estimate)
         return u.prompt_tokens, u.completion_tokens
 
-    def result(self) -> Result:
-        """What was used: as reported if the engine said so, else estimated from what streamed."""
-        if not self.sse:
-            self._parse_body()
-        completion = max(self.content_events, math.ceil(self.content_chars / 4))
-        if self.reported is not None:
-            u, source = self.reported, "reported"
-        elif self.status and self.status >= 400 and not completion:
-            u, source = Usage(), "reported"  # an error answer: nothing was generated
-        else:
-            cut = self._messages.cut(completion)  # exact input, when an Anthropic stream said it
-            if cut is None:
-                prompt = self.prompt_estimate if self.status or completion else 0
-                cut = Usage(prompt, completion, prompt + completion)
-            u, source = cut, "estimated"
-        ttft = (self.first_token - self.started) * 1000 if self.first_token else 0.0
-        tpot = 0.0
-        if self.first_token and self.last_token and u.completion_tokens > 1:
-            tpot = (self.last_token - self.first_token) * 1000 / (u.completion_tokens - 1)
-        return Result(u, source, self.served_model, ttft, tpot, completion)
+    def facts(self, ended: bool = False, flags: frozenset[str] = frozenset()) -> ResponseFacts:
+        """The response as observed so far. `ended`: its end reached the proxy
+        (end_of_stream); `flags`: Envoy's word on who cut it, when it sent one."""
+        usage, input_only = self.reported, False
+        if usage is None:
+            usage = self._messages.input_side()  # a cut Anthropic stream: its input is exact
+            input_only = usage is not None
+        first, last = self.first_token, self.last_token
+        return ResponseFacts(
+            status=self.status, flags=flags, ended=ended, end_seen=self.sse and self.saw_end,
+            engine_error=self.engine_error, content_events=self.content_events,
+            content_chars=self.content_chars, usage=usage, input_only=input_only,
+            served_model=self.served_model,
+            ttft_ms=(first - self.started) * 1000 if first else 0.0,
+            generation_ms=(last - first) * 1000 if first and last else None)

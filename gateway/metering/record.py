@@ -1,10 +1,12 @@
-"""Envoy's one record per request (GATEWAY_METERING=envoy), read into the facts of its event.
+"""Envoy's one record per request (GATEWAY_METERING=envoy), read into the request's facts.
 
 Sans-I/O: the logs service hands over the record's attributes, as the access-log formatter
 rendered them (gateway/envoyconf/metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
 metadata namespaces as JSON). What ext_proc learns chunk by chunk, Envoy's filters have
 put in the record: usage from the Lua filter / json_to_metadata, content counters from
-the Lua filter, the status, the response flags and the timings.
+the Lua filter, the status, the response flags and the timings. They are read into the
+same `ResponseFacts` ext_proc's Meter gives; what is billed is decided from those, once
+(gateway/metering/billing.py).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import orjson
 
 from gateway.endpoints import Reader, reader_of
 from gateway.metering import handoff
+from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
-from gateway.metering.meter import Result
-from gateway.metering.usage import from_messages
+from gateway.metering.usage import anthropic
 from gateway.usage_event import Usage
 
 # %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
@@ -35,16 +37,13 @@ class Unreadable(ValueError):
     """A record whose Check facts cannot be read: its request is billed as an orphan."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: that costs µs a record (treated as immutable all the same)
 class Record:
     request_id: str
     facts: RequestFacts
-    result: Result
-    status: int
-    outcome: str
+    response: ResponseFacts
     started: float  # epoch seconds
     ended: float
-    source: str
 
 
 def _json(text: str | None) -> dict[str, Any]:
@@ -72,8 +71,9 @@ def _int(v: Any) -> int:
 
 
 def flags_of(attrs: dict[str, str]) -> frozenset[str]:
-    """%RESPONSE_FLAGS% as a set ("-" when none)."""
-    return frozenset((attrs.get("flags") or "-").split(","))
+    """%RESPONSE_FLAGS% as a set (empty when none: "-")."""
+    text = attrs.get("flags") or "-"
+    return frozenset() if text == "-" else frozenset(text.split(","))
 
 
 def request_id(attrs: dict[str, str]) -> str | None:
@@ -98,75 +98,47 @@ def read(attrs: dict[str, str]) -> Record | None:
     facts = handoff.read(authz, attrs.get("path", ""), rid)
     if facts.duplicate:
         return None  # its id is a live request's: that one's record bills it
-    status = int(_num(attrs.get("code")) or 0)
-    flags = flags_of(attrs)
-    counted = _json(attrs.get("counted"))
-    usage = _json(attrs.get("usage"))
     started = _num(attrs.get("start")) or 0.0
     duration_us = _num(attrs.get("duration_us"))
     if duration_us is None:  # a cut stream never sent its last byte: its whole life
         duration_us = (_num(attrs.get("total_ms")) or 0.0) * 1000
-    duration_s = duration_us / 1e6
-
-    if facts.denied_status or not facts.key_id:
-        outcome = "denied"  # ext_authz said no, or Envoy answered itself (413, 503, ...)
-        status = facts.denied_status or status
-    elif flags & UPSTREAM_FLAGS or status >= 500 or counted.get("failed") is True:
-        outcome = "upstream_error"
-    elif flags & CLIENT_FLAGS and counted.get("done") is not True:
-        outcome = "client_cancelled"
-    else:
-        outcome = "completed"
-
-    result, source = _result(facts, status, usage, counted, outcome, attrs)
-    return Record(rid, facts, result, status, outcome, started, started + duration_s, source)
+    response = response_facts(attrs, reader_of(facts.endpoint) is Reader.MESSAGES)
+    return Record(rid, facts, response, started, started + duration_us / 1e6)
 
 
-def checkpoint(attrs: dict[str, str]) -> tuple[int, int] | None:
-    """A heartbeat record's usage so far (prompt, completion), as its end would bill it."""
-    rec = read(attrs)
-    if rec is None or rec.outcome == "denied":
-        return None
-    u = rec.result.usage
-    return u.prompt_tokens, u.completion_tokens
-
-
-def _result(facts: RequestFacts, status: int, usage: dict[str, Any], counted: dict[str, Any],
-            outcome: str, attrs: dict[str, str]) -> tuple[Result, str]:
-    served = usage.get("model")
-    served_model = served if isinstance(served, str) else ""
-    ttft_us = _num(attrs.get("ttft_us"))
-    gen_us = _num(attrs.get("gen_us"))
-    if outcome == "denied":
-        return Result(Usage(), "reported", served_model, 0.0, 0.0), "reported"
+def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
+    """The response as Envoy's filters recorded it. `messages`: an Anthropic answer, whose
+    input count leaves out the cache (normalised by usage.anthropic, as ext_proc's)."""
+    flags = flags_of(attrs)
+    counted = _json(attrs.get("counted"))  # the Lua filter's: present for a stream only
+    reported = _json(attrs.get("usage"))
+    usage, input_only = _usage(reported, messages)
+    served = reported.get("model")
     events, chars = _int(counted.get("content_events")), _int(counted.get("content_chars"))
-    completion = max(events, math.ceil(chars / 4))
-    messages = reader_of(facts.endpoint) is Reader.MESSAGES
-    if messages and "completion_tokens" in usage:  # message_delta, or a whole answer
-        u = from_messages({  # the Lua/json_to_metadata keys in Anthropic's names
-            "input_tokens": _int(usage.get("prompt_tokens")),
-            "output_tokens": _int(usage.get("completion_tokens")),
-            **{k: _int(usage.get(k)) for k in ("cache_read_input_tokens",
-                                              "cache_creation_input_tokens")}}) or Usage()
-        source = "reported"
-    elif messages and "prompt_tokens" in usage:  # only message_start: the input side is exact
-        u = from_messages({  # its cache counts included; the output estimated from what streamed
-            "input_tokens": _int(usage.get("prompt_tokens")), "output_tokens": completion,
-            **{k: _int(usage.get(k)) for k in ("cache_read_input_tokens",
-                                              "cache_creation_input_tokens")}}) or Usage()
-        source = "estimated"
-    elif "prompt_tokens" in usage or "completion_tokens" in usage:
-        p, c = _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
-        u = Usage(p, c, _int(usage.get("total_tokens")) or p + c,
-                  _int(usage.get("cached_tokens")), _int(usage.get("reasoning_tokens")))
-        source = "reported"
-    elif status >= 400 and not completion:
-        u, source = Usage(), "reported"  # an error answer: nothing was generated
-    else:
-        prompt = facts.prompt_estimate if status or completion else 0
-        u, source = Usage(prompt, completion, prompt + completion), "estimated"
-    ttft = ttft_us / 1000 if ttft_us is not None else 0.0
-    tpot = 0.0
-    if facts.stream and gen_us is not None and u.completion_tokens > 1:
-        tpot = gen_us / 1000 / (u.completion_tokens - 1)
-    return Result(u, source, served_model, ttft, tpot, completion), source
+    ttft_us, gen_us = _num(attrs.get("ttft_us")), _num(attrs.get("gen_us"))
+    if gen_us is None and events and ttft_us is not None:  # cut: generating until its end
+        total_ms = _num(attrs.get("total_ms"))
+        gen_us = max(total_ms * 1000 - ttft_us, 0.0) if total_ms is not None else None
+    return ResponseFacts(
+        status=int(_num(attrs.get("code")) or 0), flags=flags, ended=not flags & CUT_FLAGS,
+        end_seen=counted.get("done") is True, engine_error=counted.get("failed") is True,
+        content_events=events, content_chars=chars, usage=usage, input_only=input_only,
+        served_model=served if isinstance(served, str) else "",
+        ttft_ms=ttft_us / 1000 if ttft_us is not None else 0.0,
+        generation_ms=gen_us / 1000 if gen_us is not None and events else None)
+
+
+def _usage(reported: dict[str, Any], messages: bool) -> tuple[Usage | None, bool]:
+    """The usage numbers the Lua filter / json_to_metadata recorded, normalised (None: the
+    engine reported none), and whether they are only its input side: Anthropic's
+    message_start came, its message_delta did not (the Lua filter leaves message_start's
+    output count out)."""
+    if "prompt_tokens" not in reported and "completion_tokens" not in reported:
+        return None, False
+    p, c = _int(reported.get("prompt_tokens")), _int(reported.get("completion_tokens"))
+    if messages:
+        return anthropic(p, c, _int(reported.get("cache_read_input_tokens")),
+                         _int(reported.get("cache_creation_input_tokens"))), \
+            "completion_tokens" not in reported
+    return Usage(p, c, _int(reported.get("total_tokens")) or p + c,
+                 _int(reported.get("cached_tokens")), _int(reported.get("reasoning_tokens"))), False

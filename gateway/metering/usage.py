@@ -62,10 +62,18 @@ def from_messages(u: Any) -> Usage | None:
     """Anthropic Messages API `usage` (a whole answer's, or a stream's merged pieces)."""
     if not isinstance(u, dict):
         return None
-    read, created = _n(u.get("cache_read_input_tokens")), _n(u.get("cache_creation_input_tokens"))
-    p = _n(u.get("input_tokens")) + read + created
-    c = _n(u.get("output_tokens"))
-    return Usage(p, c, p + c, cached_tokens=read, cache_creation_tokens=created)
+    return anthropic(_n(u.get("input_tokens")), _n(u.get("output_tokens")),
+                     _n(u.get("cache_read_input_tokens")),
+                     _n(u.get("cache_creation_input_tokens")))
+
+
+def anthropic(input_tokens: int, output_tokens: int, cache_read: int,
+              cache_creation: int) -> Usage:
+    """Anthropic's counts, normalised: every input token in prompt_tokens (the one place;
+    Envoy's record carries the same four numbers under the Lua filter's names)."""
+    p = input_tokens + cache_read + cache_creation
+    return Usage(p, output_tokens, p + output_tokens, cached_tokens=cache_read,
+                 cache_creation_tokens=cache_creation)
 
 
 class MessagesStream:
@@ -100,14 +108,13 @@ class MessagesStream:
         """The whole usage once the output count is the engine's; None before."""
         return from_messages(self.fields) if self.final else None
 
-    def cut(self, completion: int) -> Usage | None:
-        """A stream cut before its message_delta: the input side as message_start said it
-        (exact, the cache counts included) with `completion` estimated from what streamed;
+    def input_side(self) -> Usage | None:
+        """What message_start said of the input (exact, the cache counts included), for a
+        stream cut before its message_delta: its output is estimated from what streamed.
         None if message_start never came."""
         if "input_tokens" not in self.fields:
             return None
-        return from_messages({**{n: self.fields.get(n, 0) for n in MESSAGES_INPUT},
-                              "output_tokens": completion})
+        return from_messages({n: self.fields.get(n, 0) for n in MESSAGES_INPUT})
 
 
 class ChoicesStream:

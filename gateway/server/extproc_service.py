@@ -166,11 +166,11 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 if span is not None:
                     span.end()
                 return
-            outcome = stream.outcome()
-            if outcome == "client_cancelled":  # or the engine cut it: Envoy will say which
-                self.recorder.finish_cut(facts, stream.meter, stream.started, annotate)
+            # A stream that ended early: its client left, or the engine cut it (Envoy says)
+            if stream.outcome() == "client_cancelled":
+                self.recorder.finish_cut(facts, stream.response(), stream.started, annotate)
             else:
-                annotate(self.recorder.finish(facts, stream.meter, outcome, stream.started))
+                annotate(self.recorder.finish(facts, stream.response(), stream.started))
 
         try:
             async for msg in request_iterator:

@@ -22,7 +22,7 @@ from gateway import metrics
 from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
 from gateway.limits.ledger import Ledger
 from gateway.log import log
-from gateway.metering import record
+from gateway.metering import billing, record
 from gateway.metering.recorder import Recorder
 
 SEEN_MAX = 200_000  # request ids remembered for dedup (~20 MB): minutes of traffic
@@ -89,8 +89,8 @@ class RecordsService:
         self._seen[rec.request_id] = None
         if len(self._seen) > SEEN_MAX:
             self._seen.popitem(last=False)
-        event = self.recorder.emit(rec.facts, rec.result, rec.status, rec.outcome,
-                                   rec.started, rec.ended, rec.source)
+        event = self.recorder.emit(rec.facts, billing.settle(rec.facts, rec.response),
+                                   rec.started, rec.ended)
         if not rec.facts.key_id and not rec.facts.denied_status:
             # Envoy answered itself: perhaps the Check never came back (a sidecar killed
             # mid-Check), having committed an admission nobody will use: void it now rather
@@ -105,7 +105,8 @@ class RecordsService:
             return
         metrics.RECORD_HEARTBEATS.inc()
         try:
-            checkpoint = record.checkpoint(attrs)
+            rec = record.read(attrs)
+            checkpoint = None if rec is None else billing.checkpoint(rec.facts, rec.response)
         except Exception:
             checkpoint = None  # its final record (or the sweep) bills it
         self.ledger.heard(rid, checkpoint)

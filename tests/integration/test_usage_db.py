@@ -194,8 +194,8 @@ def test_a_price_change_mid_day_bills_the_morning_at_the_old_price(db: UsageDb) 
     from datetime import datetime
     from typing import Any
 
+    from gateway.metering.billing import Billed
     from gateway.metering.handoff import RequestFacts
-    from gateway.metering.meter import Result
     from gateway.metering.recorder import Recorder
     from gateway.policy.loader import load
     from gateway.sinks.usage_proto import from_json
@@ -226,8 +226,8 @@ models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2},
         rec = Recorder(spool, "s", None, price=revision.price)  # type: ignore[arg-type]
         facts = RequestFacts(request_id=rid, key_id="k", team="t", model="m",
                              endpoint="/v1/chat/completions")
-        rec.emit(facts, Result(Usage(1_000_000, 1_000_000, 2_000_000), "reported", "m", 0, 0),
-                 200, "completed", start, start + 30, "reported")
+        rec.emit(facts, Billed("completed", 200, Usage(1_000_000, 1_000_000, 2_000_000),
+                               "reported", "m"), start, start + 30)
 
     request("morning-1", "2026-12-01T08:00:00Z", before)
     request("morning-2", "2026-12-01T11:59:50Z", after)  # made after the revision, ends at 12:00:20

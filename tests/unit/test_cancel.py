@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.metering import handoff, record
+from gateway.metering import billing, handoff, record
 from gateway.metering.cancel import bill
 from gateway.metering.exchange import Exchange
 from gateway.metering.recorder import Recorder
@@ -148,8 +148,8 @@ def test_a_client_cancel_via_envoys_record(rule: str, continuous: bool, billed: 
                                            generated: int) -> None:
     rec = _envoy_record(rule, "DC", continuous)
     rec_, spool, ledger = _recorder()
-    event = rec_.emit(rec.facts, rec.result, rec.status, rec.outcome, rec.started, rec.ended,
-                      rec.source)
+    event = rec_.emit(rec.facts, billing.settle(rec.facts, rec.response), rec.started,
+                      rec.ended)
     assert event.outcome == "client_cancelled" and event.usage == billed
     assert event.cancellation == Cancellation(rule, 9 if continuous else 12, generated, 6)
     assert ledger.settlements == {"r1": billed.total_tokens}  # the counters settle to the bill
@@ -160,8 +160,8 @@ def test_a_client_cancel_via_envoys_record(rule: str, continuous: bool, billed: 
 def test_other_outcomes_ignore_the_rule(rule: str) -> None:
     rec = _envoy_record(rule, "-", continuous=True)  # completed
     rec_, _, ledger = _recorder()
-    event = rec_.emit(rec.facts, rec.result, rec.status, rec.outcome, rec.started, rec.ended,
-                      rec.source)
+    event = rec_.emit(rec.facts, billing.settle(rec.facts, rec.response), rec.started,
+                      rec.ended)
     assert event.outcome == "completed" and event.usage == Usage(9, 10, 19)
     assert event.cancellation == Cancellation() and ledger.settlements == {"r1": 19}
 
@@ -183,7 +183,7 @@ def test_a_client_cancel_via_ext_proc(rule: str, billed: Usage) -> None:
         ex.response_body(CHUNK % (b"abc"[i:i + 1], n, 7 + n), False)
     assert ex.outcome() == "client_cancelled"
     rec_, _, ledger = _recorder()
-    event = rec_.finish(ex.facts, ex.meter, ex.outcome(), ex.started)  # type: ignore[arg-type]
+    event = rec_.finish(ex.facts, ex.response(), ex.started)  # type: ignore[arg-type]
     assert event.usage == billed and event.usage_source == "reported"
     assert event.cancellation == Cancellation(rule, 7, 8, 3)
     assert ledger.settlements == {"r1": billed.total_tokens}

@@ -9,9 +9,10 @@ import orjson
 import pytest
 
 from gateway.errors import PolicyError
+from gateway.metering.billing import settle
 from gateway.metering.cost import cost
+from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
-from gateway.metering.meter import Result
 from gateway.metering.recorder import Recorder
 from gateway.policy.loader import dump_yaml, load, parse_doc
 from gateway.policy.prices import PriceBook, Rates
@@ -103,9 +104,9 @@ def emit(outcome: str, started: str, stream: bool = True) -> dict[str, Any]:
     facts = RequestFacts(request_id="r", key_id="k", team="t", model="m",
                          endpoint="/v1/chat/completions", stream=stream,
                          denied_status=429 if outcome == "denied" else 0)
-    usage = Usage(1000, 100, 1100) if outcome != "denied" else Usage()
-    rec.emit(facts, Result(usage, "reported", "m", 0.0, 0.0), 200, outcome, ts(started),
-             ts(started) + 1, "reported")
+    response = ResponseFacts(status=200, ended=True, usage=Usage(1000, 100, 1100),
+                             served_model="m")
+    rec.emit(facts, settle(facts, response), ts(started), ts(started) + 1)
     return dict(orjson.loads(spool.lines[0]))
 
 

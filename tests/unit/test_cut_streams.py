@@ -10,6 +10,7 @@ from typing import Any
 from gateway.clock import SystemClock
 from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
+from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
@@ -40,11 +41,11 @@ def facts(rid: str) -> RequestFacts:
                         endpoint="/v1/chat/completions", stream=True)
 
 
-def meter() -> Meter:
+def meter() -> ResponseFacts:
     m = Meter("/v1/chat/completions", True)
     m.response_headers(200, "text/event-stream")
     m.chunk(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n', False)
-    return m
+    return m.facts()
 
 
 async def test_the_word_decides_the_outcome_whichever_comes_first() -> None:

@@ -15,7 +15,9 @@ from gateway.authz import answers
 from gateway.authz.decision import Deny
 from gateway.endpoints import ENDPOINTS, Api, api_of
 from gateway.limits.types import RateInfo, Refused
-from gateway.metering import record
+from gateway.metering import billing, record
+from gateway.metering.billing import Billed, settle
+from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.usage import MessagesStream, from_messages
 from gateway.usage_event import Usage
@@ -23,6 +25,13 @@ from gateway.usage_event import Usage
 MESSAGES = "/v1/messages"
 START_USAGE = {"input_tokens": 5, "cache_creation_input_tokens": 3,
                "cache_read_input_tokens": 2, "output_tokens": 1}
+
+
+def result(m: Meter) -> Billed:
+    """What the meter's facts bill, its response taken as ended (no cancellation rule)."""
+    request = RequestFacts(key_id="k", endpoint=m.endpoint, prompt_estimate=m.prompt_estimate)
+    return settle(request, m.facts(ended=True))
+
 
 
 def event(kind: str, **fields: object) -> bytes:
@@ -61,39 +70,39 @@ def run(body: bytes, cuts: list[int] | None = None) -> tuple[Meter, bytes]:
 
 def test_a_whole_stream_bills_what_the_engine_reported_cache_tokens_included() -> None:
     m, out = run(stream())
-    r = m.result()
+    r = result(m)
     u = r.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (10, 3, 13)
     assert (u.cached_tokens, u.cache_creation_tokens) == (2, 3)
     assert r.source == "reported" and r.served_model == "served-m"
-    assert out == stream() and m.finished() and not m.engine_error
+    assert out == stream() and m.saw_end and not m.engine_error
 
 
 @given(st.lists(st.integers(min_value=1, max_value=len(stream()) - 1), max_size=12))
 def test_any_chunk_split_gives_the_same_usage_and_bytes(cuts: list[int]) -> None:
     m, out = run(stream(), cuts)
     assert out == stream()  # nothing is ever injected into, or hidden from, this API
-    assert m.result().usage == run(stream())[0].result().usage
-    assert m.content_events == 3 and m.finished()
+    assert result(m).usage == result(run(stream())[0]).usage
+    assert m.content_events == 3 and m.saw_end
 
 
 def test_message_delta_replaces_only_the_fields_it_carries() -> None:
     """Newer engines repeat the input side in message_delta: it replaces message_start's,
     and the cache counts message_delta leaves out are kept, not zeroed."""
     m, _ = run(stream(delta_usage={"output_tokens": 3, "input_tokens": 6}))
-    u = m.result().usage
+    u = result(m).usage
     assert (u.prompt_tokens, u.cached_tokens, u.cache_creation_tokens) == (11, 2, 3)
     s = MessagesStream()
     s.start({"usage": START_USAGE})
     assert s.usage() is None  # output_tokens 1 is not the engine's last
-    assert s.cut(4) == Usage(10, 4, 14, cached_tokens=2, cache_creation_tokens=3)
-    assert MessagesStream().cut(4) is None  # no message_start: nothing exact to say
+    assert s.input_side() == Usage(10, 0, 10, cached_tokens=2, cache_creation_tokens=3)
+    assert MessagesStream().input_side() is None  # no message_start: nothing exact to say
 
 
 def test_a_cut_stream_has_the_exact_input_and_an_estimated_output() -> None:
     m, _ = run(stream(tokens=5, end=False))
-    r = m.result()
-    assert r.source == "estimated" and not m.finished()
+    r = result(m)
+    assert r.source == "estimated" and not m.saw_end
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (10, 5)  # not the estimate 99
     # message_start's cache counts are kept (issue 21: a cut stream billed them 0)
     assert (r.usage.cached_tokens, r.usage.cache_creation_tokens) == (2, 3)
@@ -104,8 +113,8 @@ def test_an_error_event_mid_stream_is_an_engine_failure() -> None:
     body = stream(tokens=2, end=False) + event(
         "error", error={"type": "overloaded_error", "message": "Overloaded"})
     m, _ = run(body)
-    assert m.engine_error and not m.finished()
-    assert m.result().usage.completion_tokens == 2
+    assert m.engine_error and not m.saw_end
+    assert result(m).usage.completion_tokens == 2
 
 
 def test_a_whole_answer_and_count_tokens() -> None:
@@ -113,7 +122,7 @@ def test_a_whole_answer_and_count_tokens() -> None:
     m.response_headers(200, "application/json")
     m.chunk(orjson.dumps({"type": "message", "model": "served-m", "usage": {
         "input_tokens": 4, "output_tokens": 7, "cache_read_input_tokens": 1}}), True)
-    u = m.result().usage
+    u = result(m).usage
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (5, 7, 1)
     assert from_messages(None) is None
     assert not ENDPOINTS["/v1/messages/count_tokens"].billed  # the recorder bills it nothing
@@ -124,27 +133,27 @@ def test_the_envoy_record_reads_the_same_usage() -> None:
              "endpoint": MESSAGES, "stream": True, "leased": True, "prompt_estimate": 99}
 
     def rec(usage: dict[str, object], counted: dict[str, object], flags: str = "-"
-            ) -> record.Record:
+            ) -> billing.Billed:
         out = record.read({"rid": "r1", "path": MESSAGES, "code": "200", "flags": flags,
                            "start": "1.0", "duration_us": "1000",
                            "authz": orjson.dumps(authz).decode(),
                            "usage": orjson.dumps(usage).decode(),
                            "counted": orjson.dumps(counted).decode()})
         assert out is not None
-        return out
+        return billing.settle(out.facts, out.response)
 
     whole = rec({"prompt_tokens": 5.0, "completion_tokens": 3.0, "model": "served-m",
                  "cache_read_input_tokens": 2.0, "cache_creation_input_tokens": 3.0},
                 {"content_events": 3, "done": True})
-    u = whole.result.usage
+    u = whole.usage
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_creation_tokens) \
         == (10, 3, 2, 3)
     assert whole.outcome == "completed" and whole.source == "reported"
-    assert whole.result.served_model == "served-m"
+    assert whole.served_model == "served-m"
     cut = rec({"prompt_tokens": 5.0, "cache_read_input_tokens": 2.0},
               {"content_events": 4, "content_chars": 12}, flags="DC")
     assert cut.outcome == "client_cancelled" and cut.source == "estimated"
-    assert (cut.result.usage.prompt_tokens, cut.result.usage.completion_tokens) == (7, 4)
+    assert (cut.usage.prompt_tokens, cut.usage.completion_tokens) == (7, 4)
     failed = rec({"prompt_tokens": 5.0}, {"content_events": 2, "failed": True})
     assert failed.outcome == "upstream_error"
 

@@ -8,6 +8,8 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.metering.billing import Billed, settle
+from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Injected, Meter
 
 CHUNK = (b'data: {"id":"c","object":"chat.completion.chunk","model":"m",'
@@ -16,6 +18,13 @@ USAGE = (b'"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10,'
          b'"prompt_tokens_details":{"cached_tokens":2},'
          b'"completion_tokens_details":{"reasoning_tokens":1}}')
 FINAL = b'data: {"id":"c","object":"chat.completion.chunk","model":"m-served","choices":[],'
+
+
+def result(m: Meter) -> Billed:
+    """What the meter's facts bill, its response taken as ended (no cancellation rule)."""
+    request = RequestFacts(key_id="k", endpoint=m.endpoint, prompt_estimate=m.prompt_estimate)
+    return settle(request, m.facts(ended=True))
+
 
 
 def chat_stream(continuous: bool = False, final_usage: bool = True) -> bytes:
@@ -43,17 +52,17 @@ def run(body: bytes, injected: Injected | None = None, cuts: list[int] | None = 
 
 def test_reported_usage_with_details() -> None:
     m, out = run(chat_stream())
-    r = m.result()
+    r = result(m)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (7, 3, 10)
     assert (r.usage.cached_tokens, r.usage.reasoning_tokens) == (2, 1)
     assert r.source == "reported" and r.served_model == "m-served"
-    assert out == chat_stream() and m.finished()
+    assert out == chat_stream() and m.saw_end
 
 
 @given(st.lists(st.integers(min_value=1, max_value=len(chat_stream()) - 1), max_size=12))
 def test_any_split_gives_the_same_usage_and_bytes(cuts: list[int]) -> None:
     m, out = run(chat_stream(), Injected(include_usage=True), cuts)
-    assert m.result().usage.total_tokens == 10
+    assert result(m).usage.total_tokens == 10
     assert out == chat_stream(final_usage=False)  # the injected usage chunk is gone
 
 
@@ -62,14 +71,14 @@ def test_continuous_usage_is_hidden_and_exact_at_a_cut() -> None:
     cut = body.index(b"data:", body.index(b" b"))  # the stream dies after two tokens
     m, out = run(body[:cut], Injected(continuous=True))
     assert b"usage" not in out
-    assert m.result().usage.completion_tokens == 2 and m.result().source == "reported"
-    assert not m.finished()
+    assert result(m).usage.completion_tokens == 2 and result(m).source == "reported"
+    assert not m.saw_end
 
 
 def test_estimated_when_the_engine_never_reports() -> None:
     body = chat_stream(final_usage=False)
     m, _ = run(body[: body.index(b"[DONE]") - 6])
-    r = m.result()
+    r = result(m)
     assert r.source == "estimated" and r.usage.completion_tokens == 3
 
 
@@ -83,9 +92,9 @@ def test_responses_api_stream() -> None:
     ]
     body = b"".join(b"event: " + k + b"\ndata: " + orjson.dumps(v) + b"\n\n" for k, v in events)
     m, out = run(body, endpoint="/v1/responses")
-    r = m.result()
+    r = result(m)
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens) == (5, 1, 1)
-    assert r.served_model == "m2" and m.finished() and out == body
+    assert r.served_model == "m2" and m.saw_end and out == body
 
 
 def test_non_stream_json_and_embeddings() -> None:
@@ -93,7 +102,7 @@ def test_non_stream_json_and_embeddings() -> None:
     m.response_headers(200, "application/json")
     body = b'{"object":"list","model":"e","data":[],"usage":{"prompt_tokens":4,"total_tokens":4}}'
     assert m.chunk(body[:10], False) is None and m.chunk(body[10:], True) is None
-    assert m.finished() and m.result().usage.total_tokens == 4
+    assert m.saw_end and result(m).usage.total_tokens == 4
 
 
 def _usage_only(completion: int, prompt: int = 14) -> bytes:
@@ -108,7 +117,7 @@ def test_one_usage_chunk_per_choice_is_billed_their_sum() -> None:
     body = (CHUNK % (b"a", b"") + CHUNK.replace(b'"index":0', b'"index":1') % (b"b", b"")
             + _usage_only(8) + _usage_only(8) + b"data: [DONE]\n\n")
     m, out = run(body, Injected(include_usage=True))
-    u = m.result().usage
+    u = result(m).usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
         28, 16, 44, 26)
     assert b"usage" not in out  # both injected usage chunks are hidden
@@ -121,7 +130,7 @@ def test_completions_usage_on_each_choices_finish_chunk_is_summed() -> None:
               b'"usage":{"completion_tokens":2,"prompt_tokens":%d,"total_tokens":%d}}\n\n')
     body = finish % (1, 4, 6) + finish % (0, 2, 4) + b"data: [DONE]\n\n"
     m, _ = run(body, endpoint="/v1/completions")
-    u = m.result().usage
+    u = result(m).usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (6, 4, 10)
 
 
@@ -132,10 +141,10 @@ def test_continuous_usage_per_choice_then_one_total_chunk() -> None:
                b'{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}\n\n')
     body = running % (0, 1, 6) + running % (1, 1, 6) + running % (0, 2, 7)
     cut, _ = run(body, Injected(continuous=True))
-    assert cut.result().usage.completion_tokens == 3  # a cut: each choice's latest, summed
+    assert result(cut).usage.completion_tokens == 3  # a cut: each choice's latest, summed
     whole, _ = run(body + _usage_only(4, prompt=5) + b"data: [DONE]\n\n",
                    Injected(continuous=True))
-    u = whole.result().usage
+    u = result(whole).usage
     assert (u.prompt_tokens, u.completion_tokens) == (5, 4)
 
 
@@ -145,7 +154,7 @@ def test_usage_without_choices_stands_as_it_is() -> None:
     bare = (b'data: {"usage":{"prompt_tokens":5,"completion_tokens":%d,"total_tokens":%d}}'
             b'\n\n')
     m, _ = run(bare % (2, 7) + bare % (3, 8))
-    assert m.result().usage.completion_tokens == 3
+    assert result(m).usage.completion_tokens == 3
 
 
 FINISH = (b'data: {"id":"c","choices":[{"finish_reason":"length","index":0,"delta":{}}],'
@@ -166,7 +175,7 @@ def test_what_the_engine_moved_onto_the_hidden_usage_chunk_goes_back(cuts: list[
     body = FINISH + MOVED_USAGE + b"data: [DONE]\n\n"
     m, out = run(body, Injected(include_usage=True), cuts)
     assert out == WITH_MOVED + b"data: [DONE]\n\n"
-    assert m.result().usage.completion_tokens == 3
+    assert result(m).usage.completion_tokens == 3
     _, asked = run(body, cuts=cuts)  # the client asked itself: nothing moves
     assert asked == body
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.metering import record
+from gateway.metering import billing, record
+from gateway.metering.billing import Billed
 
 AUTHZ = {"request_id": "r1", "key_id": "k", "team": "t", "model": "m", "stream": True,
          "leased": True, "endpoint": "/v1/chat/completions", "prompt_estimate": 12}
@@ -23,14 +24,26 @@ def attrs(**over: object) -> dict[str, str]:
     return {k: v if isinstance(v, str) else orjson.dumps(v).decode() for k, v in base.items()}
 
 
-def test_a_completed_stream_is_billed_what_the_engine_reported() -> None:
-    rec = record.read(attrs())
+def read(attrs: dict[str, str]) -> tuple[record.Record, Billed]:
+    """The record, and what it bills."""
+    rec = record.read(attrs)
     assert rec is not None
-    assert (rec.outcome, rec.status, rec.source) == ("completed", 200, "reported")
-    u = rec.result.usage
+    return rec, billing.settle(rec.facts, rec.response)
+
+
+def checkpoint(attrs: dict[str, str]) -> tuple[int, int] | None:
+    rec = record.read(attrs)
+    assert rec is not None
+    return billing.checkpoint(rec.facts, rec.response)
+
+
+def test_a_completed_stream_is_billed_what_the_engine_reported() -> None:
+    rec, b = read(attrs())
+    assert (b.outcome, b.status, b.source) == ("completed", 200, "reported")
+    u = b.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (9, 10, 19, 4)
-    assert rec.result.served_model == "served-m"
-    assert rec.result.ttft_ms == 50.0 and rec.result.tpot_ms == 100.0  # 900 ms / 9 gaps
+    assert b.served_model == "served-m"
+    assert b.ttft_ms == 50.0 and b.tpot_ms == 100.0  # 900 ms / 9 gaps
     assert rec.started == 1800000000.25 and rec.ended == pytest.approx(1800000001.75)
     f = rec.facts
     assert (f.request_id, f.key_id, f.team, f.model, f.leased) == ("r1", "k", "t", "m", True)
@@ -45,20 +58,19 @@ def test_a_completed_stream_is_billed_what_the_engine_reported() -> None:
     ("DC", "0", "client_cancelled"),
 ])
 def test_how_it_ended(flags: str, code: str, outcome: str) -> None:
-    rec = record.read(attrs(flags=flags, code=code))
-    assert rec is not None and rec.outcome == outcome
+    _, b = read(attrs(flags=flags, code=code))
+    assert b.outcome == outcome
 
 
 def test_a_client_that_left_after_the_end_marker_completed() -> None:
-    rec = record.read(attrs(flags="DC", counted={"content_events": 3, "done": True}))
-    assert rec is not None and rec.outcome == "completed"
+    _, b = read(attrs(flags="DC", counted={"content_events": 3, "done": True}))
+    assert b.outcome == "completed"
 
 
 def test_a_cut_stream_without_usage_is_estimated_from_what_passed() -> None:
-    rec = record.read(attrs(flags="DC", usage="-",
-                            counted={"content_events": 7, "content_chars": 60}))
-    assert rec is not None and rec.source == "estimated"
-    u = rec.result.usage
+    _, b = read(attrs(flags="DC", usage="-", counted={"content_events": 7, "content_chars": 60}))
+    assert b.source == "estimated"
+    u = b.usage
     assert (u.prompt_tokens, u.completion_tokens) == (12, 15)  # ceil(60 / 4) > 7 events
 
 
@@ -66,36 +78,35 @@ def test_a_cut_anthropic_stream_keeps_message_starts_input_and_cache_counts() ->
     """Only message_start came (the engine cut the stream): its input side is exact, the
     cache read and creation counts included; the output is what streamed."""
     messages = dict(AUTHZ, endpoint="/v1/messages")
-    rec = record.read(attrs(flags="UPE", authz=messages, path="/v1/messages",
-                            usage={"prompt_tokens": 7, "cache_read_input_tokens": 43,
-                                   "cache_creation_input_tokens": 41, "model": "served-m"},
-                            counted={"content_events": 5, "content_chars": 12}))
-    assert rec is not None and (rec.outcome, rec.source) == ("upstream_error", "estimated")
-    u = rec.result.usage
+    _, b = read(attrs(flags="UPE", authz=messages, path="/v1/messages",
+                      usage={"prompt_tokens": 7, "cache_read_input_tokens": 43,
+                             "cache_creation_input_tokens": 41, "model": "served-m"},
+                      counted={"content_events": 5, "content_chars": 12}))
+    assert (b.outcome, b.source) == ("upstream_error", "estimated")
+    u = b.usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (91, 5, 96)
     assert (u.cached_tokens, u.cache_creation_tokens) == (43, 41)
 
 
 def test_an_error_answer_generated_nothing() -> None:
-    rec = record.read(attrs(code="400", usage="-", counted="-"))
-    assert rec is not None and rec.outcome == "completed" and rec.source == "reported"
-    assert rec.result.usage.total_tokens == 0
+    _, b = read(attrs(code="400", usage="-", counted="-"))
+    assert b.outcome == "completed" and b.source == "reported" and b.usage.total_tokens == 0
 
 
 def test_denials_and_envoys_own_answers_are_denied_and_free() -> None:
     denied = dict(AUTHZ, denied="model_not_allowed", status=403, leased=False)
-    rec = record.read(attrs(code="403", authz=denied, usage="-", counted="-"))
-    assert rec is not None and (rec.outcome, rec.status) == ("denied", 403)
-    assert rec.result.usage.total_tokens == 0 and rec.facts.key_id == "k"
-    rec = record.read(attrs(code="413", authz="-", usage="-", counted="-"))  # Envoy's own 413
-    assert rec is not None and (rec.outcome, rec.status) == ("denied", 413)
+    rec, b = read(attrs(code="403", authz=denied, usage="-", counted="-"))
+    assert (b.outcome, b.status) == ("denied", 403)
+    assert b.usage.total_tokens == 0 and rec.facts.key_id == "k"
+    rec, b = read(attrs(code="413", authz="-", usage="-", counted="-"))  # Envoy's own 413
+    assert (b.outcome, b.status) == ("denied", 413)
     assert rec.facts.endpoint == "/v1/chat/completions" and rec.facts.key_id == ""
 
 
 @pytest.mark.parametrize("bad", ["-", "", "not json", "[1,2]", '{"prompt_tokens": "x"}'])
 def test_garbage_in_any_field_is_not_a_crash(bad: str) -> None:
     for field in ("usage", "counted", "code", "start", "ttft_us", "gen_us", "total_ms"):
-        assert record.read(attrs(**{field: bad})) is not None
+        assert read(attrs(**{field: bad}))[1].usage.total_tokens >= 0
     assert record.read(attrs(rid="-")) is None  # nothing to bill it to
 
 
@@ -110,17 +121,17 @@ def test_garbled_check_facts_are_unreadable_not_a_denial(bad: str) -> None:
 
 def test_a_cut_stream_keeps_its_duration() -> None:
     """A stream cut mid-way never sent its last byte: DS_TX_END is absent, %DURATION% not."""
-    rec = record.read(attrs(flags="DC", duration_us="-", total_ms="2345"))
-    assert rec is not None and rec.ended - rec.started == pytest.approx(2.345)
+    rec, _ = read(attrs(flags="DC", duration_us="-", total_ms="2345"))
+    assert rec.ended - rec.started == pytest.approx(2.345)
 
 
 def test_a_heartbeat_is_told_apart_and_checkpoints_the_usage_so_far() -> None:
     beat = attrs(type=record.PERIODIC, usage="-", duration_us="-", gen_us="-",
                  counted={"content_events": 30, "content_chars": 100})
     assert record.is_heartbeat(beat) and not record.is_heartbeat(attrs(type="DownstreamEnd"))
-    assert record.checkpoint(beat) == (12, 30)  # the prompt estimate; 30 content events
+    assert checkpoint(beat) == (12, 30)  # the prompt estimate; 30 content events
     reported = attrs(type=record.PERIODIC, usage={"prompt_tokens": 9, "completion_tokens": 4})
-    assert record.checkpoint(reported) == (9, 4)  # continuous usage: exact so far
+    assert checkpoint(reported) == (9, 4)  # continuous usage: exact so far
 
 
 def test_a_duplicate_id_refusal_has_no_event_of_its_own() -> None:

@@ -31,7 +31,8 @@
 -- by key, except a chat/completions stream's per-choice usage, which is summed: stream_usage): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
 -- Anthropic's message_start, whose count is only the first token's), total_tokens,
 -- cached_tokens, reasoning_tokens (wherever they sit inside it), cache_read_input_tokens,
--- cache_creation_input_tokens; and llm.usage:model, the first "model" string a stream names.
+-- cache_creation_input_tokens; and llm.usage:model, the first "model" string a stream names,
+-- replaced by the one an event that carries usage names.
 -- (Envoy's sse_to_metadata could read these, but it JSON-parses every event: ~8 µs a chunk
 -- where this looks only at events that carry a "usage" object.)
 -- Events end at a blank line ("\n\n" or "\n\r\n", so "\r\n\r\n" too; lone-"\r" line ends are
@@ -645,14 +646,16 @@ function envoy_on_response(handle)
           break
         end
         local ev = sub(buf, pos, stop)
-        if not named and find(ev, '"model"', 1, true) then
+        local usage = usage_of(ev) -- one plain find for events without usage
+        -- The served model: the first event's, and then the model an event that reports
+        -- usage names (as the sidecar's Meter reads it).
+        if (usage ~= nil or not named) and find(ev, '"model"', 1, true) then
           local model = model_of(ev)
           if model ~= nil then
             handle:streamInfo():dynamicMetadata():set(USAGE_NS, "model", model)
             named = true
           end
         end
-        local usage = usage_of(ev) -- one plain find for events without usage
         if usage ~= nil then
           usage = stream_usage(acc, ev, usage)
           if usage ~= nil then

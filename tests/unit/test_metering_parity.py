@@ -1,0 +1,413 @@
+"""Both metering sources, one corpus: the same answers give the same facts and the same bill.
+
+Each answer is fed to ext_proc's side (Exchange → Meter, chunk by chunk) and to Envoy's: the
+Lua filter (under LuaJIT, with tests/unit/test_lua_metering.py's fake of Envoy) for a
+stream, json_to_metadata's rules (gateway/envoyconf/metering.py, applied here as Envoy
+applies them) for a whole JSON answer, then the access-log record those make, read by
+gateway/metering/record.py. The two `ResponseFacts` must be equal, and so must what
+gateway/metering/billing.py settles from them. Only the timings differ by nature (each
+source has its own clocks): they are compared as present or absent, not by value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import orjson
+import pytest
+from test_lua_metering import run_response
+
+from gateway.envoyconf.metering import MODEL_RULES, USAGE_RULES
+from gateway.metering import billing, handoff, record
+from gateway.metering.exchange import Exchange
+from gateway.metering.facts import ResponseFacts
+from gateway.metering.handoff import RequestFacts
+from gateway.metering.inject import Injected
+
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+MESSAGES, EMBEDDINGS = "/v1/messages", "/v1/embeddings"
+SSE, JSON = "text/event-stream", "application/json"
+MODEL = "served-m"
+
+
+# --- the corpus ----------------------------------------------------------------------------
+
+def data(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def named(kind: str, obj: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\n" + data(obj)
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt: int, completion: int, cached: int = 0, reasoning: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+
+def chat(content: str | None = None, *, index: int = 0, finish: str | None = None,
+         u: Any = None, reasoning: str | None = None, with_usage: bool = True) -> bytes:
+    delta: dict[str, Any] = {}
+    if content is not None:
+        delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning_content"] = reasoning
+    ev: dict[str, Any] = {"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                          "model": MODEL, "choices": [{"index": index, "delta": delta,
+                                                       "finish_reason": finish}]}
+    if with_usage:
+        ev["usage"] = u
+    return data(ev)
+
+
+def usage_only(u: dict[str, Any]) -> bytes:
+    return data({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+                 "choices": [], "usage": u})
+
+
+def completion(text: str, *, index: int = 0, finish: str | None = None,
+               u: Any = None) -> bytes:
+    ev: dict[str, Any] = {"id": "k1", "object": "text_completion", "model": MODEL,
+                          "choices": [{"index": index, "text": text, "logprobs": None,
+                                       "finish_reason": finish}]}
+    if u is not None:
+        ev["usage"] = u
+    return data(ev)
+
+
+TEXT = ["Hello", ", wörld", " ✓ \"quoted\"\n", "漢字 🙂", " end"]  # UTF-8 and escapes
+WHOLE_CHAT = [chat("", u=None), *[chat(t, u=None) for t in TEXT], chat(finish="stop", u=None)]
+CHAT_USAGE = usage(11, 5, cached=4, reasoning=1)
+
+
+def responses_stream(deltas: list[str], end: str | None = "response.completed") -> list[bytes]:
+    out = [named("response.created", {"type": "response.created", "response": {
+        "id": "r1", "model": MODEL, "status": "in_progress", "usage": None}}),
+        named("response.in_progress", {"type": "response.in_progress", "response": {
+            "id": "r1", "model": MODEL, "usage": None}})]
+    out += [named("response.output_text.delta", {"type": "response.output_text.delta",
+                                                 "item_id": "m1", "output_index": 0,
+                                                 "delta": d}) for d in deltas]
+    if end is not None:
+        out.append(named("response.output_text.done", {"type": "response.output_text.done",
+                                                       "text": "".join(deltas)}))
+        out.append(named(end, {"type": end, "response": {
+            "id": "r1", "model": MODEL + "-2", "status": "completed",
+            "output": [{"content": [{"type": "output_text", "text": "".join(deltas)}]}],
+            "usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 3},
+                      "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 2},
+                      "total_tokens": 15}}}))
+    return out
+
+
+def messages_stream(deltas: int, *, end: bool = True) -> list[bytes]:
+    out = [named("message_start", {"type": "message_start", "message": {
+        "id": "msg1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
+        "usage": {"input_tokens": 5, "cache_creation_input_tokens": 3,
+                  "cache_read_input_tokens": 2, "output_tokens": 1}}}),
+        named("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}})]
+    pieces = [{"type": "thinking_delta", "thinking": "hmm…"},
+              {"type": "text_delta", "text": "Héllo"},
+              {"type": "input_json_delta", "partial_json": '{"a": "b\\n"'},
+              {"type": "text_delta", "text": " there"}]
+    out += [named("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                          "delta": pieces[i % len(pieces)]})
+            for i in range(deltas)]
+    if end:
+        out += [named("content_block_stop", {"type": "content_block_stop", "index": 0}),
+                named("message_delta", {"type": "message_delta",
+                                        "delta": {"stop_reason": "end_turn"},
+                                        "usage": {"output_tokens": 12}}),
+                named("message_stop", {"type": "message_stop"})]
+    return out
+
+
+ANTHROPIC_ERROR = named("error", {"type": "error", "error": {
+    "type": "overloaded_error", "message": "Overloaded"}})
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    endpoint: str
+    events: list[bytes]  # the body, event by event (one piece for a JSON answer)
+    outcome: str  # what is expected, so a shared mistake cannot pass as parity
+    source: str
+    content_type: str = SSE
+    status: int = 200
+    hide: tuple[bool, bool] = (False, False)  # (hide_usage, hide_continuous) from the Check
+    flags: str = ""  # Envoy's response flags of a stream that ended early
+    cancelled: str = "generated"  # the team's rule for a stream its client cancels
+
+    @property
+    def cut(self) -> bool:
+        return bool(self.flags)
+
+
+CASES = [
+    Case("chat, usage injected and hidden", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), DONE], "completed", "reported",
+         hide=(True, False)),
+    Case("chat, the client asked for usage", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), DONE], "completed", "reported"),
+    Case("chat, the engine never reports usage", CHAT,
+         [*[chat(t, with_usage=False) for t in TEXT], DONE], "completed", "estimated"),
+    Case("chat, reasoning and content in one event", CHAT,
+         [chat("a", reasoning="thinking…", u=None), chat("b", u=None), DONE],
+         "completed", "estimated"),
+    Case("chat, cut by the engine before its usage", CHAT, WHOLE_CHAT[:3],
+         "upstream_error", "estimated", hide=(True, False), flags="UPE"),
+    Case("chat, cut by the client, billed what was delivered", CHAT, WHOLE_CHAT[:4],
+         "client_cancelled", "estimated", hide=(True, False), flags="DC",
+         cancelled="delivered"),
+    Case("chat, the client left after [DONE]", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), DONE], "completed", "reported",
+         hide=(True, False), flags="DC"),
+    Case("chat, continuous usage, whole", CHAT,
+         [*[chat(t, u=usage(11, i + 1)) for i, t in enumerate(TEXT)],
+          chat(finish="stop", u=usage(11, 6)), usage_only(usage(11, 6)), DONE],
+         "completed", "reported", hide=(True, True)),
+    Case("chat, continuous usage, cut by the client", CHAT,
+         [chat(t, u=usage(11, 3 * i + 3)) for i, t in enumerate(TEXT[:3])],
+         "client_cancelled", "reported", hide=(True, True), flags="DC",
+         cancelled="delivered"),
+    Case("chat, n=2, one usage chunk for both (vLLM)", CHAT,
+         [chat("a", index=0, u=None), chat("bb", index=1, u=None), chat("c", index=0, u=None),
+          chat(finish="stop", index=0, u=None), chat(finish="stop", index=1, u=None),
+          usage_only(usage(8, 4)), DONE], "completed", "reported", hide=(True, False)),
+    Case("chat, n=2, one usage chunk per choice (llama.cpp)", CHAT,
+         [chat("a", index=0, u=None), chat("b", index=1, u=None),
+          usage_only(usage(7, 1, cached=6)), usage_only(usage(7, 1, cached=6)), DONE],
+         "completed", "reported", hide=(True, False)),
+    Case("chat, n=2, continuous usage per choice, cut by the engine", CHAT,
+         [chat("x", index=0, u=usage(5, 1)), chat("y", index=1, u=usage(5, 1)),
+          chat("z", index=0, u=usage(5, 2))], "upstream_error", "reported",
+         hide=(False, True), flags="UPE"),
+    Case("chat, an error object mid-stream (vLLM), then [DONE]", CHAT,
+         [chat("a", u=None), data({"error": {"object": "error", "message": "boom",
+                                             "type": "InternalServerError", "code": 500}}),
+          DONE], "completed", "estimated"),
+    Case("completions, usage injected and hidden", COMPLETIONS,
+         [completion("Once"), completion(" upon"), completion("", finish="length"),
+          usage_only(usage(4, 2)), DONE], "completed", "reported", hide=(True, False)),
+    Case("completions, n=2, usage on each choice's finish event", COMPLETIONS,
+         [completion("a", index=0), completion("b", index=1),
+          completion("", index=1, finish="length", u=usage(4, 2)),
+          completion("", index=0, finish="length", u=usage(2, 2)), DONE],
+         "completed", "reported"),
+    Case("responses, whole", RESPONSES, responses_stream(["Hi", " thére"]),
+         "completed", "reported"),
+    Case("responses, cut by the engine", RESPONSES, responses_stream(["Hi", " there"], None),
+         "upstream_error", "estimated", flags="UPE"),
+    Case("responses, cut by the client", RESPONSES, responses_stream(["Hi", " there"], None),
+         "client_cancelled", "estimated", flags="DC", cancelled="none"),
+    Case("responses, an error event mid-stream", RESPONSES,
+         [*responses_stream(["Hi"], None), named("error", {
+             "type": "error", "code": "server_error", "message": "boom"})],
+         "upstream_error", "estimated"),
+    Case("responses, failed", RESPONSES, responses_stream(["Hi"], "response.failed"),
+         "completed", "reported"),
+    Case("messages, whole", MESSAGES, messages_stream(4), "completed", "reported"),
+    Case("messages, cut by the engine after message_start", MESSAGES,
+         messages_stream(3, end=False), "upstream_error", "estimated", flags="UPE"),
+    Case("messages, cut by the client, billed what was delivered", MESSAGES,
+         messages_stream(5, end=False), "client_cancelled", "estimated", flags="DC",
+         cancelled="delivered"),
+    Case("messages, an error event mid-stream", MESSAGES,
+         [*messages_stream(2, end=False), ANTHROPIC_ERROR], "upstream_error", "estimated"),
+    Case("chat, whole JSON", CHAT, [orjson.dumps({
+        "id": "c1", "object": "chat.completion", "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                     "finish_reason": "stop"}], "usage": usage(9, 2, cached=1, reasoning=1)})],
+         "completed", "reported", content_type=JSON),
+    Case("completions, whole JSON, n=2", COMPLETIONS, [orjson.dumps({
+        "id": "k1", "object": "text_completion", "model": MODEL,
+        "choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11}})],
+         "completed", "reported", content_type="application/json; charset=utf-8"),
+    Case("responses, whole JSON", RESPONSES, [orjson.dumps({
+        "id": "r1", "object": "response", "model": MODEL, "output": [],
+        "usage": {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 3},
+                  "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 2},
+                  "total_tokens": 15}})], "completed", "reported", content_type=JSON),
+    Case("messages, whole JSON with cache counts", MESSAGES, [orjson.dumps({
+        "id": "msg1", "type": "message", "model": MODEL, "content": [],
+        "usage": {"input_tokens": 4, "output_tokens": 7, "cache_read_input_tokens": 10,
+                  "cache_creation_input_tokens": 2}})], "completed", "reported",
+         content_type=JSON),
+    Case("embeddings", EMBEDDINGS, [orjson.dumps({
+        "object": "list", "model": MODEL, "data": [],
+        "usage": {"prompt_tokens": 6, "total_tokens": 6}})], "completed", "reported",
+         content_type=JSON),
+    Case("a 400 JSON error", CHAT, [orjson.dumps({
+        "object": "error", "message": "bad", "type": "BadRequestError", "code": 400})],
+         "completed", "reported", content_type=JSON, status=400),
+    Case("a 429 JSON error", RESPONSES, [orjson.dumps({"error": {"message": "slow down"}})],
+         "completed", "reported", content_type=JSON, status=429),
+    Case("a 500 JSON error", CHAT, [orjson.dumps({"error": {"message": "boom"}})],
+         "upstream_error", "reported", content_type=JSON, status=500),
+    Case("a 529 Anthropic error", MESSAGES, [orjson.dumps({
+        "type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})],
+         "upstream_error", "reported", content_type=JSON, status=529),
+    Case("a whole JSON answer the client left half-way", CHAT,
+         [b'{"id":"c1","object":"chat.completion","model":"served-m","choi'],
+         "client_cancelled", "estimated", content_type=JSON, flags="DC"),
+]
+
+
+# --- the two sources -----------------------------------------------------------------------
+
+RID = "req-1"
+PROMPT_ESTIMATE = 13
+
+
+def authz(case: Case) -> dict[str, Any]:
+    """The Check's metadata, as both sources receive it."""
+    md: dict[str, Any] = {"request_id": RID, "key_id": "k", "team": "t", "model": "m",
+                          "endpoint": case.endpoint, "stream": case.content_type == SSE,
+                          "leased": True, "prompt_estimate": PROMPT_ESTIMATE,
+                          "cancelled": case.cancelled}
+    hide_usage, hide_continuous = case.hide
+    if hide_usage:
+        md["hide_usage"] = True
+    if hide_continuous:
+        md["hide_continuous"] = True
+    return md
+
+
+def pieces(case: Case, size: int | None) -> list[bytes]:
+    """The body as chunks: event by event, or `size` bytes at a time (splitting events,
+    UTF-8 characters and escapes anywhere)."""
+    if size is None:
+        return list(case.events)
+    body = b"".join(case.events)
+    return [body[i:i + size] for i in range(0, len(body), size)]
+
+
+def via_ext_proc(case: Case, chunks: list[bytes]) -> tuple[RequestFacts, ResponseFacts]:
+    """ext_proc: the Check's facts from the metadata, the status with the first body chunk
+    (response headers are skipped), SSE recognised by its first bytes; a cut stream never
+    gets end_of_stream, and learns who cut it from Envoy's record (finish_cut)."""
+    x = Exchange()
+    x.learn(handoff.read(authz(case), case.endpoint, RID))
+    x.meter.injected = Injected(include_usage=case.hide[0], continuous=case.hide[1])
+    for i, chunk in enumerate(chunks):
+        x.response_body(chunk, i == len(chunks) - 1 and not case.cut,
+                        case.status if i == 0 else None)
+    flags = frozenset(case.flags.split(",")) if case.flags else frozenset()
+    assert x.facts is not None
+    return x.facts, x.response(flags)
+
+
+def json_to_metadata(body: bytes) -> dict[str, Any]:
+    """Envoy's json_to_metadata with the gateway's rules: a whole JSON body only; each rule
+    whose path is present writes its key (a later rule over an earlier one), numbers as
+    doubles."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {}
+    out: dict[str, Any] = {}
+    for key, path, kind in (*USAGE_RULES, *MODEL_RULES):
+        v: Any = doc
+        for step in path:
+            v = v.get(step) if isinstance(v, dict) else None
+        if v is None or isinstance(v, dict | list):
+            continue
+        out[key] = float(v) if kind.name == "NUMBER" else str(v)
+    return out
+
+
+def plain(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in meta.items()}
+
+
+def via_envoy(case: Case, chunks: list[bytes]) -> tuple[RequestFacts, ResponseFacts]:
+    """Envoy: the Lua filter reads a stream, json_to_metadata a whole JSON answer (never
+    one cut short: it reads only at the body's end); the access log renders the record."""
+    usage_md: dict[str, Any] = {}
+    counted: dict[str, Any] = {}
+    if case.content_type == SSE:
+        resp = run_response(chunks, {k: v for k, v in authz(case).items()
+                                     if k.startswith("hide_")}, content_type=SSE)
+        usage_md, counted = plain(resp.meta.get("llm.usage", {})), resp.meta["llm.stream"]
+    elif not case.cut:
+        usage_md = json_to_metadata(b"".join(chunks))
+
+    def rendered(md: dict[str, Any]) -> str:
+        return orjson.dumps(md).decode() if md else "-"
+
+    attrs = {"rid": RID, "type": "DownstreamEnd", "path": case.endpoint,
+             "code": str(case.status), "flags": case.flags or "-", "details": "via_upstream",
+             "start": "1800000000.000000", "duration_us": "-" if case.cut else "1000000",
+             "total_ms": "1000", "ttft_us": "50000", "gen_us": "-" if case.cut else "900000",
+             "authz": orjson.dumps(authz(case)).decode(), "usage": rendered(usage_md),
+             "counted": rendered(counted)}
+    rec = record.read(attrs)
+    assert rec is not None
+    return rec.facts, rec.response
+
+
+def timeless(f: ResponseFacts) -> ResponseFacts:
+    """Each source times with its own clocks: only whether a generation time exists is
+    theirs to agree on (a stream with content has one)."""
+    return replace(f, ttft_ms=0.0, generation_ms=None if f.generation_ms is None else 900.0)
+
+
+@pytest.mark.parametrize("size", [None, 7], ids=["by-event", "7-byte-chunks"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_both_sources_give_the_same_facts_and_bill(case: Case, size: int | None) -> None:
+    chunks = pieces(case, size)
+    x_request, x_response = via_ext_proc(case, chunks)
+    e_request, e_response = via_envoy(case, chunks)
+    assert x_request == e_request
+    assert timeless(x_response) == timeless(e_response)
+    x_billed = billing.settle(x_request, timeless(x_response))
+    e_billed = billing.settle(e_request, timeless(e_response))
+    assert x_billed == e_billed
+    assert (x_billed.outcome, x_billed.source) == (case.outcome, case.source)
+
+
+def test_the_corpus_bills_what_the_engines_said() -> None:
+    """A few bills worked out by hand: parity alone would pass two sources equally wrong."""
+    by_name = {c.name: c for c in CASES}
+
+    def bill(name: str) -> billing.Billed:
+        case = by_name[name]
+        request, response = via_envoy(case, pieces(case, None))
+        return billing.settle(request, timeless(response))
+
+    u = bill("chat, usage injected and hidden").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens) == (
+        11, 5, 4, 1)
+    u = bill("chat, n=2, one usage chunk per choice (llama.cpp)").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (14, 2, 12)
+    u = bill("completions, n=2, usage on each choice's finish event").usage
+    assert (u.prompt_tokens, u.completion_tokens) == (6, 4)
+    u = bill("chat, n=2, continuous usage per choice, cut by the engine").usage
+    assert (u.prompt_tokens, u.completion_tokens) == (10, 3)  # each choice's latest, summed
+    b = bill("chat, continuous usage, cut by the client")
+    assert b.cancellation.generated_completion_tokens == 9  # the engine's running count
+    assert b.usage.completion_tokens == b.cancellation.delivered_completion_tokens < 9
+    u = bill("messages, whole").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_creation_tokens) \
+        == (10, 12, 2, 3)
+    u = bill("messages, cut by the engine after message_start").usage
+    # the input exact; the output estimated: 28 bytes of content as written / 4 > 3 events
+    assert (u.prompt_tokens, u.completion_tokens) == (10, 7)
+    b = bill("responses, whole")
+    assert (b.usage.prompt_tokens, b.usage.completion_tokens, b.usage.reasoning_tokens) == (
+        9, 6, 2)
+    assert b.served_model == MODEL + "-2"  # the model the usage event names
+    assert b.tpot_ms == 900.0 / 5
+    u = bill("messages, whole JSON with cache counts").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (16, 7, 10)
+    assert bill("a whole JSON answer the client left half-way").usage.prompt_tokens == \
+        PROMPT_ESTIMATE
