@@ -19,6 +19,7 @@ import grpc
 import uvloop
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 
+from gateway.authz.check import Check
 from gateway.authz.engine import Authorizer
 from gateway.clock import SystemClock
 from gateway.limits.redis_store import RedisLimiter
@@ -43,7 +44,8 @@ async def main(port: int, stage: str, policy_file: str, redis_url: str) -> None:
     holder = PolicyHolder()
     FilePolicySync(holder, Path(policy_file)).refresh()
     limiter = RedisLimiter(RespClient(redis_url), 30, 5) if stage == "redis" else AlwaysAllow()
-    svc = AuthorizationService(Authorizer(holder.get, limiter, SystemClock()))  # type: ignore[arg-type]
+    svc = AuthorizationService(Check(Authorizer(holder.get, limiter,  # type: ignore[arg-type]
+                                                SystemClock())))
 
     async def floor(request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> bytes:
         return OK
@@ -53,7 +55,7 @@ async def main(port: int, stage: str, policy_file: str, redis_url: str) -> None:
         return OK
 
     async def authorize(request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> bytes:
-        await svc.authorizer.check(to_request(request))
+        await svc.check.authorizer.check(to_request(request))
         return OK
 
     handler = {"floor": floor, "parse": parse, "authorize": authorize}.get(stage)

@@ -4,11 +4,62 @@ Reply (an answer the gateway gives itself, from the policy)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from gateway import envoy_contract as contract
 from gateway.endpoints import Api
 from gateway.limits.types import RateInfo
+from gateway.metering import handoff
 from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.metering.inject import Splice
+
+
+class Caller:
+    """What every allowed request of one key and model carries alike, within one policy
+    revision: the context headers for the engine and the caller's metadata. Built once
+    (`Callers`), so a Check builds only its request's own part; an encoder keeps its
+    encoding of it in `encoded` (one entry per encoder), so it encodes it once too."""
+
+    __slots__ = ("cancelled", "encoded", "key_id", "metadata", "model", "team", "upstream")
+
+    def __init__(self, key_id: str, team: str, model: str,
+                 cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> None:
+        self.key_id = key_id
+        self.team = team
+        self.model = model
+        self.cancelled = cancelled
+        self.upstream = ((contract.KEY_ID_HEADER, key_id), (contract.TEAM_HEADER, team),
+                         (contract.MODEL_HEADER, model))
+        self.metadata = handoff.caller(key_id, team, model, cancelled)
+        self.encoded: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Caller({self.key_id!r}, {self.team!r}, {self.model!r}, {self.cancelled!r})"
+
+
+class Callers:
+    """The Caller of each (policy revision, key, model): a new revision starts afresh (its
+    key may have moved team, or changed billing rule); the size is bounded."""
+
+    MAX = 4096
+
+    def __init__(self) -> None:
+        self._revision: int | None = None
+        self._by_key: dict[str, dict[str, Caller]] = {}
+        self._size = 0
+
+    def get(self, revision: int, key_id: str, team: str, model: str,
+            cancelled: CancelRule) -> Caller:
+        if revision != self._revision or self._size >= self.MAX:
+            self._revision, self._by_key, self._size = revision, {}, 0
+        models = self._by_key.get(key_id)
+        if models is None:
+            models = self._by_key[key_id] = {}
+        caller = models.get(model)
+        if caller is None:
+            caller = models[model] = Caller(key_id, team, model, cancelled)
+            self._size += 1
+        return caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,9 +67,7 @@ class Context:
     """Verified facts about an allowed request; sent to the engine and to ext_proc."""
 
     request_id: str
-    key_id: str
-    team: str
-    model: str
+    caller: Caller  # who asked, for which model
     stream: bool
     reserved: int
     leased: bool
@@ -28,7 +77,6 @@ class Context:
     include_usage: bool = False
     continuous_usage: bool = False
     splice: Splice | None = None  # what to splice into the request body so usage is reported
-    cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule for a client cancel
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,18 +16,11 @@ from typing import Any
 import orjson
 
 from gateway.endpoints import Reader, reader_of
+from gateway.envoy_contract import CLIENT_FLAGS, PERIODIC, UPSTREAM_FLAGS
 from gateway.metering import handoff
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Result
 from gateway.metering.usage import Usage, from_messages
-
-# %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
-# cut its stream after the headers; the rest fail before or while connecting.
-UPSTREAM_FLAGS = frozenset({"UPE", "UR", "UC", "UF", "URX", "UT", "UO", "UH", "NR", "UMSDR"})
-CLIENT_FLAGS = frozenset({"DC", "DPE"})  # the client left, or broke the protocol
-CUT_FLAGS = UPSTREAM_FLAGS | CLIENT_FLAGS  # a stream that ended early: who ended it
-# %ACCESS_LOG_TYPE% of the record Envoy sends every heartbeat while a request is in flight
-PERIODIC = "DownstreamPeriodic"
 
 
 class Unreadable(ValueError):

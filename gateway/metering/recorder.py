@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from gateway import metrics
 from gateway.endpoints import billed
+from gateway.envoy_contract import UPSTREAM_FLAGS
 from gateway.errors import StoreUnavailable
 from gateway.limits.leases import Leases
 from gateway.limits.types import Orphan
@@ -18,7 +19,6 @@ from gateway.metering.cost import Rates, cost
 from gateway.metering.events import UsageEvent, event_json, rfc3339
 from gateway.metering.handoff import RequestFacts, orphan_facts
 from gateway.metering.meter import Meter, Result
-from gateway.metering.record import UPSTREAM_FLAGS
 from gateway.metering.usage import Usage
 from gateway.sinks.spool import Spool
 

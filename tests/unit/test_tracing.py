@@ -15,6 +15,7 @@ from opentelemetry.trace import StatusCode
 
 import gateway
 from gateway import tracing
+from gateway.authz.check import Check
 from gateway.authz.engine import Authorizer
 from gateway.clock import FakeClock
 from gateway.limits.memory import MemoryLimiter
@@ -91,7 +92,7 @@ def service(pol: Policy | None) -> tuple[AuthorizationService, tracing.Tracing,
     t = tracing.from_env({}, exporter=exporter)
     assert t is not None
     authz = Authorizer(lambda: pol, MemoryLimiter(), FakeClock(1_800_000_000.0))
-    return AuthorizationService(authz, t), t, exporter
+    return AuthorizationService(Check(authz, t)), t, exporter
 
 
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
