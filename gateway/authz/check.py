@@ -16,7 +16,7 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from gateway import metrics
 from gateway.authz import answers
-from gateway.authz.decision import Allow, Caller, Decision, Deny, Reply
+from gateway.authz.decision import Allow, Decision, Deny, Reply, Shared
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.endpoints import api_of
@@ -42,7 +42,7 @@ class Allowed:
     """Let the request through to the engine."""
 
     upstream: tuple[tuple[str, str], ...]  # headers to set on it (this request's own)
-    caller: Caller  # and its caller's: more headers to set, more metadata
+    shared: Shared  # and what its caller's requests of its shape share: headers, metadata
     remove: list[str]  # headers to remove from it
     client: dict[str, str]  # headers to add to the client's response
     metadata: handoff.Metadata  # this request's own metadata entries
@@ -69,11 +69,12 @@ def answer(decision: Decision, req: AuthzRequest, traceparent: str = "") -> Answ
     if isinstance(decision, Allow):
         c = decision.context
         return Allowed(
-            ((REQUEST_ID_HEADER, c.request_id),), c.caller, answers.removed_headers(req.headers),
+            ((REQUEST_ID_HEADER, c.request_id),),
+            c.caller.shared(c.endpoint, c.stream, c.leased, c.stream_options, c.include_usage,
+                            c.continuous_usage),
+            answers.removed_headers(req.headers),
             answers.allowed_headers(decision.rate, api_of(c.endpoint)),
-            handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, c.endpoint, c.stream,
-                            c.leased, c.stream_options, c.include_usage, c.continuous_usage,
-                            traceparent, c.splice),
+            handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent, c.splice),
             c.leased)
     if isinstance(decision, Deny):
         return LocalReply(

@@ -14,13 +14,30 @@ from gateway.metering.cancel import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.metering.inject import Splice
 
 
-class Caller:
-    """What every allowed request of one key and model carries alike, within one policy
-    revision: the context headers for the engine and the caller's metadata. Built once
-    (`Callers`), so a Check builds only its request's own part; an encoder keeps its
-    encoding of it in `encoded` (one entry per encoder), so it encodes it once too."""
+class Shared:
+    """What every allowed request of one caller and request shape carries alike: the
+    caller's context headers for the engine and the metadata entries that repeat. Built
+    once (Caller.shared), so a Check builds only its request's own part; an encoder keeps
+    its encoding of it in `encoded` (one entry per encoder), so it encodes it once too."""
 
-    __slots__ = ("cancelled", "encoded", "key_id", "metadata", "model", "team", "upstream")
+    __slots__ = ("encoded", "metadata", "upstream")
+
+    def __init__(self, upstream: tuple[tuple[str, str], ...], metadata: handoff.Metadata
+                 ) -> None:
+        self.upstream = upstream
+        self.metadata = metadata
+        self.encoded: dict[str, Any] = {}
+
+
+_SHAPES = 32  # the combinations of a request's five flags (Caller.shared)
+_ENDPOINTS = 64  # the endpoints one caller's Shared are kept for (passthrough paths vary)
+
+
+class Caller:
+    """Who asked, for which model (one per policy revision, key and model: `Callers`), with
+    the Shared part of its requests' answers, per endpoint and flags."""
+
+    __slots__ = ("_shared", "cancelled", "key_id", "model", "team", "upstream")
 
     def __init__(self, key_id: str, team: str, model: str,
                  cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> None:
@@ -30,8 +47,24 @@ class Caller:
         self.cancelled = cancelled
         self.upstream = ((contract.KEY_ID_HEADER, key_id), (contract.TEAM_HEADER, team),
                          (contract.MODEL_HEADER, model))
-        self.metadata = handoff.caller(key_id, team, model, cancelled)
-        self.encoded: dict[str, Any] = {}
+        self._shared: dict[str, list[Shared | None]] = {}
+
+    def shared(self, endpoint: str, stream: bool, leased: bool, stream_options: bool,
+               include_usage: bool, continuous_usage: bool) -> Shared:
+        """The part of an allowed answer this caller's requests of one shape share: found by
+        the endpoint, then by the flags as a number (no tuple to build and hash)."""
+        shapes = self._shared.get(endpoint)
+        if shapes is None:
+            if len(self._shared) >= _ENDPOINTS:
+                self._shared.clear()
+            shapes = self._shared[endpoint] = [None] * _SHAPES
+        i = stream + 2 * leased + 4 * stream_options + 8 * include_usage + 16 * continuous_usage
+        found = shapes[i]
+        if found is None:
+            found = shapes[i] = Shared(self.upstream, handoff.caller(
+                self.key_id, self.team, self.model, endpoint, stream, leased, stream_options,
+                include_usage, continuous_usage, self.cancelled))
+        return found
 
     def __repr__(self) -> str:
         return f"Caller({self.key_id!r}, {self.team!r}, {self.model!r}, {self.cancelled!r})"

@@ -54,15 +54,11 @@ class RequestFacts:
 
 # -- written by the Check (gateway/authz/check.py) ----------------------------------------
 
-def allowed(request_id: str, reserved: int, prompt_estimate: int, endpoint: str, stream: bool,
-            leased: bool, stream_options: bool = False, include_usage: bool = False,
-            continuous_usage: bool = False, traceparent: str = "",
+def allowed(request_id: str, reserved: int, prompt_estimate: int, traceparent: str = "",
             splice: Splice | None = None) -> Metadata:
-    """An allowed request's own entries (its caller's: `caller`)."""
+    """An allowed request's own entries (the rest: `caller`)."""
     md: Metadata = {"request_id": request_id, "reserved": reserved,
-                    "prompt_estimate": prompt_estimate, "endpoint": endpoint, "stream": stream,
-                    "leased": leased, "stream_options": stream_options,
-                    "include_usage": include_usage, "continuous_usage": continuous_usage}
+                    "prompt_estimate": prompt_estimate}
     if traceparent:
         md["traceparent"] = traceparent
     if splice is not None:  # applied by the Lua filter, or by ext_proc
@@ -74,13 +70,17 @@ def allowed(request_id: str, reserved: int, prompt_estimate: int, endpoint: str,
     return md
 
 
-def caller(key_id: str, team: str, model: str,
+def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
+           stream_options: bool, include_usage: bool, continuous_usage: bool,
            cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> Metadata:
-    """An allowed request's entries that repeat for every request of a key and model (the
-    Check builds and encodes them once: gateway/authz/decision.py Caller). `cancelled`: how
-    the team bills a stream its client cancels (gateway/metering/cancel.py), fixed at
-    admission."""
-    return {"key_id": key_id, "team": team, "model": model, "cancelled": cancelled}
+    """An allowed request's entries that repeat for every request of a caller and request
+    shape (the Check builds and encodes them once: gateway/authz/decision.py Shared).
+    `cancelled`: how the team bills a stream its client cancels (gateway/metering/cancel.py),
+    fixed at admission."""
+    return {"key_id": key_id, "team": team, "model": model, "stream": stream,
+            "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
+            "include_usage": include_usage, "continuous_usage": continuous_usage,
+            "cancelled": cancelled}
 
 
 def denied(request_id: str, reason: str, status: int, key_id: str, team: str, model: str,

@@ -1,7 +1,7 @@
 """A Check's answer (gateway/authz/check.py) as ext_authz's gRPC CheckResponse.
 
 An allowed answer goes out already serialized (check_wire: the hot path's biggest cost),
-its caller's part encoded once per caller; a local reply as a protobuf message.
+its Shared part encoded once; a local reply as a protobuf message.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gateway.server import check_wire
 HVO = base_pb2.HeaderValueOption
 OVERWRITE = HVO.OVERWRITE_IF_EXISTS_OR_ADD
 _DENIED = status_pb2.Status(code=code_pb2.PERMISSION_DENIED)
-_ENCODED = "grpc"  # this encoder's entry in Caller.encoded
+_ENCODED = "grpc"  # this encoder's entry in Shared.encoded
 
 
 def encode(answer: Answer) -> pb.CheckResponse | bytes:
@@ -37,11 +37,11 @@ def serialize(response: pb.CheckResponse | bytes) -> bytes:
 
 
 def _allowed(a: Allowed) -> bytes:
-    caller = a.caller.encoded.get(_ENCODED)
-    if caller is None:
-        caller = a.caller.encoded[_ENCODED] = check_wire.fixed(a.caller.upstream,
-                                                               a.caller.metadata)
-    return check_wire.allowed(a.upstream, a.remove, a.client.items(), a.metadata, caller)
+    shared = a.shared.encoded.get(_ENCODED)
+    if shared is None:
+        shared = a.shared.encoded[_ENCODED] = check_wire.fixed(a.shared.upstream,
+                                                               a.shared.metadata)
+    return check_wire.allowed(a.upstream, a.remove, a.client.items(), a.metadata, shared)
 
 
 def _local(r: LocalReply) -> pb.CheckResponse:

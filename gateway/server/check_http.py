@@ -31,7 +31,7 @@ from gateway.metering import handoff
 _REASONS = {250: b"Answered", 400: b"Bad Request", 401: b"Unauthorized",
             403: b"Forbidden", 404: b"Not Found", 413: b"Payload Too Large",
             429: b"Too Many Requests", 450: b"Unavailable"}
-_ENCODED = "http"  # this encoder's entry in Caller.encoded
+_ENCODED = "http"  # this encoder's entry in Shared.encoded
 _REMOVE = REMOVE_HEADER.encode() + b": "
 
 _CONTROL = bytes(range(0x20)) + b"\x7f"
@@ -62,17 +62,17 @@ def encode(answer: Answer) -> bytes:
 
 
 def _allowed(a: Allowed) -> bytes:
-    caller = a.caller.encoded.get(_ENCODED)
-    if caller is None:
-        caller = a.caller.encoded[_ENCODED] = _headers(a.caller.upstream) + metadata_headers(
-            a.caller.metadata)
+    shared = a.shared.encoded.get(_ENCODED)
+    if shared is None:
+        shared = a.shared.encoded[_ENCODED] = _headers(a.shared.upstream) + metadata_headers(
+            a.shared.metadata)
     return b"".join((
         b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n",
         _headers(a.upstream),
         _REMOVE, _clean(",".join(a.remove)), b"\r\n",
         _headers(a.client.items()),
         metadata_headers(a.metadata),
-        caller,
+        shared,
         b"\r\n",
     ))
 

@@ -115,7 +115,7 @@ def struct_fields(values: dict[str, str | int | bool]) -> bytes:
 @dataclass(frozen=True, slots=True)
 class Fixed:
     """Upstream headers and metadata entries encoded once, for answers that repeat them (a
-    caller's: gateway/authz/decision.py Caller)."""
+    caller's requests of one shape: gateway/authz/decision.py Shared)."""
 
     upstream: bytes = b""
     metadata: bytes = b""

@@ -63,9 +63,9 @@ def test_an_allow_sets_upstream_headers_removes_credentials_and_hands_over_the_f
         assert headers["x-ratelimit-limit-requests"] == "10"
         facts = handoff.read(metadata_of(headers))
         assert facts == handoff.read(
-            handoff.allowed("r1", 1200, 37, "/v1/chat/completions", True, True,
-                            traceparent="00-t-s-01", splice=SPLICE)
-            | handoff.caller("k1", "team-a", "m", "delivered"))
+            handoff.allowed("r1", 1200, 37, "00-t-s-01", SPLICE)
+            | handoff.caller("k1", "team-a", "m", "/v1/chat/completions", True, True, False,
+                             False, False, "delivered"))
         assert facts.splice == SPLICE and facts.leased and facts.prompt_estimate == 37
         assert facts.cancelled == "delivered" and facts.stream
 
@@ -110,8 +110,8 @@ def test_no_value_can_end_its_header_line(model: str) -> None:
 
 
 def test_every_metadata_key_a_check_writes_is_one_the_door_sends() -> None:
-    written = {*handoff.allowed("r", 1, 2, "/e", True, True, True, True, True, "tp", SPLICE),
-               *handoff.caller("k", "t", "m"),
+    written = {*handoff.allowed("r", 1, 2, "tp", SPLICE),
+               *handoff.caller("k", "t", "m", "/e", True, True, True, True, True),
                *handoff.denied("r", "rps", 429, "k", "t", "m", "/e", "tp"),
                *handoff.replied("r", "k", "t", "m", "/e", "tp")}
     assert written == set(contract.METADATA_KEYS)

@@ -18,9 +18,8 @@ from gateway.server.extproc_service import _plain
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
 
-ALLOWED = handoff.allowed(
-    "r1", 1200, 37, "/v1/chat/completions", True, True, False, False, True, "00-abc-def-01",
-    SPLICE) | handoff.caller("k1", "team-a", "m", "delivered")
+ALLOWED = handoff.allowed("r1", 1200, 37, "00-abc-def-01", SPLICE) | handoff.caller(
+    "k1", "team-a", "m", "/v1/chat/completions", True, True, False, False, True, "delivered")
 ALLOWED_FACTS = RequestFacts(
     request_id="r1", key_id="k1", team="team-a", model="m", endpoint="/v1/chat/completions",
     stream=True, leased=True, prompt_estimate=37, continuous_usage=True,
