@@ -19,6 +19,7 @@ import grpc
 import uvloop
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 
+from gateway.authz.check import Check
 from gateway.authz.engine import Authorizer
 from gateway.clock import SystemClock
 from gateway.limits.ledger import Ledger
@@ -46,7 +47,8 @@ async def main(port: int, stage: str, policy_file: str, redis_url: str) -> None:
     limiter = RedisLimiter(RespClient(redis_url), 30, 5) if stage == "redis" else AlwaysAllow()
     clock = SystemClock()
     ledger = Ledger(limiter, clock, 30, 5)  # type: ignore[arg-type]
-    svc = AuthorizationService(Authorizer(holder.get, limiter, clock, ledger=ledger))  # type: ignore[arg-type]
+    svc = AuthorizationService(Check(Authorizer(holder.get, limiter,  # type: ignore[arg-type]
+                                                clock, ledger=ledger)))
 
     async def floor(request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> bytes:
         return OK
@@ -56,7 +58,7 @@ async def main(port: int, stage: str, policy_file: str, redis_url: str) -> None:
         return OK
 
     async def authorize(request: pb.CheckRequest, context: grpc.aio.ServicerContext) -> bytes:
-        await svc.authorizer.check(to_request(request))
+        await svc.check.authorizer.check(to_request(request))
         return OK
 
     handler = {"floor": floor, "parse": parse, "authorize": authorize}.get(stage)

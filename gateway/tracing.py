@@ -73,6 +73,13 @@ class Tracing:
             return span
         return None
 
+    def start_traced(self, name: str, call_metadata: Iterable[tuple[str, str | bytes]] | None,
+                     traceparent: str, tracestate: str = "") -> Span | None:
+        """A span when the request is traced (the trace context from the gRPC call's
+        metadata, or the request's own: trace_context), else None."""
+        tp, ts = trace_context(call_metadata, traceparent, tracestate)
+        return self.start(name, tp, ts) if tp else None
+
     def shutdown(self, timeout: float = 2.0) -> None:
         """Export what is buffered, waiting at most `timeout` seconds: a dead collector
         (the exporter retries for up to OTEL_EXPORTER_OTLP_TIMEOUT, 10 s) must not hold

@@ -14,6 +14,7 @@ import orjson
 
 from gateway.authz.decision import Deny, Reply
 from gateway.endpoints import Api
+from gateway.envoy_contract import CONTEXT_HEADERS, CONTEXT_PREFIX, CREDENTIALS
 from gateway.limits.types import (
     CONCURRENCY,
     GTPD,
@@ -120,17 +121,12 @@ def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str
     return out
 
 
-# The verified context an allowed request carries to the engine. A client's own x-gateway-*
-# headers are forged context: ours overwrite theirs, the rest are removed, with the key.
-CONTEXT_HEADERS = ("x-gateway-request-id", "x-gateway-key-id", "x-gateway-team",
-                   "x-gateway-model")
-CREDENTIALS = ("authorization", "x-api-key")
-
-
 def removed_headers(request_headers: Iterable[str]) -> list[str]:
-    """What an allowed request loses before the engine: the credentials, forged context."""
+    """What an allowed request loses before the engine: the credentials, and a client's own
+    x-gateway-* headers (forged context: the CONTEXT_HEADERS it may not name are overwritten
+    with ours)."""
     return [*CREDENTIALS, *(h for h in request_headers
-                            if h.startswith("x-gateway-") and h not in CONTEXT_HEADERS)]
+                            if h.startswith(CONTEXT_PREFIX) and h not in CONTEXT_HEADERS)]
 
 
 def allowed_headers(rate: RateInfo, api: Api) -> dict[str, str]:

@@ -4,11 +4,95 @@ Reply (an answer the gateway gives itself, from the policy)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from gateway import envoy_contract as contract
 from gateway.endpoints import Api
 from gateway.limits.types import RateInfo
+from gateway.metering import handoff
 from gateway.metering.inject import Splice
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
+
+
+class Shared:
+    """What every allowed request of one caller and request shape carries alike: the
+    caller's context headers for the engine and the metadata entries that repeat. Built
+    once (Caller.shared), so a Check builds only its request's own part; an encoder keeps
+    its encoding of it in `encoded` (one entry per encoder), so it encodes it once too."""
+
+    __slots__ = ("encoded", "metadata", "upstream")
+
+    def __init__(self, upstream: tuple[tuple[str, str], ...], metadata: handoff.Metadata
+                 ) -> None:
+        self.upstream = upstream
+        self.metadata = metadata
+        self.encoded: dict[str, Any] = {}
+
+
+_SHAPES = 32  # the combinations of a request's five flags (Caller.shared)
+_ENDPOINTS = 64  # the endpoints one caller's Shared are kept for (passthrough paths vary)
+
+
+class Caller:
+    """Who asked, for which model (one per policy revision, key and model: `Callers`), with
+    the Shared part of its requests' answers, per endpoint and flags."""
+
+    __slots__ = ("_shared", "cancelled", "key_id", "model", "team", "upstream")
+
+    def __init__(self, key_id: str, team: str, model: str,
+                 cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> None:
+        self.key_id = key_id
+        self.team = team
+        self.model = model
+        self.cancelled = cancelled
+        self.upstream = ((contract.KEY_ID_HEADER, key_id), (contract.TEAM_HEADER, team),
+                         (contract.MODEL_HEADER, model))
+        self._shared: dict[str, list[Shared | None]] = {}
+
+    def shared(self, endpoint: str, stream: bool, leased: bool, stream_options: bool,
+               include_usage: bool, continuous_usage: bool) -> Shared:
+        """The part of an allowed answer this caller's requests of one shape share: found by
+        the endpoint, then by the flags as a number (no tuple to build and hash)."""
+        shapes = self._shared.get(endpoint)
+        if shapes is None:
+            if len(self._shared) >= _ENDPOINTS:
+                self._shared.clear()
+            shapes = self._shared[endpoint] = [None] * _SHAPES
+        i = stream + 2 * leased + 4 * stream_options + 8 * include_usage + 16 * continuous_usage
+        found = shapes[i]
+        if found is None:
+            found = shapes[i] = Shared(self.upstream, handoff.caller(
+                self.key_id, self.team, self.model, endpoint, stream, leased, stream_options,
+                include_usage, continuous_usage, self.cancelled))
+        return found
+
+    def __repr__(self) -> str:
+        return f"Caller({self.key_id!r}, {self.team!r}, {self.model!r}, {self.cancelled!r})"
+
+
+class Callers:
+    """The Caller of each (policy revision, key, model): a new revision starts afresh (its
+    key may have moved team, or changed billing rule); the size is bounded."""
+
+    MAX = 4096
+
+    def __init__(self) -> None:
+        self._revision: int | None = None
+        self._by_key: dict[str, dict[str, Caller]] = {}
+        self._size = 0
+
+    def get(self, revision: int, key_id: str, team: str, model: str,
+            cancelled: CancelRule) -> Caller:
+        if revision != self._revision or self._size >= self.MAX:
+            self._revision, self._by_key, self._size = revision, {}, 0
+        models = self._by_key.get(key_id)
+        if models is None:
+            models = self._by_key[key_id] = {}
+        caller = models.get(model)
+        if caller is None:
+            caller = models[model] = Caller(key_id, team, model, cancelled)
+            self._size += 1
+        return caller
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,9 +100,7 @@ class Context:
     """Verified facts about an allowed request; sent to the engine and to ext_proc."""
 
     request_id: str
-    key_id: str
-    team: str
-    model: str
+    caller: Caller  # who asked, for which model
     stream: bool
     reserved: int
     leased: bool
@@ -28,7 +110,6 @@ class Context:
     include_usage: bool = False
     continuous_usage: bool = False
     splice: Splice | None = None  # what to splice into the request body so usage is reported
-    cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule for a client cancel
 
 
 @dataclass(frozen=True, slots=True)

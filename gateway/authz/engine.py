@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gateway.authz import answers
-from gateway.authz.decision import Allow, Context, Decision, Deny, Reply
+from gateway.authz.decision import Allow, Callers, Context, Decision, Deny, Reply
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
@@ -63,6 +63,7 @@ class Authorizer:
         self._clock = clock
         self._settings = settings
         self._ledger = ledger
+        self._callers = Callers()  # what every allowed request of a key and model carries
 
     async def check(self, req: AuthzRequest) -> Decision:
         decision = await self._check(req)
@@ -140,15 +141,16 @@ class Authorizer:
         if owed:
             self._ledger.admitted(req.request_id)
         ctx = Context(
-            req.request_id, key.key_id, key.team, facts.model or "", facts.stream,
-            reserve if owed else 0, owed, endpoint=path,
+            req.request_id,
+            self._callers.get(policy.revision, key.key_id, key.team, facts.model or "",
+                              key.cancelled),
+            facts.stream, reserve if owed else 0, owed, endpoint=path,
             prompt_estimate=facts.prompt_tokens if billed else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
             splice=inject.plan(req.body, path, facts.model or "", facts.stream,
                                facts.stream_options, facts.include_usage,
                                facts.continuous_usage, s.continuous_models),
-            cancelled=key.cancelled,
         )
         return Allow(ctx, verdict.rate)
 

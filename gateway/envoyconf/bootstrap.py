@@ -53,6 +53,12 @@ from datetime import timedelta
 import betterproto2
 import yaml
 
+from gateway.envoy_contract import (
+    AUTHZ_NAMESPACE,
+    CUT_FLAGS,
+    EXTPROC_NAMESPACE,
+    USAGE_NAMESPACE,
+)
 from gateway.envoyconf import metering as envoy_metering
 from gateway.envoyconf.clusters import (
     ENGINE_CLUSTER,
@@ -64,16 +70,13 @@ from gateway.envoyconf.clusters import (
     sidecar_cluster,
 )
 from gateway.envoyconf.filters import (
-    AUTHZ_NAMESPACE,
     EXT_AUTHZ,
     EXT_PROC,
-    USAGE_NAMESPACE,
     ext_authz,
     ext_proc,
     local_replies,
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
-from gateway.metering.record import CUT_FLAGS
 from gateway.metering.sources import MeteringSource, source_named
 from gateway.settings import (
     DEFAULT_METERING,
@@ -144,7 +147,7 @@ ACCESS_LOG_FORMAT = {
     "to_engine_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
     "upstream": "%UPSTREAM_HOST%",
     "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
-    "usage": f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
+    "usage": f"%DYNAMIC_METADATA({EXTPROC_NAMESPACE})%",
 }
 
 # proto3 JSON drops fields equal to their default. These `false`s are the security
@@ -322,7 +325,7 @@ def _route_config() -> RouteConfiguration:
 def _stdout_access_log(source: MeteringSource) -> AccessLog:
     fmt = dict(ACCESS_LOG_FORMAT)
     if source.lua_filters:
-        fmt["usage"] = f"%DYNAMIC_METADATA({envoy_metering.USAGE_NS})%"
+        fmt["usage"] = f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%"
     log_format = SubstitutionFormatString(json_format=Struct.from_dict(fmt))
     return AccessLog(
         name="envoy.access_loggers.stdout",

@@ -11,8 +11,9 @@ in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
 * **ext_authz through the HTTP door** (only with `EnvoyPorts.authz_http`): `http_service`
   instead of `grpc_service`, the same Check at a fraction of a gRPC call's CPU. Which
   answer headers go upstream, to the client or into metadata comes from
-  gateway/authz/http_door.py; the connection manager's local-reply mappers
-  (`http_door_replies`) turn the door's stand-in statuses back (docs/envoy.md §3.8).
+  gateway/envoy_contract.py, as does the door's encoder (gateway/server/check_http.py); the
+  connection manager's local-reply mappers (`http_door_replies`) turn the door's stand-in
+  statuses back (docs/envoy.md §3.8).
 * **ext_authz timeout 0.5 s** (default 200 ms): a Check includes a Redis round trip and
   the whole request body; 200 ms turns a GC pause into a spurious 503.
 * **ext_authz `with_request_body`** (`max_request_bytes` 8 MiB, `allow_partial_message:
@@ -52,10 +53,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import timedelta
 
-from gateway.authz import http_door
 from gateway.endpoints import ANTHROPIC_PREFIX
+from gateway.envoy_contract import (
+    AUTHZ_NAMESPACE,
+    CLIENT_HEADERS,
+    CONTEXT_HEADERS,
+    CONTEXT_PREFIX,
+    CREDENTIALS,
+    EXTPROC_NAMESPACE,
+    METADATA_KEYS,
+    RATE_PREFIXES,
+    WIRE_STATUS,
+)
 from gateway.envoyconf.plain import quiet_imports
-from gateway.metering import handoff
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.accesslog.v3 import (
@@ -99,16 +109,14 @@ with quiet_imports():
     from envoy_data_plane.google.protobuf import Struct
 
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
-AUTHZ_NAMESPACE = handoff.NAMESPACE  # where Envoy files the Check's metadata
 EXT_PROC = "envoy.filters.http.ext_proc"
 SIDECAR_CLUSTER = "sidecar"
 AUTHZ_HTTP_CLUSTER = "sidecar_authz_http"  # ext_authz's HTTP door, when configured
-USAGE_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may write
 
 
 # The only request headers a Check reads: the key, the request id, and any client-sent
 # x-gateway-* (to remove them). Anything else (cookies, other credentials) never leaves Envoy.
-AUTHZ_HEADERS = ("authorization", "x-api-key", "x-request-id", "traceparent", "tracestate")
+AUTHZ_HEADERS = (*CREDENTIALS, "x-request-id", "traceparent", "tracestate")
 
 
 def ext_authz(timeout: timedelta, max_request_bytes: int, http: bool = False) -> ExtAuthz:
@@ -124,7 +132,7 @@ def ext_authz(timeout: timedelta, max_request_bytes: int, http: bool = False) ->
             allow_partial_message=False,
             pack_as_bytes=True,
         ),
-        allowed_headers=_matchers(AUTHZ_HEADERS, ["x-gateway-"]),
+        allowed_headers=_matchers(AUTHZ_HEADERS, [CONTEXT_PREFIX]),
     )
 
 
@@ -134,15 +142,15 @@ def _matchers(exact: Iterable[str] = (), prefix: Iterable[str] = ()) -> ListStri
 
 
 def _http_door(timeout: timedelta) -> HttpService:
-    """Which of the door's answer headers go where (gateway/authz/http_door.py)."""
+    """Which of the door's answer headers go where (gateway/server/check_http.py)."""
     return HttpService(
         server_uri=HttpUri(uri=f"http://{AUTHZ_HTTP_CLUSTER}", cluster=AUTHZ_HTTP_CLUSTER,
                            timeout=timeout),
         authorization_response=AuthorizationResponse(
-            allowed_upstream_headers=_matchers(http_door.UPSTREAM),
-            allowed_client_headers=_matchers(http_door.CLIENT, http_door.RATE_PREFIXES),
-            allowed_client_headers_on_success=_matchers(prefix=http_door.RATE_PREFIXES),
-            dynamic_metadata_from_headers=_matchers(handoff.METADATA_KEYS)))
+            allowed_upstream_headers=_matchers(CONTEXT_HEADERS),
+            allowed_client_headers=_matchers(CLIENT_HEADERS, RATE_PREFIXES),
+            allowed_client_headers_on_success=_matchers(prefix=RATE_PREFIXES),
+            dynamic_metadata_from_headers=_matchers(METADATA_KEYS)))
 
 
 def local_replies(max_request_bytes: int, authz_http: bool) -> LocalReplyConfig:
@@ -190,7 +198,7 @@ def http_door_replies() -> list[ResponseMapper]:
                 op=ComparisonFilterOp.EQ, value=RuntimeUInt32(
                     default_value=wire, runtime_key=f"gateway.door_status_{wire}")))),
             AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=["UAEX"])),
-        ])), status_code=status) for status, wire in sorted(http_door.WIRE_STATUS.items())]
+        ])), status_code=status) for status, wire in sorted(WIRE_STATUS.items())]
 
 
 def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
@@ -212,7 +220,7 @@ def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
         response_attributes=["request.id", "response.code"],
         metadata_options=MetadataOptions(
             forwarding_namespaces=MetadataOptionsMetadataNamespaces(untyped=[AUTHZ_NAMESPACE]),
-            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[USAGE_NAMESPACE]),
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[EXTPROC_NAMESPACE]),
         ),
     )
 

@@ -28,8 +28,16 @@ import warnings
 from collections.abc import Iterable
 from datetime import timedelta
 
+from gateway.envoy_contract import CACHE_CREATION_INPUT_TOKENS as CACHE_CREATION
+from gateway.envoy_contract import CACHE_READ_INPUT_TOKENS as CACHE_READ
+from gateway.envoy_contract import CACHED_TOKENS as CACHED
+from gateway.envoy_contract import COMPLETION_TOKENS as COMPLETION
+from gateway.envoy_contract import PROMPT_TOKENS as PROMPT
+from gateway.envoy_contract import REASONING_TOKENS as REASONING
+from gateway.envoy_contract import RECORD_ATTRIBUTES, SERVED_MODEL, USAGE_NAMESPACE
+from gateway.envoy_contract import TOTAL_TOKENS as TOTAL
 from gateway.envoyconf import lua as envoy_lua
-from gateway.envoyconf.filters import AUTHZ_NAMESPACE, SIDECAR_CLUSTER
+from gateway.envoyconf.filters import SIDECAR_CLUSTER
 from gateway.envoyconf.plain import quiet_imports
 
 with quiet_imports():
@@ -68,8 +76,6 @@ with quiet_imports():
 LUA = "envoy.filters.http.lua"
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 OTEL_ACCESS_LOG = "envoy.access_loggers.open_telemetry"
-USAGE_NS = "llm.usage"  # the Lua filter (streams) and json_to_metadata write usage here
-STREAM_NS = "llm.stream"  # the Lua filter writes its content counters here
 RECORD_LOG_NAME = "gateway.usage"
 FLUSH = timedelta(milliseconds=50)
 # While a request is in flight Envoy also sends a periodic record for it (%ACCESS_LOG_TYPE%
@@ -82,54 +88,33 @@ RECORD_HEARTBEAT = timedelta(seconds=10)
 # Responses API's (`usage` of a whole answer, `response.usage` of its stream's last event).
 _NUMBER, _STRING = JsonToMetadataValueType.NUMBER, JsonToMetadataValueType.STRING
 USAGE_RULES: tuple[tuple[str, tuple[str, ...], JsonToMetadataValueType], ...] = (
-    ("prompt_tokens", ("usage", "prompt_tokens"), _NUMBER),
-    ("completion_tokens", ("usage", "completion_tokens"), _NUMBER),
-    ("total_tokens", ("usage", "total_tokens"), _NUMBER),
-    ("cached_tokens", ("usage", "prompt_tokens_details", "cached_tokens"), _NUMBER),
-    ("reasoning_tokens", ("usage", "completion_tokens_details", "reasoning_tokens"), _NUMBER),
-    ("prompt_tokens", ("usage", "input_tokens"), _NUMBER),  # a whole Responses API answer
-    ("completion_tokens", ("usage", "output_tokens"), _NUMBER),
-    ("cached_tokens", ("usage", "input_tokens_details", "cached_tokens"), _NUMBER),
-    ("reasoning_tokens", ("usage", "output_tokens_details", "reasoning_tokens"), _NUMBER),
-    ("prompt_tokens", ("response", "usage", "input_tokens"), _NUMBER),  # its stream's events
-    ("completion_tokens", ("response", "usage", "output_tokens"), _NUMBER),
-    ("total_tokens", ("response", "usage", "total_tokens"), _NUMBER),
-    ("cached_tokens", ("response", "usage", "input_tokens_details", "cached_tokens"), _NUMBER),
-    ("reasoning_tokens", ("response", "usage", "output_tokens_details", "reasoning_tokens"),
+    (PROMPT, ("usage", "prompt_tokens"), _NUMBER),
+    (COMPLETION, ("usage", "completion_tokens"), _NUMBER),
+    (TOTAL, ("usage", "total_tokens"), _NUMBER),
+    (CACHED, ("usage", "prompt_tokens_details", "cached_tokens"), _NUMBER),
+    (REASONING, ("usage", "completion_tokens_details", "reasoning_tokens"), _NUMBER),
+    (PROMPT, ("usage", "input_tokens"), _NUMBER),  # a whole Responses API answer
+    (COMPLETION, ("usage", "output_tokens"), _NUMBER),
+    (CACHED, ("usage", "input_tokens_details", "cached_tokens"), _NUMBER),
+    (REASONING, ("usage", "output_tokens_details", "reasoning_tokens"), _NUMBER),
+    (PROMPT, ("response", "usage", "input_tokens"), _NUMBER),  # its stream's events
+    (COMPLETION, ("response", "usage", "output_tokens"), _NUMBER),
+    (TOTAL, ("response", "usage", "total_tokens"), _NUMBER),
+    (CACHED, ("response", "usage", "input_tokens_details", "cached_tokens"), _NUMBER),
+    (REASONING, ("response", "usage", "output_tokens_details", "reasoning_tokens"),
      _NUMBER),
     # Anthropic Messages: input_tokens / output_tokens above (a whole answer's `usage`, and a
     # stream's cumulative message_delta, which replaces what came before, key by key); the
     # input side of message_start; the cache counts, which record.py adds to the prompt.
-    ("prompt_tokens", ("message", "usage", "input_tokens"), _NUMBER),
-    ("cache_read_input_tokens", ("message", "usage", "cache_read_input_tokens"), _NUMBER),
-    ("cache_creation_input_tokens", ("message", "usage", "cache_creation_input_tokens"),
+    (PROMPT, ("message", "usage", "input_tokens"), _NUMBER),
+    (CACHE_READ, ("message", "usage", "cache_read_input_tokens"), _NUMBER),
+    (CACHE_CREATION, ("message", "usage", "cache_creation_input_tokens"),
      _NUMBER),
-    ("cache_read_input_tokens", ("usage", "cache_read_input_tokens"), _NUMBER),
-    ("cache_creation_input_tokens", ("usage", "cache_creation_input_tokens"), _NUMBER),
+    (CACHE_READ, ("usage", "cache_read_input_tokens"), _NUMBER),
+    (CACHE_CREATION, ("usage", "cache_creation_input_tokens"), _NUMBER),
 )
-MODEL_RULES = (("model", ("model",), _STRING), ("model", ("response", "model"), _STRING),
-               ("model", ("message", "model"), _STRING))
-
-# One record per request: what the sidecar needs to build its usage event. All strings
-# (the formatter's output); gateway/metering/record.py parses them.
-RECORD_ATTRIBUTES = {
-    "rid": "%REQ(X-REQUEST-ID)%",
-    "type": "%ACCESS_LOG_TYPE%",  # DownstreamPeriodic (a heartbeat) or DownstreamEnd
-    "path": "%REQ(:PATH)%",
-    "code": "%RESPONSE_CODE%",
-    "flags": "%RESPONSE_FLAGS%",
-    "details": "%RESPONSE_CODE_DETAILS%",
-    "start": "%START_TIME(%s.%6f)%",
-    "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
-    # A cut stream never sent its last byte (no DS_TX_END): its whole life, in ms
-    "total_ms": "%DURATION%",
-    "ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
-    "gen_us": "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
-    "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
-    "usage": f"%DYNAMIC_METADATA({USAGE_NS})%",
-    "counted": f"%DYNAMIC_METADATA({STREAM_NS})%",
-}
-
+MODEL_RULES = ((SERVED_MODEL, ("model",), _STRING), (SERVED_MODEL, ("response", "model"), _STRING),
+               (SERVED_MODEL, ("message", "model"), _STRING))
 
 def lua() -> Lua:
     return Lua(default_source_code=DataSource(inline_string=envoy_lua.source()))
@@ -138,7 +123,8 @@ def lua() -> Lua:
 def _rule(key: str, path: tuple[str, ...], kind: JsonToMetadataValueType) -> JsonToMetadataRule:
     return JsonToMetadataRule(
         selectors=[JsonToMetadataSelector(key=k) for k in path],
-        on_present=JsonToMetadataKeyValuePair(metadata_namespace=USAGE_NS, key=key, type=kind))
+        on_present=JsonToMetadataKeyValuePair(metadata_namespace=USAGE_NAMESPACE, key=key,
+                                              type=kind))
 
 
 def json_to_metadata() -> JsonToMetadata:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.endpoints import billed
+from gateway.envoy_contract import UPSTREAM_FLAGS
 from gateway.metering.cancel import bill
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
-from gateway.metering.record import UPSTREAM_FLAGS
 from gateway.usage_event import NOT_CANCELLED, Cancellation, Usage
 
 

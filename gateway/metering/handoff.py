@@ -1,11 +1,13 @@
 """The ext_authz → metering contract: what the Check hands over, and how it is read back.
 
 The Check's verdict reaches metering three ways, all through this module: as Envoy dynamic
-metadata (a Struct under `NAMESPACE`, forwarded on every ext_proc message), as the same
-Struct rendered to JSON in Envoy's per-request record, and, for an admission nobody
-settled, as the `meta` string the limiter stores with it (read back by the orphan sweep).
-The Lua filter (gateway/envoyconf/lua/metering.lua) reads the splice keys under the same names.
-Writer and readers share the key names here, so they cannot drift apart.
+metadata (a Struct under envoy_contract.AUTHZ_NAMESPACE, forwarded on every ext_proc
+message), as the same Struct rendered to JSON in Envoy's per-request record, and, for an
+admission nobody settled, as the `meta` string the limiter stores with it (read back by the
+orphan sweep).
+The Lua filter (gateway/envoyconf/lua/metering.lua) reads the splice keys under the same names
+(gateway/envoy_contract.py's). Writer and readers share the key names here, so they cannot
+drift apart.
 """
 
 from __future__ import annotations
@@ -15,19 +17,15 @@ from dataclasses import dataclass
 
 import orjson
 
+from gateway.envoy_contract import HIDE_CONTINUOUS, HIDE_USAGE, SPLICE, SPLICE_AT, SPLICE_CUT
 from gateway.metering.inject import Injected, Splice
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule, rule_of
 
-# Envoy files ext_authz's dynamic metadata under this namespace, whatever the filter is named.
-NAMESPACE = "envoy.filters.http.ext_authz"
 DUPLICATE_ID = "duplicate_request_id"  # the denial reason of a request id already in flight
 
+# Every key written here is one of envoy_contract.METADATA_KEYS (the HTTP door sends each as
+# a header of that name).
 Metadata = dict[str, str | int | bool]
-# Every key a Check may write (the HTTP door sends each as a header of this name).
-METADATA_KEYS = ("request_id", "reserved", "prompt_estimate", "traceparent", "splice",
-                 "splice_at", "splice_cut", "hide_usage", "hide_continuous", "key_id", "team",
-                 "model", "stream", "leased", "endpoint", "stream_options", "include_usage",
-                 "continuous_usage", "cancelled", "denied", "status")
 
 
 @dataclass
@@ -54,28 +52,31 @@ class RequestFacts:
     cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule, as admitted
 
 
-# -- written by the Check (gateway/server/authz_service.py) --------------------------------
+# -- written by the Check (gateway/authz/check.py) ----------------------------------------
 
 def allowed(request_id: str, reserved: int, prompt_estimate: int, traceparent: str = "",
             splice: Splice | None = None) -> Metadata:
-    """An allowed request's per-request entries (the rest: `caller`)."""
+    """An allowed request's own entries (the rest: `caller`)."""
     md: Metadata = {"request_id": request_id, "reserved": reserved,
                     "prompt_estimate": prompt_estimate}
     if traceparent:
         md["traceparent"] = traceparent
     if splice is not None:  # applied by the Lua filter, or by ext_proc
-        md.update(splice=splice.insert.decode(), splice_at=splice.at, splice_cut=splice.cut,
-                  hide_usage=splice.injected.include_usage,
-                  hide_continuous=splice.injected.continuous)
+        md[SPLICE] = splice.insert.decode()
+        md[SPLICE_AT] = splice.at
+        md[SPLICE_CUT] = splice.cut
+        md[HIDE_USAGE] = splice.injected.include_usage
+        md[HIDE_CONTINUOUS] = splice.injected.continuous
     return md
 
 
 def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
            stream_options: bool, include_usage: bool, continuous_usage: bool,
            cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> Metadata:
-    """An allowed request's entries that repeat for every request of a caller and model shape
-    (the Check encodes them once). `cancelled`: how the team bills a stream its client
-    cancels (gateway/policy/billing_rules.py), fixed at admission."""
+    """An allowed request's entries that repeat for every request of a caller and request
+    shape (the Check builds and encodes them once: gateway/authz/decision.py Shared).
+    `cancelled`: how the team bills a stream its client cancels
+    (gateway/policy/billing_rules.py), fixed at admission."""
     return {"key_id": key_id, "team": team, "model": model, "stream": stream,
             "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
             "include_usage": include_usage, "continuous_usage": continuous_usage,
@@ -134,9 +135,9 @@ def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> Requ
         denied_status=num("status") if "denied" in md else 0,
         duplicate=md.get("denied") == DUPLICATE_ID,
         traceparent=text("traceparent"),
-        splice=Splice(num("splice_at"), num("splice_cut"), text("splice").encode(),
-                      Injected(flag("hide_usage"), flag("hide_continuous")))
-        if "splice" in md else None,
+        splice=Splice(num(SPLICE_AT), num(SPLICE_CUT), text(SPLICE).encode(),
+                      Injected(flag(HIDE_USAGE), flag(HIDE_CONTINUOUS)))
+        if SPLICE in md else None,
         cancelled=rule_of(md.get("cancelled")),
     )
 

@@ -1,7 +1,7 @@
 """Envoy's one record per request (GATEWAY_METERING=envoy), read into the request's facts.
 
 Sans-I/O: the logs service hands over the record's attributes, as the access-log formatter
-rendered them (gateway/envoyconf/metering.py RECORD_ATTRIBUTES: all strings, "-" when empty,
+rendered them (gateway/envoy_contract.py RECORD_ATTRIBUTES: all strings, "-" when empty,
 metadata namespaces as JSON). What ext_proc learns chunk by chunk, Envoy's filters have
 put in the record: usage from the Lua filter / json_to_metadata, content counters from
 the Lua filter, the status, the response flags and the timings. They are read into the
@@ -18,19 +18,12 @@ from typing import Any
 import orjson
 
 from gateway.endpoints import Reader, reader_of
+from gateway.envoy_contract import CUT_FLAGS, PERIODIC
 from gateway.metering import handoff
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.usage import anthropic
 from gateway.usage_event import Usage
-
-# %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
-# cut its stream after the headers; the rest fail before or while connecting.
-UPSTREAM_FLAGS = frozenset({"UPE", "UR", "UC", "UF", "URX", "UT", "UO", "UH", "NR", "UMSDR"})
-CLIENT_FLAGS = frozenset({"DC", "DPE"})  # the client left, or broke the protocol
-CUT_FLAGS = UPSTREAM_FLAGS | CLIENT_FLAGS  # a stream that ended early: who ended it
-# %ACCESS_LOG_TYPE% of the record Envoy sends every heartbeat while a request is in flight
-PERIODIC = "DownstreamPeriodic"
 
 
 class Unreadable(ValueError):

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from gateway import metrics, redis_clients
 from gateway.addresses import split_hostport
+from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
 from gateway.hub.status import Status, StatusReporter, now_text
@@ -111,8 +112,8 @@ class App:
         ]
         self.tracing = tracing_from_env()
         self.server = grpc.aio.server(options=opts)
-        authz = AuthorizationService(authorizer, self.tracing)
-        authz.register(self.server)
+        check = Check(authorizer, self.tracing)  # the one Check, whichever door Envoy uses
+        AuthorizationService(check).register(self.server)
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
         # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
@@ -124,7 +125,7 @@ class App:
         await self.server.start()
         if s.authz_http_listen:
             host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
-            self.authz_http = await authz_http.serve(authz, host, port, s.max_message_bytes)
+            self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
         await self._set_health()
         if serve_http_endpoints:
             host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")

@@ -1,6 +1,6 @@
-"""ext_authz over HTTP/1.1 (Envoy's `http_service`): the Check's decision through a door
-that costs a fraction of a gRPC call (gateway/authz/http_door.py says why and what the
-answer carries).
+"""ext_authz over HTTP/1.1 (Envoy's `http_service`): the Check through a door that costs a
+fraction of a gRPC call (gateway/server/check_http.py says why and what the answer
+carries).
 
 Envoy's HTTP client sends one request at a time per keep-alive connection: the request's
 method and path, the headers ext_authz allows, `content-length` and the whole body. Nothing
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.authz import http_door
+from gateway.authz.check import Check
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
-from gateway.server.authz_service import AuthorizationService
+from gateway.server import check_http
 
 MAX_HEAD = 64 * 1024
 # Envoy reads any 5xx from the door as the door failing: its status_on_error (503).
@@ -56,8 +56,8 @@ def parse_head(head: bytes) -> tuple[str, str, dict[str, str], int]:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, service: AuthorizationService, max_body: int) -> None:
-        self.service = service
+    def __init__(self, check: Check, max_body: int) -> None:
+        self.check = check
         self.max_body = max_body
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
@@ -107,11 +107,8 @@ class _Connection(asyncio.Protocol):
         self.pending = asyncio.get_running_loop().create_task(self._answer(req))
 
     async def _answer(self, req: AuthzRequest) -> None:
-        span = self.service.span(req)
         try:
-            decision = await self.service.decide(req, span)
-            out = http_door.answer(decision, req, "" if span is None else
-                                   req.headers.get("traceparent", ""))
+            out = check_http.encode(await self.check(req))
         except asyncio.CancelledError:
             return
         except Exception:  # a bug: Envoy answers its 503 (fail closed), the log says why
@@ -132,9 +129,8 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
 
-async def serve(service: AuthorizationService, host: str, port: int,
-                max_body: int) -> asyncio.Server:
+async def serve(check: Check, host: str, port: int, max_body: int) -> asyncio.Server:
     """The HTTP door on host:port (SO_REUSEPORT, like the gRPC port: GATEWAY_WORKERS)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(service, max_body), host, port,
+    return await loop.create_server(lambda: _Connection(check, max_body), host, port,
                                     reuse_port=True, backlog=1024)

@@ -85,6 +85,19 @@ def _entry(key: str, value: bytes) -> bytes:
     return _T_ENTRY + _len(len(kv)) + kv
 
 
+_flag_cache: dict[str, tuple[bytes, bytes]] = {}
+
+
+def _flag(key: str, value: bool) -> bytes:
+    """A boolean map entry: both of a key's encoded once (a Check sends half a dozen)."""
+    enc = _flag_cache.get(key)
+    if enc is None:
+        if len(_flag_cache) > 4096:
+            _flag_cache.clear()
+        enc = _flag_cache[key] = (_entry(key, _T_BOOL + b"\x00"), _entry(key, _T_BOOL + b"\x01"))
+    return enc[value]
+
+
 def struct_fields(values: dict[str, str | int | bool]) -> bytes:
     """The body of a google.protobuf.Struct (no outer tag)."""
     out = []
@@ -93,7 +106,7 @@ def struct_fields(values: dict[str, str | int | bool]) -> bytes:
             b = v.encode()
             out.append(_entry(k, _T_STRING + _len(len(b)) + b))
         elif isinstance(v, bool):
-            out.append(_entry(k, _T_BOOL + (b"\x01" if v else b"\x00")))
+            out.append(_flag(k, v))
         else:
             out.append(_entry(k, _T_NUMBER + _DOUBLE(float(v))))
     return b"".join(out)
@@ -101,7 +114,8 @@ def struct_fields(values: dict[str, str | int | bool]) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Fixed:
-    """Upstream headers and metadata entries encoded once, for answers that repeat them."""
+    """Upstream headers and metadata entries encoded once, for answers that repeat them (a
+    caller's requests of one shape: gateway/authz/decision.py Shared)."""
 
     upstream: bytes = b""
     metadata: bytes = b""

@@ -24,6 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 from gateway import metrics, tracing
+from gateway.envoy_contract import AUTHZ_NAMESPACE, EXTPROC_ATTRIBUTES
 from gateway.limits.ledger import Ledger
 from gateway.metering import handoff
 from gateway.metering.exchange import Exchange
@@ -31,7 +32,6 @@ from gateway.metering.handoff import RequestFacts
 from gateway.metering.recorder import Recorder
 from gateway.usage_event import UsageEvent
 
-ATTR_NS = "envoy.filters.http.ext_proc"
 HVO = base_pb2.HeaderValueOption
 
 _CONTINUE = {
@@ -93,9 +93,9 @@ class RequestStream(Exchange):
         return _CONTINUE[kind]
 
     def _learn(self, msg: ep.ProcessingRequest) -> None:
-        attrs = _plain(msg.attributes.get(ATTR_NS))
+        attrs = _plain(msg.attributes.get(EXTPROC_ATTRIBUTES))
         self.learn(handoff.read(
-            _plain(msg.metadata_context.filter_metadata.get(handoff.NAMESPACE)),
+            _plain(msg.metadata_context.filter_metadata.get(AUTHZ_NAMESPACE)),
             _text(attrs, "request.path"), _text(attrs, "request.id")))
 
     def _request_body(self, body: bytes) -> ep.ProcessingResponse:
@@ -121,7 +121,7 @@ class RequestStream(Exchange):
 
 def _status(msg: ep.ProcessingRequest) -> int | None:
     """The response status Envoy sends as an attribute with the first response message."""
-    attrs = msg.attributes.get(ATTR_NS)
+    attrs = msg.attributes.get(EXTPROC_ATTRIBUTES)
     if attrs is not None and "response.code" in attrs.fields:
         return int(attrs.fields["response.code"].number_value)
     return None

@@ -124,7 +124,7 @@ async def test_allowed_request_carries_verified_context() -> None:
     d = await gate.check(chat(stream=True, max_tokens=100))
     assert isinstance(d, Allow), d
     c = d.context
-    assert (c.request_id, c.key_id, c.team, c.model, c.stream) == (
+    assert (c.request_id, c.caller.key_id, c.caller.team, c.caller.model, c.stream) == (
         "req-1", "alice", "team-a", "qwen3-coder", True)
     assert d.rate.req_limit == 5 and d.rate.req_remaining == 4
 
@@ -132,7 +132,7 @@ async def test_allowed_request_carries_verified_context() -> None:
 async def test_allowed_with_x_api_key_header() -> None:
     gate = Gate(policy())
     d = await gate.check(chat("llama-3"), headers={"x-api-key": SECRETS["bob"]})
-    assert isinstance(d, Allow) and d.context.key_id == "bob"
+    assert isinstance(d, Allow) and d.context.caller.key_id == "bob"
 
 
 async def test_allowed_without_limits_never_calls_the_limiter() -> None:
@@ -487,9 +487,10 @@ async def test_a_passthrough_body_naming_a_model_gets_the_model_checks() -> None
     denied(await gate.check(chat("nope"), path="/tokenize"), 404, "model_not_found")
     denied(await gate.check({"model": 7}, path="/tokenize"), 400, "invalid_request_error")
     d = await gate.check(chat(max_tokens=5), path="/tokenize")
-    assert isinstance(d, Allow) and d.context.model == "qwen3-coder" and d.context.reserved > 0
+    assert isinstance(d, Allow) and d.context.caller.model == "qwen3-coder"
+    assert d.context.reserved > 0
     d = await gate.check(b"not json", path="/tokenize")
-    assert isinstance(d, Allow) and d.context.model == "" and d.context.reserved == 0
+    assert isinstance(d, Allow) and d.context.caller.model == "" and d.context.reserved == 0
 
 
 # --- the ledger: admissions it follows, the concurrency grace ------------------------------

@@ -9,11 +9,11 @@ import pytest
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 from google.protobuf import json_format
 
-from gateway.authz import http_door
+from gateway import envoy_contract as contract
 from gateway.metering import handoff
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.inject import Injected, Splice
-from gateway.server import check_wire
+from gateway.server import check_http, check_wire
 from gateway.server.extproc_service import _plain
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
@@ -43,7 +43,7 @@ def via_record(md: handoff.Metadata) -> dict[str, object]:
 def via_http_door(md: handoff.Metadata) -> dict[str, object]:
     """As ext_authz's HTTP door carries it: a header per entry, which Envoy files as a string
     (and the record renders as such)."""
-    lines = http_door.metadata_headers(md).decode().split("\r\n")
+    lines = check_http.metadata_headers(md).decode().split("\r\n")
     return dict(line.split(": ", 1) for line in lines if line)
 
 
@@ -113,12 +113,23 @@ def test_a_missing_or_unknown_cancel_rule_reads_as_the_default(value: object) ->
     assert handoff.read(md).cancelled == "generated"
 
 
-def test_the_lua_filter_reads_the_same_namespaces() -> None:
-    """The Lua cannot import this module: it spells the namespaces itself, and this keeps
-    the spellings equal (gateway/envoyconf/lua/metering.lua)."""
+def test_the_lua_filter_gets_its_names_from_the_contract() -> None:
+    """The Lua cannot import Python: its loader writes gateway/envoy_contract.py's names into
+    it as locals, and the file itself spells none of them."""
+    from importlib import resources
+
     from gateway.envoyconf import lua
-    from gateway.envoyconf.metering import STREAM_NS
 
     source = lua.source()
-    assert f'local AUTHZ_NS = "{handoff.NAMESPACE}"' in source
-    assert f'local STREAM_NS = "{STREAM_NS}"' in source
+    assert f'local AUTHZ_NS = "{contract.AUTHZ_NAMESPACE}"' in source
+    assert f'local STREAM_NS = "{contract.STREAM_NAMESPACE}"' in source
+    assert f'local SPLICE = "{contract.SPLICE}"' in source
+    raw = resources.files(lua).joinpath("metering.lua").read_text(encoding="utf-8")
+    code = "\n".join(line.partition("--")[0] for line in raw.splitlines())
+    assert lua.MARKER in raw and lua.MARKER not in source
+    for name in (contract.AUTHZ_NAMESPACE, contract.STREAM_NAMESPACE, contract.USAGE_NAMESPACE):
+        assert name not in code
+    for key in (contract.SPLICE, contract.SPLICE_AT, contract.SPLICE_CUT, contract.HIDE_USAGE,
+                contract.HIDE_CONTINUOUS, contract.CONTENT_EVENTS, contract.CONTENT_CHARS,
+                contract.STREAM_DONE, contract.STREAM_FAILED):
+        assert f'"{key}"' not in code and f"facts.{key}" not in code

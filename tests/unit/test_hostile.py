@@ -16,6 +16,7 @@ from google.protobuf import struct_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gateway.authz.check import answer
 from gateway.authz.decision import Allow, Deny, Reply
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest, api_key, parse_body
@@ -28,7 +29,8 @@ from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Injected, Meter
 from gateway.metering.sse import SseDecoder
 from gateway.policy import loader, secrets
-from gateway.server.authz_service import to_request, to_response
+from gateway.server import check_grpc, check_http
+from gateway.server.authz_service import to_request
 from gateway.server.extproc_service import RequestStream
 
 settings.register_profile("fuzz", max_examples=20000, deadline=None,
@@ -82,7 +84,9 @@ async def test_any_request_gets_a_decision_never_an_exception(
     assert isinstance(decision, Allow | Deny | Reply)
     if isinstance(decision, Deny):
         assert decision.status in STATUSES
-    resp = to_response(decision, req)  # the answer builds, and parses, for any decision
+    # the answer builds, and parses, for any decision; and goes through the HTTP door
+    resp = check_grpc.encode(answer(decision, req))
+    assert check_http.encode(answer(decision, req)).startswith(b"HTTP/1.1 ")
     if isinstance(resp, bytes):
         resp = CheckResponse.FromString(resp)
     assert resp.status.code == (0 if isinstance(decision, Allow) else 7)

@@ -15,6 +15,7 @@ from opentelemetry.trace import StatusCode
 
 import gateway
 from gateway import tracing
+from gateway.authz.check import Check
 from gateway.authz.engine import Authorizer
 from gateway.clock import FakeClock
 from gateway.limits.ledger import Ledger
@@ -93,7 +94,7 @@ def service(pol: Policy | None) -> tuple[AuthorizationService, tracing.Tracing,
     assert t is not None
     limiter, clock = MemoryLimiter(), FakeClock(1_800_000_000.0)
     authz = Authorizer(lambda: pol, limiter, clock, ledger=Ledger(limiter, clock, 30))
-    return AuthorizationService(authz, t), t, exporter
+    return AuthorizationService(Check(authz, t)), t, exporter
 
 
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'

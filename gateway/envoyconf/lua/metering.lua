@@ -1,6 +1,7 @@
 -- metering.lua: the gateway's Lua HTTP filter (Envoy 1.40 runs LuaJIT: Lua 5.1 syntax only).
--- CONTRACT with the sidecar (change both sides together). For an allowed request ext_authz
--- writes dynamic metadata in namespace "envoy.filters.http.ext_authz" (absent = false/none):
+-- CONTRACT with the sidecar (change both sides together; the names are gateway/envoy_contract.py's,
+-- see AUTHZ_NS below). For an allowed request ext_authz writes dynamic metadata in namespace
+-- AUTHZ_NS (absent = false/none):
 --   splice (string), splice_at (number, 0-based byte offset), splice_cut (number, default 0)
 --     REQUEST: body bytes [splice_at, splice_at+splice_cut) are replaced by `splice` and
 --     content-length is set to the new length. Byte-exact, no JSON parsing. A body shorter
@@ -45,9 +46,9 @@ local concat = table.concat
 local floor, huge = math.floor, math.huge
 local tonumber, tostring, type, pcall, select = tonumber, tostring, type, pcall, select
 
-local AUTHZ_NS = "envoy.filters.http.ext_authz"
-local STREAM_NS = "llm.stream"
-local USAGE_NS = "llm.usage"
+-- The names shared with the sidecar (namespaces, metadata keys): gateway/envoy_contract.py,
+-- written here as locals when gateway/envoyconf/lua renders this file.
+--@CONTRACT@
 
 -- An SSE event that grows past this without its blank line is not held any longer: it is sent
 -- on unchanged and uncounted up to its end. It bounds the memory a broken or hostile upstream
@@ -119,10 +120,10 @@ end
 
 function envoy_on_request(handle)
   local facts = authz_facts(handle)
-  if facts == nil or type(facts.splice) ~= "string" then
+  if facts == nil or type(facts[SPLICE]) ~= "string" then
     return  -- the common case: body() is not called, so nothing is buffered by this filter
   end
-  local at, cut = offset(facts.splice_at), offset(facts.splice_cut or 0)
+  local at, cut = offset(facts[SPLICE_AT]), offset(facts[SPLICE_CUT] or 0)
   if at == nil or cut == nil then
     return
   end
@@ -139,7 +140,7 @@ function envoy_on_request(handle)
   local head = at > 0 and body:getBytes(0, at) or ""
   local rest_len = n - at - cut
   local rest = rest_len > 0 and body:getBytes(at + cut, rest_len) or ""
-  local new = head .. facts.splice .. rest
+  local new = head .. facts[SPLICE] .. rest
   body:setBytes(new)
   -- Envoy 1.40's setBytes on a buffered body already rewrites content-length (and a chunked
   -- request leaves as a sized one); saying it here keeps the filter right if that changes.
@@ -270,15 +271,15 @@ end
 -- Keys are matched with both quotes, so "input_tokens" never matches inside
 -- "cache_read_input_tokens" or "input_tokens_details".
 local USAGE_KEYS = {
-  { "prompt_tokens", '"prompt_tokens"' },
-  { "prompt_tokens", '"input_tokens"' },
-  { "completion_tokens", '"completion_tokens"' },
-  { "completion_tokens", '"output_tokens"' },
-  { "total_tokens", '"total_tokens"' },
-  { "cached_tokens", '"cached_tokens"' },
-  { "reasoning_tokens", '"reasoning_tokens"' },
-  { "cache_read_input_tokens", '"cache_read_input_tokens"' },
-  { "cache_creation_input_tokens", '"cache_creation_input_tokens"' },
+  { PROMPT_TOKENS, '"prompt_tokens"' },
+  { PROMPT_TOKENS, '"input_tokens"' },
+  { COMPLETION_TOKENS, '"completion_tokens"' },
+  { COMPLETION_TOKENS, '"output_tokens"' },
+  { TOTAL_TOKENS, '"total_tokens"' },
+  { CACHED_TOKENS, '"cached_tokens"' },
+  { REASONING_TOKENS, '"reasoning_tokens"' },
+  { CACHE_READ_INPUT_TOKENS, '"cache_read_input_tokens"' },
+  { CACHE_CREATION_INPUT_TOKENS, '"cache_creation_input_tokens"' },
 }
 
 -- The index of the '}' closing the object that opens at `i`, as the pattern %b{} finds it
@@ -349,7 +350,7 @@ local function usage_of(ev)
   local out, any = {}, false
   for i = 1, #USAGE_KEYS do
     local key = USAGE_KEYS[i][1]
-    if not (starting and key == "completion_tokens") then
+    if not (starting and key == COMPLETION_TOKENS) then
       local n = number_of(obj, USAGE_KEYS[i][2])
       if n ~= nil then
         out[key] = n
@@ -516,13 +517,13 @@ end
 -- filter was holding back at that moment is lost to the client.
 local function publish(handle, events, chars, done, failed)
   local meta = handle:streamInfo():dynamicMetadata()
-  meta:set(STREAM_NS, "content_events", events)
-  meta:set(STREAM_NS, "content_chars", chars)
+  meta:set(STREAM_NS, CONTENT_EVENTS, events)
+  meta:set(STREAM_NS, CONTENT_CHARS, chars)
   if done then
-    meta:set(STREAM_NS, "done", true)
+    meta:set(STREAM_NS, STREAM_DONE, true)
   end
   if failed then
-    meta:set(STREAM_NS, "failed", true)
+    meta:set(STREAM_NS, STREAM_FAILED, true)
   end
 end
 
@@ -583,8 +584,8 @@ function envoy_on_response(handle)
     return
   end
   local facts = authz_facts(handle)
-  local hide_usage = facts ~= nil and truthy(facts.hide_usage)
-  local hide_continuous = facts ~= nil and truthy(facts.hide_continuous)
+  local hide_usage = facts ~= nil and truthy(facts[HIDE_USAGE])
+  local hide_continuous = facts ~= nil and truthy(facts[HIDE_CONTINUOUS])
   local rewriting = hide_usage or hide_continuous
   if rewriting then
     -- The rewritten body is shorter than any length the engine announced; a stale
@@ -652,7 +653,7 @@ function envoy_on_response(handle)
         if (usage ~= nil or not named) and find(ev, '"model"', 1, true) then
           local model = model_of(ev)
           if model ~= nil then
-            handle:streamInfo():dynamicMetadata():set(USAGE_NS, "model", model)
+            handle:streamInfo():dynamicMetadata():set(USAGE_NS, SERVED_MODEL, model)
             named = true
           end
         end

@@ -1,5 +1,6 @@
-"""ext_authz's HTTP door (gateway/authz/http_door.py, gateway/server/authz_http.py): each
-decision as the HTTP/1.1 answer Envoy's http_service reads, and the door's own server (a
+"""ext_authz's HTTP door (gateway/server/check_http.py, gateway/server/authz_http.py): each
+decision's answer as the HTTP/1.1 answer Envoy's http_service reads, and the door's own
+server (a
 stand-in authorizer: what is under test is the transport; the decisions go through a real
 Envoy in the e2e suites, whose Envoy-fed spokes use this door)."""
 
@@ -15,22 +16,27 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from devspoke.procs import free_port
-from gateway.authz import answers, http_door
-from gateway.authz.decision import Allow, Context, Decision, Reply
+from gateway import envoy_contract as contract
+from gateway.authz import answers
+from gateway.authz.check import Check, answer
+from gateway.authz.decision import Allow, Caller, Context, Decision, Reply
 from gateway.authz.request import AuthzRequest
 from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice
-from gateway.server import authz_http
-from gateway.server.authz_service import AuthorizationService
+from gateway.server import authz_http, check_http
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
 REQ = AuthzRequest("r1", "POST", "/v1/chat/completions",
                    {"authorization": "Bearer sk", "x-gateway-team": "forged",
                     "x-gateway-key-id": "forged", "x-request-id": "r1"}, b"{}")
-ALLOW = Allow(Context("r1", "k1", "team-a", "m", True, 1200, True, "/v1/chat/completions",
-                      37, splice=SPLICE, cancelled="delivered"),
+ALLOW = Allow(Context("r1", Caller("k1", "team-a", "m", "delivered"), True, 1200, True,
+                      "/v1/chat/completions", 37, splice=SPLICE),
               RateInfo(req_limit=10, req_remaining=9, req_reset=0.1))
+
+
+def http_answer(decision: Decision, req: AuthzRequest = REQ, traceparent: str = "") -> bytes:
+    return check_http.encode(answer(decision, req, traceparent))
 
 
 def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -43,35 +49,38 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
 
 def metadata_of(headers: dict[str, str]) -> dict[str, str]:
     """What Envoy's dynamic_metadata_from_headers files: the matching headers, as strings."""
-    return {k: v for k, v in headers.items() if k in handoff.METADATA_KEYS}
+    return {k: v for k, v in headers.items() if k in contract.METADATA_KEYS}
 
 
 def test_an_allow_sets_upstream_headers_removes_credentials_and_hands_over_the_facts() -> None:
-    status, headers, body = parse(http_door.answer(ALLOW, REQ, "00-t-s-01"))
-    assert (status, body) == (200, b"")
-    assert {k: headers[k] for k in http_door.UPSTREAM} == {
-        "x-gateway-request-id": "r1", "x-gateway-key-id": "k1", "x-gateway-team": "team-a",
-        "x-gateway-model": "m"}
-    assert headers[http_door.REMOVE].split(",") == ["authorization", "x-api-key"]
-    assert headers["x-ratelimit-limit-requests"] == "10"
-    facts = handoff.read(metadata_of(headers))
-    assert facts == handoff.read(handoff.allowed("r1", 1200, 37, "00-t-s-01", SPLICE)
-                                 | handoff.caller("k1", "team-a", "m", "/v1/chat/completions",
-                                                  True, True, False, False, False, "delivered"))
-    assert facts.splice == SPLICE and facts.leased and facts.prompt_estimate == 37
+    for _ in range(2):  # the caller's part encoded, then as remembered
+        status, headers, body = parse(http_answer(ALLOW, REQ, "00-t-s-01"))
+        assert (status, body) == (200, b"")
+        assert {k: headers[k] for k in contract.CONTEXT_HEADERS} == {
+            "x-gateway-request-id": "r1", "x-gateway-key-id": "k1", "x-gateway-team": "team-a",
+            "x-gateway-model": "m"}
+        assert headers[contract.REMOVE_HEADER].split(",") == ["authorization", "x-api-key"]
+        assert headers["x-ratelimit-limit-requests"] == "10"
+        facts = handoff.read(metadata_of(headers))
+        assert facts == handoff.read(
+            handoff.allowed("r1", 1200, 37, "00-t-s-01", SPLICE)
+            | handoff.caller("k1", "team-a", "m", "/v1/chat/completions", True, True, False,
+                             False, False, "delivered"))
+        assert facts.splice == SPLICE and facts.leased and facts.prompt_estimate == 37
+        assert facts.cancelled == "delivered" and facts.stream
 
 
 def test_forged_context_headers_not_ours_are_removed() -> None:
     req = AuthzRequest("r1", "POST", "/v1/chat/completions",
                        {"x-gateway-spoof": "1", "x-gateway-team": "t"}, b"")
-    _, headers, _ = parse(http_door.answer(ALLOW, req))
-    assert headers[http_door.REMOVE].split(",") == ["authorization", "x-api-key",
-                                                     "x-gateway-spoof"]
+    _, headers, _ = parse(http_answer(ALLOW, req))
+    assert headers[contract.REMOVE_HEADER].split(",") == ["authorization", "x-api-key",
+                                                          "x-gateway-spoof"]
 
 
 def test_a_denial_carries_status_body_client_headers_and_its_metadata() -> None:
     deny = answers.unauthorized()
-    status, headers, body = parse(http_door.answer(deny, REQ))
+    status, headers, body = parse(http_answer(deny))
     assert status == 401 and orjson.loads(body)["error"]["code"] == "invalid_api_key"
     assert headers["content-type"] == "application/json"
     assert handoff.read(metadata_of(headers)).denied_status == 401
@@ -80,12 +89,12 @@ def test_a_denial_carries_status_body_client_headers_and_its_metadata() -> None:
 def test_what_envoy_would_misread_travels_as_a_stand_in_status() -> None:
     """A 5xx from the door is its failure to Envoy, a 200 an allow: a 503 denial and the
     gateway's own answers go as WIRE_STATUS codes the bootstrap maps back."""
-    status, headers, body = parse(http_door.answer(answers.unavailable("store down"), REQ))
-    assert status == http_door.WIRE_STATUS[503] and headers["retry-after"] == "1"
+    status, headers, body = parse(http_answer(answers.unavailable("store down")))
+    assert status == contract.WIRE_STATUS[503] and headers["retry-after"] == "1"
     assert metadata_of(headers)["status"] == "503" and body
     reply = Reply(200, b'{"object":"list","data":[]}', "k1", "team-a")
-    status, headers, body = parse(http_door.answer(reply, REQ))
-    assert status == http_door.WIRE_STATUS[200] and body == reply.body
+    status, headers, body = parse(http_answer(reply))
+    assert status == contract.WIRE_STATUS[200] and body == reply.body
     assert "denied" not in metadata_of(headers)
 
 
@@ -93,7 +102,7 @@ def test_what_envoy_would_misread_travels_as_a_stand_in_status() -> None:
 def test_no_value_can_end_its_header_line(model: str) -> None:
     """The model of a denial is the client's: CR, LF or NUL in it must not start a header."""
     deny = dataclasses.replace(answers.model_not_found(model), model=model)
-    raw = http_door.answer(deny, REQ)
+    raw = http_answer(deny)
     head = raw.partition(b"\r\n\r\n")[0]
     for line in head.split(b"\r\n")[1:]:
         assert b"\n" not in line and b"\r" not in line and b"\0" not in line
@@ -105,7 +114,7 @@ def test_every_metadata_key_a_check_writes_is_one_the_door_sends() -> None:
                *handoff.caller("k", "t", "m", "/e", True, True, True, True, True),
                *handoff.denied("r", "rps", 429, "k", "t", "m", "/e", "tp"),
                *handoff.replied("r", "k", "t", "m", "/e", "tp")}
-    assert written == set(handoff.METADATA_KEYS)
+    assert written == set(contract.METADATA_KEYS)
 
 
 @pytest.mark.parametrize("head, why", [
@@ -150,7 +159,7 @@ def request(rid: str, body: bytes = b'{"model":"m"}') -> bytes:
 @contextlib.asynccontextmanager
 async def door(authorizer: StandIn):  # type: ignore[no-untyped-def]
     port = free_port()
-    server = await authz_http.serve(AuthorizationService(authorizer),  # type: ignore[arg-type]
+    server = await authz_http.serve(Check(authorizer),  # type: ignore[arg-type]
                                     "127.0.0.1", port, max_body=1024)
     try:
         yield await asyncio.open_connection("127.0.0.1", port)

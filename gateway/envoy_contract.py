@@ -1,0 +1,100 @@
+"""Every name the sidecar shares with Envoy and with the Lua filter, in one leaf module.
+
+Envoy's config (gateway/envoyconf/), the Check's encoders (gateway/server/check_*.py),
+metering's readers (gateway/metering/) and the Lua filter (its constants block is generated
+from here when gateway/envoyconf/lua renders it) all spell these names from here, so no
+side can rename one alone. It imports nothing of the gateway: any layer may use it.
+"""
+
+from __future__ import annotations
+
+# -- dynamic metadata namespaces -----------------------------------------------------------
+
+# Envoy files ext_authz's dynamic metadata under this namespace, whatever the filter is named.
+AUTHZ_NAMESPACE = "envoy.filters.http.ext_authz"
+EXTPROC_NAMESPACE = "gateway.usage"  # the only metadata namespace ext_proc may write
+USAGE_NAMESPACE = "llm.usage"  # the Lua filter (streams) and json_to_metadata write usage here
+STREAM_NAMESPACE = "llm.stream"  # the Lua filter writes its content counters here
+# ext_proc's request attributes (request.id, request.path, response.code) arrive under this
+EXTPROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+
+# -- the Check's metadata (written by gateway/metering/handoff.py) -------------------------
+
+# The splice the Lua filter applies to the request, and what it hides from the response.
+SPLICE = "splice"
+SPLICE_AT = "splice_at"
+SPLICE_CUT = "splice_cut"
+HIDE_USAGE = "hide_usage"
+HIDE_CONTINUOUS = "hide_continuous"
+# Every key a Check may write (the HTTP door sends each as a header of this name, and
+# Envoy's `dynamic_metadata_from_headers` lists exactly these).
+METADATA_KEYS = ("request_id", "reserved", "prompt_estimate", "traceparent", SPLICE,
+                 SPLICE_AT, SPLICE_CUT, HIDE_USAGE, HIDE_CONTINUOUS, "key_id", "team",
+                 "model", "stream", "leased", "endpoint", "stream_options", "include_usage",
+                 "continuous_usage", "cancelled", "denied", "status")
+
+# -- what the Lua filter writes (USAGE_NAMESPACE, STREAM_NAMESPACE) ------------------------
+
+PROMPT_TOKENS = "prompt_tokens"
+COMPLETION_TOKENS = "completion_tokens"
+TOTAL_TOKENS = "total_tokens"
+CACHED_TOKENS = "cached_tokens"
+REASONING_TOKENS = "reasoning_tokens"
+CACHE_READ_INPUT_TOKENS = "cache_read_input_tokens"
+CACHE_CREATION_INPUT_TOKENS = "cache_creation_input_tokens"
+SERVED_MODEL = "model"  # the first "model" string a stream names
+CONTENT_EVENTS = "content_events"
+CONTENT_CHARS = "content_chars"
+STREAM_DONE = "done"  # the engine's own end marker passed
+STREAM_FAILED = "failed"  # the engine reported a failure inside the stream
+
+# -- headers -------------------------------------------------------------------------------
+
+# The verified context an allowed request carries to the engine. A client's own x-gateway-*
+# headers are forged context: ours overwrite theirs, the rest are removed, with the key.
+REQUEST_ID_HEADER = "x-gateway-request-id"
+KEY_ID_HEADER = "x-gateway-key-id"
+TEAM_HEADER = "x-gateway-team"
+MODEL_HEADER = "x-gateway-model"
+CONTEXT_HEADERS = (REQUEST_ID_HEADER, KEY_ID_HEADER, TEAM_HEADER, MODEL_HEADER)
+CONTEXT_PREFIX = "x-gateway-"
+CREDENTIALS = ("authorization", "x-api-key")
+
+# ext_authz's HTTP door (gateway/server/check_http.py): which answer headers Envoy passes on.
+RATE_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")  # to the client, allowed or denied
+CLIENT_HEADERS = ("content-type", "retry-after", "x-should-retry", "x-gateway-limit-tier")
+REMOVE_HEADER = "x-envoy-auth-headers-to-remove"  # names the headers to drop upstream
+# The status a decision means -> the status that carries it to Envoy (and back, in Envoy's
+# local-reply mappers): unassigned codes, so nothing else answers with them. Envoy reads a
+# 5xx from the door as the door failing, and a 200 as an allow.
+WIRE_STATUS = {200: 250, 503: 450}
+
+# -- Envoy's per-request record (GATEWAY_METERING=envoy) -----------------------------------
+
+# %RESPONSE_FLAGS% that mean the engine (or the way to it) failed: UPE is an engine that
+# cut its stream after the headers; the rest fail before or while connecting.
+UPSTREAM_FLAGS = frozenset({"UPE", "UR", "UC", "UF", "URX", "UT", "UO", "UH", "NR", "UMSDR"})
+CLIENT_FLAGS = frozenset({"DC", "DPE"})  # the client left, or broke the protocol
+CUT_FLAGS = UPSTREAM_FLAGS | CLIENT_FLAGS  # a stream that ended early: who ended it
+# %ACCESS_LOG_TYPE% of the record Envoy sends every heartbeat while a request is in flight
+PERIODIC = "DownstreamPeriodic"
+
+# One record per request: what the sidecar needs to build its usage event. All strings
+# (the formatter's output); gateway/metering/record.py parses them.
+RECORD_ATTRIBUTES = {
+    "rid": "%REQ(X-REQUEST-ID)%",
+    "type": "%ACCESS_LOG_TYPE%",  # PERIODIC (a heartbeat) or DownstreamEnd
+    "path": "%REQ(:PATH)%",
+    "code": "%RESPONSE_CODE%",
+    "flags": "%RESPONSE_FLAGS%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "start": "%START_TIME(%s.%6f)%",
+    "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    # A cut stream never sent its last byte (no DS_TX_END): its whole life, in ms
+    "total_ms": "%DURATION%",
+    "ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
+    "gen_us": "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
+    "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
+    "usage": f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
+    "counted": f"%DYNAMIC_METADATA({STREAM_NAMESPACE})%",
+}
