@@ -80,21 +80,25 @@ CUT_FLAGS = UPSTREAM_FLAGS | CLIENT_FLAGS  # a stream that ended early: who ende
 PERIODIC = "DownstreamPeriodic"
 
 # One record per request: what the sidecar needs to build its usage event. All strings
-# (the formatter's output); gateway/metering/record.py parses them.
+# (the formatter's output); gateway/metering/record.py parses them. The attribute names:
+REC_ID, REC_TYPE, REC_PATH, REC_CODE, REC_FLAGS = "rid", "type", "path", "code", "flags"
+REC_START, REC_DURATION_US, REC_TOTAL_MS = "start", "duration_us", "total_ms"
+REC_TTFT_US, REC_GEN_US = "ttft_us", "gen_us"
+REC_AUTHZ, REC_USAGE, REC_COUNTED = "authz", "usage", "counted"  # metadata, as JSON
 RECORD_ATTRIBUTES = {
-    "rid": "%REQ(X-REQUEST-ID)%",
-    "type": "%ACCESS_LOG_TYPE%",  # PERIODIC (a heartbeat) or DownstreamEnd
-    "path": "%REQ(:PATH)%",
-    "code": "%RESPONSE_CODE%",
-    "flags": "%RESPONSE_FLAGS%",
-    "details": "%RESPONSE_CODE_DETAILS%",
-    "start": "%START_TIME(%s.%6f)%",
-    "duration_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    REC_ID: "%REQ(X-REQUEST-ID)%",
+    REC_TYPE: "%ACCESS_LOG_TYPE%",  # PERIODIC (a heartbeat) or DownstreamEnd
+    REC_PATH: "%REQ(:PATH)%",
+    REC_CODE: "%RESPONSE_CODE%",
+    REC_FLAGS: "%RESPONSE_FLAGS%",
+    "details": "%RESPONSE_CODE_DETAILS%",  # for people reading the record, not read here
+    REC_START: "%START_TIME(%s.%6f)%",
+    REC_DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
     # A cut stream never sent its last byte (no DS_TX_END): its whole life, in ms
-    "total_ms": "%DURATION%",
-    "ttft_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
-    "gen_us": "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
-    "authz": f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
-    "usage": f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
-    "counted": f"%DYNAMIC_METADATA({STREAM_NAMESPACE})%",
+    REC_TOTAL_MS: "%DURATION%",
+    REC_TTFT_US: "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
+    REC_GEN_US: "%COMMON_DURATION(US_RX_BODY_BEG:US_RX_END:us)%",
+    REC_AUTHZ: f"%DYNAMIC_METADATA({AUTHZ_NAMESPACE})%",
+    REC_USAGE: f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
+    REC_COUNTED: f"%DYNAMIC_METADATA({STREAM_NAMESPACE})%",
 }

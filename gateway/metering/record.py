@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
+from gateway import envoy_contract as c
 from gateway.endpoints import Reader, reader_of
-from gateway.envoy_contract import CUT_FLAGS, PERIODIC
 from gateway.metering import handoff
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
@@ -65,17 +65,17 @@ def _int(v: Any) -> int:
 
 def flags_of(attrs: dict[str, str]) -> frozenset[str]:
     """%RESPONSE_FLAGS% as a set (empty when none: "-")."""
-    text = attrs.get("flags") or "-"
+    text = attrs.get(c.REC_FLAGS) or "-"
     return frozenset() if text == "-" else frozenset(text.split(","))
 
 
 def request_id(attrs: dict[str, str]) -> str | None:
-    rid = attrs.get("rid", "-")
+    rid = attrs.get(c.REC_ID, "-")
     return None if not rid or rid == "-" else rid
 
 
 def is_heartbeat(attrs: dict[str, str]) -> bool:
-    return attrs.get("type") == PERIODIC
+    return attrs.get(c.REC_TYPE) == c.PERIODIC
 
 
 def read(attrs: dict[str, str]) -> Record | None:
@@ -84,17 +84,17 @@ def read(attrs: dict[str, str]) -> Record | None:
     rid = request_id(attrs)
     if rid is None:
         return None
-    text = attrs.get("authz")
+    text = attrs.get(c.REC_AUTHZ)
     authz = _json(text)
     if not authz and text not in (None, "", "-", "{}"):
         raise Unreadable(f"ext_authz metadata is not a JSON object: {text[:80]!r}")
-    facts = handoff.read(authz, attrs.get("path", ""), rid)
+    facts = handoff.read(authz, attrs.get(c.REC_PATH, ""), rid)
     if facts.duplicate:
         return None  # its id is a live request's: that one's record bills it
-    started = _num(attrs.get("start")) or 0.0
-    duration_us = _num(attrs.get("duration_us"))
+    started = _num(attrs.get(c.REC_START)) or 0.0
+    duration_us = _num(attrs.get(c.REC_DURATION_US))
     if duration_us is None:  # a cut stream never sent its last byte: its whole life
-        duration_us = (_num(attrs.get("total_ms")) or 0.0) * 1000
+        duration_us = (_num(attrs.get(c.REC_TOTAL_MS)) or 0.0) * 1000
     response = response_facts(attrs, reader_of(facts.endpoint) is Reader.MESSAGES)
     return Record(rid, facts, response, started, started + duration_us / 1e6)
 
@@ -103,18 +103,19 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
     """The response as Envoy's filters recorded it. `messages`: an Anthropic answer, whose
     input count leaves out the cache (normalised by usage.anthropic, as ext_proc's)."""
     flags = flags_of(attrs)
-    counted = _json(attrs.get("counted"))  # the Lua filter's: present for a stream only
-    reported = _json(attrs.get("usage"))
+    counted = _json(attrs.get(c.REC_COUNTED))  # the Lua filter's: present for a stream only
+    reported = _json(attrs.get(c.REC_USAGE))
     usage, input_only = _usage(reported, messages)
-    served = reported.get("model")
-    events, chars = _int(counted.get("content_events")), _int(counted.get("content_chars"))
-    ttft_us, gen_us = _num(attrs.get("ttft_us")), _num(attrs.get("gen_us"))
+    served = reported.get(c.SERVED_MODEL)
+    events, chars = _int(counted.get(c.CONTENT_EVENTS)), _int(counted.get(c.CONTENT_CHARS))
+    ttft_us, gen_us = _num(attrs.get(c.REC_TTFT_US)), _num(attrs.get(c.REC_GEN_US))
     if gen_us is None and events and ttft_us is not None:  # cut: generating until its end
-        total_ms = _num(attrs.get("total_ms"))
+        total_ms = _num(attrs.get(c.REC_TOTAL_MS))
         gen_us = max(total_ms * 1000 - ttft_us, 0.0) if total_ms is not None else None
     return ResponseFacts(
-        status=int(_num(attrs.get("code")) or 0), flags=flags, ended=not flags & CUT_FLAGS,
-        end_seen=counted.get("done") is True, engine_error=counted.get("failed") is True,
+        status=int(_num(attrs.get(c.REC_CODE)) or 0), flags=flags,
+        ended=not flags & c.CUT_FLAGS, end_seen=counted.get(c.STREAM_DONE) is True,
+        engine_error=counted.get(c.STREAM_FAILED) is True,
         content_events=events, content_chars=chars, usage=usage, input_only=input_only,
         served_model=served if isinstance(served, str) else "",
         ttft_ms=ttft_us / 1000 if ttft_us is not None else 0.0,
@@ -126,12 +127,13 @@ def _usage(reported: dict[str, Any], messages: bool) -> tuple[Usage | None, bool
     engine reported none), and whether they are only its input side: Anthropic's
     message_start came, its message_delta did not (the Lua filter leaves message_start's
     output count out)."""
-    if "prompt_tokens" not in reported and "completion_tokens" not in reported:
+    get = reported.get
+    if c.PROMPT_TOKENS not in reported and c.COMPLETION_TOKENS not in reported:
         return None, False
-    p, c = _int(reported.get("prompt_tokens")), _int(reported.get("completion_tokens"))
+    prompt, completion = _int(get(c.PROMPT_TOKENS)), _int(get(c.COMPLETION_TOKENS))
     if messages:
-        return anthropic(p, c, _int(reported.get("cache_read_input_tokens")),
-                         _int(reported.get("cache_creation_input_tokens"))), \
-            "completion_tokens" not in reported
-    return Usage(p, c, _int(reported.get("total_tokens")) or p + c,
-                 _int(reported.get("cached_tokens")), _int(reported.get("reasoning_tokens"))), False
+        return anthropic(prompt, completion, _int(get(c.CACHE_READ_INPUT_TOKENS)),
+                         _int(get(c.CACHE_CREATION_INPUT_TOKENS))), \
+            c.COMPLETION_TOKENS not in reported
+    return Usage(prompt, completion, _int(get(c.TOTAL_TOKENS)) or prompt + completion,
+                 _int(get(c.CACHED_TOKENS)), _int(get(c.REASONING_TOKENS))), False

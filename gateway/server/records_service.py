@@ -69,8 +69,8 @@ class RecordsService:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""
         metrics.RECORDS.inc()
         if not self.emits:
-            rid = attrs.get("rid", "-")
-            if rid and rid != "-":
+            rid = record.request_id(attrs)
+            if rid is not None:
                 self.recorder.told(rid, record.flags_of(attrs))
             return 0
         if record.is_heartbeat(attrs):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from gateway import envoy_contract as contract
 from gateway.metering import billing, record
 from gateway.metering.billing import Billed
 
@@ -126,11 +127,11 @@ def test_a_cut_stream_keeps_its_duration() -> None:
 
 
 def test_a_heartbeat_is_told_apart_and_checkpoints_the_usage_so_far() -> None:
-    beat = attrs(type=record.PERIODIC, usage="-", duration_us="-", gen_us="-",
+    beat = attrs(type=contract.PERIODIC, usage="-", duration_us="-", gen_us="-",
                  counted={"content_events": 30, "content_chars": 100})
     assert record.is_heartbeat(beat) and not record.is_heartbeat(attrs(type="DownstreamEnd"))
     assert checkpoint(beat) == (12, 30)  # the prompt estimate; 30 content events
-    reported = attrs(type=record.PERIODIC, usage={"prompt_tokens": 9, "completion_tokens": 4})
+    reported = attrs(type=contract.PERIODIC, usage={"prompt_tokens": 9, "completion_tokens": 4})
     assert checkpoint(reported) == (9, 4)  # continuous usage: exact so far
 
 
