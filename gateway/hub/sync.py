@@ -172,9 +172,8 @@ async def run_sync(settings: Settings, syncer_id: str,
                    extra: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
     """Run the syncer's tasks (and `extra` followers) until SIGTERM/SIGINT."""
     from gateway.addresses import split_hostport
+    from gateway.ops_http import healthz, metrics_handler, serve_http
     from gateway.redis_clients import policy_client
-    from gateway.server.app import healthz, metrics_handler
-    from gateway.server.http import serve_http
 
     bootstrap = settings.feed_bootstrap
     if not settings.redis_url or not bootstrap:

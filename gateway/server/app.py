@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 from dataclasses import dataclass, field
 
 import grpc
-import prometheus_client
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 from gateway import metrics, redis_clients
 from gateway.addresses import split_hostport
@@ -27,13 +24,13 @@ from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.types import Limiter
 from gateway.log import log
 from gateway.metering.recorder import Recorder
+from gateway.ops_http import healthz, metrics_handler, serve_http
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.prices import Rates
 from gateway.policy.store import PolicyStore
 from gateway.server import authz_http
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
-from gateway.server.http import serve_http
 from gateway.server.records_service import RecordsService
 from gateway.settings import Settings
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
@@ -257,18 +254,6 @@ def _alert(loud: dict[str, float], what: str, bad: bool, now: float, error: str,
     elif not bad and loud[what]:
         log.info(cleared, **facts)
         loud[what] = 0.0
-
-
-async def metrics_handler() -> tuple[int, str, bytes]:
-    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-        return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest(registry)
-    return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest()
-
-
-async def healthz() -> tuple[int, str, bytes]:
-    return 200, "text/plain", b"ok\n"
 
 
 async def run(settings: Settings, serve_http_endpoints: bool = True) -> None:

@@ -62,8 +62,7 @@ def run_workers(settings: Settings) -> None:
 
     async def supervise() -> None:
         from gateway.addresses import split_hostport
-        from gateway.server.app import healthz, metrics_handler
-        from gateway.server.http import serve_http
+        from gateway.ops_http import healthz, metrics_handler, serve_http
 
         async def readyz() -> tuple[int, str, bytes]:
             ok = all(p.is_alive() and r.is_set() for p, r in procs.values())

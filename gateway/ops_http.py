@@ -1,14 +1,33 @@
-"""A tiny HTTP/1.1 server for /metrics, /healthz and /readyz (no framework on this path)."""
+"""The operators' endpoints (/metrics, /healthz, /readyz): a tiny HTTP/1.1 server, no
+framework. Shared by `gateway serve` (gateway/server/app.py, workers.py) and `gateway policy
+sync` (gateway/hub/sync.py), so neither imports the other."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 
 Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]
 
 _REASONS = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}
+
+
+async def metrics_handler() -> tuple[int, str, bytes]:
+    """/metrics; merged across `GATEWAY_WORKERS` processes (prometheus' multiprocess mode)."""
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest(registry)
+    return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest()
+
+
+async def healthz() -> tuple[int, str, bytes]:
+    return 200, "text/plain", b"ok\n"
 
 
 async def serve_http(host: str, port: int, routes: dict[str, Handler]) -> asyncio.Server:
