@@ -73,7 +73,7 @@ class Shipper:
     async def run(self, until_empty: bool = False) -> None:
         backoff = 0.1
         while True:
-            lines = self.spool.read_batch(self.batch)
+            lines = await self.spool.next_batch(self.batch)
             if not lines:
                 if until_empty and self.spool.depth == 0:
                     self.spool.persist_delivered()
@@ -84,7 +84,7 @@ class Shipper:
                 # after the last delivery when no new event comes.
                 dirty = await self._persist_due(time.monotonic())
                 self.spool.durable.clear()
-                if self.spool.read_batch(1):
+                if self.spool.durable_seq > self.spool.delivered:  # made durable meanwhile
                     continue
                 try:
                     await asyncio.wait_for(self.spool.durable.wait(),

@@ -229,11 +229,24 @@ class Spool:
 
     def read_batch(self, limit: int = 500) -> list[tuple[int, bytes]]:
         """Up to `limit` durable, undelivered lines, in seq order."""
-        out: list[tuple[int, bytes]] = []
         if self.delivered + 1 > self.durable_seq:
-            return out
+            return []
         if (kept := self._read_recent(self.delivered + 1, limit)) is not None:
             return kept
+        return self._read_files(limit)
+
+    async def next_batch(self, limit: int = 500) -> list[tuple[int, bytes]]:
+        """`read_batch` for the shipper: what is not in memory is read from the files in a
+        thread, off the event loop (a reader behind by a whole segment would stall the
+        Checks for the read of up to 1 MB and the scan to its offset)."""
+        if self.delivered + 1 > self.durable_seq:
+            return []
+        if (kept := self._read_recent(self.delivered + 1, limit)) is not None:
+            return kept
+        return await asyncio.to_thread(self._read_files, limit)
+
+    def _read_files(self, limit: int) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
         seg, offset, seq = self._seek(self.delivered + 1)
         while len(out) < limit and seq <= self.durable_seq:
             with open(self.dir / _seg_name(seg), "rb") as f:
