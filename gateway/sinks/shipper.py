@@ -67,7 +67,7 @@ class Shipper:
         if now - self._persisted_at >= self.persist_every:
             if self.spool.delivered_unpersisted:
                 mark = self.spool.delivered
-                await asyncio.to_thread(self.spool.write_mark, mark)
+                await self.spool.on_disk_thread(lambda: self.spool.write_mark(mark))
                 self.spool.mark_written(mark)
             self._persisted_at = now
             return False
