@@ -30,6 +30,15 @@ CPU placement (2+ CPUs, unless --no-pin): Envoys and sidecars on CPU 0; the clie
 Redis and Tansu on CPU 1. With CPU 1 near 100 % the client, not the gateway, bounds req/s.
 The issue's targets are printed beside the numbers, not asserted.
 
+`--sweep`: instead of the closed-loop phases, a rate sweep through the reference config:
+open-loop chat requests at fixed rates (`--rates`, default 50,100,200,500,1000 req/s, each
+for `--rate-s` seconds; every path in turn, order reversed each round). Per rate: the
+achieved req/s, latency, and the sidecar's CPU per request (idle time included: a timer
+that polls shows at the low rates) with its ratio to the path's best rate; the issue's
+target is every rate within 1.5x of the best. A rate past what the machine serves is shed
+(503, counted as `shed_503`, not a failure); achieved req/s then falls short of the rate.
+The table is printed, the rows are the JSON's `sweep`.
+
 `--py-spy BIN`: py-spy (`pip install --target DIR py-spy`; BIN is its binary) records the
 spoke's sidecar through the measured rounds (`--py-spy-out`, collapsed stacks, the
 flamegraph's input), and the hottest functions by own time are printed: where the fixed
@@ -96,7 +105,10 @@ TARGETS = {  # the issue's: what, <= or >=, limit, unit
     "rps_x_baseline_c32": ("chat req/s at c=32 vs the baseline", ">=", 2.0, "x"),
     "added_p50_c1": ("added p50 at c=1 (chat)", "<=", 0.5, "ms"),
     "added_p99_c1": ("added p99 at c=1 (chat)", "<=", 1.5, "ms"),
+    "sweep_worst_x_best": ("sidecar CPU per request, worst rate vs best (sweep)", "<=", 1.5,
+                           "x"),
 }
+RATES = (50, 100, 200, 500, 1000)
 
 
 @dataclass
@@ -117,6 +129,7 @@ class Phase:
     wall_s: float
     cpu_s: dict[str, float]  # process name -> on-CPU seconds during the phase
     answers: list[Answer]
+    rate: int = 0  # open-loop req/s (the sweep); 0: closed loop
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
@@ -150,6 +163,20 @@ async def closed_loop(session: aiohttp.ClientSession, url: str, body: bytes,
     return out
 
 
+async def open_loop(session: aiohttp.ClientSession, url: str, body: bytes,
+                    headers: dict[str, str], rate: int, seconds: float) -> list[Answer]:
+    """Request i is sent at i/rate s, whether or not earlier ones have answered (a client
+    that fell behind sends at once, so the rate achieved is reported, not assumed)."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    sent = []
+    for i in range(max(1, round(rate * seconds))):
+        if (delay := t0 + i / rate - loop.time()) > 0:
+            await asyncio.sleep(delay)
+        sent.append(asyncio.ensure_future(one_request(session, url, body, headers)))
+    return list(await asyncio.gather(*sent))
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -159,7 +186,8 @@ class Bench:
         self.plain: Service | None = None
         self.base: Baseline | None = None
         self.pinned = not args.no_pin and {GATEWAY_CPU, OTHER_CPU} <= os.sched_getaffinity(0)
-        self.paths = (PLAIN, SPOKE, *((BASELINE,) if args.baseline else ()))
+        self.paths = (*(() if args.sweep else (PLAIN,)), SPOKE,
+                      *((BASELINE,) if args.baseline else ()))
         self.phases: list[Phase] = []
         self.sent: dict[str, dict[str, int]] = {p: {} for p in self.paths}  # rid -> tokens
         self.problems: Counter[str] = Counter()
@@ -230,19 +258,22 @@ class Bench:
         return snap
 
     async def phase(self, session: aiohttp.ClientSession, rnd: int, path: str, workload: str,
-                    conc: int, per_worker: int) -> None:
+                    conc: int, per_worker: int, rate: int = 0) -> None:
+        """`conc` closed-loop clients of `per_worker` requests each; with `rate`, open loop
+        at `rate` req/s for --rate-s seconds instead."""
         headers = {"authorization": f"Bearer {self.secret}", "content-type": "application/json",
                    "x-mock-ttft-ms": "0", "x-mock-tokens-per-s": "0"}
+        url, body = self.url(path, workload), WORKLOADS[workload][1]
         before, t0 = self.cpu(), time.perf_counter()
-        answers = await closed_loop(session, self.url(path, workload), WORKLOADS[workload][1],
-                                    headers, conc, per_worker)
+        answers = await (open_loop(session, url, body, headers, rate, self.args.rate_s) if rate
+                         else closed_loop(session, url, body, headers, conc, per_worker))
         wall = time.perf_counter() - t0
         await asyncio.sleep(SETTLE_S)
         after = self.cpu()
         for a in answers:
             if a.request_id and a.status == 200:
                 self.sent[path][a.request_id] = a.completion_tokens
-            if a.error:
+            if a.error and not (rate and a.status == 503):  # open loop past capacity: shed
                 self.problems[f"{path} {workload}: {a.error.split(':')[0]}"] += 1
                 if len(self.problem_sample) < 5:
                     self.problem_sample.append(f"{path} {workload} c={conc} round {rnd}: "
@@ -250,7 +281,7 @@ class Bench:
         if rnd >= 0:
             self.phases.append(Phase(rnd, path, workload, conc, wall,
                                      {k: after[k] - v for k, v in before.items() if k in after},
-                                     answers))
+                                     answers, rate))
 
     def per_worker(self, conc: int) -> int:
         a = self.args
@@ -269,7 +300,7 @@ class Bench:
             self.idle = {k: (after[k] - v) / wall * 1e6 for k, v in before.items() if k in after}
             spy = self.start_py_spy()
             try:
-                await self.rounds(session)
+                await (self.sweep_rounds(session) if self.args.sweep else self.rounds(session))
             finally:
                 if spy is not None:
                     spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
@@ -297,6 +328,46 @@ class Bench:
                 for p in self.phases if p.round == rnd
                 and p.concurrency == self.args.concurrency[-1]), flush=True)
 
+    async def sweep_rounds(self, session: aiohttp.ClientSession) -> None:
+        for rnd in range(self.args.rounds):
+            order = self.paths if rnd % 2 == 0 else self.paths[::-1]
+            for rate in self.args.rates:
+                for path in order:
+                    await self.phase(session, rnd, path, "chat", 0, 0, rate)
+            print(f"  round {rnd} ({' '.join(order)}), sidecar µs/req: " + "; ".join(
+                f"{p.path} {p.rate}/s "
+                f"{p.cpu_s.get(f'{p.path}.sidecar', 0) / len(p.answers) * 1e6:.0f}"
+                for p in self.phases if p.round == rnd), flush=True)
+
+    def sweep_rows(self) -> list[dict[str, Any]]:
+        """Per path and rate: CPU per request of each process, and the sidecar's against
+        the path's best rate."""
+        rows = []
+        for path in self.paths:
+            mine = []
+            for rate in self.args.rates:
+                ph = [p for p in self.phases if (p.path, p.rate) == (path, rate)]
+                n = sum(len(p.answers) for p in ph)
+                lat = [[a.latency_s * 1000 for a in p.answers if not a.error] for p in ph]
+                cpu_us = {k.split(".", 1)[-1]: sum(p.cpu_s.get(k, 0.0) for p in ph) / n * 1e6
+                          for k in sorted({k for p in ph for k in p.cpu_s
+                                           if k.startswith(f"{path}.")} | {"client"})}
+                mine.append({"path": path, "rate": rate, "requests": n,
+                             "ok": sum(1 for p in ph for a in p.answers if not a.error),
+                             "shed_503": sum(1 for p in ph for a in p.answers
+                                             if a.status == 503),
+                             "rps": n / sum(p.wall_s for p in ph),
+                             "p50_ms": statistics.median(pct(x, 50) for x in lat),
+                             "p99_ms": pct([v for x in lat for v in x], 99),
+                             "cpu_us_per_req": cpu_us,
+                             "sidecar_us_rounds": [p.cpu_s.get(f"{path}.sidecar", 0.0)
+                                                   / len(p.answers) * 1e6 for p in ph]})
+            best = min(r["cpu_us_per_req"]["sidecar"] for r in mine)
+            for r in mine:
+                r["sidecar_x_best"] = r["cpu_us_per_req"]["sidecar"] / best
+            rows += mine
+        return rows
+
     def row(self, path: str, workload: str, conc: int) -> dict[str, Any]:
         ph = [p for p in self.phases
               if (p.path, p.workload, p.concurrency) == (path, workload, conc)]
@@ -314,6 +385,8 @@ class Bench:
                 "cpu_us_per_req": cpu_us}
 
     def summary(self) -> list[dict[str, Any]]:
+        if self.args.sweep:
+            return []
         rows = []
         for workload in WORKLOADS:
             for conc in self.args.concurrency:
@@ -380,9 +453,27 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(markdown_table(head, body))
 
 
-def targets(rows: list[dict[str, Any]]) -> dict[str, float]:
+def render_sweep(rows: list[dict[str, Any]]) -> str:
+    head = ("path", "rate/s", "req", "503", "achieved/s", "p50 ms", "p99 ms", "sidecar µs/req",
+            "x best", "envoy µs/req", "redis µs/req", "tansu µs/req")
+
+    def us(r: dict[str, Any], proc: str) -> str:
+        v = r["cpu_us_per_req"].get(proc)
+        return "-" if v is None else f"{v:,.0f}"
+
+    body = [(r["path"], str(r["rate"]), str(r["requests"]), str(r["shed_503"]),
+             f"{r['rps']:,.0f}",
+             f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", us(r, "sidecar"),
+             f"{r['sidecar_x_best']:.2f}", us(r, "envoy"), us(r, "redis"), us(r, "tansu"))
+            for r in rows]
+    return "\n".join(markdown_table(head, body))
+
+
+def targets(rows: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> dict[str, float]:
     by = {(r["path"], r["workload"], r["concurrency"]): r for r in rows}
     out: dict[str, float] = {}
+    if ours := [r for r in sweep if r["path"] == SPOKE]:
+        out["sweep_worst_x_best"] = max(r["sidecar_x_best"] for r in ours)
     if chat32 := by.get((SPOKE, "chat", 32)):
         out |= {"sidecar_us_c32": chat32["cpu_us_per_req"].get("sidecar", float("nan")),
                 "rps_x_plain_c32": chat32["rps_x_plain"]}
@@ -445,6 +536,12 @@ def main() -> int:
     parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
                         help="closed-loop clients per phase, comma-separated (default: "
                              "%(default)s)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the rate sweep (open loop, chat) instead of the closed-loop phases")
+    parser.add_argument("--rates", default=",".join(map(str, RATES)),
+                        help="the sweep's req/s, comma-separated (default: %(default)s)")
+    parser.add_argument("--rate-s", type=float, default=None,
+                        help="seconds at each rate (quick 1, full 6)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
@@ -455,6 +552,8 @@ def main() -> int:
                         help="py-spy's collapsed stacks (default: %(default)s)")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.rates = [int(r) for r in args.rates.split(",")]
+    args.rate_s = args.rate_s or (1.0 if args.quick else 6.0)
     if not set(args.concurrency) <= set(CONCURRENCY):
         parser.error(f"--concurrency: each one of {CONCURRENCY}")
     args.rounds = args.rounds or (1 if args.quick else 5)
@@ -476,7 +575,7 @@ def main() -> int:
         uvloop.run(bench.measure())
         for path, spoke in bench.spokes.items():
             checks[path] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[path],
-                                                  set(bench.sent[PLAIN]), 30.0))
+                                                  set(bench.sent.get(PLAIN, {})), 30.0))
             logs[path] = scan_log(spoke["sidecar"].log_path, 0)
     finally:
         bench.stop()
@@ -487,9 +586,9 @@ def main() -> int:
 
     if args.py_spy:
         print("\n".join(hottest(Path(args.py_spy_out))))
-    rows = bench.summary()
-    values = targets(rows)
-    print("\n" + render_table(rows))
+    rows, sweep = bench.summary(), bench.sweep_rows() if args.sweep else []
+    values = targets(rows, sweep)
+    print("\n" + (render_sweep(sweep) if args.sweep else render_table(rows)))
     print("CPU per request: schedstat of each process over the phase and 0.3 s after it, "
           "idle CPU included (idle µs/s: " + ", ".join(
               f"{k} {v:,.0f}" for k, v in sorted(bench.idle.items())
@@ -518,9 +617,12 @@ def main() -> int:
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
         "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,
+                     "sweep": {"rates": args.rates, "seconds": args.rate_s} if args.sweep
+                     else None,
                      "requests": {"c1": args.requests_c1, "c8": args.requests_c8,
                                   "c32": args.requests_c32}},
         "rounds": args.rounds, "targets": TARGETS, "target_values": values, "rows": rows,
+        "sweep": sweep,
         "idle_us_per_s": bench.idle, "errors": bench.problems,
         "error_sample": bench.problem_sample, "kafka_check": checks, "sidecar_log": logs,
         "machine": machine_info(pinned=bench.pinned, loadavg_start=loadavg_start,

@@ -6,7 +6,9 @@ acknowledged) and `LOCK` (held with flock by the live owner). An instance *is* i
 seq continues from the spool after a restart, so it is gap-free per instance.
 
 `append` never blocks the request path: it assigns the seq and queues the line; a writer
-task writes and fsyncs queued lines together (group commit), then wakes the shipper,
+task has the spool's own thread write and fsync queued lines together (group commit; a
+thread of its own, not asyncio.to_thread's pool: half the CPU per hand-off, and at low
+rates there is one per request), then wakes the shipper,
 which takes them in order from memory (the lines just made durable), or reads them back
 from the files when it fell behind by more than RECENT_MAX (the sink away, a restart).
 """
@@ -18,11 +20,14 @@ import contextlib
 import fcntl
 import itertools
 import os
+import queue
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import orjson
 
@@ -34,8 +39,51 @@ SEGMENT_BYTES = 64 << 20
 RECENT_MAX = 10_000  # ~7 MB of typical events
 
 
+T = TypeVar("T")
+
+
 def _seg_name(first_seq: int) -> str:
     return f"{first_seq:020d}.log"
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if not fut.done():
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+
+class _DiskThread:
+    """One thread that runs the spool's writes and fsyncs in order, each call answered on
+    the event loop: a hand-off costs ~27 µs of CPU here against ~60 through to_thread
+    (its executor, context copy and two chained futures)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, loop, fut = call
+            try:
+                result, error = fn(), None
+            except BaseException as exc:  # handed to the awaiting coroutine
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._calls.put((fn, loop, fut))
+        return await fut
+
+    def stop(self) -> None:
+        self._calls.put(None)
 
 
 class Spool:
@@ -67,6 +115,7 @@ class Spool:
         self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
         self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
         self._lock_fd: int | None = None
+        self._disk: _DiskThread | None = None  # started by the first group commit
 
     # -- opening and recovery ---------------------------------------------------------
 
@@ -83,6 +132,9 @@ class Spool:
         return self
 
     def close(self) -> None:
+        if self._disk is not None:
+            self._disk.stop()  # after the calls queued before, which it still runs
+            self._disk = None
         self._close_segment()
         if self._lock_fd is not None and self.delivered:
             self.persist_delivered()
@@ -150,7 +202,7 @@ class Spool:
         batch, last, self._queue = self._queue, self._queued_seq, []
         callbacks, self._callbacks = self._callbacks, []
         first = last - len(batch) + 1
-        await asyncio.to_thread(self._write, first, batch)
+        await self.on_disk_thread(lambda: self._write(first, batch))
         self._keep_recent(first, batch)
         self.durable_seq = last
         self.durable.set()
@@ -162,6 +214,12 @@ class Spool:
                 self._waiters.append((seq, fut))
             elif not fut.done():
                 fut.set_result(None)
+
+    async def on_disk_thread(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the spool's disk thread, after what was queued there before."""
+        if self._disk is None:
+            self._disk = _DiskThread(f"spool-{self.instance_id}")
+        return await self._disk.run(fn)
 
     def _keep_recent(self, first: int, lines: list[bytes]) -> None:
         recent = self._recent
@@ -229,11 +287,24 @@ class Spool:
 
     def read_batch(self, limit: int = 500) -> list[tuple[int, bytes]]:
         """Up to `limit` durable, undelivered lines, in seq order."""
-        out: list[tuple[int, bytes]] = []
         if self.delivered + 1 > self.durable_seq:
-            return out
+            return []
         if (kept := self._read_recent(self.delivered + 1, limit)) is not None:
             return kept
+        return self._read_files(limit)
+
+    async def next_batch(self, limit: int = 500) -> list[tuple[int, bytes]]:
+        """`read_batch` for the shipper: what is not in memory is read from the files in a
+        thread, off the event loop (a reader behind by a whole segment would stall the
+        Checks for the read of up to 1 MB and the scan to its offset)."""
+        if self.delivered + 1 > self.durable_seq:
+            return []
+        if (kept := self._read_recent(self.delivered + 1, limit)) is not None:
+            return kept
+        return await asyncio.to_thread(self._read_files, limit)
+
+    def _read_files(self, limit: int) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
         seg, offset, seq = self._seek(self.delivered + 1)
         while len(out) < limit and seq <= self.durable_seq:
             with open(self.dir / _seg_name(seg), "rb") as f:

@@ -19,9 +19,10 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def run(script: str, tmp_path: Path) -> dict[str, Any]:
+def run(script: str, tmp_path: Path, *argv: str) -> dict[str, Any]:
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out", str(out),
+                           *argv],
                           capture_output=True, text=True, timeout=400, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     doc: dict[str, Any] = json.loads(out.read_text())
@@ -78,6 +79,14 @@ def test_bench_capacity_quick(tmp_path: Path) -> None:
         (p, w, c) for p in ("plain", "spoke") for w in ("chat", "embeddings")
         for c in (1, 8, 32)}
     assert all(r["ok"] == r["requests"] > 0 for r in doc["rows"]), doc["rows"]
+
+
+def test_bench_capacity_sweep_quick(tmp_path: Path) -> None:
+    doc = run("bench_capacity.py", tmp_path, "--sweep", "--rates", "50,200")
+    assert doc["checks_passed"] and doc["kafka_check"]["spoke"]["ok"]
+    assert [(r["path"], r["rate"]) for r in doc["sweep"]] == [("spoke", 50), ("spoke", 200)]
+    assert all(r["ok"] == r["requests"] > 0 for r in doc["sweep"]), doc["sweep"]
+    assert min(r["sidecar_x_best"] for r in doc["sweep"]) == 1.0
 
 
 def test_lua_per_chunk_quick(tmp_path: Path) -> None:

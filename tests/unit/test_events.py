@@ -6,6 +6,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.sinks.shipper import record
 from gateway.sinks.usage_proto import from_json, proto_json, to_proto
 from gateway.usage_event import Cancellation, Usage, UsageEvent, event_json
 
@@ -14,7 +15,7 @@ count = st.integers(min_value=0, max_value=2**62)
 ms = st.floats(min_value=0, max_value=1e9, allow_nan=False).map(lambda f: round(f, 3))
 
 
-@given(st.builds(
+events = st.builds(
     UsageEvent, event_id=text, spoke=text, instance_id=text,
     seq=st.integers(min_value=0, max_value=2**63), started_at=text, ended_at=text,
     key_id=text, team=text, model=text, served_model=text, endpoint=text,
@@ -23,8 +24,24 @@ ms = st.floats(min_value=0, max_value=1e9, allow_nan=False).map(lambda f: round(
     ttft_ms=ms, tpot_ms=ms, duration_ms=ms,
     cancellation=st.builds(Cancellation, text, count, count, count),
     cost=st.floats(min_value=0, max_value=1e12, allow_nan=False).map(lambda f: round(f, 9)),
-    price_effective=text))
+    price_effective=text)
+
+
+@given(events)
 def test_event_json_is_the_proto3_json_mapping(event: UsageEvent) -> None:
     fast = event_json(event)
     assert orjson.loads(fast) == orjson.loads(proto_json(to_proto(event)))
     assert from_json(fast) == to_proto(event)
+
+
+@given(events)
+def test_the_cloudevents_headers_are_the_events_fields(event: UsageEvent) -> None:
+    """The shipper reads them from the line's head (any text: quotes, escapes, non-ASCII)."""
+    line = event_json(event)
+    key, value, headers = record(line)
+    assert (key, value) == (event.event_id.encode(), line)
+    assert dict(headers) == {
+        "ce_specversion": b"1.0", "ce_id": event.event_id.encode(),
+        "ce_source": f"/gateway/{event.spoke}/{event.instance_id}".encode(),
+        "ce_type": b"gateway.usage.v1", "ce_time": event.ended_at.encode(),
+        "content-type": b"application/json"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,33 @@ async def test_the_shipper_reads_what_it_just_wrote_from_memory_else_the_file(
     segment.unlink()  # from here on, a read of the file would fail
     assert sp.read_batch(100) == [(s, on_disk[s - 1]) for s in range(8, 13)]
     assert _seqs(sp.read_batch(2)) == [8, 9]
+
+
+async def test_the_shippers_file_reads_run_off_the_event_loop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """next_batch: lines in memory at once, lines only on disk read in a thread (the same
+    lines read_batch gives)."""
+    from gateway.sinks import spool as spool_module
+    monkeypatch.setattr(spool_module, "RECENT_MAX", 5)
+    sp = Spool(tmp_path, "i").open()
+    for _ in range(4):
+        _put(sp, 3)
+        await sp.commit()
+    loop_thread, readers = threading.get_ident(), []
+    read_files = sp._read_files
+
+    def spy(limit: int) -> list[tuple[int, bytes]]:
+        readers.append(threading.get_ident())
+        return read_files(limit)
+
+    monkeypatch.setattr(sp, "_read_files", spy)
+    assert _seqs(await sp.next_batch(100)) == list(range(1, 13))  # 1..7 only on disk
+    assert readers and loop_thread not in readers
+    sp.mark_delivered(7, persist=False)
+    readers.clear()
+    assert _seqs(await sp.next_batch(100)) == list(range(8, 13))  # from memory
+    assert readers == []
+    sp.close()
 
 
 async def test_a_mark_written_off_the_loop_drops_only_segments_below_it(tmp_path: Path) -> None:
