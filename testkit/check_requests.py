@@ -1,12 +1,17 @@
-"""Build the CheckRequests Envoy would send, for tests and benchmarks that talk gRPC directly."""
+"""Build the CheckRequests Envoy would send, for tests and benchmarks that talk gRPC directly;
+and an authorizer that holds its decision, for the tests of Envoy giving up on a Check."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from envoy.config.core.v3 import address_pb2
 from envoy.service.auth.v3 import attribute_context_pb2 as actx
 from envoy.service.auth.v3 import external_auth_pb2 as pb
+
+from gateway.authz.decision import Decision
+from gateway.authz.request import AuthzRequest
 
 
 def check_request(
@@ -38,3 +43,20 @@ def check_request(
     request.time.seconds, request.time.nanos = 1795980361, 946616000
     return pb.CheckRequest(attributes=actx.AttributeContext(
         source=peer(58076), destination=peer(10000), request=request))
+
+
+class HeldAuthorizer:
+    """An authorizer whose decisions (`decision`) wait until `release` is set; it records
+    what was abandoned: a Check Envoy gave up on must undo its admission."""
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        self.release = asyncio.Event()
+        self.abandoned: list[str] = []
+
+    async def check(self, req: AuthzRequest) -> Decision:
+        await self.release.wait()
+        return self.decision
+
+    def abandon(self, request_id: str) -> None:
+        self.abandoned.append(request_id)

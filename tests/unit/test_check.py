@@ -19,6 +19,7 @@ from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice
 from gateway.server import check_grpc, check_http
 from gateway.server.extproc_service import _plain
+from testkit.check_requests import HeldAuthorizer
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
 REQ = AuthzRequest("r1", "POST", "/v1/chat/completions",
@@ -96,23 +97,8 @@ def test_both_doors_say_the_same(decision: Decision) -> None:
         assert handoff.read(g[3]).splice == SPLICE and handoff.read(g[3]).include_usage
 
 
-class StandIn:
-    """An authorizer whose decisions wait until released; records what was abandoned."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.abandoned: list[str] = []
-
-    async def check(self, req: AuthzRequest) -> Decision:
-        await self.release.wait()
-        return ALLOW
-
-    def abandon(self, request_id: str) -> None:
-        self.abandoned.append(request_id)
-
-
 async def test_a_check_envoy_gives_up_on_undoes_its_admission() -> None:
-    authorizer = StandIn()
+    authorizer = HeldAuthorizer(ALLOW)
     check = Check(authorizer)  # type: ignore[arg-type]
     task = asyncio.create_task(check(REQ))
     await asyncio.sleep(0.01)

@@ -25,6 +25,7 @@ from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice
 from gateway.server import authz_http, check_http
+from testkit.check_requests import HeldAuthorizer
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
 REQ = AuthzRequest("r1", "POST", "/v1/chat/completions",
@@ -136,28 +137,13 @@ def test_a_head_reads_as_a_checkrequest_would_carry_it() -> None:
     assert headers == {"host": "a", "x-dup": "1,2", "content-length": "12"}
 
 
-class StandIn:
-    """An authorizer whose decisions wait until released; records what was abandoned."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.abandoned: list[str] = []
-
-    async def check(self, req: AuthzRequest) -> Decision:
-        await self.release.wait()
-        return ALLOW
-
-    def abandon(self, request_id: str) -> None:
-        self.abandoned.append(request_id)
-
-
 def request(rid: str, body: bytes = b'{"model":"m"}') -> bytes:
     return (b"POST /v1/chat/completions HTTP/1.1\r\nx-request-id: " + rid.encode()
             + b"\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
 
 
 @contextlib.asynccontextmanager
-async def door(authorizer: StandIn):  # type: ignore[no-untyped-def]
+async def door(authorizer: HeldAuthorizer):  # type: ignore[no-untyped-def]
     port = free_port()
     server = await authz_http.serve(Check(authorizer),  # type: ignore[arg-type]
                                     "127.0.0.1", port, max_body=1024)
@@ -174,7 +160,7 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
 
 
 async def test_requests_on_one_connection_are_answered_in_order() -> None:
-    authorizer = StandIn()
+    authorizer = HeldAuthorizer(ALLOW)
     authorizer.release.set()
     async with door(authorizer) as (reader, writer):
         writer.write(request("a") + request("b"))  # both at once: read in order
@@ -185,7 +171,7 @@ async def test_requests_on_one_connection_are_answered_in_order() -> None:
 
 async def test_a_connection_closed_mid_decision_undoes_the_admission() -> None:
     """Envoy closes the connection when it gives up on the Check (client gone, timeout)."""
-    authorizer = StandIn()
+    authorizer = HeldAuthorizer(ALLOW)
     async with door(authorizer) as (_, writer):
         writer.write(request("gone"))
         await writer.drain()
@@ -203,7 +189,7 @@ async def test_a_connection_closed_mid_decision_undoes_the_admission() -> None:
 async def test_what_the_door_cannot_take_closes_without_a_decision(raw: bytes) -> None:
     """A 5xx, which Envoy answers with its status_on_error 503 (fail closed); a body over
     the limit a 413."""
-    authorizer = StandIn()
+    authorizer = HeldAuthorizer(ALLOW)
     authorizer.release.set()
     async with door(authorizer) as (reader, writer):
         writer.write(raw)
