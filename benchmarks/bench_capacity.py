@@ -196,7 +196,7 @@ class Bench:
 
     def start(self) -> None:
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
-                                   metering="envoy").start()
+                                   metering="envoy", records_http=self.args.records_http).start()
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
         for spoke in self.spokes.values():
@@ -542,6 +542,9 @@ def main() -> int:
                         help="the sweep's req/s, comma-separated (default: %(default)s)")
     parser.add_argument("--rate-s", type=float, default=None,
                         help="seconds at each rate (quick 1, full 6)")
+    parser.add_argument("--records-http", dest="records_http", action="store_true",
+                        help="the spoke's Envoy sends its records over OTLP/HTTP (with "
+                             "--baseline HEAD: the same code's gRPC records beside it)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
