@@ -1,8 +1,9 @@
 """Envoy's records over OTLP/HTTP (`gateway envoy-config --records-http`), against the real
 Envoy 1.40: a spoke so configured meters every request through the sidecar's
 GATEWAY_RECORDS_HTTP_LISTEN; the rendered config's records reach a collector as the
-sidecar's parser reads them, and Envoy sends each batch once, whatever the answer (docs/envoy.md §6.9): the reason
-gRPC, which Envoy retries, stays the default. If a later Envoy retries, this test says so."""
+sidecar's parser reads them, and Envoy sends each batch once, whatever the answer
+(docs/envoy.md §6.9): the reason gRPC, which Envoy retries, stays the default. If a later
+Envoy retries, this test says so."""
 
 from __future__ import annotations
 
