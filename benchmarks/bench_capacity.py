@@ -12,6 +12,9 @@ Paths, measured in one run against one workload:
 * with `--baseline REV`, `baseline`: a second whole spoke whose sidecar and Envoy bootstrap
   are REV's code (`git archive`), its reference config as REV renders it by default.
 
+`--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
+--records-http`); with `--baseline HEAD`, the same code's default gRPC records beside it.
+
 Workloads (the engine answers at once: x-mock-ttft-ms 0, no token pacing): `chat`, a
 non-streamed chat completion with max_tokens 8; `embeddings`, one short input. For each
 round, workload and concurrency c in 1, 8, 32, every path in turn (A B C, then C B A next
@@ -196,7 +199,7 @@ class Bench:
 
     def start(self) -> None:
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
-                                   metering="envoy").start()
+                                   metering="envoy", records_http=self.args.records_http).start()
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
         for spoke in self.spokes.values():
@@ -542,6 +545,9 @@ def main() -> int:
                         help="the sweep's req/s, comma-separated (default: %(default)s)")
     parser.add_argument("--rate-s", type=float, default=None,
                         help="seconds at each rate (quick 1, full 6)")
+    parser.add_argument("--records-http", dest="records_http", action="store_true",
+                        help="the spoke's Envoy sends its records over OTLP/HTTP (with "
+                             "--baseline HEAD: the same code's gRPC records beside it)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
@@ -616,6 +622,7 @@ def main() -> int:
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
+        "spoke_records": "http" if args.records_http else "grpc",
         "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,
                      "sweep": {"rates": args.rates, "seconds": args.rate_s} if args.sweep
                      else None,

@@ -85,6 +85,8 @@ class Spoke:
     # cheaper pair; ext_proc's spoke keeps the portable gRPC Check)
     authz_http: bool | None = None
     authz_http_address: str | None = None  # the door's, once started with it
+    # Envoy's records over OTLP/HTTP to the sidecar (default: over gRPC, which Envoy retries)
+    records_http: bool = False
     # Envoy-fed metering's heartbeat (Envoy's config and the sidecar's setting, together)
     record_heartbeat_s: float | None = None
     keep_request_ids: bool = False  # Envoy keeps a client's own x-request-id
@@ -119,6 +121,9 @@ class Spoke:
                 else not source_named(self.metering).portable):
             door = env["GATEWAY_AUTHZ_HTTP_LISTEN"] = f"{LOOP}:{free_port()}"
         self.authz_http_address = door
+        records = None
+        if self.records_http:
+            records = env["GATEWAY_RECORDS_HTTP_LISTEN"] = f"{LOOP}:{free_port()}"
         extra: dict[str, Any] = {"keep_request_ids": self.keep_request_ids}
         if self.record_heartbeat_s is not None:
             env["GATEWAY_RECORD_HEARTBEAT_S"] = str(self.record_heartbeat_s)
@@ -127,7 +132,7 @@ class Spoke:
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
                            engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp,
-                           authz_http=door)
+                           authz_http=door, records_http=records)
         config = (render(ports, metering=self.metering, **extra) if self.envoy_config is None
                   else self.envoy_config(ports, self.metering))
         envoy = envoy_service(config,

@@ -71,7 +71,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     door = None if args.grpc_check else args.authz_http
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
                                        engine=args.engine, admin=args.admin, otlp=args.otlp,
-                                       authz_http=door),
+                                       authz_http=door, records_http=args.records_http),
                             metering=args.metering, heartbeat_s=args.record_heartbeat_s,
                             keep_request_ids=args.keep_request_ids))
     return 0
@@ -144,6 +144,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--authz-http-listen", dest="authz_http_listen", default=None,
                    help="ext_authz's HTTP door, the reference config's Check (default: "
                         "$GATEWAY_AUTHZ_HTTP_LISTEN, else 127.0.0.1:9002; empty: not served)")
+    p.add_argument("--records-http-listen", dest="records_http_listen", default=None,
+                   help="Envoy's records over OTLP/HTTP, for `envoy-config --records-http` "
+                        "(default: $GATEWAY_RECORDS_HTTP_LISTEN, else not served)")
     p.add_argument("--metrics-listen", dest="metrics_listen", default=None,
                    help="/metrics, /healthz, /readyz (default: $GATEWAY_METRICS_LISTEN, "
                         "else 127.0.0.1:9102)")
@@ -365,6 +368,11 @@ def parser() -> argparse.ArgumentParser:
                    help="Envoy-fed metering: a record of each request in flight this often, "
                         "the sidecar's proof it lives (= its GATEWAY_RECORD_HEARTBEAT_S; "
                         "default: %(default)s)")
+    p.add_argument("--records-http", dest="records_http", default=None, metavar="HOST:PORT",
+                   help="Envoy's records go over OTLP/HTTP to the sidecar's "
+                        "GATEWAY_RECORDS_HTTP_LISTEN there: cheaper than gRPC, but Envoy "
+                        "never retries them, so a sidecar crash loses a batch in flight "
+                        "(default: gRPC to --sidecar, retried)")
     p.add_argument("--keep-request-ids", dest="keep_request_ids", action="store_true",
                    help="keep a client's own x-request-id (behind a trusted front proxy): "
                         "a live duplicate is refused with 409 (default: Envoy's own ids)")

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     # ext_authz's HTTP door, the reference config's Check (`gateway envoy-config`): the same
     # Check without gRPC's cost per call. Empty: not served (a gRPC-Check-only Envoy).
     authz_http_listen: str = REFERENCE_AUTHZ_HTTP
+    # Envoy's per-request records over OTLP/HTTP (`gateway envoy-config --records-http`):
+    # cheaper than their gRPC, but Envoy never retries them (docs/envoy.md §6). Empty: not
+    # served (the reference config sends them over gRPC to `listen`).
+    records_http_listen: str = ""
     metrics_listen: str = "127.0.0.1:9102"
     redis_url: str | None = None  # unset → embedded mode (policy file, in-process counters)
     policy_file: Path | None = None

@@ -67,6 +67,7 @@ from gateway.envoyconf.clusters import (
     engine_cluster,
     http2_cluster,
     listen_address,
+    records_http_cluster,
     sidecar_cluster,
 )
 from gateway.envoyconf.filters import (
@@ -171,6 +172,9 @@ class EnvoyPorts:
     # The sidecar's ext_authz HTTP door (its GATEWAY_AUTHZ_HTTP_LISTEN), the reference
     # config's Check; None: the gRPC Check at `sidecar` (managed gateways)
     authz_http: str | None = REFERENCE_AUTHZ_HTTP
+    # The sidecar's GATEWAY_RECORDS_HTTP_LISTEN: Envoy's records over OTLP/HTTP, cheaper but
+    # never retried (docs/envoy.md §6); None: over gRPC to `sidecar`, retried (the default)
+    records_http: str | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class _Limits:
     message_timeout: timedelta
     source: MeteringSource
     authz_http: bool = False
+    records_http: bool = False
     heartbeat: timedelta = envoy_metering.RECORD_HEARTBEAT
     keep_request_ids: bool = False
 
@@ -237,12 +242,15 @@ def bootstrap(
         message_timeout=timedelta(seconds=message_timeout_s),
         source=source_named(metering),
         authz_http=bool(ports.authz_http),
+        records_http=bool(ports.records_http),
         heartbeat=timedelta(seconds=heartbeat_s),
         keep_request_ids=keep_request_ids,
     )
     clusters = [sidecar_cluster(ports.sidecar), engine_cluster(ports.engine, _buffer_limit(limits))]
     if ports.authz_http:
         clusters.append(authz_http_cluster(ports.authz_http))
+    if ports.records_http:
+        clusters.append(records_http_cluster(ports.records_http))
     if ports.otlp:
         clusters.append(http2_cluster(OTLP_CLUSTER, ports.otlp))
     return Bootstrap(
@@ -275,9 +283,9 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
             *_metering_filters(limits),
             HttpFilter(name=ROUTER, typed_config=Any.pack(Router())),
         ],
-        access_log=[_stdout_access_log(limits.source),
-                    envoy_metering.record_log() if limits.source.records_are_events else
-                    envoy_metering.record_log(only_flags=CUT_FLAGS)],
+        access_log=[_stdout_access_log(limits.source), envoy_metering.record_log(
+            only_flags=() if limits.source.records_are_events else CUT_FLAGS,
+            http=limits.records_http)],
         # Envoy-fed metering: a heartbeat record per request in flight (metering.py)
         access_log_options=HttpConnectionManagerHcmAccessLogOptions(
             access_log_flush_interval=limits.heartbeat) if limits.source.heartbeat else None,

@@ -17,6 +17,7 @@ from typing import Any as AnyValue
 
 from gateway.addresses import is_ip, split_hostport
 from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, SIDECAR_CLUSTER
+from gateway.envoyconf.metering import RECORDS_HTTP_CLUSTER
 from gateway.envoyconf.plain import quiet_imports
 
 with quiet_imports():
@@ -56,6 +57,11 @@ def sidecar_cluster(sidecar: str) -> Cluster:
 def authz_http_cluster(door: str) -> Cluster:
     """ext_authz's HTTP door: HTTP/1.1, keep-alive."""
     return _cluster(AUTHZ_HTTP_CLUSTER, door, connect_timeout=timedelta(seconds=1))
+
+
+def records_http_cluster(records: str) -> Cluster:
+    """Envoy's records over OTLP/HTTP (gateway/envoyconf/metering.py): HTTP/1.1, keep-alive."""
+    return _cluster(RECORDS_HTTP_CLUSTER, records, connect_timeout=timedelta(seconds=1))
 
 
 def http2_cluster(name: str, hostport: str) -> Cluster:

@@ -18,7 +18,11 @@ Why each piece (docs/envoy.md §6):
 * **OpenTelemetry access log over gRPC to the sidecar**, with a retry policy: measured,
   it lost no record over a 10 s sidecar outage where a logger without retries lost ~17 %
   over 2 s (at-least-once; the sidecar deduplicates on the request id). `common_config`
-  is the only place Envoy 1.40 honours buffering: records are flushed every 50 ms.
+  is the only place Envoy 1.40 honours buffering for gRPC: records are flushed every 50 ms.
+  Or (`gateway envoy-config --records-http`) **over OTLP/HTTP** to the sidecar's
+  GATEWAY_RECORDS_HTTP_LISTEN: cheaper for the sidecar, but Envoy 1.40 never retries an
+  HTTP export (measured: a 503, a reset or a timeout drops the batch), so a sidecar killed
+  mid-batch loses it; not the default.
   Every request Envoy handled is logged (allowed, denied, cut, Envoy's own 413/503).
 """
 
@@ -52,6 +56,8 @@ with quiet_imports():
         DataSource,
         GrpcService,
         GrpcServiceEnvoyGrpc,
+        HttpService,
+        HttpUri,
         RetryPolicy,
     )
     from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
@@ -78,6 +84,11 @@ JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 OTEL_ACCESS_LOG = "envoy.access_loggers.open_telemetry"
 RECORD_LOG_NAME = "gateway.usage"
 FLUSH = timedelta(milliseconds=50)
+RECORDS_HTTP_CLUSTER = "sidecar_records_http"  # the records over OTLP/HTTP, when configured
+RECORDS_HTTP_PATH = "/v1/logs"  # OTLP/HTTP's, served by gateway/server/records_http.py
+# An HTTP export is answered once its events are durable (milliseconds); one timed out is
+# dropped, never sent again
+RECORDS_HTTP_TIMEOUT = timedelta(seconds=5)
 # While a request is in flight Envoy also sends a periodic record for it (%ACCESS_LOG_TYPE%
 # DownstreamPeriodic) every this often: the sidecar's proof that the request is still
 # alive, and its usage so far. An admission nobody reports for a while is given up
@@ -135,12 +146,18 @@ def json_to_metadata() -> JsonToMetadata:
         rules=rules, allow_content_types_regex=RegexMatcher(regex=r"^application/json\b.*")))
 
 
-def record_log(only_flags: Iterable[str] = ()) -> AccessLog:
-    """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s.
+def record_log(only_flags: Iterable[str] = (), http: bool = False) -> AccessLog:
+    """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s, or
+    (`http`) over OTLP/HTTP, never retried.
 
     `only_flags`: send a record only for requests with one of these response flags. The
     ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
     DC: the client), which ext_proc itself cannot see."""
+    only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
+        flags=sorted(only_flags))) if only_flags else None
+    if http:
+        return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
+                         typed_config=Any.pack(_otel_http_config()))
     retry = RetryPolicy(
         retry_back_off=BackoffStrategy(base_interval=timedelta(milliseconds=250),
                                        max_interval=timedelta(seconds=2)),
@@ -150,9 +167,7 @@ def record_log(only_flags: Iterable[str] = ()) -> AccessLog:
     grpc = GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=SIDECAR_CLUSTER),
                        retry_policy=retry)
     with warnings.catch_warnings():  # common_config is deprecated, but the only place
-        warnings.simplefilter("ignore", DeprecationWarning)  # 1.40 honours buffering
-        only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
-            flags=sorted(only_flags))) if only_flags else None
+        warnings.simplefilter("ignore", DeprecationWarning)  # 1.40 honours gRPC's buffering
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
                          typed_config=Any.pack(_otel_config(grpc)))
 
@@ -163,6 +178,19 @@ def _otel_config(grpc: GrpcService) -> OpenTelemetryAccessLogConfig:
             log_name=RECORD_LOG_NAME, transport_api_version=ApiVersion.V3, grpc_service=grpc,
             buffer_flush_interval=FLUSH),
         disable_builtin_labels=True,
-        attributes=KeyValueList(values=[
-            KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in RECORD_ATTRIBUTES.items()]),
+        attributes=_attributes(),
     )
+
+
+def _otel_http_config() -> OpenTelemetryAccessLogConfig:
+    """The same records over OTLP/HTTP: the top-level buffering fields are honoured here."""
+    uri = HttpUri(uri=f"http://{RECORDS_HTTP_CLUSTER}{RECORDS_HTTP_PATH}",
+                  cluster=RECORDS_HTTP_CLUSTER, timeout=RECORDS_HTTP_TIMEOUT)
+    return OpenTelemetryAccessLogConfig(
+        http_service=HttpService(http_uri=uri), log_name=RECORD_LOG_NAME,
+        buffer_flush_interval=FLUSH, disable_builtin_labels=True, attributes=_attributes())
+
+
+def _attributes() -> KeyValueList:
+    return KeyValueList(values=[
+        KeyValue(key=k, value=AnyValue(string_value=v)) for k, v in RECORD_ATTRIBUTES.items()])

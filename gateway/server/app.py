@@ -28,7 +28,7 @@ from gateway.ops_http import healthz, metrics_handler, serve_http
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.prices import Rates
 from gateway.policy.store import PolicyStore
-from gateway.server import authz_http
+from gateway.server import authz_http, records_http
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.records_service import RecordsService
@@ -51,6 +51,7 @@ class App:
     server: grpc.aio.Server | None = None
     http: asyncio.Server | None = None
     authz_http: asyncio.Server | None = None  # ext_authz's HTTP door, when configured
+    records_http: asyncio.Server | None = None  # Envoy's records over OTLP/HTTP, when configured
     health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
     spool: Spool | None = None
     producer: Producer | None = None
@@ -114,8 +115,8 @@ class App:
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
         # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
-        RecordsService(recorder, self.ledger, emits=s.source.records_are_events).register(
-            self.server)
+        records = RecordsService(recorder, self.ledger, emits=s.source.records_are_events)
+        records.register(self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.add_insecure_port(s.listen)
@@ -123,12 +124,17 @@ class App:
         if s.authz_http_listen:
             host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
             self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
+        if s.records_http_listen:
+            host, port = split_hostport(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN")
+            self.records_http = await records_http.serve(records, host, port,
+                                                         s.max_message_bytes)
         await self._set_health()
         if serve_http_endpoints:
             host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")
             self.http = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
         log.info("serving", listen=s.listen, authz_http=s.authz_http_listen or None,
+                 records_http=s.records_http_listen or None,
                  metrics=s.metrics_listen, instance=self.instance_id,
                  metering=s.metering,
                  mode="embedded" if s.embedded else "redis",
@@ -223,6 +229,8 @@ class App:
             self.http.close()
         if self.authz_http:
             self.authz_http.close()
+        if self.records_http:
+            self.records_http.close()
         if self.server:
             await self.server.stop(grace)
         if self.spool:

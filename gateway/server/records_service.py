@@ -1,11 +1,13 @@
-"""Envoy's per-request records (GATEWAY_METERING=envoy): OTLP logs over gRPC → usage events.
+"""Envoy's per-request records (GATEWAY_METERING=envoy): OTLP logs → usage events.
 
-Envoy's OpenTelemetry access logger sends `LogsService/Export` batches (every 50 ms) and
-retries a batch the sidecar did not acknowledge. So an Export is answered only once its
-events are durable in the spool: a sidecar killed before that loses nothing, Envoy sends
-the batch again after the restart. That makes delivery at-least-once; a request id seen
-recently is not recorded twice (after a restart, the billing consumer's `event_id` dedup
-does the rest, as for every event).
+Envoy's OpenTelemetry access logger sends `LogsService/Export` batches (every 50 ms) over
+gRPC and retries a batch the sidecar did not acknowledge. So an Export is answered only
+once its events are durable in the spool: a sidecar killed before that loses nothing, Envoy
+sends the batch again after the restart. That makes delivery at-least-once; a request id
+seen recently is not recorded twice (after a restart, the billing consumer's `event_id`
+dedup does the rest, as for every event). `export` is the transport-neutral part; the same
+batches can also come over OTLP/HTTP (gateway/server/records_http.py), which Envoy 1.40
+never retries (docs/envoy.md §6).
 
 The messages are the project's own (`protos/gateway/otlp/v1/otlp.proto`, OTLP 1.x field
 numbers), served at Envoy's wire path by a generic handler: the `opentelemetry.proto`
@@ -55,6 +57,11 @@ class RecordsService:
 
     async def Export(self, request: otlp.ExportLogsServiceRequest,
                      context: grpc.aio.ServicerContext) -> otlp.ExportLogsServiceResponse:
+        await self.export(request)
+        return otlp.ExportLogsServiceResponse()
+
+    async def export(self, request: otlp.ExportLogsServiceRequest) -> None:
+        """Record a batch; returns once its events are durable (then the batch is answered)."""
         last_seq = 0
         for rl in request.resource_logs:
             for sl in rl.scope_logs:
@@ -63,7 +70,6 @@ class RecordsService:
                     last_seq = max(last_seq, seq)
         if last_seq:
             await self.recorder.spool.until_durable(last_seq)
-        return otlp.ExportLogsServiceResponse()
 
     def _one(self, attrs: dict[str, str]) -> int:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""
