@@ -147,7 +147,9 @@ class _Connection(asyncio.Protocol):
     def _start(self, req: AuthzRequest) -> None:
         """Run the Check up to its first wait. Most never wait (a denial, or an allow with no
         limits to admit): answered here, with no Task and no loop tick. One that waits (the
-        admission's Redis round trip) is finished by a Task."""
+        admission's Redis round trip) is finished by a Task. Until its first wait the Check
+        runs outside any Task: nothing on its path may use asyncio.timeout() (or
+        current_task()) before that wait."""
         coro = self.check(req)
         try:
             waiting = coro.send(None)
