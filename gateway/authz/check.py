@@ -1,7 +1,8 @@
 """The Check, whichever door Envoy asks through (gRPC, or the HTTP door): the decision with
-its metrics, denial log line and span, undone when Envoy gives up on it, and the answer as a
-value the servers' encoders write in their own protocol (gateway/server/check_grpc.py,
-check_http.py). What an answer means lives here once; how it looks on a wire, there.
+its metrics, denial log line (bounded: gateway/authz/denial_log.py) and span, undone when
+Envoy gives up on it, and the answer as a value the servers' encoders write in their own
+protocol (gateway/server/check_grpc.py, check_http.py). What an answer means lives here
+once; how it looks on a wire, there.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from opentelemetry.trace import Span, Status, StatusCode
 from gateway import metrics
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Decision, Deny, Reply, Shared
+from gateway.authz.denial_log import DenialLog
 from gateway.authz.engine import Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.endpoints import api_of
 from gateway.envoy_contract import REQUEST_ID_HEADER
-from gateway.log import log
 from gateway.metering import handoff
 
 _ALLOWED = metrics.DECISIONS.labels("allowed", "", "")
@@ -105,6 +106,7 @@ class Check:
     def __init__(self, authorizer: Authorizer, tracer: Tracer | None = None) -> None:
         self.authorizer = authorizer
         self.tracing = tracer
+        self.denials = DenialLog()  # its line, bounded under a flood
 
     async def __call__(self, req: AuthzRequest,
                        call_metadata: Iterable[tuple[str, str | bytes]] | None = None) -> Answer:
@@ -127,8 +129,7 @@ class Check:
             raise
         observe_decision(decision, time.perf_counter() - t0)
         if isinstance(decision, Deny):
-            log.info("denied", request_id=req.request_id, key_id=decision.key_id or None,
-                     status=decision.status, reason=decision.reason, tier=decision.tier)
+            self.denials.denied(req.request_id, decision)
         if span is not None:
             _annotate(span, decision)
             span.end()

@@ -135,6 +135,7 @@ class Ledger:
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
         self._tasks: list[asyncio.Task[None]] = []
+        self._occupied = asyncio.Event()  # set when an admission is taken on (_hold)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._settle_loop()),
@@ -165,8 +166,8 @@ class Ledger:
             return
         now = self._clock.now()
         self._ended.pop(request_id, None)
-        self._live[request_id] = _Admission(
-            Stage.ADMITTED, now, heard_until=now + self.unheard_s if self.watches else None)
+        self._hold(request_id, _Admission(
+            Stage.ADMITTED, now, heard_until=now + self.unheard_s if self.watches else None))
 
     def begun(self, request_id: str, progress: Progress | None = None) -> None:
         """Its metering stream began: renew its lease from now on; `progress` (prompt,
@@ -178,7 +179,7 @@ class Ledger:
             a.stage, a.heard_until, a.progress = Stage.BEGUN, None, progress
             return
         self._ended.pop(request_id, None)  # admitted by another process (or a new request)
-        self._live[request_id] = _Admission(Stage.BEGUN, self._clock.now(), progress=progress)
+        self._hold(request_id, _Admission(Stage.BEGUN, self._clock.now(), progress=progress))
 
     def heard(self, request_id: str, checkpoint: tuple[int, int] | None) -> None:
         """Envoy's heartbeat record of a request still in flight (perhaps admitted by another
@@ -192,11 +193,12 @@ class Ledger:
             self._remember(request_id, a, Stage.EXPIRED, now)  # kept while heard, not renewed
             return
         if a is None:  # adopted: renewed at the next tick
-            a = self._live[request_id] = _Admission(Stage.ADMITTED, now)
+            a = _Admission(Stage.ADMITTED, now)
+            self._hold(request_id, a)
         elif a.stage is Stage.UNHEARD:
             del self._ended[request_id]
             a.stage, a.fresh = Stage.ADMITTED, True
-            self._live[request_id] = a
+            self._hold(request_id, a)
         a.heard_until = now + self.unheard_s
         if checkpoint is not None:
             a.progress = lambda: checkpoint
@@ -214,7 +216,7 @@ class Ledger:
         if a is None:
             a = _Admission(Stage.RELEASED, self._clock.now())
         self._ended.pop(request_id, None)
-        self._live[request_id] = a
+        self._hold(request_id, a)
         a.stage, a.heard_until, a.progress = Stage.RELEASED, None, None
 
     def settled(self, request_id: str, actual_tokens: int | None) -> None:
@@ -294,6 +296,10 @@ class Ledger:
         self._ended.move_to_end(request_id)
         if len(self._ended) > ENDED_MAX:
             self._ended.popitem(last=False)
+
+    def _hold(self, request_id: str, a: _Admission) -> None:
+        self._live[request_id] = a
+        self._occupied.set()
 
     def _send(self, end: Ending) -> None:
         self._pending.append(end)
@@ -378,6 +384,11 @@ class Ledger:
     async def _renew_loop(self) -> None:
         last_all = self._clock.now()
         while True:
+            if not self._live and not self._ended:
+                # Nothing to renew, give up or forget: an idle sidecar does not tick (a
+                # wakeup every `tick` for nothing) until an admission is taken on.
+                self._occupied.clear()
+                await self._occupied.wait()
             await asyncio.sleep(self.tick)
             now = self._clock.now()
             self._look_after(now)

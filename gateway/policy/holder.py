@@ -73,18 +73,23 @@ class RedisPolicySync:
         """Load the current revision if it is new; ACK or NACK it. Never raises for Redis."""
         try:
             await self.store.follow_primary()
-            stored = await self.store.current()
-            if stored is None:
+            # The revision first: the document (as large as the key list) only when it is
+            # one not seen yet, not at every recheck.
+            latest = await self.store.current_revision()
+            if not latest:
                 return
-            if stored.revision != self.held and stored.revision not in self.holder.rejected:
-                try:
-                    policy = loader.load(stored.text, stored.revision,
-                                         f"revision {stored.revision}")
-                    self.holder.swap(policy)
-                except PolicyError as err:
-                    self.holder.reject(stored.revision, str(err))
-            error = self.holder.rejected.get(stored.revision)
-            await self.store.report(self.instance_id, self.held, stored.revision, error)
+            if latest != self.held and latest not in self.holder.rejected:
+                stored = await self.store.current()
+                if stored is None:
+                    return
+                latest = stored.revision
+                if latest != self.held and latest not in self.holder.rejected:
+                    try:
+                        self.holder.swap(loader.load(stored.text, latest, f"revision {latest}"))
+                    except PolicyError as err:
+                        self.holder.reject(latest, str(err))
+            error = self.holder.rejected.get(latest)
+            await self.store.report(self.instance_id, self.held, latest, error)
         except _REDIS_DOWN as exc:
             log.warning("policy_refresh_failed", error=str(exc))
 

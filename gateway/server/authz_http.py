@@ -16,8 +16,10 @@ as with a cancelled gRPC Check.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Generator
+from typing import Any
 
-from gateway.authz.check import Check
+from gateway.authz.check import Answer, Check
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
 from gateway.server import check_http
@@ -27,6 +29,34 @@ MAX_HEAD = 64 * 1024
 _FAILED = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE = (b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n"
               b"connection: close\r\n\r\n")
+
+
+class _Started:
+    """A coroutine already run to its first wait (`waiting`: what it yielded), for a Task to
+    finish: the Task sees each wait exactly as if it had run the coroutine from its start,
+    and its cancellation is thrown into the coroutine where it waits."""
+
+    __slots__ = ("coro", "waiting")
+
+    def __init__(self, coro: Coroutine[Any, Any, Answer], waiting: Any) -> None:
+        self.coro = coro
+        self.waiting = waiting
+
+    def __await__(self) -> Generator[Any, None, Answer]:
+        waiting = self.waiting
+        while True:
+            try:
+                yield waiting
+            except BaseException as exc:  # the Task's cancellation
+                try:
+                    waiting = self.coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    waiting = self.coro.send(None)
+                except StopIteration as done:
+                    return done.value
 
 
 class BadRequest(ValueError):
@@ -71,57 +101,95 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        if self.pending is None:
-            self._next()
+        self._next()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.pending is not None:
             self.pending.cancel()
 
     def _next(self) -> None:
+        """Answer the requests the buffer holds, in order, while none is pending."""
+        assert self.transport is not None
+        while self.pending is None and not self.transport.is_closing():
+            req = self._request()
+            if req is None:
+                return
+            self._start(req)
+
+    def _request(self) -> AuthzRequest | None:
+        """The buffer's next whole request, or None (incomplete, or its connection closed)."""
         if self.head is None:  # read once; a large body then only grows the buffer
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(self.buf) > MAX_HEAD:
                     self._close(_FAILED)
-                return
+                return None
             try:
                 method, target, headers, length = parse_head(bytes(self.buf[:end]))
             except (BadRequest, UnicodeDecodeError) as exc:
                 log.warning("authz_http_bad_request", error=str(exc))
                 self._close(_FAILED)
-                return
+                return None
             if length > self.max_body:
                 self._close(_TOO_LARGE)
-                return
+                return None
             del self.buf[:end + 4]
             self.head = method, target.partition("?")[0], headers, length
         method, path, headers, length = self.head
         if len(self.buf) < length:
-            return
+            return None
         body = bytes(self.buf[:length])
         del self.buf[:length]
         self.head = None
-        req = AuthzRequest(request_id=headers.get("x-request-id", ""), method=method, path=path,
-                           headers=headers, body=body)
-        self.pending = asyncio.get_running_loop().create_task(self._answer(req))
+        return AuthzRequest(request_id=headers.get("x-request-id", ""), method=method, path=path,
+                            headers=headers, body=body)
 
-    async def _answer(self, req: AuthzRequest) -> None:
+    def _start(self, req: AuthzRequest) -> None:
+        """Run the Check up to its first wait. Most never wait (a denial, or an allow with no
+        limits to admit): answered here, with no Task and no loop tick. One that waits (the
+        admission's Redis round trip) is finished by a Task. Until its first wait the Check
+        runs outside any Task: nothing on its path may use asyncio.timeout() (or
+        current_task()) before that wait."""
+        coro = self.check(req)
         try:
-            out = check_http.encode(await self.check(req))
+            waiting = coro.send(None)
+        except StopIteration as done:
+            self._write(req, done.value)
+            return
+        except Exception:
+            self._failed(req)
+            return
+        self.pending = asyncio.get_running_loop().create_task(
+            self._finish(req, _Started(coro, waiting)))
+
+    async def _finish(self, req: AuthzRequest, check: _Started) -> None:
+        try:
+            answer = await check
         except asyncio.CancelledError:
             return
-        except Exception:  # a bug: Envoy answers its 503 (fail closed), the log says why
-            log.exception("authz_http_failed", request_id=req.request_id)
-            self._close(_FAILED)
+        except Exception:
+            self._failed(req)
             return
         finally:
             self.pending = None
         assert self.transport is not None
         if not self.transport.is_closing():
-            self.transport.write(out)
-            if self.buf:
-                self._next()
+            self._write(req, answer)
+            self._next()
+
+    def _write(self, req: AuthzRequest, answer: Answer) -> None:
+        assert self.transport is not None
+        try:
+            out = check_http.encode(answer)
+        except Exception:
+            self._failed(req)
+            return
+        self.transport.write(out)
+
+    def _failed(self, req: AuthzRequest) -> None:
+        """A bug: Envoy answers its 503 (fail closed), the log says why."""
+        log.exception("authz_http_failed", request_id=req.request_id)
+        self._close(_FAILED)
 
     def _close(self, answer: bytes) -> None:
         assert self.transport is not None

@@ -169,6 +169,20 @@ async def test_requests_on_one_connection_are_answered_in_order() -> None:
         writer.close()
 
 
+async def test_a_decision_that_waits_holds_the_next_request_until_it_is_answered() -> None:
+    """A Check that never waits is answered at once, one that waits by a Task; the requests
+    behind it wait for its answer (one connection answers in its requests' order)."""
+    authorizer = StandIn()
+    async with door(authorizer) as (reader, writer):
+        writer.write(request("a") + request("b"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.read(1), 0.1)
+        authorizer.release.set()  # the first ends its wait; the second does not wait
+        first, second = await read_answer(reader), await read_answer(reader)
+        assert first[0] == second[0] == 200
+        writer.close()
+
+
 async def test_a_connection_closed_mid_decision_undoes_the_admission() -> None:
     """Envoy closes the connection when it gives up on the Check (client gone, timeout)."""
     authorizer = HeldAuthorizer(ALLOW)
