@@ -172,7 +172,7 @@ async def test_requests_on_one_connection_are_answered_in_order() -> None:
 async def test_a_decision_that_waits_holds_the_next_request_until_it_is_answered() -> None:
     """A Check that never waits is answered at once, one that waits by a Task; the requests
     behind it wait for its answer (one connection answers in its requests' order)."""
-    authorizer = StandIn()
+    authorizer = HeldAuthorizer(ALLOW)
     async with door(authorizer) as (reader, writer):
         writer.write(request("a") + request("b"))
         with pytest.raises(TimeoutError):
