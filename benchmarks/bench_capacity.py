@@ -12,6 +12,11 @@ Paths, measured in one run against one workload:
 * with `--baseline REV`, `baseline`: a second whole spoke whose sidecar and Envoy bootstrap
   are REV's code (`git archive`), its reference config as REV renders it by default.
 
+The bench key, its team and the model carry limits too high to trip (rps, concurrency,
+tokens per minute), so every request is admitted through all three tiers in Redis and
+settled after, as under a real policy; `--no-limits` measures a key with none (no Redis
+admission: the Check answers from the policy alone).
+
 `--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
 --records-http`); with `--baseline HEAD`, the same code's default gRPC records beside it.
 
@@ -203,7 +208,7 @@ class Bench:
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
         for spoke in self.spokes.values():
-            serve_one_key(spoke, self.secret, MODEL)
+            serve_one_key(spoke, self.secret, MODEL, limited=not self.args.no_limits)
         spoke = self.spokes[SPOKE]
         self.plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
                                    spoke["engine"].address, self.workdir / PLAIN,
@@ -548,6 +553,9 @@ def main() -> int:
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
+    parser.add_argument("--no-limits", dest="no_limits", action="store_true",
+                        help="the key, its team and the model carry no limits: no admission in "
+                             "Redis (default: limits too high to trip on all three tiers)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
@@ -623,6 +631,8 @@ def main() -> int:
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
         "spoke_records": "http" if args.records_http else "grpc",
+        "admission": "none (--no-limits)" if args.no_limits
+        else "three tiers, limits too high to trip",
         "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,
                      "sweep": {"rates": args.rates, "seconds": args.rate_s} if args.sweep
                      else None,

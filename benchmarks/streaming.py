@@ -181,10 +181,16 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, max(0, int(p / 100 * len(s) + 0.999999) - 1))]
 
 
-def serve_one_key(spoke: Spoke, secret: str, model: str = "mock-model") -> None:
+def serve_one_key(spoke: Spoke, secret: str, model: str = "mock-model",
+                  limited: bool = False) -> None:
     """Publish one key, `bench`, with no limits that could trip (like the tests' `good`),
-    and wait until the spoke serves it."""
-    spoke.publish({"models": {model: {}}, "teams": {"bench": {"models": [model]}},
-                   "keys": {"bench": {"team": "bench",
+    and wait until the spoke serves it. `limited`: the model, the team and the key each
+    carry limits too high to trip (rps, concurrency, tokens per minute), so every request
+    is admitted through all three tiers in Redis, as a real policy's are."""
+    limits = {"limits": {"rps": 1_000_000, "concurrency": 100_000,
+                         "tokens_per_minute": 10_000_000_000}} if limited else {}
+    spoke.publish({"models": {model: {**limits}},
+                   "teams": {"bench": {"models": [model], **limits}},
+                   "keys": {"bench": {"team": "bench", **limits,
                                       "sha256": secrets.digest(secret).hex()}}}, "bench")
     spoke.wait_ready()
