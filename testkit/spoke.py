@@ -73,8 +73,12 @@ def start_spoke(workdir: Path, **kw: Any) -> tuple[Spoke, dict[str, str]]:
     kw.setdefault("sidecar_env", {}).setdefault("GATEWAY_CONTINUOUS_USAGE_MODELS", "mock-other")
     spoke = Spoke(workdir=workdir, listen_port=free_port(), **kw).start()
     keys = {k: secrets.new_secret(k) for k in KEY_LIMITS}
-    publish(spoke.redis_url, policy_doc(keys))
-    spoke.wait_ready(timeout=10)
+    try:
+        publish(spoke.redis_url, policy_doc(keys))
+        spoke.wait_ready()  # 30 s: a busy machine (a parallel `make test`) starts it slower
+    except BaseException:
+        spoke.stop()  # a fixture that fails in set-up gets no teardown: no orphaned Envoy
+        raise
     return spoke, keys
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
+
+from devspoke.procs import free_port
 
 
 class SlowProxy:
@@ -13,9 +14,7 @@ class SlowProxy:
         self.target_port = target_port
         self.delay = 0.0  # seconds added to every chunk, each direction
         self.stalled = False  # hold every byte until un-stalled
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)

@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+# The quick runs load both cores, and a Check that Envoy gives up on under that load (a 503)
+# fails them: they run alone, after `make test`'s parallel run.
+pytestmark = pytest.mark.serial
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

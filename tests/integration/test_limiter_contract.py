@@ -287,6 +287,7 @@ async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> N
     await lim.close()
 
 
+@pytest.mark.serial  # 0.5 s against a 0.1 s deadline: no room for another worker's load
 async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) -> None:
     """Past its deadline an admission fails closed with StoreInDoubt (the caller then voids
     it), well before the connection's own stall timeout, and the limiter recovers."""
