@@ -69,8 +69,11 @@ async def test_tail_n_prints_the_last_n_by_time(tansu: Service) -> None:
 
 async def test_follow_prints_the_backlog_in_time_order_then_new_events(tansu: Service) -> None:
     await put(tansu.address, "usage.t2", SHUFFLED)
+    # Ctrl-C as a terminal sends it: SIGINT at its default in the child even when this run
+    # was started with it ignored (a background job of a script), which Python inherits.
     proc = subprocess.Popen(tail_cmd("-f"), env=env(tansu, "usage.t2"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout is not None
         backlog = [proc.stdout.readline() for _ in SHUFFLED]
