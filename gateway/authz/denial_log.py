@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from typing import Any
 
 from gateway.authz.decision import Deny
 from gateway.log import log
@@ -25,7 +26,9 @@ _Kind = tuple[str, str]  # (reason, key_id)
 
 
 class DenialLog:
-    def __init__(self, window_s: float = WINDOW_S, per_window: int = PER_WINDOW) -> None:
+    def __init__(self, window_s: float = WINDOW_S, per_window: int = PER_WINDOW,
+                 logger: Any = log) -> None:
+        self.log = logger  # structlog's; a test's recorder
         self.window_s = window_s
         self.per_window = per_window
         self._window_end = 0.0
@@ -42,7 +45,7 @@ class DenialLog:
         kind = (deny.reason, deny.key_id)
         if self._logged[kind] < self.per_window:
             self._logged[kind] += 1
-            log.info("denied", request_id=request_id, key_id=deny.key_id or None,
+            self.log.info("denied", request_id=request_id, key_id=deny.key_id or None,
                      status=deny.status, reason=deny.reason, tier=deny.tier)
             return
         self._held[(deny.reason, deny.key_id, deny.status, deny.tier or "")] += 1
@@ -57,7 +60,7 @@ class DenialLog:
         self._timer = None
         if not self._held:
             return
-        log.info("denials_summary", count=sum(self._held.values()),
+        self.log.info("denials_summary", count=sum(self._held.values()),
                  kinds=[{"reason": reason, "key_id": key or None, "status": status,
                          "tier": tier or None, "count": n}
                         for (reason, key, status, tier), n in self._held.most_common()],
