@@ -22,9 +22,9 @@ from typing import Any
 from gateway.authz.check import Answer, Check
 from gateway.authz.request import AuthzRequest
 from gateway.log import log
-from gateway.server import check_http
+from gateway.server import check_http, http1
+from gateway.server.http1 import MAX_HEAD, BadRequest
 
-MAX_HEAD = 64 * 1024
 # Envoy reads any 5xx from the door as the door failing: its status_on_error (503).
 _FAILED = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _TOO_LARGE = (b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n"
@@ -59,30 +59,16 @@ class _Started:
                     return done.value
 
 
-class BadRequest(ValueError):
-    pass
-
-
 def parse_head(head: bytes) -> tuple[str, str, dict[str, str], int]:
-    """(method, target, headers with lower-case names, content-length) of a request head
-    (without its blank line). Repeated headers are joined with "," as in a CheckRequest."""
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-        raise BadRequest("not an HTTP/1.x request line")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise BadRequest("malformed header line")
-        k, v = name.decode("latin-1").lower(), value.strip().decode("latin-1")
-        headers[k] = f"{headers[k]},{v}" if k in headers else v
+    """(method, target, headers with lower-case names, content-length) of a Check's request
+    head (without its blank line): Envoy's ext_authz client sends whole bodies only."""
+    method, target, headers = http1.parse_head(head)
     if "transfer-encoding" in headers:
         raise BadRequest("chunked bodies are not spoken here")
     length = headers.get("content-length", "0")
     if not (length.isascii() and length.isdigit()):
         raise BadRequest("bad content-length")
-    return parts[0].decode("latin-1"), parts[1].decode("latin-1"), headers, int(length)
+    return method, target, headers, int(length)
 
 
 class _Connection(asyncio.Protocol):

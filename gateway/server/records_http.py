@@ -24,15 +24,11 @@ from google.protobuf.message import DecodeError
 
 from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
 from gateway.log import log
+from gateway.server.http1 import MAX_HEAD, BadRequest, parse_head
 from gateway.server.records_service import RecordsService
 
 PATH = "/v1/logs"  # OTLP/HTTP's logs path, which Envoy's exporter is pointed at
 CONTENT_TYPE = "application/x-protobuf"
-MAX_HEAD = 64 * 1024
-
-
-class BadRequest(ValueError):
-    """The request cannot be read as HTTP/1.1 at all: its connection is closed."""
 
 
 @dataclass(frozen=True)
@@ -51,16 +47,7 @@ def read_request(buf: bytes | bytearray, max_body: int) -> tuple[Request, int] |
         if len(buf) > MAX_HEAD:
             raise BadRequest("request head too large")
         return None
-    lines = bytes(buf[:end]).split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-        raise BadRequest("not an HTTP/1.x request line")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise BadRequest("malformed header line")
-        headers[name.decode("latin-1").lower()] = value.strip().decode("latin-1")
+    method, target, headers = parse_head(bytes(buf[:end]))
     start = end + 4
     if headers.get("transfer-encoding", "").lower() == "chunked":
         got = _chunked(buf, start, max_body)
@@ -76,7 +63,6 @@ def read_request(buf: bytes | bytearray, max_body: int) -> tuple[Request, int] |
         if len(buf) < start + int(length):
             return None
         body, taken = bytes(buf[start:start + int(length)]), start + int(length)
-    method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
     return Request(method, target.partition("?")[0], headers, body), taken
 
 

@@ -24,7 +24,7 @@ from gateway.authz.request import AuthzRequest
 from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice
-from gateway.server import authz_http, check_http
+from gateway.server import authz_http, check_http, http1
 from testkit.check_requests import HeldAuthorizer
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
@@ -125,7 +125,7 @@ def test_every_metadata_key_a_check_writes_is_one_the_door_sends() -> None:
     (b"POST /x HTTP/1.1\r\ncontent-length: -1", "content-length"),
 ])
 def test_a_head_the_door_cannot_read_is_refused(head: bytes, why: str) -> None:
-    with pytest.raises(authz_http.BadRequest):
+    with pytest.raises(http1.BadRequest):
         authz_http.parse_head(head)
 
 

@@ -17,7 +17,8 @@ from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.metering.recorder import Recorder
 from gateway.server import records_http
-from gateway.server.records_http import BadRequest, Request, read_request
+from gateway.server.http1 import BadRequest
+from gateway.server.records_http import Request, read_request
 from gateway.server.records_service import RecordsService
 from gateway.sinks.spool import Spool
 
