@@ -20,18 +20,19 @@ import contextlib
 import fcntl
 import itertools
 import os
-import queue
 import socket
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import orjson
 
 from gateway.errors import SpoolLocked
+from gateway.sinks.disk_thread import DiskThread
+
+T = TypeVar("T")
 
 SEGMENT_BYTES = 64 << 20
 # Lines just made durable, kept in memory for the shipper (seq order, contiguous): it sends
@@ -39,51 +40,8 @@ SEGMENT_BYTES = 64 << 20
 RECENT_MAX = 10_000  # ~7 MB of typical events
 
 
-T = TypeVar("T")
-
-
 def _seg_name(first_seq: int) -> str:
     return f"{first_seq:020d}.log"
-
-
-def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if not fut.done():
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-
-class _DiskThread:
-    """One thread that runs the spool's writes and fsyncs in order, each call answered on
-    the event loop: a hand-off costs ~27 µs of CPU here against ~60 through to_thread
-    (its executor, context copy and two chained futures)."""
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[
-            tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
-        ] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, loop, fut = call
-            try:
-                result, error = fn(), None
-            except BaseException as exc:  # handed to the awaiting coroutine
-                result, error = None, exc
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_settle, fut, result, error)
-
-    async def run(self, fn: Callable[[], T]) -> T:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[T] = loop.create_future()
-        self._calls.put((fn, loop, fut))
-        return await fut
-
-    def stop(self) -> None:
-        self._calls.put(None)
 
 
 class Spool:
@@ -115,7 +73,7 @@ class Spool:
         self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
         self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
         self._lock_fd: int | None = None
-        self._disk: _DiskThread | None = None  # started by the first group commit
+        self._disk: DiskThread | None = None  # started by the first group commit
 
     # -- opening and recovery ---------------------------------------------------------
 
@@ -218,7 +176,7 @@ class Spool:
     async def on_disk_thread(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the spool's disk thread, after what was queued there before."""
         if self._disk is None:
-            self._disk = _DiskThread(f"spool-{self.instance_id}")
+            self._disk = DiskThread(f"spool-{self.instance_id}")
         return await self._disk.run(fn)
 
     def _keep_recent(self, first: int, lines: list[bytes]) -> None:
