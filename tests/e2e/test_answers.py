@@ -323,7 +323,9 @@ def test_max_tokens_beyond_the_whole_limit_is_refused_as_impossible(
     assert h[_rate_header(api, "tokens", "limit")] == "1234"
     again = _limited(spoke, keys["tpm1234"], api, tries=1, max_tokens=4321).response.headers
     remaining = _rate_header(api, "tokens", "remaining")
-    assert again[remaining] == h[remaining]  # the first refusal consumed nothing
+    # The first refusal consumed nothing: what remains did not shrink (it may grow meanwhile,
+    # as the previous minute's use, the other API's run with this key, slides out).
+    assert int(again[remaining]) >= int(h[remaining])
     _ask(spoke, keys["tpm1234"], api, max_tokens=100)
 
 

@@ -78,6 +78,7 @@ def _until(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped
     return time.monotonic()
 
 
+@pytest.mark.serial  # judged under load and against a time bound: alone, not beside a worker
 def test_primary_killed_under_load_then_back_as_a_replica(
         sentinel_spoke: tuple[Spoke, dict[str, str]]) -> None:
     spoke, keys = sentinel_spoke
