@@ -12,6 +12,7 @@ so the metering core needs no protobuf; the proto encoding is the sink's
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -20,9 +21,31 @@ import orjson
 CE_TYPE = "gateway.usage.v1"
 
 
-def rfc3339(ts: float) -> str:
+def _rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
         "+00:00", "Z")
+
+
+_SECONDS: dict[int, str] = {}  # "2026-12-02T09:00:31" by epoch second: every event has two
+
+
+def rfc3339(ts: float) -> str:
+    """`ts` in RFC 3339, UTC, to the millisecond (truncated, as isoformat does, after
+    datetime's own rounding to the microsecond: half to even). The second's text is cached:
+    formatting a datetime cost ~2 µs, twice an event; a test keeps this equal to `_rfc3339`."""
+    frac, whole = math.modf(ts)
+    us = round(frac * 1e6)
+    if ts < 0 or us < 0:
+        return _rfc3339(ts)
+    sec = int(whole)
+    if us >= 1_000_000:
+        sec, us = sec + 1, us - 1_000_000
+    head = _SECONDS.get(sec)
+    if head is None:
+        if len(_SECONDS) >= 64:
+            _SECONDS.clear()
+        head = _SECONDS[sec] = datetime.fromtimestamp(sec, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{head}.{us // 1000:03d}Z"
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,11 @@ class RecordsService:
         for rl in request.resource_logs:
             for sl in rl.scope_logs:
                 for lr in sl.log_records:
-                    seq = self._one({kv.key: _text(kv.value) for kv in lr.attributes})
+                    # Envoy renders every attribute as a string: read it directly (a
+                    # WhichOneof per attribute cost ~5 µs a record); _text only for another
+                    # kind, or an empty one.
+                    seq = self._one({kv.key: kv.value.string_value or _text(kv.value)
+                                     for kv in lr.attributes})
                     last_seq = max(last_seq, seq)
         if last_seq:
             await self.recorder.spool.until_durable(last_seq)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.sinks.shipper import record
 from gateway.sinks.usage_proto import from_json, proto_json, to_proto
-from gateway.usage_event import Cancellation, Usage, UsageEvent, event_json
+from gateway.usage_event import Cancellation, Usage, UsageEvent, event_json, rfc3339
 
 text = st.text(max_size=20)
 count = st.integers(min_value=0, max_value=2**62)
@@ -45,3 +47,22 @@ def test_the_cloudevents_headers_are_the_events_fields(event: UsageEvent) -> Non
         "ce_source": f"/gateway/{event.spoke}/{event.instance_id}".encode(),
         "ce_type": b"gateway.usage.v1", "ce_time": event.ended_at.encode(),
         "content-type": b"application/json"}
+
+
+def _isoformat(ts: float) -> str:
+    """What rfc3339 wrote before it cached the second's text."""
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+@given(st.floats(min_value=0, max_value=4e9, allow_nan=False)
+       | st.integers(0, 4_000_000_000).flatmap(
+           lambda s: st.integers(0, 999_999).map(lambda us: s + (us + 0.5) / 1e6)))
+def test_rfc3339_is_datetimes_isoformat_to_the_millisecond(ts: float) -> None:
+    assert rfc3339(ts) == _isoformat(ts)
+
+
+def test_rfc3339_rounds_as_datetime_does_at_the_edges() -> None:
+    for ts in [0.0, 0.0005, 0.9999994, 0.9999995, 0.9999996, 1800000000.9999995,
+               1764666031.4999995, 1764666031.0004995, 59.9999999, 86399.9999996, -1.5]:
+        assert rfc3339(ts) == _isoformat(ts), ts

@@ -148,3 +148,23 @@ async def test_over_a_connection(records: tuple[RecordsService, Spool]) -> None:
     finally:
         server.close()
         writer_task.cancel()
+
+
+async def test_an_attribute_of_another_kind_is_read_as_its_text(
+        records: tuple[RecordsService, Spool]) -> None:
+    """Envoy sends strings; a record whose code came as an int (another exporter) reads
+    the same."""
+    service, spool = records
+    req = otlp.ExportLogsServiceRequest.FromString(batch("r9"))
+    lr = req.resource_logs[0].scope_logs[0].log_records[0]
+    for kv in lr.attributes:
+        if kv.key == "code":
+            kv.value.int_value = 200
+    writer = asyncio.create_task(spool.run_writer())
+    try:
+        await service.export(req)
+    finally:
+        writer.cancel()
+    assert spool.last_seq == 1
+    line = (spool.dir / "00000000000000000001.log").read_bytes()
+    assert orjson.loads(line)["status_code"] == 200
