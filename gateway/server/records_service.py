@@ -62,22 +62,23 @@ class RecordsService:
 
     async def export(self, request: otlp.ExportLogsServiceRequest) -> None:
         """Record a batch; returns once its events are durable (then the batch is answered)."""
-        last_seq = 0
+        last_seq = n = 0
         for rl in request.resource_logs:
             for sl in rl.scope_logs:
+                n += len(sl.log_records)
                 for lr in sl.log_records:
                     # Envoy renders every attribute as a string: read it directly (a
-                    # WhichOneof per attribute cost ~5 µs a record); _text only for another
+                    # WhichOneof per attribute cost ~3 µs a record); _text only for another
                     # kind, or an empty one.
                     seq = self._one({kv.key: kv.value.string_value or _text(kv.value)
                                      for kv in lr.attributes})
                     last_seq = max(last_seq, seq)
+        metrics.RECORDS.inc(n)  # once a batch: a Counter's inc takes a lock (~1 µs)
         if last_seq:
             await self.recorder.spool.until_durable(last_seq)
 
     def _one(self, attrs: dict[str, str]) -> int:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""
-        metrics.RECORDS.inc()
         if not self.emits:
             rid = record.request_id(attrs)
             if rid is not None:
