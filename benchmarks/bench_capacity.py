@@ -38,13 +38,18 @@ CPU placement (2+ CPUs, unless --no-pin): Envoys and sidecars on CPU 0; the clie
 Redis and Tansu on CPU 1. With CPU 1 near 100 % the client, not the gateway, bounds req/s.
 The issue's targets are printed beside the numbers, not asserted.
 
-`--sweep`: instead of the closed-loop phases, a rate sweep through the reference config:
-open-loop chat requests at fixed rates (`--rates`, default 50,100,200,500,1000 req/s, each
-for `--rate-s` seconds; every path in turn, order reversed each round). Per rate: the
-achieved req/s, latency, and the sidecar's CPU per request (idle time included: a timer
-that polls shows at the low rates) with its ratio to the path's best rate; the issue's
-target is every rate within 1.5x of the best. A rate past what the machine serves is shed
-(503, counted as `shed_503`, not a failure); achieved req/s then falls short of the rate.
+`--sweep`: instead of the closed-loop phases, a rate sweep through plain Envoy and the
+reference config: open-loop chat requests at fixed rates (`--rates`, default
+50,100,200,500,1000 req/s, each for `--rate-s` seconds; every path in turn, order reversed
+each round). Per rate: the achieved req/s, latency, and each process's CPU per request
+(idle time included: a timer that polls shows at the low rates) with its ratio to that
+process's best rate; the issue's target is the sidecar within 1.5x of its best at every
+rate. Plain Envoy's own ratio, and the mock engine's (a Python process doing the same work
+per request at every rate), are the floor: what fewer requests a second do to any
+process's cost per request on this machine (cold caches, a wake-up per request). Wake-ups
+per request (how often a process's threads were put on a CPU, from schedstat) show why. A
+rate past what the machine serves is shed (503, counted as `shed_503`, not a failure);
+achieved req/s then falls short of the rate.
 The table is printed, the rows are the JSON's `sweep`.
 
 `--py-spy BIN`: py-spy (`pip install --target DIR py-spy`; BIN is its binary) records the
@@ -59,6 +64,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -67,7 +73,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -82,6 +88,7 @@ from common import (
     markdown_table,
     pin,
     proc_cpu_s,
+    runs,
     scan_log,
     sched_ns,
 )
@@ -138,6 +145,7 @@ class Phase:
     cpu_s: dict[str, float]  # process name -> on-CPU seconds during the phase
     answers: list[Answer]
     rate: int = 0  # open-loop req/s (the sweep); 0: closed loop
+    wakeups: dict[str, int] = field(default_factory=dict)  # process name -> times on a CPU
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
@@ -194,8 +202,7 @@ class Bench:
         self.plain: Service | None = None
         self.base: Baseline | None = None
         self.pinned = not args.no_pin and {GATEWAY_CPU, OTHER_CPU} <= os.sched_getaffinity(0)
-        self.paths = (*(() if args.sweep else (PLAIN,)), SPOKE,
-                      *((BASELINE,) if args.baseline else ()))
+        self.paths = (PLAIN, SPOKE, *((BASELINE,) if args.baseline else ()))
         self.phases: list[Phase] = []
         self.sent: dict[str, dict[str, int]] = {p: {} for p in self.paths}  # rid -> tokens
         self.problems: Counter[str] = Counter()
@@ -265,6 +272,10 @@ class Bench:
                 snap[name] = cpu
         return snap
 
+    def wakeups(self) -> dict[str, int]:
+        return {name: n for name, svc in self.procs().items()
+                if (n := runs(svc.pid)) is not None}
+
     async def phase(self, session: aiohttp.ClientSession, rnd: int, path: str, workload: str,
                     conc: int, per_worker: int, rate: int = 0) -> None:
         """`conc` closed-loop clients of `per_worker` requests each; with `rate`, open loop
@@ -272,12 +283,12 @@ class Bench:
         headers = {"authorization": f"Bearer {self.secret}", "content-type": "application/json",
                    "x-mock-ttft-ms": "0", "x-mock-tokens-per-s": "0"}
         url, body = self.url(path, workload), WORKLOADS[workload][1]
-        before, t0 = self.cpu(), time.perf_counter()
+        woke, before, t0 = self.wakeups(), self.cpu(), time.perf_counter()
         answers = await (open_loop(session, url, body, headers, rate, self.args.rate_s) if rate
                          else closed_loop(session, url, body, headers, conc, per_worker))
         wall = time.perf_counter() - t0
         await asyncio.sleep(SETTLE_S)
-        after = self.cpu()
+        after, woke_after = self.cpu(), self.wakeups()
         for a in answers:
             if a.request_id and a.status == 200:
                 self.sent[path][a.request_id] = a.completion_tokens
@@ -289,7 +300,9 @@ class Bench:
         if rnd >= 0:
             self.phases.append(Phase(rnd, path, workload, conc, wall,
                                      {k: after[k] - v for k, v in before.items() if k in after},
-                                     answers, rate))
+                                     answers, rate,
+                                     {k: woke_after[k] - v for k, v in woke.items()
+                                      if k in woke_after}))
 
     def per_worker(self, conc: int) -> int:
         a = self.args
@@ -318,9 +331,10 @@ class Bench:
         if not self.args.py_spy:
             return None
         pid = self.spokes[SPOKE]["sidecar"].pid
-        return subprocess.Popen([self.args.py_spy, "record", "--pid", str(pid), "--rate", "250",
-                                 "--format", "raw", "--nonblocking", *self.args.py_spy_flags, "-o",
-                                 self.args.py_spy_out], stdout=subprocess.DEVNULL)
+        return subprocess.Popen([self.args.py_spy, "record", "--pid", str(pid),
+                                 "--rate", str(self.args.py_spy_rate), "--format", "raw",
+                                 "--nonblocking", *self.args.py_spy_flags,
+                                 "-o", self.args.py_spy_out], stdout=subprocess.DEVNULL)
 
     async def rounds(self, session: aiohttp.ClientSession) -> None:
         for rnd in range(self.args.rounds):
@@ -348,18 +362,21 @@ class Bench:
                 for p in self.phases if p.round == rnd), flush=True)
 
     def sweep_rows(self) -> list[dict[str, Any]]:
-        """Per path and rate: CPU per request of each process, and the sidecar's against
-        the path's best rate."""
+        """Per path and rate: CPU per request of each process, and each process's against
+        its own best rate (`x_best`). Plain Envoy's rows (its Envoy, and the engine it
+        shares with the spoke) are the floor: what the machine does to any process's cost
+        per request as the rate falls, with no gateway at all."""
         rows = []
         for path in self.paths:
+            # A plain phase's engine is the spoke's (plain Envoy forwards to it).
+            names = {f"{path}.": ""} | ({f"{SPOKE}.engine": "engine"} if path == PLAIN else {})
             mine = []
             for rate in self.args.rates:
                 ph = [p for p in self.phases if (p.path, p.rate) == (path, rate)]
                 n = sum(len(p.answers) for p in ph)
                 lat = [[a.latency_s * 1000 for a in p.answers if not a.error] for p in ph]
-                cpu_us = {k.split(".", 1)[-1]: sum(p.cpu_s.get(k, 0.0) for p in ph) / n * 1e6
-                          for k in sorted({k for p in ph for k in p.cpu_s
-                                           if k.startswith(f"{path}.")} | {"client"})}
+                cpu_us = {proc: sum(p.cpu_s.get(k, 0.0) for p in ph) / n * 1e6
+                          for k, proc in _sweep_procs(ph, path, names).items()}
                 mine.append({"path": path, "rate": rate, "requests": n,
                              "ok": sum(1 for p in ph for a in p.answers if not a.error),
                              "shed_503": sum(1 for p in ph for a in p.answers
@@ -368,11 +385,19 @@ class Bench:
                              "p50_ms": statistics.median(pct(x, 50) for x in lat),
                              "p99_ms": pct([v for x in lat for v in x], 99),
                              "cpu_us_per_req": cpu_us,
+                             "wakeups_per_req": {
+                                 proc: sum(p.wakeups.get(k, 0) for p in ph) / n
+                                 for k, proc in _sweep_procs(ph, path, names).items()
+                                 if k != "client"},
                              "sidecar_us_rounds": [p.cpu_s.get(f"{path}.sidecar", 0.0)
                                                    / len(p.answers) * 1e6 for p in ph]})
-            best = min(r["cpu_us_per_req"]["sidecar"] for r in mine)
+            for proc in {k for r in mine for k in r["cpu_us_per_req"]}:
+                best = min(r["cpu_us_per_req"].get(proc, math.inf) for r in mine)
+                for r in mine:
+                    if proc in r["cpu_us_per_req"] and best > 0:
+                        r.setdefault("x_best", {})[proc] = r["cpu_us_per_req"][proc] / best
             for r in mine:
-                r["sidecar_x_best"] = r["cpu_us_per_req"]["sidecar"] / best
+                r["sidecar_x_best"] = r.get("x_best", {}).get("sidecar", math.nan)
             rows += mine
         return rows
 
@@ -443,6 +468,13 @@ async def check_topic(bootstrap: str, want: dict[str, int], foreign: set[str],
 # --------------------------------------------------------------------------- output
 
 
+def _sweep_procs(phases: list[Phase], path: str, names: dict[str, str]) -> dict[str, str]:
+    """Phase CPU keys to process names for `path`'s rows ("spoke.sidecar" -> "sidecar")."""
+    keys = {k for p in phases for k in p.cpu_s} | {"client"}
+    out = {k: k.split(".", 1)[-1] for k in keys if k.startswith(f"{path}.") or k == "client"}
+    return out | {k: v for k, v in names.items() if v and k in keys}
+
+
 def render_table(rows: list[dict[str, Any]]) -> str:
     head = ("path", "workload", "c", "req", "req/s", "x plain", "x base", "p50 ms", "p99 ms",
             "+p50", "+p99", "envoy µs/req", "sidecar µs/req", "engine µs/req", "redis µs/req",
@@ -462,18 +494,22 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 def render_sweep(rows: list[dict[str, Any]]) -> str:
-    head = ("path", "rate/s", "req", "503", "achieved/s", "p50 ms", "p99 ms", "sidecar µs/req",
-            "x best", "envoy µs/req", "redis µs/req", "tansu µs/req")
+    """CPU per request of each process, and (x) against that process's best rate."""
+    procs = ("sidecar", "envoy", "engine", "redis")
+    head = ("path", "rate/s", "req", "503", "achieved/s", "p50 ms", "p99 ms",
+            *(f"{p} µs/req (x best)" for p in procs), "sidecar wake-ups/req",
+            "envoy wake-ups/req")
 
     def us(r: dict[str, Any], proc: str) -> str:
         v = r["cpu_us_per_req"].get(proc)
-        return "-" if v is None else f"{v:,.0f}"
+        x = r.get("x_best", {}).get(proc)
+        return "-" if v is None else f"{v:,.0f} ({x:.2f})" if x else f"{v:,.0f}"
 
     body = [(r["path"], str(r["rate"]), str(r["requests"]), str(r["shed_503"]),
-             f"{r['rps']:,.0f}",
-             f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", us(r, "sidecar"),
-             f"{r['sidecar_x_best']:.2f}", us(r, "envoy"), us(r, "redis"), us(r, "tansu"))
-            for r in rows]
+             f"{r['rps']:,.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}",
+             *(us(r, p) for p in procs),
+             *(f"{r['wakeups_per_req'].get(p, 0):.1f}" if p in r["wakeups_per_req"] else "-"
+               for p in ("sidecar", "envoy"))) for r in rows]
     return "\n".join(markdown_table(head, body))
 
 
@@ -482,6 +518,9 @@ def targets(rows: list[dict[str, Any]], sweep: list[dict[str, Any]]) -> dict[str
     out: dict[str, float] = {}
     if ours := [r for r in sweep if r["path"] == SPOKE]:
         out["sweep_worst_x_best"] = max(r["sidecar_x_best"] for r in ours)
+    if plain := [r for r in sweep if r["path"] == PLAIN]:  # the floor, not a target
+        out["sweep_plain_envoy_worst_x_best"] = max(r["x_best"]["envoy"] for r in plain)
+        out["sweep_engine_worst_x_best"] = max(r["x_best"].get("engine", 0) for r in plain)
     if chat32 := by.get((SPOKE, "chat", 32)):
         out |= {"sidecar_us_c32": chat32["cpu_us_per_req"].get("sidecar", float("nan")),
                 "rps_x_plain_c32": chat32["rps_x_plain"]}
@@ -562,6 +601,8 @@ def main() -> int:
                         help="record the spoke's sidecar with this py-spy binary")
     parser.add_argument("--py-spy-flag", dest="py_spy_flags", action="append", default=[],
                         help="one more py-spy record flag, e.g. --py-spy-flag=--native")
+    parser.add_argument("--py-spy-rate", type=int, default=250,
+                        help="py-spy samples a second (default: %(default)s)")
     parser.add_argument("--py-spy-out", default=str(HERE / "results" / "capacity-sidecar.txt"),
                         help="py-spy's collapsed stacks (default: %(default)s)")
     args = parser.parse_args()
@@ -608,6 +649,10 @@ def main() -> int:
               f"{k} {v:,.0f}" for k, v in sorted(bench.idle.items())
               if k.endswith(".sidecar")) + ")")
     print("\n".join(target_lines(values)))
+    if "sweep_plain_envoy_worst_x_best" in values:
+        print(f"floor (no gateway), worst rate vs best: plain Envoy's CPU per request "
+              f"{values['sweep_plain_envoy_worst_x_best']:.2f} x, the engine's (Python) "
+              f"{values['sweep_engine_worst_x_best']:.2f} x")
     bad = sum(bench.problems.values())
     ok = not bad and len(checks) == len(bench.spokes)
     if bad:

@@ -140,6 +140,23 @@ def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
     return run, wait, main_wait
 
 
+def runs(pid: int | None) -> int | None:
+    """How many times the threads of `pid` were put on a CPU (schedstat's third field, over
+    the live threads): its wake-ups, each of which costs a cold cache and a switch."""
+    if pid is None:
+        return None
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    n = 0
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError), \
+                open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+            n += int(f.read().split()[2])
+    return n
+
+
 def scan_log(path: Path, start: int) -> dict[str, Any]:
     """Tracebacks and error lines in a service's log from byte `start` on."""
     try:

@@ -84,6 +84,11 @@ JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 OTEL_ACCESS_LOG = "envoy.access_loggers.open_telemetry"
 RECORD_LOG_NAME = "gateway.usage"
 FLUSH = timedelta(milliseconds=50)
+# Envoy sends a batch when it holds this many bytes of records, or every FLUSH, whichever
+# comes first. Its default (16 KiB, ~20 records) sent a batch every ~15 ms at 1,400 req/s,
+# and each batch costs the sidecar a gRPC call, a group commit and a Redis round trip
+# whatever it carries; FLUSH alone now decides (the gRPC limit is 4 MiB a message).
+BUFFER_BYTES = 1 << 20
 RECORDS_HTTP_CLUSTER = "sidecar_records_http"  # the records over OTLP/HTTP, when configured
 RECORDS_HTTP_PATH = "/v1/logs"  # OTLP/HTTP's, served by gateway/server/records_http.py
 # An HTTP export is answered once its events are durable (milliseconds); one timed out is
@@ -176,7 +181,7 @@ def _otel_config(grpc: GrpcService) -> OpenTelemetryAccessLogConfig:
     return OpenTelemetryAccessLogConfig(
         common_config=CommonGrpcAccessLogConfig(
             log_name=RECORD_LOG_NAME, transport_api_version=ApiVersion.V3, grpc_service=grpc,
-            buffer_flush_interval=FLUSH),
+            buffer_flush_interval=FLUSH, buffer_size_bytes=BUFFER_BYTES),
         disable_builtin_labels=True,
         attributes=_attributes(),
     )
@@ -188,7 +193,8 @@ def _otel_http_config() -> OpenTelemetryAccessLogConfig:
                   cluster=RECORDS_HTTP_CLUSTER, timeout=RECORDS_HTTP_TIMEOUT)
     return OpenTelemetryAccessLogConfig(
         http_service=HttpService(http_uri=uri), log_name=RECORD_LOG_NAME,
-        buffer_flush_interval=FLUSH, disable_builtin_labels=True, attributes=_attributes())
+        buffer_flush_interval=FLUSH, buffer_size_bytes=BUFFER_BYTES,
+        disable_builtin_labels=True, attributes=_attributes())
 
 
 def _attributes() -> KeyValueList:

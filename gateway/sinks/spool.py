@@ -40,6 +40,11 @@ SEGMENT_BYTES = 64 << 20
 RECENT_MAX = 10_000  # ~7 MB of typical events
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def _seg_name(first_seq: int) -> str:
     return f"{first_seq:020d}.log"
 
@@ -74,6 +79,7 @@ class Spool:
         self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
         self._lock_fd: int | None = None
         self._disk: DiskThread | None = None  # started by the first group commit
+        self._lingering: asyncio.Future[None] | None = None  # the writer waiting for company
 
     # -- opening and recovery ---------------------------------------------------------
 
@@ -145,10 +151,19 @@ class Spool:
 
     async def run_writer(self, linger: float = 0.005) -> None:
         """Group commit: the first queued line waits up to `linger` for company, so under
-        load one write and one fsync serve many events (events are off the request path)."""
+        load one write and one fsync serve many events (events are off the request path).
+        Lines someone already waits on (`until_durable`: a batch of Envoy's records, which
+        came as one group) are committed at once: the wait would only add a timer's
+        wake-up and `linger` to the batch's answer."""
+        loop = asyncio.get_running_loop()
         while True:
             await self._wake_writer.wait()
-            await asyncio.sleep(linger)
+            if not self._waiters:
+                self._lingering = loop.create_future()
+                timer = loop.call_later(linger, _resolve, self._lingering)
+                await self._lingering
+                timer.cancel()
+                self._lingering = None
             self._wake_writer.clear()
             await self.commit()
 
@@ -205,6 +220,8 @@ class Spool:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((seq, fut))
+        if self._lingering is not None:
+            _resolve(self._lingering)  # commit now, not after the linger
         await fut
 
     def _write(self, first: int, lines: list[bytes]) -> None:

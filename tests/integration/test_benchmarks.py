@@ -88,9 +88,14 @@ def test_bench_capacity_quick(tmp_path: Path) -> None:
 def test_bench_capacity_sweep_quick(tmp_path: Path) -> None:
     doc = run("bench_capacity.py", tmp_path, "--sweep", "--rates", "50,200")
     assert doc["checks_passed"] and doc["kafka_check"]["spoke"]["ok"]
-    assert [(r["path"], r["rate"]) for r in doc["sweep"]] == [("spoke", 50), ("spoke", 200)]
+    assert [(r["path"], r["rate"]) for r in doc["sweep"]] == [
+        ("plain", 50), ("plain", 200), ("spoke", 50), ("spoke", 200)]
     assert all(r["ok"] == r["requests"] > 0 for r in doc["sweep"]), doc["sweep"]
-    assert min(r["sidecar_x_best"] for r in doc["sweep"]) == 1.0
+    spoke = [r for r in doc["sweep"] if r["path"] == "spoke"]
+    plain = [r for r in doc["sweep"] if r["path"] == "plain"]
+    assert min(r["sidecar_x_best"] for r in spoke) == 1.0
+    assert min(r["x_best"]["envoy"] for r in plain) == 1.0  # the floor beside it
+    assert all(r["wakeups_per_req"]["sidecar"] > 0 for r in spoke)
 
 
 def test_lua_per_chunk_quick(tmp_path: Path) -> None:

@@ -109,6 +109,21 @@ async def test_until_durable_returns_once_the_event_is_on_disk(tmp_path: Path) -
     sp.close()
 
 
+async def test_lines_someone_waits_on_skip_the_linger_and_the_rest_keep_it(
+        tmp_path: Path) -> None:
+    """A batch of Envoy's records came as one group: its answer must not wait `linger`
+    for company. Lines nobody waits on (ext_proc's events) still linger for company."""
+    sp = Spool(tmp_path, "i").open()
+    writer = asyncio.create_task(sp.run_writer(linger=30.0))
+    _put(sp, 3)
+    await asyncio.sleep(0.2)
+    assert sp.durable_seq == 0  # nobody waits: lingering
+    _put(sp, 2)
+    await asyncio.wait_for(sp.until_durable(5), 0.5)  # written without the 30 s linger?
+    writer.cancel()
+    sp.close()
+
+
 async def test_the_oldest_undelivered_events_age(tmp_path: Path) -> None:
     """What /metrics shows as gateway_usage_spool_oldest_age_seconds (alert on it)."""
     sp = Spool(tmp_path, "i").open()
