@@ -85,7 +85,7 @@ def spool_dir(flag: str | None, env: str | None, default: Path) -> Path:
 
 def cmd_usage_reconcile(args: argparse.Namespace) -> int:
     from gateway.billing.db import UsageDb, gaps
-    from gateway.sinks.spool import spooled
+    from gateway.sinks.spools import spooled
     try:
         root = spool_dir(args.spool_dir, os.environ.get("GATEWAY_SPOOL_DIR"),
                          Settings.model_fields["spool_dir"].default)

@@ -35,7 +35,8 @@ from gateway.server.records_service import RecordsService
 from gateway.settings import Settings
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
-from gateway.sinks.spool import Spool, choose_instance, orphans
+from gateway.sinks.spool import Spool
+from gateway.sinks.spools import choose_instance, orphans
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 

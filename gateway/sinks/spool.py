@@ -20,7 +20,6 @@ import contextlib
 import fcntl
 import itertools
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -360,49 +359,3 @@ class Spool:
         self.delivered = seq
         if persist:
             self.persist_delivered()
-
-
-def choose_instance(root: Path, configured: str) -> str:
-    """The configured id, else a spool left by this host's previous run (its seq continues),
-    else hostname-pid."""
-    if configured:
-        return configured
-    host = socket.gethostname()
-    for d in sorted(root.glob(f"{host}-*")) if root.exists() else []:
-        probe = Spool(root, d.name)
-        try:
-            probe.open()
-        except SpoolLocked:
-            continue
-        probe.close()
-        return d.name
-    return f"{host}-{os.getpid()}"
-
-
-def orphans(root: Path, own: str) -> list[Spool]:
-    """Other instances' spools with undelivered events whose owner is gone, opened (locked)."""
-    found = []
-    for d in sorted(root.iterdir()) if root.exists() else []:
-        if not d.is_dir() or d.name == own:
-            continue
-        spool = Spool(root, d.name)
-        try:
-            spool.open()
-        except SpoolLocked:
-            continue
-        if spool.depth > 0:
-            found.append(spool)
-        else:
-            spool.close()
-    return found
-
-
-def spooled(root: Path) -> dict[str, tuple[int, int]]:
-    """Per instance spool under `root`: (first undelivered seq, how many), read-only."""
-    out = {}
-    for d in sorted(root.iterdir()) if root.exists() else []:
-        if d.is_dir():
-            probe = Spool(root, d.name)
-            probe._recover()  # no lock: a live instance may own it; we only read the marks
-            out[d.name] = (probe.delivered + 1, probe.depth)
-    return out

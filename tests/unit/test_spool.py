@@ -12,7 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.sinks.spool import Spool, SpoolLocked, choose_instance, orphans, spooled
+from gateway.sinks.spool import Spool, SpoolLocked
+from gateway.sinks.spools import choose_instance, orphans, spooled
 
 
 def _put(sp: Spool, n: int) -> None:
