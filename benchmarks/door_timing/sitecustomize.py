@@ -6,6 +6,7 @@ module when, and only if, a process imports it. Not part of the gateway: a measu
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.util
 import os
@@ -21,6 +22,13 @@ def _patch(mod: Any) -> None:
     received, write = conn.data_received, conn._write
     lines: list[str] = []
 
+    def flush() -> None:
+        with open(OUT, "a") as f:  # type: ignore[arg-type]
+            f.writelines(lines)
+        lines.clear()
+
+    atexit.register(flush)  # the sidecar exits normally on SIGTERM
+
     def data_received(self: Any, data: bytes) -> None:
         self._bench_t = time.perf_counter()
         received(self, data)
@@ -31,9 +39,7 @@ def _patch(mod: Any) -> None:
         lines.append(f"{req.headers.get('x-bench', 'envoy')} "
                      f"{int(getattr(answer, 'leased', False))} {us:.1f}\n")
         if len(lines) >= 100:
-            with open(OUT, "a") as f:  # type: ignore[arg-type]
-                f.writelines(lines)
-            lines.clear()
+            flush()
 
     conn.data_received, conn._write = data_received, _write
 
