@@ -1,21 +1,37 @@
 """Where the latency the gateway adds at c=1 goes: one client, one request at a time.
 
     .venv/bin/python benchmarks/bench_latency.py [--requests 300] [--rounds 3] [--no-pin]
-        [--drop lua,json_to_metadata]
+        [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
+        [--sidecar-apart] [--redis-with-gateway]
 
-Paths, interleaved per round (A B C D, then D C B A): `plain` (testkit.envoys.envoy_without:
-no ext_authz, no ext_proc) and `spoke` (the reference config: Envoy-fed metering, the Check
-through the HTTP door), chat with max_tokens 8 and an engine that answers at once; and the
-HTTP door asked directly, as Envoy asks it, by a keep-alive raw-socket client: `door_allow`
-(the spoke's key; it has no limits, so no Redis round trip) and `door_401`.
+Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
+that answers at once, each over one keep-alive raw-socket connection:
+* `plain`: testkit.envoys.envoy_without (no ext_authz, no ext_proc);
+* `spoke`: the reference config (Envoy-fed metering, the Check through the HTTP door) with
+  the key `bench`, admitted in Redis on three tiers (limits too high to trip, as
+  bench_capacity's key; `--no-limits`: none);
+* `spoke_free`: the same spoke, a key with no limits anywhere (its Check never waits);
+* `door_allow`, `door_free`, `door_401`: the HTTP door asked directly, as Envoy asks it;
+* with `--floor`, the ladder from plain Envoy to the spoke, each an Envoy of the reference
+  config with no records, its ext_authz asking benchmarks/ok_server.py (uvloop): `floor`
+  (ext_authz + router, a constant `200 OK`: Envoy + any ext_authz over HTTP),
+  `floor_answer` (the same, the answer a real allowed Check of `bench` gave: its headers
+  and metadata), `floor_lua` (+ the Lua filter), `floor_chain` (+ json_to_metadata: the
+  whole chain). Each step's p50 minus the one before is what that part adds.
 
-The spoke's Envoy is the reference config with two additions for this measurement only:
-ext_authz's `emit_filter_state_stats`, and access log fields from its request's first byte
-(µs): `authz_us` (the Check as Envoy saw it, sent to answered), `to_engine_us` (to the
-first byte sent to the engine), `first_byte_us` (to the engine's first byte back) and
-`tx_end_us` (to the last byte sent to the client). Their medians are printed, beside
-plain's `to_engine_us`. `--drop` removes filters from the spoke's chain (by a part of
-their names), to see what each costs.
+Printed per path: p50/p90/p99 and CPU µs a request of its Envoy and of the sidecar
+(schedstat, all threads, 60 ms after each series for the records). The Envoys log, from a
+request's first byte (µs): `authz_us` (the Check as ext_authz saw it), `to_engine_us`,
+`first_byte_us` (the engine's first byte back), `tx_end_us` (the last byte to the client);
+their medians are printed. Also: Redis's own µs per command (INFO commandstats), the door
+cluster's connection counters, and with `--door-times` the door's own time per Check, from
+its request's read to its answer's write (benchmarks/door_timing, patched in at import).
+
+Placement (2+ CPUs, unless --no-pin): the Envoys, the sidecar and the floor servers on CPU
+0; the client, the engine, Redis and Tansu on CPU 1 (`--sidecar-apart`: the sidecar on 1;
+`--redis-with-gateway`: Redis on 0). `--drop` removes filters from the spoke's chain (by a
+part of their names; `records`: its OpenTelemetry access log, so no records, settles,
+spool or Kafka).
 """
 
 from __future__ import annotations
@@ -25,17 +41,20 @@ import contextlib
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
+import urllib.request
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import orjson
 import yaml
-from common import pin
-from streaming import serve_one_key
+from common import pin, sched_ns
 
+from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
@@ -43,6 +62,7 @@ from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
 MODEL = "mock-model"
+FREE_MODEL = "mock-free"
 BODY = orjson.dumps({"model": MODEL, "max_tokens": 8,
                      "messages": [{"role": "user", "content": "classify: the sky is blue"}]})
 FIELDS = {  # access log field -> Envoy's format string
@@ -52,6 +72,7 @@ FIELDS = {  # access log field -> Envoy's format string
     "tx_end_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
 }
 GATEWAY_CPU, OTHER_CPU = 0, 1
+RID = "0b6a9a48-cd1b-4bb4-9a1c-6d1d9a1f0e11"  # replaced by a fresh one in each door request
 
 
 def spoke_config(drop: list[str]) -> Any:
@@ -61,6 +82,8 @@ def spoke_config(drop: list[str]) -> Any:
         tc = hcm["typed_config"]
         tc["http_filters"] = [f for f in tc["http_filters"]
                               if not any(d in f["name"] for d in drop)]
+        if "records" in drop:  # no records to the sidecar: no settle, spool, Kafka
+            tc["access_log"] = [a for a in tc["access_log"] if a["name"].endswith("stdout")]
         for f in tc["http_filters"]:
             if f["name"] == "envoy.filters.http.ext_authz":
                 f["typed_config"]["emit_filter_state_stats"] = True
@@ -70,10 +93,107 @@ def spoke_config(drop: list[str]) -> Any:
     return config
 
 
-def request(path: str, headers: dict[str, str]) -> bytes:
+def floor_config(ports: EnvoyPorts, ok_port: int, keep: tuple[str, ...]) -> str:
+    """The reference config with its ext_authz asking a constant-answer server
+    (benchmarks/ok_server.py) on `ok_port`, no records (no OpenTelemetry access log), and
+    of its HTTP filters only ext_authz, the router and `keep` (lua, json_to_metadata)."""
+    doc = yaml.safe_load(render(ports, metering="envoy"))
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    tc = hcm["typed_config"]
+    tc["http_filters"] = [f for f in tc["http_filters"]
+                          if f["name"].endswith(("ext_authz", "router", *keep))]
+    for f in tc["http_filters"]:
+        if f["name"].endswith("ext_authz"):
+            f["typed_config"]["emit_filter_state_stats"] = True
+    tc["access_log"] = [a for a in tc["access_log"] if a["name"].endswith("stdout")]
+    tc["access_log"][0]["typed_config"]["log_format"]["json_format"].update(FIELDS)
+    for c in doc["static_resources"]["clusters"]:
+        if c["name"] == "sidecar_authz_http":
+            sa = c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+            sa["address"]["socket_address"]["port_value"] = ok_port
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def floor_envoy(engine: str, ok_port: int, keep: tuple[str, ...], workdir: Path,
+                name: str) -> Service:
+    port, admin = free_port(), free_port()
+    ports = EnvoyPorts(listen=f"127.0.0.1:{port}", engine=engine, admin=f"127.0.0.1:{admin}")
+    svc = envoy_service(floor_config(ports, ok_port, keep), admin, port, workdir)
+    svc.name = name
+    return svc
+
+
+def cluster_stats(svc: Service, cluster: str) -> dict[str, int]:
+    """A few of Envoy's counters for `cluster` (is the connection reused?)."""
+    admin = getattr(svc, "admin_port", None)
+    if admin is None:
+        return {}
+    want = ("upstream_cx_total", "upstream_rq_total", "upstream_cx_destroy",
+            "upstream_cx_destroy_remote", "upstream_rq_pending_total")
+    with urllib.request.urlopen(
+            f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.{cluster}\\.", timeout=2) as r:
+        lines = r.read().decode().splitlines()
+    out = {}
+    for line in lines:
+        name, _, value = line.partition(": ")
+        short = name.rsplit(".", 1)[-1]
+        if short in want and value.strip().isdigit():
+            out[short] = int(value)
+    return out
+
+
+def door_medians(path: Path) -> dict[str, str]:
+    """The door's own times (--door-times) by who asked and whether Redis admitted."""
+    by: dict[str, list[float]] = defaultdict(list)
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            who, leased, us = line.split()
+            by[f"{who}{' admitted' if leased == '1' else ''}"].append(float(us))
+    return {k: f"p50 {statistics.median(v):.0f} p90 {pct([x / 1e6 for x in v], .9) * 1e6:.0f} "
+               f"(n={len(v)})" for k, v in sorted(by.items())}
+
+
+def redis_stats(url: str) -> dict[str, tuple[int, float]]:
+    """Redis's own time per command (INFO commandstats: calls, µs a call) for the scripts
+    and commands the spoke sent: what the admission costs inside Redis."""
+    import redis
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return {k.removeprefix("cmdstat_"): (v["calls"], v["usec_per_call"])
+            for k, v in stats.items() if v["calls"] >= 100}
+
+
+def door_answer(address: str, raw: bytes) -> bytes:
+    """The door's whole answer to one request."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(raw)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += sock.recv(65536)
+    assert buf.startswith(b"HTTP/1.1 200") and b"content-length: 0\r\n" in buf, buf[:200]
+    return buf
+
+
+def request(path: str, headers: dict[str, str], body: bytes = BODY) -> bytes:
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-    return (f"POST {path} HTTP/1.1\r\nhost: bench\r\n{head}content-length: {len(BODY)}\r\n\r\n"
-            .encode() + BODY)
+    return (f"POST {path} HTTP/1.1\r\nhost: bench\r\n{head}content-length: {len(body)}\r\n\r\n"
+            .encode() + body)
+
+
+def serve_keys(spoke: Spoke, secret: str, free_secret: str, limited: bool) -> None:
+    """`bench` (MODEL; with `limited`, admitted in Redis on three tiers, limits too high to
+    trip, as bench_capacity's key) and `free` (FREE_MODEL, no limits anywhere: its Check
+    never waits on Redis), side by side in one policy."""
+    limits = {"limits": {"rps": 1_000_000, "concurrency": 100_000,
+                         "tokens_per_minute": 10_000_000_000}} if limited else {}
+    spoke.publish({"models": {MODEL: {**limits}, FREE_MODEL: {}},
+                   "teams": {"bench": {"models": [MODEL], **limits},
+                             "free": {"models": [FREE_MODEL]}},
+                   "keys": {"bench": {"team": "bench", **limits,
+                                      "sha256": secrets.digest(secret).hex()},
+                            "free": {"team": "free",
+                                     "sha256": secrets.digest(free_secret).hex()}}}, "bench")
+    spoke.wait_ready()
 
 
 def round_trip(sock: socket.socket, raw: bytes) -> float:
@@ -98,12 +218,15 @@ def round_trip(sock: socket.socket, raw: bytes) -> float:
 
 
 def series(address: str, raw: bytes, n: int) -> list[float]:
+    """n timed round trips after 20 untimed; each door request has its own x-request-id
+    (an admitted Check refuses a request id it has seen)."""
     host, port = address.rsplit(":", 1)
+    raws = [raw.replace(RID.encode(), str(uuid.uuid4()).encode()) for _ in range(n + 20)]
     with socket.create_connection((host, int(port))) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for _ in range(20):  # warm-up
-            round_trip(sock, raw)
-        return [round_trip(sock, raw) for _ in range(n)]
+        for r in raws[:20]:  # warm-up
+            round_trip(sock, r)
+        return [round_trip(sock, r) for r in raws[20:]]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -111,7 +234,9 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def log_medians(svc: Service) -> dict[str, float]:
+def log_medians(svc: Service, key_id: str | None = None) -> dict[str, float]:
+    """Medians of the FIELDS over the access log's chat requests (`key_id`: that key's only,
+    from the Check's metadata)."""
     values: dict[str, list[float]] = defaultdict(list)
     for line in svc.log_path.read_text(errors="replace").splitlines():
         if not line.startswith("{"):
@@ -121,6 +246,9 @@ def log_medians(svc: Service) -> dict[str, float]:
         except orjson.JSONDecodeError:
             continue
         if entry.get("path") != "/v1/chat/completions":
+            continue
+        authz = entry.get("authz")
+        if key_id is not None and not (isinstance(authz, dict) and authz.get("key_id") == key_id):
             continue
         for k in FIELDS:
             with contextlib.suppress(KeyError, TypeError, ValueError):  # "-": not set
@@ -134,49 +262,123 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300, help="per path per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-pin", action="store_true")
-    ap.add_argument("--drop", default="", help="filters to drop from the spoke's chain")
+    ap.add_argument("--drop", default="", help="filters to drop from the spoke's chain "
+                    "(`records`: its OpenTelemetry access log, the records to the sidecar)")
+    ap.add_argument("--no-limits", action="store_true",
+                    help="the bench key carries no limits: no Redis admission in the Check")
+    ap.add_argument("--redis-with-gateway", action="store_true",
+                    help="pin Redis to the gateway's core (default: the other core, with the "
+                         "engine and the client): what waking an idle core costs its round trip")
+    ap.add_argument("--sidecar-apart", action="store_true",
+                    help="pin the sidecar to the other core (default: beside Envoy)")
+    ap.add_argument("--door-times", action="store_true",
+                    help="the door's own time per Check, read to write (benchmarks/door_timing)")
+    ap.add_argument("--floor", action="store_true",
+                    help="add the ladder from plain Envoy to the spoke (see the docstring)")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-latency-"))
-    secret = secrets.new_secret("bench")
+    secret, free_secret = secrets.new_secret("bench"), secrets.new_secret("free")
+    door_times = workdir / "door-times"
+    if args.door_times:  # the spoke's sidecar inherits this environment
+        here = Path(__file__).resolve().parent
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(here / "door_timing"), os.environ.get("PYTHONPATH", "")])
+        os.environ["GATEWAY_BENCH_DOOR_TIMES"] = str(door_times)
     spoke = Spoke(workdir=workdir / "spoke", listen_port=free_port(), metering="envoy",
                   envoy_config=spoke_config([d for d in args.drop.split(",") if d])).start()
     plain: Service | None = None
+    extra: dict[str, Service] = {}
     try:
-        serve_one_key(spoke, secret, MODEL)
+        serve_keys(spoke, secret, free_secret, limited=not args.no_limits)
         plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
                               spoke["engine"].address, workdir / "plain", "envoy-plain").start()
+        if args.floor:
+            door = spoke.authz_http_address
+            assert door is not None
+            answer = workdir / "door-answer"  # a real allowed answer, headers and metadata
+            answer.write_bytes(door_answer(door, request("/v1/chat/completions", {
+                "authorization": f"Bearer {secret}", "x-request-id": str(uuid.uuid4())})))
+            ok = sys.executable, str(Path(__file__).with_name("ok_server.py"))
+            for name, extra_argv in (("ok", []), ("ok_answer", [str(answer)])):
+                port = free_port()
+                extra[name] = Service(name.replace("_", "-"), [*ok, str(port), "uvloop",
+                                                               *extra_argv], port, workdir).start()
+            for name, ok_name, keep in (("floor", "ok", ()), ("floor_answer", "ok_answer", ()),
+                                        ("floor_lua", "ok_answer", ("lua",)),
+                                        ("floor_chain", "ok_answer",
+                                         ("lua", "json_to_metadata"))):
+                extra[name] = floor_envoy(spoke["engine"].address, extra[ok_name].port, keep,
+                                          workdir / name, f"envoy-{name}").start()
         if not args.no_pin and {GATEWAY_CPU, OTHER_CPU} <= os.sched_getaffinity(0):
             os.sched_setaffinity(0, {OTHER_CPU})
-            for name, svc in {**spoke.services, "plain": plain}.items():
-                pin(svc.pid, {GATEWAY_CPU} if name in ("envoy", "sidecar", "plain")
-                    else {OTHER_CPU})
+            for name, svc in {**spoke.services, "plain": plain, **extra}.items():
+                gateway = name in ("envoy", "plain") or (
+                    name == "sidecar" and not args.sidecar_apart) or name.startswith(
+                    ("floor", "ok")) or (name == "redis" and args.redis_with_gateway)
+                pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
         chat = {"content-type": "application/json", "authorization": f"Bearer {secret}",
                 "x-mock-ttft-ms": "0", "x-mock-tokens-per-s": "0"}
-        rid = {"x-request-id": "0b6a9a48-cd1b-4bb4-9a1c-6d1d9a1f0e11"}
+        rid = {"x-request-id": RID, "x-bench": "direct"}
         door = spoke.authz_http_address
         assert door is not None
         paths = {
             "plain": (f"127.0.0.1:{plain.port}", request("/v1/chat/completions", chat)),
             "spoke": (f"127.0.0.1:{spoke.listen_port}", request("/v1/chat/completions", chat)),
+            "spoke_free": (f"127.0.0.1:{spoke.listen_port}", request(
+                "/v1/chat/completions", {**chat, "authorization": f"Bearer {free_secret}"},
+                BODY.replace(MODEL.encode(), FREE_MODEL.encode()))),
             "door_allow": (door, request("/v1/chat/completions",
                                          {"authorization": f"Bearer {secret}", **rid})),
+            "door_free": (door, request("/v1/chat/completions",
+                                        {"authorization": f"Bearer {free_secret}", **rid},
+                                        BODY.replace(MODEL.encode(), FREE_MODEL.encode()))),
             "door_401": (door, request("/v1/chat/completions",
                                        {"authorization": "Bearer nope", **rid})),
         }
+        for name, svc in extra.items():
+            if name.startswith("floor"):
+                paths[name] = (f"127.0.0.1:{svc.port}", request("/v1/chat/completions", chat))
         times: dict[str, list[float]] = {k: [] for k in paths}
+        # whose CPU each path's requests cost: its Envoy (the door's paths: none), the sidecar
+        procs = {"plain": plain, "spoke": spoke["envoy"], "spoke_free": spoke["envoy"],
+                 **{k: v for k, v in extra.items() if k.startswith("floor")}}
+        cpu: dict[str, dict[str, int]] = {k: defaultdict(int) for k in paths}
         order = list(paths)
         for rnd in range(args.rounds):
             for name in order if rnd % 2 == 0 else order[::-1]:
+                watch = {"envoy": procs.get(name), "sidecar": spoke["sidecar"]}
+                before = {k: sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
+                time.sleep(0.06)  # the records Envoy flushes every 50 ms, and their settle
+                for k, b in before.items():
+                    a = sched_ns(watch[k].pid)  # type: ignore[union-attr]
+                    if a is not None and b is not None:
+                        cpu[name][k] += a[0] - b[0]
         for name, xs in times.items():
+            per = {k: f"{v / 1e3 / len(xs):.0f}" for k, v in cpu[name].items()}
             print(f"{name:11s} p50 {statistics.median(xs) * 1e3:6.3f} ms  "
-                  f"p90 {pct(xs, .9) * 1e3:6.3f}  p99 {pct(xs, .99) * 1e3:6.3f}")
+                  f"p90 {pct(xs, .9) * 1e3:6.3f}  p99 {pct(xs, .99) * 1e3:6.3f}  "
+                  f"CPU µs/req {per}")
         added = statistics.median(times["spoke"]) - statistics.median(times["plain"])
         print(f"added p50 {added * 1e3:.3f} ms")
         print("spoke's Envoy, medians µs from the request's first byte:",
-              {k: round(v) for k, v in log_medians(spoke["envoy"]).items()})
+              {k: round(v) for k, v in log_medians(spoke["envoy"], "bench").items()})
+        print("the same, spoke_free:",
+              {k: round(v) for k, v in log_medians(spoke["envoy"], "free").items()})
         print("plain Envoy:", {k: round(v) for k, v in log_medians(plain).items()})
+        for name, svc in extra.items():
+            if name.startswith("floor"):
+                print(f"{name}'s Envoy:", {k: round(v) for k, v in log_medians(svc).items()})
+        print("Redis, µs a call:", redis_stats(spoke.redis_url))
+        print("spoke's Envoy, the door's cluster:",
+              cluster_stats(spoke["envoy"], "sidecar_authz_http"))
+        if args.door_times:
+            spoke["sidecar"].stop()  # its last lines flushed or not: a sample is enough
+            print("inside the door, µs from the request's read to its answer's write:",
+                  door_medians(door_times))
     finally:
+        for svc in extra.values():
+            svc.stop()
         if plain is not None:
             plain.stop()
         spoke.stop()

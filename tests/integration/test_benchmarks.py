@@ -125,3 +125,20 @@ def test_bench_quota_quick(tmp_path: Path) -> None:
     doc = run("bench_quota.py", tmp_path)
     assert doc["rounds"] and doc["summary"]["alone_pct"] > 0
     assert doc["admission_cost"]["plain_us"] > 0
+
+
+def test_bench_latency_ladder(tmp_path: Path) -> None:
+    """Every rung of the ladder answers (a wrong answer ends the run), and the door's own
+    times arrive from the spoke's sidecar (the import-time patch still finds the door)."""
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_latency.py"), "--requests", "20",
+                           "--rounds", "1", "--floor", "--door-times"],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    for path in ("plain", "spoke", "spoke_free", "door_allow", "door_free", "door_401",
+                 "floor", "floor_answer", "floor_lua", "floor_chain"):
+        assert any(line.startswith(f"{path} ") for line in lines), (path, proc.stdout)
+    door = next(line for line in lines if line.startswith("inside the door"))
+    assert "envoy admitted" in door and "direct admitted" in door, door
+    cluster = next(line for line in lines if "the door's cluster" in line)
+    assert "'upstream_cx_total': 1," in cluster, cluster
