@@ -169,26 +169,34 @@ def j2m_rules(keep: Callable[[list[str]], bool]) -> Callable[[Config], None]:
     return f
 
 
-def lua_skipped(config: Config) -> None:
-    """The Lua filter inside an ExtensionWithMatcher whose match on a request header (absent
-    here) skips it: what a per-request switch (e.g. a header the Check adds for streams only)
-    would cost a request it skips."""
-    h = hcm(config)
-    at = next(i for i, x in enumerate(h["http_filters"]) if x["name"] == LUA)
-    lua = h["http_filters"][at]
-    h["http_filters"][at] = {"name": LUA, "typed_config": {
+def skip_matcher(inner: Config) -> Config:
+    """`inner` (an HTTP filter entry) inside an ExtensionWithMatcher that skips it unless the
+    request carries x-gateway-lua (a header the Check could add for the requests that need
+    the filter: the matcher sees headers ext_authz added, checked with a streamed request)."""
+    skip = {"action": {"name": "skip", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action.v3"
+                 ".SkipFilter"}}}
+    return {"name": inner["name"], "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.common.matching.v3.ExtensionWithMatcher",
-        "extension_config": {"name": LUA, "typed_config": lua["typed_config"]},
+        "extension_config": inner,
         "xds_matcher": {"matcher_tree": {
             "input": {"name": "lua-switch", "typed_config": {
                 "@type": "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput",
                 "header_name": "x-gateway-lua"}},
-            "exact_match_map": {"map": {"never": {"action": {"name": "skip", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action"
-                         ".v3.SkipFilter"}}}}}},
-            "on_no_match": {"action": {"name": "skip", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.common.matcher.action"
-                         ".v3.SkipFilter"}}}}}}
+            "exact_match_map": {"map": {"never": skip}}},
+            "on_no_match": skip}}}
+
+
+def lua_skipped(copies: int = 0) -> Callable[[Config], None]:
+    """Every Lua filter (after `copies` more) behind skip_matcher: what the switch costs a
+    request it skips."""
+    def f(config: Config) -> None:
+        if copies:
+            dose(LUA, copies)(config)
+        h = hcm(config)
+        h["http_filters"] = [skip_matcher(x) if x["name"].startswith(LUA) else x
+                             for x in h["http_filters"]]
+    return f
 
 
 def no_client_headers(authz_: Config) -> None:
@@ -242,7 +250,9 @@ VARIANTS: dict[str, tuple[str, str, Callable[[Config], None]]] = {
     "lua_no_response": ("Lua without envoy_on_response", "stream counting/usage",
                         lua_without("envoy_on_response")),
     "lua_skipped": ("the Lua filter behind a matcher that skips it (the request has no "
-                    "x-gateway-lua header)", "as no_lua for this request", lua_skipped),
+                    "x-gateway-lua header)", "as no_lua for this request", lua_skipped()),
+    "lua_skipped_x5": ("lua_x5, every copy behind the skipping matcher (dose)",
+                       "as no_lua for this request", lua_skipped(4)),
     "no_lua": ("no Lua filter", "splice, stream usage", drop_filter(LUA)),
     "authz_md_min": ("dynamic_metadata_from_headers: only request_id, key_id, team, model",
                      "the facts", authz_metadata_headers({"request_id", "key_id", "team",
