@@ -259,6 +259,12 @@ VARIANTS: dict[str, tuple[str, str, Callable[[Config], None]]] = {
                                                           "model"})),
     "authz_no_client_headers": ("no allowed_client_headers(_on_success) patterns",
                                 "denials' and rate-limit headers", authz(no_client_headers)),
+    "authz_no_cluster_stats": ("ext_authz charge_cluster_response_stats off", "",
+                               authz(lambda a: a.update(charge_cluster_response_stats=False))),
+    "authz_no_upstream_headers": ("no allowed_upstream_headers (the 4 x-gateway- headers)",
+                                  "the engine's x-gateway- headers",
+                                  authz(lambda a: a["http_service"]["authorization_response"]
+                                        .pop("allowed_upstream_headers"))),
     "no_authz": ("no ext_authz filter", "the Check (fail closed)", drop_filter(AUTHZ)),
     "no_stats": ("stats_config reject_all (no stats at all)", "operability", no_stats),
     "no_normalize": ("normalize_path, merge_slashes off", "path normalisation",
