@@ -142,3 +142,16 @@ def test_bench_latency_ladder(tmp_path: Path) -> None:
     assert "envoy admitted" in door and "direct admitted" in door, door
     cluster = next(line for line in lines if "the door's cluster" in line)
     assert "'upstream_cx_total': 1," in cluster, cluster
+
+
+def test_bench_envoy_cost_small(tmp_path: Path) -> None:
+    """One variant beside the reference config, one short round: the harness runs, every
+    request answered, both Envoys priced."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_envoy_cost.py"), "--variants",
+                           "no_file_log", "--rounds", "1", "--requests", "64", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ref", "no_file_log"}
+    assert all(r["errors"] == 0 and r["envoy_us"] > 0 for r in rows.values()), rows
