@@ -8,8 +8,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 
-from prometheus_client import Counter, Histogram
-
 from gateway import metrics
 from gateway.errors import StoreUnavailable
 from gateway.limits.ledger import Ledger
@@ -28,11 +26,6 @@ from gateway.usage_event import UsageEvent, event_json, rfc3339
 CUT_WAIT_S = 1.0
 TOLD_MAX = 10_000
 SWEEP_BATCH = 100  # orphans claimed per store call
-
-_EVENTS: dict[str, Counter] = {}  # by outcome
-_TOKENS: dict[tuple[str, str], tuple[Counter, Counter]] = {}  # by model, team
-_TTFT: dict[str, Histogram] = {}  # by model
-_TPOT: dict[str, Histogram] = {}
 
 
 def _no_prices(model: str, at: float) -> Rates | None:
@@ -150,30 +143,14 @@ class Recorder:
         # The token counters settle to what is billed: the same rule as the event.
         self.spool.put(seq, event_json(event), on_durable=self._settlement(
             facts, usage.total_tokens if outcome != "denied" else 0))
-        # The metrics' children, each looked up once: `labels()` costs ~3 µs a call (a
-        # lock, a label check), and an event made four or five. Only what is counted is
-        # made (a child shows in /metrics from then on).
-        events = _EVENTS.get(outcome)
-        if events is None:
-            events = _EVENTS[outcome] = metrics.EVENTS.labels(outcome)
-        events.inc()
-        model = facts.model
+        child = metrics.child  # each label set looked up once, not per event
+        child(metrics.EVENTS, outcome).inc()
         if usage.total_tokens:
-            tokens = _TOKENS.get((model, facts.team))
-            if tokens is None:
-                tokens = _TOKENS[model, facts.team] = (
-                    metrics.TOKENS.labels(model, facts.team, "prompt"),
-                    metrics.TOKENS.labels(model, facts.team, "completion"))
-            tokens[0].inc(usage.prompt_tokens)
-            tokens[1].inc(usage.completion_tokens)
+            child(metrics.TOKENS, facts.model, facts.team, "prompt").inc(usage.prompt_tokens)
+            child(metrics.TOKENS, facts.model, facts.team, "completion").inc(
+                usage.completion_tokens)
         if b.ttft_ms:
-            ttft = _TTFT.get(model)
-            if ttft is None:
-                ttft = _TTFT[model] = metrics.TTFT.labels(model)
-            ttft.observe(b.ttft_ms / 1000)
+            child(metrics.TTFT, facts.model).observe(b.ttft_ms / 1000)
         if b.tpot_ms:
-            tpot = _TPOT.get(model)
-            if tpot is None:
-                tpot = _TPOT[model] = metrics.TPOT.labels(model)
-            tpot.observe(b.tpot_ms / 1000)
+            child(metrics.TPOT, facts.model).observe(b.tpot_ms / 1000)
         return event
