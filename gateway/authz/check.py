@@ -93,7 +93,7 @@ def answer(decision: Decision, req: AuthzRequest, traceparent: str = "") -> Answ
 def observe_decision(decision: Decision, seconds: float) -> None:
     metrics.CHECK_SECONDS.observe(seconds)
     if isinstance(decision, Deny):
-        metrics.DECISIONS.labels("denied", decision.reason, decision.tier or "").inc()
+        metrics.child(metrics.DECISIONS, "denied", decision.reason, decision.tier or "").inc()
     elif isinstance(decision, Allow):
         _ALLOWED.inc()
     else:
