@@ -2,7 +2,8 @@
 Check to its one end, and the store calls that move it on.
 
 An admission the store committed (`Admitted(owes_settlement=True)`) holds concurrency slots
-and a token reservation until it ends. One idempotent method per transition:
+and a token reservation until it ends. One idempotent method per transition (the stages,
+and which may follow which: gateway/limits/stages.py):
 
     admitted ──> begun ──> released ──> settled     (Envoy-fed metering: no `begun`)
         └──────────┴───────────┴──────> voided | orphaned (or settled without a release)
@@ -29,13 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 
 from gateway import batching, metrics
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
+from gateway.limits.stages import FROM, GIVEN_UP, REPEATS, Admission, Progress, Stage
 from gateway.limits.types import (
     Abandon,
     Ending,
@@ -52,59 +51,6 @@ from gateway.log import log
 # call about them is recognised: a heartbeat after the end, a release after the settlement.
 ENDED_KEEP_S = 120.0
 ENDED_MAX = 100_000
-
-Progress = Callable[[], tuple[int, int] | None]  # (prompt, completion) tokens so far
-
-
-class Stage(Enum):
-    """Where an admission stands, as this process knows it (one it knows nothing of has no
-    stage: it may be another process's, or from before a restart)."""
-
-    ADMITTED = "admitted"  # the Check admitted it here; watched: renewed while Envoy says it lives
-    BEGUN = "begun"  # its metering stream began here: renewed, with its usage so far
-    RELEASED = "released"  # its response ended, its slots are freed; the settlement follows
-    UNHEARD = "unheard"  # watched, but not heard of for `unheard_s`: no longer renewed
-    EXPIRED = "expired"  # older than the maximum lifetime: never renewed again
-    SETTLED = "settled"  # its reservation replaced by what it used: done
-    VOIDED = "voided"  # its caller gave up on it: released, charged nothing
-    ORPHANED = "orphaned"  # handed to (or claimed by) the orphan sweep, which bills it
-
-
-LIVE = frozenset({Stage.ADMITTED, Stage.BEGUN, Stage.RELEASED})  # followed here
-GIVEN_UP = frozenset({Stage.UNHEARD, Stage.EXPIRED})  # the store holds them until the sweep
-# The rest are remembered a while (ENDED_KEEP_S), as ended.
-
-# The stages each transition may come from (None: unknown here). A given-up admission may
-# still end; an ended id is admitted (or begun elsewhere) again only by a new request that
-# reuses it; a void is always safe (it charges nothing, and a late admission of a reused id
-# must not commit).
-FROM: dict[str, frozenset[Stage | None]] = {
-    "admitted": frozenset({None, *GIVEN_UP, Stage.SETTLED, Stage.VOIDED, Stage.ORPHANED}),
-    "begun": frozenset({None, Stage.ADMITTED, Stage.SETTLED}),
-    "heard": frozenset({None, Stage.ADMITTED, *GIVEN_UP}),
-    "released": frozenset({None, Stage.ADMITTED, Stage.BEGUN, *GIVEN_UP}),
-    "settled": frozenset({None, *LIVE, *GIVEN_UP}),
-    "voided": frozenset({None, *LIVE, *GIVEN_UP, Stage.SETTLED, Stage.ORPHANED}),
-    "orphaned": frozenset({None, *LIVE, *GIVEN_UP}),
-}
-# A transition repeated from the stage it leads to changes nothing (idempotence).
-REPEATS = {"admitted": Stage.ADMITTED, "begun": Stage.BEGUN, "released": Stage.RELEASED,
-           "settled": Stage.SETTLED, "voided": Stage.VOIDED, "orphaned": Stage.ORPHANED}
-
-
-@dataclass(slots=True)
-class _Admission:
-    stage: Stage
-    since: float  # when this process learned of it: its lifetime counts from here
-    heard_until: float | None = None  # watched: renewed until then, unless heard of again
-    progress: Progress | None = None  # its usage so far, checkpointed at each renewal
-    fresh: bool = True  # not renewed yet: renewed at the next tick, not the next round
-    ended_at: float = 0.0
-
-    def renewed(self) -> bool:
-        watched = self.stage is Stage.ADMITTED and self.heard_until is not None
-        return watched or self.stage is Stage.BEGUN
-
 
 class Ledger:
     """`watches`: admissions only Envoy follows (Envoy-fed metering, no stream here): each
@@ -128,8 +74,8 @@ class Ledger:
         # Streams that began since the last tick get their first renewal within a third of
         # the start TTL; the rest are renewed every third of the lease TTL.
         self.tick = max(self.first_lease / 3, 0.05)
-        self._live: dict[str, _Admission] = {}
-        self._ended: OrderedDict[str, _Admission] = OrderedDict()  # oldest end first
+        self._live: dict[str, Admission] = {}
+        self._ended: OrderedDict[str, Admission] = OrderedDict()  # oldest end first
         self._refused: set[tuple[str, str]] = set()  # kinds of refusal already logged
         self._pending: list[Ending] = []
         self._wake = asyncio.Event()
@@ -166,7 +112,7 @@ class Ledger:
             return
         now = self._clock.now()
         self._ended.pop(request_id, None)
-        self._hold(request_id, _Admission(
+        self._hold(request_id, Admission(
             Stage.ADMITTED, now, heard_until=now + self.unheard_s if self.watches else None))
 
     def begun(self, request_id: str, progress: Progress | None = None) -> None:
@@ -179,7 +125,7 @@ class Ledger:
             a.stage, a.heard_until, a.progress = Stage.BEGUN, None, progress
             return
         self._ended.pop(request_id, None)  # admitted by another process (or a new request)
-        self._hold(request_id, _Admission(Stage.BEGUN, self._clock.now(), progress=progress))
+        self._hold(request_id, Admission(Stage.BEGUN, self._clock.now(), progress=progress))
 
     def heard(self, request_id: str, checkpoint: tuple[int, int] | None) -> None:
         """Envoy's heartbeat record of a request still in flight (perhaps admitted by another
@@ -193,7 +139,7 @@ class Ledger:
             self._remember(request_id, a, Stage.EXPIRED, now)  # kept while heard, not renewed
             return
         if a is None:  # adopted: renewed at the next tick
-            a = _Admission(Stage.ADMITTED, now)
+            a = Admission(Stage.ADMITTED, now)
             self._hold(request_id, a)
         elif a.stage is Stage.UNHEARD:
             del self._ended[request_id]
@@ -214,7 +160,7 @@ class Ledger:
         if a is not None and a.renewed():
             self._send(Release(request_id))
         if a is None:
-            a = _Admission(Stage.RELEASED, self._clock.now())
+            a = Admission(Stage.RELEASED, self._clock.now())
         self._ended.pop(request_id, None)
         self._hold(request_id, a)
         a.stage, a.heard_until, a.progress = Stage.RELEASED, None, None
@@ -245,7 +191,7 @@ class Ledger:
         orphans = await self._limiter.sweep(now, limit)
         at = self._clock.now()
         for o in orphans:
-            a = self._find(o.request_id) or _Admission(Stage.ORPHANED, at)
+            a = self._find(o.request_id) or Admission(Stage.ORPHANED, at)
             self._remember(o.request_id, a, Stage.ORPHANED, at)
         return orphans
 
@@ -257,11 +203,11 @@ class Ledger:
 
     # --- bookkeeping -------------------------------------------------------------------
 
-    def _find(self, request_id: str) -> _Admission | None:
+    def _find(self, request_id: str) -> Admission | None:
         a = self._live.get(request_id)
         return a if a is not None else self._ended.get(request_id)
 
-    def _may(self, transition: str, request_id: str, a: _Admission | None) -> bool:
+    def _may(self, transition: str, request_id: str, a: Admission | None) -> bool:
         """Whether `transition` applies now: a repeat is quietly nothing, the rest refused."""
         if not request_id:
             self._refuse(transition, request_id, "no_id")
@@ -285,10 +231,10 @@ class Ledger:
         if not self._may(transition, request_id, a):
             return False
         now = self._clock.now()
-        self._remember(request_id, a or _Admission(stage, now), stage, now)
+        self._remember(request_id, a or Admission(stage, now), stage, now)
         return True
 
-    def _remember(self, request_id: str, a: _Admission, stage: Stage, now: float) -> None:
+    def _remember(self, request_id: str, a: Admission, stage: Stage, now: float) -> None:
         """No longer followed: kept a while, so that late calls about it are recognised."""
         self._live.pop(request_id, None)
         a.stage, a.ended_at, a.progress = stage, now, None
@@ -297,7 +243,7 @@ class Ledger:
         if len(self._ended) > ENDED_MAX:
             self._ended.popitem(last=False)
 
-    def _hold(self, request_id: str, a: _Admission) -> None:
+    def _hold(self, request_id: str, a: Admission) -> None:
         self._live[request_id] = a
         self._occupied.set()
 

@@ -13,8 +13,9 @@ from prometheus_client import REGISTRY
 
 from gateway.clock import FakeClock
 from gateway.errors import StoreUnavailable
-from gateway.limits.ledger import FROM, Ledger, Stage
+from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
+from gateway.limits.stages import FROM, Stage
 from gateway.limits.types import (
     Abandon,
     AdmitRequest,
