@@ -46,14 +46,14 @@ class DenialLog:
         if self._logged[kind] < self.per_window:
             self._logged[kind] += 1
             self.log.info("denied", request_id=request_id, key_id=deny.key_id or None,
-                     status=deny.status, reason=deny.reason, tier=deny.tier)
+                          status=deny.status, reason=deny.reason, tier=deny.tier)
             return
         self._held[(deny.reason, deny.key_id, deny.status, deny.tier or "")] += 1
         if len(self._sample) < SAMPLE:
             self._sample.append(request_id)
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_at(
-                asyncio.get_running_loop().time() + self._window_end - now, self.summary)
+        if self._timer is None:  # at the window's end
+            self._timer = asyncio.get_running_loop().call_later(
+                self._window_end - now, self.summary)
 
     def summary(self) -> None:
         """One line for the denials held back since the last one."""
@@ -61,9 +61,9 @@ class DenialLog:
         if not self._held:
             return
         self.log.info("denials_summary", count=sum(self._held.values()),
-                 kinds=[{"reason": reason, "key_id": key or None, "status": status,
-                         "tier": tier or None, "count": n}
-                        for (reason, key, status, tier), n in self._held.most_common()],
-                 request_ids=self._sample)
+                      kinds=[{"reason": reason, "key_id": key or None, "status": status,
+                              "tier": tier or None, "count": n}
+                             for (reason, key, status, tier), n in self._held.most_common()],
+                      request_ids=self._sample)
         self._held.clear()
         self._sample = []

@@ -69,6 +69,10 @@ class RedisPolicySync:
         self.recheck = recheck
         self._tasks: list[asyncio.Task[None]] = []
 
+    def _unseen(self, revision: int) -> bool:
+        """Neither held nor rejected already."""
+        return revision != self.held and revision not in self.holder.rejected
+
     async def refresh(self) -> None:
         """Load the current revision if it is new; ACK or NACK it. Never raises for Redis."""
         try:
@@ -78,12 +82,12 @@ class RedisPolicySync:
             latest = await self.store.current_revision()
             if not latest:
                 return
-            if latest != self.held and latest not in self.holder.rejected:
+            if self._unseen(latest):
                 stored = await self.store.current()
                 if stored is None:
                     return
-                latest = stored.revision
-                if latest != self.held and latest not in self.holder.rejected:
+                latest = stored.revision  # a newer one may have come between the two reads
+                if self._unseen(latest):
                     try:
                         self.holder.swap(loader.load(stored.text, latest, f"revision {latest}"))
                     except PolicyError as err:
