@@ -32,6 +32,7 @@ from gateway.hub.topics import POLICY_TOPIC, Follower
 from gateway.log import log
 from gateway.policy.store import PolicyStore
 from gateway.settings import Settings
+from gateway.tasks import cancel_all
 
 _REDIS_DOWN = (redis_errors.RedisError, OSError, TimeoutError)
 DISK = "last good revision on disk"
@@ -195,9 +196,7 @@ async def run_sync(settings: Settings, syncer_id: str,
         loop.add_signal_handler(sig, stop.set)
     done = asyncio.create_task(stop.wait())
     finished, _ = await asyncio.wait([done, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    for t in [done, *tasks]:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_all([done, *tasks])
     http.close()
     with contextlib.suppress(Exception):
         await client.aclose()

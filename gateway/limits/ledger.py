@@ -46,6 +46,7 @@ from gateway.limits.types import (
     first_lease,
 )
 from gateway.log import log
+from gateway.tasks import cancel_all
 
 # Ended admissions are remembered this long (at most this many), so that a late or repeated
 # call about them is recognised: a heartbeat after the end, a release after the settlement.
@@ -92,9 +93,7 @@ class Ledger:
         with contextlib.suppress(StoreUnavailable, TimeoutError):
             async with asyncio.timeout(2):
                 await self._flush()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     def stage(self, request_id: str) -> Stage | None:
         """Where this admission stands here (None: unknown, or ended long enough ago)."""

@@ -21,6 +21,7 @@ from gateway.log import log
 from gateway.policy import loader
 from gateway.policy.model import Policy
 from gateway.policy.store import ANNOUNCE, PolicyStore
+from gateway.tasks import cancel_all
 
 _REDIS_DOWN = (redis_errors.RedisError, OSError, TimeoutError)
 
@@ -105,9 +106,7 @@ class RedisPolicySync:
         self._tasks = [asyncio.create_task(self._poll()), asyncio.create_task(self._listen())]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     async def _poll(self) -> None:
         while True:

@@ -37,6 +37,7 @@ from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
 from gateway.sinks.spools import choose_instance, orphans
+from gateway.tasks import cancel_all
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 
@@ -238,9 +239,7 @@ class App:
             await self.spool.commit()  # events reach the disk, and queue their settlements,
         if self.ledger:
             await self.ledger.stop()  # ... which are flushed here
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await cancel_all(self.tasks)
         if self.producer:
             with contextlib.suppress(Exception):
                 await self.producer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import orjson
 import pytest
@@ -75,3 +76,16 @@ async def test_publish_rejects_stale_or_conflicting_revisions(redis_url: str) ->
         await store.publish(doc)
     with pytest.raises(RevisionConflict, match="moved"):
         await store.publish(parse_doc(GOOD), expect=r1 - 1)
+
+
+async def test_stop_ends_the_sync_whenever_it_is_stopped(redis_url: str) -> None:
+    """redis-py can swallow a cancellation that lands inside a command: stop() then hung
+    (a SIGTERMed sidecar that never exits). Stopped at random moments of its Redis calls,
+    it ends every time."""
+    store = PolicyStore(Redis.from_url(redis_url))
+    await store.publish(parse_doc(GOOD))
+    for i in range(150):
+        sync = RedisPolicySync(PolicyHolder(), store, f"inst-stop-{i}", recheck=0.0005)
+        sync._tasks = [asyncio.create_task(sync._poll())]  # Redis calls back to back
+        await asyncio.sleep(random.random() * 0.005)
+        await asyncio.wait_for(sync.stop(), 5)
