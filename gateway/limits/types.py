@@ -94,7 +94,8 @@ class DuplicateId:
 Verdict = Admitted | Refused | Voided | DuplicateId
 
 
-# How an admission ends: what `Limiter.end_many` is given, in order, one store call a batch.
+# How an admission ends: what `Limiter.end_many` is given, in order, one store call a batch
+# (the Redis store splits a large one).
 @dataclass(frozen=True, slots=True)
 class Release:
     """The response ended: free its concurrency slots now (its settlement follows)."""

@@ -57,6 +57,13 @@ def test_bench_spool_quick(tmp_path: Path) -> None:
     assert doc["rows"] and doc["read_back"]["duplicates"] == 0
 
 
+@pytest.mark.timeout(120)
+def test_bench_renew_quick(tmp_path: Path) -> None:
+    doc = run("bench_renew.py", tmp_path)
+    assert set(doc) == {"1000 live, batches of 256", "1000 live, one script"}
+    assert all(v["renew_ms"] > 0 and v["worst_ms"] > 0 for v in doc.values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_bench_stages_quick(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import redis
 
 from gateway.clock import FakeClock
 from gateway.limits.memory import MemoryLimiter
-from gateway.limits.redis_store import RedisLimiter
+from gateway.limits.redis_store import MAX_BATCH, RedisLimiter
 from gateway.limits.resp import RespClient
 from gateway.limits.types import (
     AdmitRequest,
@@ -304,6 +304,36 @@ async def test_renew_of_settled_or_unknown_request_does_nothing(h: Harness) -> N
     await h.lim.renew(["a", "never-seen"], h.clock.now())
     assert h.in_flight("team", "team-a") == 0
     assert isinstance(await h.admit(t, rid="b"), Admitted)
+
+
+async def test_many_live_leases_are_renewed_and_settled_a_bounded_batch_at_a_time(
+        redis_url: str) -> None:
+    """Thousands of live streams renewed (or settled) in one script held Redis, and every
+    admission waiting on it, past the deadline: the store sends at most MAX_BATCH ids a call."""
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=10.0)
+    h = Harness(lim, T0, redis.Redis.from_url(redis_url))
+    n = 2 * MAX_BATCH + 88
+    t = team(concurrency=n)
+    for i in range(n):
+        assert isinstance(await h.admit(t, rid=f"s{i}"), Admitted)
+
+    def script_calls() -> int:
+        assert h.db is not None
+        return int(h.db.info("commandstats")["cmdstat_evalsha"]["calls"])
+
+    h.clock.advance(5)
+    before = script_calls()
+    gone = await h.lim.renew([f"s{i}" for i in range(n)] + ["never-seen"], h.clock.now())
+    assert script_calls() - before == 3  # 601 ids: 256 + 256 + 89
+    assert gone == ["never-seen"]
+    h.clock.advance(6)  # past the first lease: only a renewal keeps them
+    assert h.in_flight("team", "team-a") == n
+
+    before = script_calls()
+    await h.lim.end_many([Settle(f"s{i}", 1) for i in range(n)])
+    assert script_calls() - before == 3
+    assert h.in_flight("team", "team-a") == 0 and h.holds_nothing()
+    await lim.close()
 
 
 async def test_lease_held_at_every_tier_with_concurrency(h: Harness) -> None:
