@@ -31,6 +31,7 @@ from gateway.limits.resp import RespClient
 from gateway.limits.types import AdmitRequest, Admitted
 from gateway.policy.model import LimitSpec, TierLimit
 
+BATCH = redis_store.MAX_BATCH  # the store's own bound
 BIG = 10**12
 TIERS = tuple(TierLimit(t, f"{t}-bench", LimitSpec(rps=1e9, burst=10**9, concurrency=10**7,
                                                     tokens_per_day=BIG))
@@ -42,9 +43,9 @@ async def one_round(url: str, live: int, batch: int, tag: str) -> dict[str, floa
     try:
         now = time.time()
         ids = [f"{tag}-{i}" for i in range(live)]
-        for i in range(0, live, 256):
+        for i in range(0, live, BATCH):
             verdicts = await asyncio.gather(*(lim.admit(AdmitRequest(rid, TIERS, 100, now))
-                                              for rid in ids[i:i + 256]))
+                                              for rid in ids[i:i + BATCH]))
             assert all(isinstance(v, Admitted) for v in verdicts)
         waits: list[float] = []
         failed: list[int] = []
@@ -65,10 +66,12 @@ async def one_round(url: str, live: int, batch: int, tag: str) -> dict[str, floa
         prober = asyncio.create_task(probe())
         await asyncio.sleep(0.05)
         redis_store.MAX_BATCH = batch
-        t0 = time.perf_counter()
-        await lim.renew(ids, time.time())
-        renew_s = time.perf_counter() - t0
-        redis_store.MAX_BATCH = 256
+        try:
+            t0 = time.perf_counter()
+            await lim.renew(ids, time.time())
+            renew_s = time.perf_counter() - t0
+        finally:
+            redis_store.MAX_BATCH = BATCH
         await asyncio.sleep(0.02)
         done.set()
         await prober
@@ -84,7 +87,7 @@ async def run(url: str, lives: list[int], rounds: int) -> dict[str, dict[str, fl
     results: dict[str, list[dict[str, float]]] = {}
     for r in range(rounds):
         for live in lives:
-            for name, batch in (("batches of 256", 256), ("one script", 10**9)):
+            for name, batch in ((f"batches of {BATCH}", BATCH), ("one script", 10**9)):
                 key = f"{live} live, {name}"
                 got = await one_round(url, live, batch, f"r{r}-{live}-{batch}")
                 results.setdefault(key, []).append(got)
