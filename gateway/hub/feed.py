@@ -80,6 +80,19 @@ def max_revision(records: Iterable[Record]) -> int:
     return best
 
 
+def first_with(records: Iterable[Record], revision: int) -> Record | None:
+    """The first record on the feed that carries `revision`: the one a spoke that read the
+    topic in order took as that revision (a later one with the same number it holds)."""
+    for key, value in records:
+        if value is not None:
+            try:
+                if parse_value(value).revision == revision:
+                    return key, value
+            except FeedValueError:
+                continue
+    return None
+
+
 def entry_for(current: dict[str, bytes], spoke: str) -> tuple[str, bytes] | None:
     """The (key, value) a spoke follows: its own entry where it has one, else `*`'s."""
     for key in (spoke, EVERY_SPOKE):

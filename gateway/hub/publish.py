@@ -2,16 +2,24 @@
 
 Validation is `policy apply`'s (the same parser: an invalid file publishes nothing). The
 revision is the feed's one sequence: the highest ever put on the topic + 1, read from the
-topic itself, so the hub keeps no state of its own. Two publishers at the same instant could
-take the same number; run one hub publisher at a time (a spoke never applies a revision not
-newer than the one it holds, so the later of two equal numbers is ignored, not mixed in).
+topic itself, so the hub keeps no state of its own.
+
+Two publishers at the same instant can take the same number, and a spoke keeps the first
+record of a number and holds the next (it never moves to a revision not newer than its
+own). So a publish reads the topic back: if another record took its number first, it lost
+the race and publishes again as the next number, until its record is the first of its
+number. Every publish then lands, the later one last, whatever the interleaving.
 """
 
 from __future__ import annotations
 
+from gateway.errors import SinkUnavailable
 from gateway.hub import feed
 from gateway.hub.topics import POLICY_TOPIC, ensure_compacted, produce, read_all
+from gateway.log import log
 from gateway.policy.loader import parse_doc, to_data
+
+ATTEMPTS = 10  # publishes racing for one number: each round at least one of them lands
 
 
 async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EVERY_SPOKE,
@@ -21,8 +29,18 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     if not spoke:
         raise ValueError("--spoke: a spoke id, or * for every spoke")
     doc = parse_doc(text, source)
+    data = to_data(doc)
     await ensure_compacted(bootstrap, POLICY_TOPIC)
-    revision = feed.max_revision(await read_all(bootstrap, POLICY_TOPIC)) + 1
-    await produce(bootstrap, POLICY_TOPIC, spoke, feed.encode(revision, to_data(doc)),
-                  idempotence=idempotence)
-    return revision
+    records = await read_all(bootstrap, POLICY_TOPIC)
+    for _ in range(ATTEMPTS):
+        revision = feed.max_revision(records) + 1
+        value = feed.encode(revision, data)
+        await produce(bootstrap, POLICY_TOPIC, spoke, value, idempotence=idempotence)
+        records = await read_all(bootstrap, POLICY_TOPIC)
+        if feed.first_with(records, revision) == (spoke, value):
+            return revision
+        log.warning("publish_raced", revision=revision, spoke=spoke,
+                    note="another publish took this number first; publishing as the next")
+    raise SinkUnavailable(f"revision {revision} and the {ATTEMPTS - 1} before it were each "
+                          "taken first by another publish; spokes may hold this document "
+                          "or not: publish it again")

@@ -3,6 +3,7 @@ when Kafka is away."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -13,7 +14,8 @@ from devspoke.procs import Service, free_port, tansu_service
 from gateway.cli import main
 from gateway.hub import feed
 from gateway.hub.feed import Record
-from gateway.hub.topics import Follower, ensure_compacted, produce, read_all
+from gateway.hub.publish import publish
+from gateway.hub.topics import POLICY_TOPIC, Follower, ensure_compacted, produce, read_all
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,67 @@ async def test_the_follower_says_when_kafka_is_away_and_reads_again_from_the_sta
         assert seen == [("*", b"first"), ("*", b"second")]  # from the start again
     finally:
         await batches.aclose()
+
+
+@pytest.fixture
+def feed_kafka(tmp_path: Path) -> Iterator[Service]:
+    """A Tansu of its own: these tests write the policy feed, which others read as empty."""
+    svc = tansu_service(free_port(), tmp_path / "tansu").start()
+    yield svc
+    svc.stop()
+
+
+def _doc(model: str) -> bytes:
+    return f"models: {{{model}: {{}}}}\n".encode()
+
+
+async def test_publishes_at_the_same_instant_each_land_under_a_number_of_their_own(
+        feed_kafka: Service) -> None:
+    """Eight publishes at once (each its own producer and reader, interleaved on one loop):
+    all take the feed's last number + 1 to begin with, and the losers publish again."""
+    bs = feed_kafka.address
+    targets = ["*", "a", "*", "b", "a", "*", "b", "*"]
+    revisions = await asyncio.gather(*(
+        publish(bs, _doc(f"m{i}"), f"p{i}.yaml", spoke, idempotence=False)
+        for i, spoke in enumerate(targets)))
+    assert len(set(revisions)) == len(targets)  # one number each
+    records = await read_all(bs, POLICY_TOPIC)
+    for i, (spoke, rev) in enumerate(zip(targets, revisions, strict=True)):
+        key, raw = feed.first_with(records, rev) or ("", b"")
+        assert key == spoke and feed.parse_value(raw).policy == {"models": {f"m{i}": {}}}
+    # A spoke that read the topic in order, keeping the first of a number, ends on what the
+    # compacted topic holds for it (the two did not agree when two publishes shared one).
+    for spoke in ("a", "b", "c"):
+        held, doc = 0, None
+        for n in range(1, len(records) + 1):  # the syncer's view after each record
+            found = feed.entry_for(feed.latest(records[:n]), spoke)
+            entry = feed.parse_value(found[1]) if found else None
+            if entry is not None and entry.revision > held:
+                held, doc = entry.revision, entry.policy
+        _, raw = feed.entry_for(feed.latest(records), spoke) or ("", b"")
+        assert (held, doc) == (feed.parse_value(raw).revision, feed.parse_value(raw).policy)
+
+
+async def test_a_publish_that_lost_its_number_to_another_publishes_again_as_the_next(
+        feed_kafka: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    bs = feed_kafka.address
+    first = await publish(bs, _doc("before"), "p.yaml", idempotence=False)
+    rival = feed.encode(first + 1, {"models": {"rival": {}}})
+    sent: list[int] = []
+
+    async def racing(bootstrap: str, topic: str, key: str, value: bytes | None,
+                     *, idempotence: bool = True) -> None:
+        if not sent:  # another hub's record of the same number lands just before ours
+            await produce(bootstrap, topic, "*", rival, idempotence=False)
+        sent.append(feed.parse_value(value or b"").revision)
+        await produce(bootstrap, topic, key, value, idempotence=idempotence)
+
+    monkeypatch.setattr("gateway.hub.publish.produce", racing)
+    rev = await publish(bs, _doc("mine"), "p.yaml", idempotence=False)
+    assert sent == [first + 1, first + 2] and rev == first + 2
+    records = await read_all(bs, POLICY_TOPIC)
+    assert feed.first_with(records, first + 1) == ("*", rival)
+    assert feed.latest(records)["*"] == feed.encode(first + 2, {"models": {"mine": {}}})
 
 
 def test_hub_publish_with_kafka_away_says_so_and_exits_1(tmp_path: Path,

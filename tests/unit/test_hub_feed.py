@@ -30,6 +30,14 @@ def test_next_revision_counts_removed_superseded_and_skips_unreadable_values() -
     assert feed.max_revision([]) == 0
 
 
+def test_the_first_record_of_a_revision_is_the_one_an_in_order_reader_took() -> None:
+    records = [("*", value(1)), ("x", b"junk"), ("a", None), ("a", value(2)),
+               ("*", value(2, {"models": {"n": {}}}))]
+    assert feed.first_with(records, 2) == ("a", value(2))
+    assert feed.first_with(records, 1) == ("*", value(1))
+    assert feed.first_with(records, 3) is None
+
+
 def test_a_spoke_follows_its_own_entry_else_every_spokes() -> None:
     current = {"*": value(3), "a": value(5)}
     assert feed.entry_for(current, "a") == ("a", value(5))
