@@ -21,6 +21,7 @@ from gateway.billing.commands import (
 )
 from gateway.hub.commands import (
     cmd_hub_allocate,
+    cmd_hub_forget,
     cmd_hub_publish,
     cmd_hub_status,
     cmd_policy_sync,
@@ -200,7 +201,8 @@ def parser() -> argparse.ArgumentParser:
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_sync)
 
-    hub = sub.add_parser("hub", help="the hub's side: publish / status / allocate").add_subparsers(
+    hub = sub.add_parser(
+        "hub", help="the hub's side: publish / status / forget / allocate").add_subparsers(
         dest="sub", required=True)
     p = hub.add_parser("publish", help="validate a policy and put it on the feed as the next "
                                       "revision")
@@ -216,6 +218,12 @@ def parser() -> argparse.ArgumentParser:
                    help="format (default: %(default)s)")
     _hub_flag(p)
     p.set_defaults(fn=cmd_hub_status)
+    p = hub.add_parser("forget", help="remove instances that stopped reporting from `hub "
+                                     "status` (a live one reappears with its next report)")
+    p.add_argument("instances", nargs="+", metavar="SPOKE/INSTANCE",
+                   help="as `hub status` lists them: the spoke, a slash, the instance")
+    _hub_flag(p)
+    p.set_defaults(fn=cmd_hub_forget)
 
     keys = sub.add_parser(
         "keys", help="create / list / show / update / revoke / enable").add_subparsers(

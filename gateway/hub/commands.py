@@ -87,6 +87,40 @@ def cmd_hub_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hub_forget(args: argparse.Namespace) -> int:
+    """A null value (compaction's delete) for each SPOKE/INSTANCE that has reported: an
+    instance that stopped for good (a host gone, a renamed syncer) leaves `hub status`."""
+    from gateway.hub import feed
+    from gateway.hub.topics import STATUS_TOPIC, produce, read_all
+    s, bootstrap = _hub_bootstrap(args)
+    bad = [k for k in args.instances if "/" not in k.strip("/")]
+    if bad:
+        print(f"nothing forgotten: not SPOKE/INSTANCE: {', '.join(bad)}", file=sys.stderr)
+        return 2
+
+    async def forget() -> list[str]:
+        known = feed.latest(await read_all(bootstrap, STATUS_TOPIC))
+        unknown = [k for k in args.instances if k not in known]
+        if not unknown:
+            for key in dict.fromkeys(args.instances):
+                await produce(bootstrap, STATUS_TOPIC, key, None,
+                              idempotence=s.kafka_idempotence)
+        return unknown
+
+    try:
+        unknown = run_value(forget())
+    except Exception as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if unknown:
+        print(f"nothing forgotten: no report from {', '.join(unknown)} (see `gateway hub "
+              "status`)", file=sys.stderr)
+        return 2
+    for key in dict.fromkeys(args.instances):
+        print(f"forgot {key}")
+    return 0
+
+
 def cmd_hub_allocate(args: argparse.Namespace) -> int:
     import uvloop
 

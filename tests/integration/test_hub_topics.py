@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from devspoke.procs import Service, free_port, tansu_service
@@ -15,7 +16,15 @@ from gateway.cli import main
 from gateway.hub import feed
 from gateway.hub.feed import Record
 from gateway.hub.publish import publish
-from gateway.hub.topics import POLICY_TOPIC, Follower, ensure_compacted, produce, read_all
+from gateway.hub.status import Status, now_text
+from gateway.hub.topics import (
+    POLICY_TOPIC,
+    STATUS_TOPIC,
+    Follower,
+    ensure_compacted,
+    produce,
+    read_all,
+)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +164,37 @@ def test_hub_status_of_an_empty_fleet(tansu: Service,
     assert main(["hub", "status", "-o", "json", "--bootstrap", tansu.address]) == 0
     assert capsys.readouterr().out.strip() == '{"spokes":[]}'
 
+
+
+def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
+        feed_kafka: Service, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("GATEWAY_KAFKA_IDEMPOTENCE", "false")  # Tansu: no idempotent producer
+    bs = feed_kafka.address
+
+    async def report(*keys: str) -> None:
+        await ensure_compacted(bs, STATUS_TOPIC)
+        for key in keys:
+            spoke, instance = key.split("/")
+            await produce(bs, STATUS_TOPIC, key, Status(
+                spoke, instance, 3, "ack", None, now_text(), 0, 0.0, True).encode(),
+                idempotence=False)
+
+    def listed() -> list[str]:
+        assert main(["hub", "status", "-o", "json", "--bootstrap", bs]) == 0
+        view = orjson.loads(capsys.readouterr().out)
+        return [f"{s['spoke']}/{i['instance']}" for s in view["spokes"] for i in s["instances"]]
+
+    asyncio.run(report("s1/old", "s1/live", "s2/gone"))
+    assert listed() == ["s1/live", "s1/old", "s2/gone"]
+    assert main(["hub", "forget", "s1/old", "s2/gone", "--bootstrap", bs]) == 0
+    assert capsys.readouterr().out == "forgot s1/old\nforgot s2/gone\n"
+    assert listed() == ["s1/live"]
+    # Unknown or malformed: exit 2, nothing forgotten.
+    assert main(["hub", "forget", "s1/live", "s1/old", "--bootstrap", bs]) == 2
+    assert "no report from s1/old" in capsys.readouterr().err
+    assert main(["hub", "forget", "s1-live", "--bootstrap", bs]) == 2
+    assert "not SPOKE/INSTANCE: s1-live" in capsys.readouterr().err
+    assert listed() == ["s1/live"]
+    asyncio.run(report("s1/old"))  # a live instance comes back with its next report
+    assert listed() == ["s1/live", "s1/old"]
