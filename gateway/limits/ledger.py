@@ -57,6 +57,9 @@ from gateway.tasks import cancel_all
 # call about them is recognised: a heartbeat after the end, a release after the settlement.
 ENDED_KEEP_S = 120.0
 ENDED_MAX = 100_000
+# A round of renewals goes this many ids at a time, the event loop free between two (the
+# Redis store's own batch, redis_store.MAX_BATCH: one script a chunk).
+RENEW_CHUNK = 256
 
 class Ledger:
     """`watches`: admissions only Envoy follows (Envoy-fed metering, no stream here): each
@@ -307,24 +310,28 @@ class Ledger:
         while self._ended and next(iter(self._ended.values())).ended_at < now - ENDED_KEEP_S:
             self._ended.popitem(last=False)
 
-    def _due(self, now: float, among: dict[str, Admission]
-             ) -> tuple[list[str], dict[str, tuple[int, int]]]:
-        """The ids of `among` (renewed ones) to renew now, with their usage so far; those
-        past their lifetime or unheard are given up instead. One pass, as little allocated
-        as may be (a round of everyone walks every stream followed)."""
+    def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
+             ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, Admission]]]:
+        """Of `rids`, those still renewed here that are due a renewal now, their usage so
+        far, and the fresh ones among them; those past their lifetime or unheard are given
+        up instead (added to `unheard`, `expired`)."""
         ids: list[str] = []
         checkpoints: dict[str, tuple[int, int]] = {}
-        unheard: list[tuple[str, Admission]] = []
-        expired: list[tuple[str, Admission]] = []
-        max_lifetime = self.max_lifetime_s
-        for rid, a in among.items():
-            if now - a.since >= max_lifetime:
-                expired.append((rid, a))
+        fresh: list[tuple[str, Admission]] = []
+        for rid in rids:
+            if (a := self._renewed.get(rid)) is None:
+                continue  # ended (or released) since the tick began
+            if now - a.since >= self.max_lifetime_s:
+                self._remember(rid, a, Stage.EXPIRED, now)
+                expired.append(rid)
                 continue
             if a.heard_until is not None and a.heard_until < now:
-                unheard.append((rid, a))
+                self._remember(rid, a, Stage.UNHEARD, now)
+                unheard.append(rid)
                 continue
             ids.append(rid)
+            if a.fresh:
+                fresh.append((rid, a))
             if (read := a.progress) is not None:
                 try:
                     seen = read()
@@ -333,22 +340,19 @@ class Ledger:
                     continue
                 if seen is not None:
                     checkpoints[rid] = seen
-        for rid, a in expired:
-            self._remember(rid, a, Stage.EXPIRED, now)
-        for rid, a in unheard:
-            self._remember(rid, a, Stage.UNHEARD, now)
+        return ids, checkpoints, fresh
+
+    def _gave_up(self, unheard: list[str], expired: list[str]) -> None:
         # One line a tick, not one per request: an Envoy that died with thousands of
         # requests in flight must not stall the event loop (and every Check) on logging.
         if unheard:
             metrics.ADMISSIONS_UNHEARD.inc(len(unheard))
-            log.warning("admissions_unheard", count=len(unheard),
-                        request_ids=[rid for rid, _ in unheard[:10]], unheard_s=self.unheard_s)
+            log.warning("admissions_unheard", count=len(unheard), request_ids=unheard[:10],
+                        unheard_s=self.unheard_s)
         if expired:
             metrics.ADMISSIONS_EXPIRED.inc(len(expired))
-            log.warning("admissions_expired", count=len(expired),
-                        request_ids=[rid for rid, _ in expired[:10]],
+            log.warning("admissions_expired", count=len(expired), request_ids=expired[:10],
                         max_lifetime_s=self.max_lifetime_s)
-        return ids, checkpoints
 
     # --- the background tasks ----------------------------------------------------------
 
@@ -399,28 +403,37 @@ class Ledger:
         only, so that a tick between rounds costs what it renews. Either way those due are
         looked at first (_due): none is renewed past its lifetime or unheard, as when every
         tick looked at everyone; only the giving up of the others (stage, count, log) waits
-        for the next round. A round whose store call fails is tried again at the next tick."""
+        for the next round. A round goes RENEW_CHUNK ids at a time, yielding between them:
+        reading 50,000 streams' checkpoints at once would hold every Check for a quarter of
+        a second. A round whose store call fails is tried again at the next tick."""
         now = self._clock.now()
         everyone = now - self._last_all >= self.renew_every - self.tick / 2
         if everyone:
             self._look_after(now)
-        ids, checkpoints = self._due(now, self._renewed if everyone else self._fresh)
-        if not ids:
-            if everyone:
-                self._last_all = now
-            return
-        fresh = list(self._fresh.items())  # renewed now, unless taken on since _due
+        due = list(self._renewed if everyone else self._fresh)
+        unheard: list[str] = []
+        expired: list[str] = []
         try:
-            gone = await self._limiter.renew(ids, now, checkpoints)
-        except Exception as exc:
-            log.warning("lease_renew_failed", active=len(ids), error=repr(exc))
-            return
-        for rid, a in fresh:
-            if self._fresh.get(rid) is a:  # not ended, or taken on again, meanwhile
-                a.fresh = False
-                del self._fresh[rid]
-        for rid in gone:  # it holds nothing any more (settled elsewhere, or swept)
-            if (held := self._live.get(rid)) is not None and held.renewed():
-                self._drop(rid)
+            for i in range(0, len(due), RENEW_CHUNK):
+                if i:
+                    await asyncio.sleep(0)  # whatever the store: Checks run between chunks
+                ids, checkpoints, fresh = self._due(now, due[i:i + RENEW_CHUNK], unheard,
+                                                    expired)
+                if not ids:
+                    continue
+                try:
+                    gone = await self._limiter.renew(ids, now, checkpoints)
+                except Exception as exc:
+                    log.warning("lease_renew_failed", active=len(due), error=repr(exc))
+                    return
+                for rid, a in fresh:
+                    if self._fresh.get(rid) is a:  # not ended, or taken on again, meanwhile
+                        a.fresh = False
+                        del self._fresh[rid]
+                for rid in gone:  # it holds nothing any more (settled elsewhere, or swept)
+                    if (held := self._live.get(rid)) is not None and held.renewed():
+                        self._drop(rid)
+        finally:
+            self._gave_up(unheard, expired)
         if everyone:
             self._last_all = now

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from gateway.clock import FakeClock
 from gateway.errors import StoreUnavailable
-from gateway.limits.ledger import Ledger
+from gateway.limits.ledger import RENEW_CHUNK, Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.stages import FROM, Stage
 from gateway.limits.types import (
@@ -559,3 +559,18 @@ async def test_a_fresh_admission_past_its_bound_is_not_renewed_between_rounds(
     await step(ledger, clock)  # not a round of everyone: the fresh ones are looked at too
     assert slow_lim.renewals == []
     assert ledger.stage("r") is (Stage.UNHEARD if bound == "unheard_s" else Stage.EXPIRED)
+
+
+async def test_renewals_go_a_chunk_at_a_time_and_the_loop_runs_between(
+        slow_lim: Store, clock: FakeClock) -> None:
+    """Reading every stream's checkpoint at once would hold every Check: a chunk at a time,
+    and what ends between two chunks is not renewed after its end."""
+    ledger = stepped(slow_lim, clock)
+    rids = [f"r{i}" for i in range(2 * RENEW_CHUNK + 1)]
+    for rid in rids:
+        await admit(slow_lim, rid, clock.now(), tier=WIDE)
+        ledger.begun(rid)
+    asyncio.get_running_loop().call_soon(ledger.released, rids[-1])  # at the first yield
+    await step(ledger, clock)
+    assert [ids for _, ids in slow_lim.renewals] == [rids[:RENEW_CHUNK],
+                                                     rids[RENEW_CHUNK:-1]]
