@@ -19,6 +19,11 @@ the store is down. A second task renews what this process follows (begun streams
 admissions) in one store call per tick, checkpointing each one's usage so far. An
 admission nobody ends still runs out on its own (crash safety).
 
+A tick costs what it renews, not what is followed: the admissions renewed, the fresh ones
+among them and the admitted ones not begun are kept apart at each transition, so that a
+tick between two rounds of everyone touches only the fresh ones, and the gauge of open
+admissions is a len() set as they change (a drain waits on it reaching 0).
+
 A transition with no request id, or from a stage it cannot come from, is a no-op, counted
 in gateway_ledger_refused_total and logged once per kind, never raised: the caller is a
 stream's `finally` or a batch of Envoy's records, which must not fail for it. Repeating
@@ -52,6 +57,9 @@ from gateway.tasks import cancel_all
 # call about them is recognised: a heartbeat after the end, a release after the settlement.
 ENDED_KEEP_S = 120.0
 ENDED_MAX = 100_000
+# A round of renewals goes this many ids at a time, the event loop free between two (the
+# Redis store's own batch, redis_store.MAX_BATCH: one script a chunk).
+RENEW_CHUNK = 256
 
 class Ledger:
     """`watches`: admissions only Envoy follows (Envoy-fed metering, no stream here): each
@@ -76,6 +84,15 @@ class Ledger:
         # the start TTL; the rest are renewed every third of the lease TTL.
         self.tick = max(self.first_lease / 3, 0.05)
         self._live: dict[str, Admission] = {}
+        # The live admissions by what the renewal loop does with them (_track, at every
+        # change): renewed each round; of those, renewed at the next tick; forgotten after
+        # the first lease unless begun or heard of.
+        self._renewed: dict[str, Admission] = {}
+        self._fresh: dict[str, Admission] = {}
+        self._unbegun: dict[str, Admission] = {}
+        self._open = 0  # len(self._renewed) as last put in the gauge (one ledger a process)
+        metrics.ADMISSIONS_OPEN.set(0)
+        self._last_all = clock.now()  # the last round of everyone
         self._ended: OrderedDict[str, Admission] = OrderedDict()  # oldest end first
         self._refused: set[tuple[str, str]] = set()  # kinds of refusal already logged
         self._pending: list[Ending] = []
@@ -122,6 +139,7 @@ class Ledger:
             return
         if a is not None and a.stage is Stage.ADMITTED:
             a.stage, a.heard_until, a.progress = Stage.BEGUN, None, progress
+            self._track(request_id, a)
             return
         self._ended.pop(request_id, None)  # admitted by another process (or a new request)
         self._hold(request_id, Admission(Stage.BEGUN, self._clock.now(), progress=progress))
@@ -139,14 +157,14 @@ class Ledger:
             return
         if a is None:  # adopted: renewed at the next tick
             a = Admission(Stage.ADMITTED, now)
-            self._hold(request_id, a)
         elif a.stage is Stage.UNHEARD:
             del self._ended[request_id]
             a.stage, a.fresh = Stage.ADMITTED, True
-            self._hold(request_id, a)
         a.heard_until = now + self.unheard_s
         if checkpoint is not None:
             a.progress = lambda: checkpoint
+        if a.stage is Stage.ADMITTED:
+            self._hold(request_id, a)
 
     def released(self, request_id: str) -> None:
         """The response ended: free its concurrency slots at once (its next request must
@@ -161,8 +179,8 @@ class Ledger:
         if a is None:
             a = Admission(Stage.RELEASED, self._clock.now())
         self._ended.pop(request_id, None)
-        self._hold(request_id, a)
         a.stage, a.heard_until, a.progress = Stage.RELEASED, None, None
+        self._hold(request_id, a)
 
     def settled(self, request_id: str, actual_tokens: int | None) -> None:
         """Replace the reservation with the actual count, once the request's usage event is
@@ -235,7 +253,7 @@ class Ledger:
 
     def _remember(self, request_id: str, a: Admission, stage: Stage, now: float) -> None:
         """No longer followed: kept a while, so that late calls about it are recognised."""
-        self._live.pop(request_id, None)
+        self._drop(request_id)
         a.stage, a.ended_at, a.progress = stage, now, None
         self._ended[request_id] = a
         self._ended.move_to_end(request_id)
@@ -243,31 +261,88 @@ class Ledger:
             self._ended.popitem(last=False)
 
     def _hold(self, request_id: str, a: Admission) -> None:
+        """Follow it (after any change to it): the renewal loop finds it where it belongs."""
         self._live[request_id] = a
+        self._track(request_id, a)
         self._occupied.set()
+
+    def _track(self, request_id: str, a: Admission) -> None:
+        """File a live admission by what the renewal loop does with it, after each change."""
+        if a.renewed():
+            self._renewed[request_id] = a
+            if a.fresh:
+                self._fresh[request_id] = a
+            else:
+                self._fresh.pop(request_id, None)
+            self._unbegun.pop(request_id, None)
+        else:
+            self._renewed.pop(request_id, None)
+            self._fresh.pop(request_id, None)
+            if a.stage is Stage.ADMITTED:
+                self._unbegun[request_id] = a
+            else:
+                self._unbegun.pop(request_id, None)
+        self._count()
+
+    def _drop(self, request_id: str) -> None:
+        """No longer followed."""
+        self._live.pop(request_id, None)
+        self._renewed.pop(request_id, None)
+        self._fresh.pop(request_id, None)
+        self._unbegun.pop(request_id, None)
+        self._count()
+
+    def _count(self) -> None:
+        """The open admissions' gauge, as they change: a drain waits on it reaching 0."""
+        if len(self._renewed) != self._open:
+            self._open = len(self._renewed)
+            metrics.ADMISSIONS_OPEN.set(self._open)
 
     def _send(self, end: Ending) -> None:
         self._pending.append(end)
         self._wake.set()
 
     def _look_after(self, now: float) -> None:
-        """Give up what is no longer worth renewing; forget what ended long enough ago."""
-        unheard: list[str] = []
-        expired: list[str] = []
-        for rid, a in list(self._live.items()):
-            if a.stage is Stage.RELEASED:
-                continue  # its settlement follows its durable event
-            if a.stage is Stage.ADMITTED and a.heard_until is None:
-                if now - a.since >= self.first_lease:  # its stream began elsewhere, or never
-                    del self._live[rid]
-            elif now - a.since >= self.max_lifetime_s:
-                self._remember(rid, a, Stage.EXPIRED, now)
-                expired.append(rid)
-            elif a.heard_until is not None and a.heard_until < now:
-                self._remember(rid, a, Stage.UNHEARD, now)
-                unheard.append(rid)
+        """Forget what is not worth following any more. Before each round of everyone."""
+        # Its stream began elsewhere, or never (a released one waits for its settlement).
+        for rid in [r for r, a in self._unbegun.items() if now - a.since >= self.first_lease]:
+            self._drop(rid)
         while self._ended and next(iter(self._ended.values())).ended_at < now - ENDED_KEEP_S:
             self._ended.popitem(last=False)
+
+    def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
+             ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, Admission]]]:
+        """Of `rids`, those still renewed here that are due a renewal now, their usage so
+        far, and the fresh ones among them; those past their lifetime or unheard are given
+        up instead (added to `unheard`, `expired`)."""
+        ids: list[str] = []
+        checkpoints: dict[str, tuple[int, int]] = {}
+        fresh: list[tuple[str, Admission]] = []
+        for rid in rids:
+            if (a := self._renewed.get(rid)) is None:
+                continue  # ended (or released) since the tick began
+            if now - a.since >= self.max_lifetime_s:
+                self._remember(rid, a, Stage.EXPIRED, now)
+                expired.append(rid)
+                continue
+            if a.heard_until is not None and a.heard_until < now:
+                self._remember(rid, a, Stage.UNHEARD, now)
+                unheard.append(rid)
+                continue
+            ids.append(rid)
+            if a.fresh:
+                fresh.append((rid, a))
+            if (read := a.progress) is not None:
+                try:
+                    seen = read()
+                except Exception:  # a checkpoint is best effort; the renewal is not
+                    log.exception("checkpoint_failed", request_id=rid)
+                    continue
+                if seen is not None:
+                    checkpoints[rid] = seen
+        return ids, checkpoints, fresh
+
+    def _gave_up(self, unheard: list[str], expired: list[str]) -> None:
         # One line a tick, not one per request: an Envoy that died with thousands of
         # requests in flight must not stall the event loop (and every Check) on logging.
         if unheard:
@@ -312,22 +387,8 @@ class Ledger:
                 backoff = min(backoff * 2, 0.5)
                 self._wake.set()
 
-    def _checkpoints(self, ids: list[str]) -> dict[str, tuple[int, int]]:
-        out = {}
-        for rid in ids:
-            a = self._live.get(rid)
-            read = a.progress if a is not None else None
-            try:
-                seen = read() if read is not None else None
-            except Exception:  # a checkpoint is best effort; the renewal is not
-                log.exception("checkpoint_failed", request_id=rid)
-                continue
-            if seen is not None:
-                out[rid] = seen
-        return out
-
     async def _renew_loop(self) -> None:
-        last_all = self._clock.now()
+        self._last_all = self._clock.now()
         while True:
             if not self._live and not self._ended:
                 # Nothing to renew, give up or forget: an idle sidecar does not tick (a
@@ -335,26 +396,44 @@ class Ledger:
                 self._occupied.clear()
                 await self._occupied.wait()
             await asyncio.sleep(self.tick)
-            now = self._clock.now()
+            await self._wakeup()
+
+    async def _wakeup(self) -> None:
+        """One tick: every `renew_every` a round of everyone, otherwise the fresh admissions
+        only, so that a tick between rounds costs what it renews. Either way those due are
+        looked at first (_due): none is renewed past its lifetime or unheard, as when every
+        tick looked at everyone; only the giving up of the others (stage, count, log) waits
+        for the next round. A round goes RENEW_CHUNK ids at a time, yielding between them:
+        reading 50,000 streams' checkpoints at once would hold every Check for a quarter of
+        a second. A round whose store call fails is tried again at the next tick."""
+        now = self._clock.now()
+        everyone = now - self._last_all >= self.renew_every - self.tick / 2
+        if everyone:
             self._look_after(now)
-            renewed = [(rid, a) for rid, a in self._live.items() if a.renewed()]
-            metrics.ADMISSIONS_OPEN.set(len(renewed))
-            everyone = now - last_all >= self.renew_every - self.tick / 2
-            ids = [rid for rid, a in renewed if everyone or a.fresh]
-            if not ids:
-                if everyone:
-                    last_all = now
-                continue
-            try:
-                gone = await self._limiter.renew(ids, now, self._checkpoints(ids))
-            except Exception as exc:
-                log.warning("lease_renew_failed", active=len(ids), error=repr(exc))
-                continue
-            for rid in ids:
-                if (a := self._live.get(rid)) is not None:
-                    a.fresh = False
-            for rid in gone:  # it holds nothing any more (settled elsewhere, or swept)
-                if (a := self._live.get(rid)) is not None and a.renewed():
-                    del self._live[rid]
-            if everyone:
-                last_all = now
+        due = list(self._renewed if everyone else self._fresh)
+        unheard: list[str] = []
+        expired: list[str] = []
+        try:
+            for i in range(0, len(due), RENEW_CHUNK):
+                if i:
+                    await asyncio.sleep(0)  # whatever the store: Checks run between chunks
+                ids, checkpoints, fresh = self._due(now, due[i:i + RENEW_CHUNK], unheard,
+                                                    expired)
+                if not ids:
+                    continue
+                try:
+                    gone = await self._limiter.renew(ids, now, checkpoints)
+                except Exception as exc:
+                    log.warning("lease_renew_failed", active=len(due), error=repr(exc))
+                    return
+                for rid, a in fresh:
+                    if self._fresh.get(rid) is a:  # not ended, or taken on again, meanwhile
+                        a.fresh = False
+                        del self._fresh[rid]
+                for rid in gone:  # it holds nothing any more (settled elsewhere, or swept)
+                    if (held := self._live.get(rid)) is not None and held.renewed():
+                        self._drop(rid)
+        finally:
+            self._gave_up(unheard, expired)
+        if everyone:
+            self._last_all = now

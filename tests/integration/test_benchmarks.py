@@ -64,6 +64,14 @@ def test_bench_renew_quick(tmp_path: Path) -> None:
     assert all(v["renew_ms"] > 0 and v["worst_ms"] > 0 for v in doc.values())
 
 
+@pytest.mark.timeout(120)
+def test_bench_ledger_tick_quick(tmp_path: Path) -> None:
+    doc = run("bench_ledger_tick.py", tmp_path)
+    res = doc["results"]
+    assert set(res) == {f"1000 live, {doc['baseline']}", "1000 live, this tree"}
+    assert all(v["fresh_ms"] > 0 and v["everyone_ms"] > 0 for v in res.values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_bench_stages_quick(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ admissions' clock is a FakeClock)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 
 from gateway.clock import FakeClock
 from gateway.errors import StoreUnavailable
-from gateway.limits.ledger import Ledger
+from gateway.limits.ledger import RENEW_CHUNK, Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.stages import FROM, Stage
 from gateway.limits.types import (
@@ -28,6 +28,7 @@ from gateway.limits.types import (
 from gateway.policy.model import LimitSpec, TierLimit
 
 SLOT = TierLimit("key", "k", LimitSpec(concurrency=1, tokens_per_day=10_000))
+WIDE = TierLimit("key", "wide", LimitSpec(concurrency=1_000, tokens_per_day=10**9))
 TTL = 0.15  # the renew loop's tick is then 0.05 s
 
 
@@ -36,7 +37,13 @@ class Store(MemoryLimiter):
     """The in-memory limiter, recording each batch of endings; `down` refuses them."""
 
     batches: list[list[Ending]] = field(default_factory=list)
+    renewals: list[tuple[float, list[str]]] = field(default_factory=list)  # (now, ids)
     down: bool = False
+
+    async def renew(self, request_ids: list[str], now: float,
+                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
+        self.renewals.append((now, list(request_ids)))
+        return await super().renew(request_ids, now, checkpoints)
 
     async def end_many(self, ends: Sequence[Ending]) -> None:
         if self.down:
@@ -48,8 +55,9 @@ class Store(MemoryLimiter):
         return [e for batch in self.batches for e in batch]
 
 
-async def admit(lim: MemoryLimiter, rid: str, now: float, reserve: int = 100) -> None:
-    v = await lim.admit(AdmitRequest(rid, (SLOT,), reserve, now))
+async def admit(lim: MemoryLimiter, rid: str, now: float, reserve: int = 100,
+                tier: TierLimit = SLOT) -> None:
+    v = await lim.admit(AdmitRequest(rid, (tier,), reserve, now))
     assert isinstance(v, Admitted) and v.owes_settlement
 
 
@@ -443,3 +451,126 @@ async def test_an_admission_whose_stream_never_begins_here_is_forgotten(
         assert ledger.stage("other") is Stage.BEGUN
     finally:
         await ledger.stop()
+
+
+# --- what a tick costs: only what it renews -----------------------------------------------
+# These drive the renewal loop's body (_wakeup) by hand, one tick of the fake clock at a
+# time, with the default TTLs (lease 30 s, start 5 s): a round of everyone every 6th tick.
+
+
+def stepped(lim: Store, clock: FakeClock, **kw: float | bool) -> Ledger:
+    return Ledger(lim, clock, lease_ttl=lim.lease_ttl, start_ttl=lim.start_ttl,
+                  **kw)  # type: ignore[arg-type]
+
+
+async def step(ledger: Ledger, clock: FakeClock) -> None:
+    clock.advance(ledger.tick)
+    await ledger._wakeup()
+
+
+def sample(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+@pytest.fixture
+def slow_lim() -> Store:
+    return Store(lease_ttl=30.0, start_ttl=5.0)
+
+
+async def test_a_tick_between_rounds_renews_only_the_fresh_admissions(
+        slow_lim: Store, clock: FakeClock) -> None:
+    ledger = stepped(slow_lim, clock)
+    old = [f"r{i}" for i in range(50)]
+    for rid in old:
+        await admit(slow_lim, rid, clock.now(), tier=WIDE)
+        ledger.begun(rid)
+    await step(ledger, clock)
+    assert slow_lim.renewals == [(clock.now(), old)]  # fresh: within a third of the start TTL
+    last_round = clock.now() - ledger.tick  # the loop's start: none fresh before it
+    slow_lim.renewals.clear()
+    await admit(slow_lim, "new", clock.now(), tier=WIDE)
+    ledger.begun("new")
+    while not slow_lim.renewals or slow_lim.renewals[-1][1] == ["new"]:
+        await step(ledger, clock)
+    *between, (at, everyone) = slow_lim.renewals
+    assert [ids for _, ids in between] == [["new"]]  # once, and nobody else
+    assert sorted(everyone) == sorted([*old, "new"])  # then the round of everyone, in time
+    assert at - last_round <= ledger.renew_every + ledger.tick / 2
+
+
+async def test_the_open_gauge_follows_each_transition_without_waiting_for_a_tick(
+        slow_lim: Store, clock: FakeClock) -> None:
+    """A drain waits for gateway_admissions_open to reach 0: it must not lag behind the
+    last end (the ledger's loop is not even running here)."""
+    ledger = stepped(slow_lim, clock)
+    ledger.admitted("a")  # not renewed here until its stream begins
+    assert sample("gateway_admissions_open") == 0
+    ledger.begun("a")
+    ledger.begun("b")
+    assert sample("gateway_admissions_open") == 2
+    ledger.released("a")
+    assert sample("gateway_admissions_open") == 1
+    ledger.settled("b", 1)
+    assert sample("gateway_admissions_open") == 0
+    watched = stepped(slow_lim, clock, watches=True)
+    watched.admitted("w")
+    watched.heard("theirs", None)  # adopted
+    assert sample("gateway_admissions_open") == 2
+    watched.voided("w")
+    watched.orphaned("theirs")
+    assert sample("gateway_admissions_open") == 0
+
+
+@pytest.mark.parametrize(("watches", "bound", "stage", "counter"), [
+    (True, "unheard_s", Stage.UNHEARD, "gateway_admissions_unheard_total"),
+    (False, "max_lifetime_s", Stage.EXPIRED, "gateway_admissions_expired_total"),
+])
+async def test_given_up_by_the_next_round_and_never_renewed_past_its_bound(
+        slow_lim: Store, clock: FakeClock, watches: bool, bound: str, stage: Stage,
+        counter: str) -> None:
+    """Between rounds only the fresh are renewed, so what passes its bound then is given
+    up at the next round of everyone (before it is renewed): its lease history, and so when
+    the sweep frees it, is what it was when every tick looked at every admission."""
+    ledger = stepped(slow_lim, clock, watches=watches, **{bound: 20.0})
+    await admit(slow_lim, "r", clock.now())
+    if watches:
+        ledger.admitted("r")
+    else:
+        ledger.begun("r")
+    deadline = clock.now() + 20.0
+    before = sample(counter)
+    for _ in range(100):
+        await step(ledger, clock)
+        if ledger.stage("r") is not (Stage.ADMITTED if watches else Stage.BEGUN):
+            break
+    assert ledger.stage("r") is stage and sample(counter) == before + 1
+    assert deadline < clock.now() <= deadline + ledger.renew_every + ledger.tick
+    renewed_at = [at for at, ids in slow_lim.renewals if "r" in ids]
+    assert renewed_at and max(renewed_at) <= deadline
+    assert slow_lim.held["r"].until <= deadline + slow_lim.lease_ttl  # then the sweep's
+
+
+@pytest.mark.parametrize("bound", ["unheard_s", "max_lifetime_s"])
+async def test_a_fresh_admission_past_its_bound_is_not_renewed_between_rounds(
+        slow_lim: Store, clock: FakeClock, bound: str) -> None:
+    ledger = stepped(slow_lim, clock, watches=True, **{bound: 1.0})  # shorter than a tick
+    await admit(slow_lim, "r", clock.now())
+    ledger.admitted("r")
+    await step(ledger, clock)  # not a round of everyone: the fresh ones are looked at too
+    assert slow_lim.renewals == []
+    assert ledger.stage("r") is (Stage.UNHEARD if bound == "unheard_s" else Stage.EXPIRED)
+
+
+async def test_renewals_go_a_chunk_at_a_time_and_the_loop_runs_between(
+        slow_lim: Store, clock: FakeClock) -> None:
+    """Reading every stream's checkpoint at once would hold every Check: a chunk at a time,
+    and what ends between two chunks is not renewed after its end."""
+    ledger = stepped(slow_lim, clock)
+    rids = [f"r{i}" for i in range(2 * RENEW_CHUNK + 1)]
+    for rid in rids:
+        await admit(slow_lim, rid, clock.now(), tier=WIDE)
+        ledger.begun(rid)
+    asyncio.get_running_loop().call_soon(ledger.released, rids[-1])  # at the first yield
+    await step(ledger, clock)
+    assert [ids for _, ids in slow_lim.renewals] == [rids[:RENEW_CHUNK],
+                                                     rids[RENEW_CHUNK:-1]]
