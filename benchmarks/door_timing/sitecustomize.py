@@ -7,11 +7,14 @@ beside Envoy's access log):
     settle <endings> <µs> <wall of its start>       (the ledger's end_many: one or more scripts)
     renew <ids> <µs> <wall of its start>
 
-`export`'s first figure is what the batch held the event loop (parsing each record, its
-event into the spool) before waiting for the spool; a Check whose request arrived then was
-read only after it. Loaded as `sitecustomize` by every Python process of the run (this
-directory first on PYTHONPATH); it patches the modules when, and only if, a process imports
-them. Not part of the gateway: a measurement."""
+`export`'s first figure is how long the batch's records were read (each parsed, its event
+into the spool) before it waited for the spool: read whole, it held the event loop that
+long, and a Check whose request arrived then was read only after it; read in slices
+(records_service.SLICE_S), the loop ran between them.
+
+Loaded as `sitecustomize` by every Python process of the run (this directory first on
+PYTHONPATH); it patches the modules when, and only if, a process imports them. Not part of
+the gateway: a measurement."""
 
 from __future__ import annotations
 
