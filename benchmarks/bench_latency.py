@@ -25,7 +25,13 @@ request's first byte (µs): `authz_us` (the Check as ext_authz saw it), `to_engi
 `first_byte_us` (the engine's first byte back), `tx_end_us` (the last byte to the client);
 their medians are printed. Also: Redis's own µs per command (INFO commandstats), the door
 cluster's connection counters, and with `--door-times` the door's own time per Check, from
-its request's read to its answer's write (benchmarks/door_timing, patched in at import).
+its request's read to its answer's write (benchmarks/door_timing, patched in at import),
+beside the sidecar's records batches (records each, µs reading them), settles and renewals;
+the spoke's slowest 1 % of requests joined to their Checks by request id (where their time
+went, and how many met a records batch being read or a settle/renewal in Redis); and Redis's
+SLOWLOG (over 200 µs) by script. The `door_allow` path's Checks are admitted and never
+ended (no Envoy, no record): they stay live and are renewed (~320 ids a renewal) until their
+lease runs out, which a real c=1 spoke never has.
 
 Placement (2+ CPUs, unless --no-pin): the Envoys, the sidecar and the floor servers on CPU
 0; the client, the engine, Redis and Tansu on CPU 1 (`--sidecar-apart`: the sidecar on 1;
@@ -88,7 +94,8 @@ def spoke_config(drop: list[str]) -> Any:
             if f["name"] == "envoy.filters.http.ext_authz":
                 f["typed_config"]["emit_filter_state_stats"] = True
         stdout = next(a for a in tc["access_log"] if a["name"].endswith("stdout"))
-        stdout["typed_config"]["log_format"]["json_format"].update(FIELDS)
+        stdout["typed_config"]["log_format"]["json_format"].update(
+            FIELDS, start_s="%START_TIME(%s.%6f)%")  # to set beside the door's times
         return yaml.safe_dump(doc, sort_keys=False)
     return config
 
@@ -142,15 +149,91 @@ def cluster_stats(svc: Service, cluster: str) -> dict[str, int]:
     return out
 
 
-def door_medians(path: Path) -> dict[str, str]:
-    """The door's own times (--door-times) by who asked and whether Redis admitted."""
-    by: dict[str, list[float]] = defaultdict(list)
+def door_lines(path: Path) -> dict[str, list[list[str]]]:
+    """benchmarks/door_timing's lines (--door-times), by kind: check, export, settle, renew."""
+    by: dict[str, list[list[str]]] = defaultdict(list)
     with contextlib.suppress(OSError):
         for line in path.read_text().splitlines():
-            who, leased, us = line.split()
-            by[f"{who}{' admitted' if leased == '1' else ''}"].append(float(us))
-    return {k: f"p50 {statistics.median(v):.0f} p90 {pct([x / 1e6 for x in v], .9) * 1e6:.0f} "
-               f"(n={len(v)})" for k, v in sorted(by.items())}
+            kind, *rest = line.split()
+            by[kind].append(rest)
+    return by
+
+
+def door_medians(lines: dict[str, list[list[str]]]) -> dict[str, str]:
+    """The door's own times by who asked and whether Redis admitted; and the sidecar's
+    records batches (records each, µs holding the loop) and store calls."""
+    by: dict[str, list[float]] = defaultdict(list)
+    for who, leased, us, *_ in lines["check"]:
+        by[f"{who}{' admitted' if leased == '1' else ''}"].append(float(us))
+    for kind, at in (("export records", 0), ("export µs reading", 1), ("settle ends", 0),
+                     ("settle µs", 1), ("renew ids", 0), ("renew µs", 1)):
+        by[kind] = [float(x[at]) for x in lines[kind.split()[0]]]
+    return {k: f"p50 {statistics.median(v):.0f} p90 {pct(v, .9):.0f} p99 {pct(v, .99):.0f} "
+               f"(n={len(v)})" for k, v in sorted(by.items()) if v}
+
+
+def tail_report(envoy_log: Path, lines: dict[str, list[list[str]]]) -> None:
+    """The spoke's slowest 1 % of requests (Envoy's tx_end_us) against all of them, each
+    joined to its Check in the door by request id: where the extra time went (µs, medians)
+    and how many overlapped a records batch being read (from Envoy's first byte to the
+    door's answer), or a settle or renewal in Redis (while the door waited). Then the
+    Checks that met a batch against the others of the same run (Envoy's authz_us): what a
+    batch costs the Check that meets it, whatever else disturbs the run."""
+    checks = {rid: (float(us), float(wall), leased)
+              for _, leased, us, wall, rid in lines["check"]}
+    exports = [(float(w), float(w) + float(h) / 1e6) for _, h, _, w in lines["export"]]
+    store = [(float(w), float(w) + float(us) / 1e6)
+             for kind in ("settle", "renew") for _, us, w in lines[kind]]
+    rows = []
+    for line in envoy_log.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            e = orjson.loads(line)
+            door_us, read, leased = checks[e["request_id"]]
+            start, authz, total = float(e["start_s"]), float(e["authz_us"]), float(e["tx_end_us"])
+            before = (read - start) * 1e6  # Envoy's first byte to the door's read
+            rows.append({
+                "tx_end": total, "authz": authz, "to_read": before, "door": door_us,
+                "after_door": authz - before - door_us, "after_authz": total - authz,
+                "leased": leased,
+                "export": any(a < read + door_us / 1e6 and b > start for a, b in exports),
+                "store": any(a < read + door_us / 1e6 and b > read for a, b in store)})
+    if len(rows) < 100:
+        print("tail: too few requests joined", len(rows))
+        return
+    rows.sort(key=lambda r: r["tx_end"])
+    for name, part in (("all", rows), ("slowest 1%", rows[-max(1, len(rows) // 100):])):
+        med = {k: round(statistics.median(r[k] for r in part))
+               for k in ("tx_end", "authz", "to_read", "door", "after_door", "after_authz")}
+        print(f"tail, {name} (n={len(part)}): medians µs {med}; overlapping a records "
+              f"batch being read {sum(r['export'] for r in part) / len(part):.0%}, "
+              f"a settle/renewal {sum(r['store'] for r in part) / len(part):.0%}")
+    for leased, name in (("1", "admitted"), ("0", "no limits")):
+        met = [r["authz"] for r in rows if r["leased"] == leased and r["export"]]
+        rest = [r["authz"] for r in rows if r["leased"] == leased and not r["export"]]
+        if met and rest:
+            print(f"authz_us, {name}: meeting a records batch p50 {statistics.median(met):.0f} "
+                  f"p90 {pct(met, .9):.0f} (n={len(met)}); the others p50 "
+                  f"{statistics.median(rest):.0f} p90 {pct(rest, .9):.0f} (n={len(rest)})")
+
+
+def redis_slowlog(url: str) -> dict[str, str]:
+    """Redis's SLOWLOG (set to 200 µs by --door-times) by script: how long one script held
+    Redis, and every admission queued behind it."""
+    import hashlib
+
+    import redis
+
+    from gateway import limits
+    names = {hashlib.sha1(p.read_bytes()).hexdigest(): p.stem
+             for p in Path(limits.__file__).parent.glob("*.lua")}
+    by: dict[str, list[int]] = defaultdict(list)
+    for entry in redis.Redis.from_url(url).slowlog_get(100_000):
+        cmd = entry["command"]
+        args = (cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)).split()
+        by[names.get(args[1], " ".join(args[:2])) if len(args) > 1 else "?"].append(
+            entry["duration"])
+    return {k: f"n={len(v)} p50 {statistics.median(v)} max {max(v)} µs"
+            for k, v in sorted(by.items())}
 
 
 def redis_stats(url: str) -> dict[str, tuple[int, float]]:
@@ -290,6 +373,12 @@ def main() -> int:
     extra: dict[str, Service] = {}
     try:
         serve_keys(spoke, secret, free_secret, limited=not args.no_limits)
+        if args.door_times:
+            import redis
+            r = redis.Redis.from_url(spoke.redis_url)
+            r.config_set("slowlog-log-slower-than", 200)
+            r.config_set("slowlog-max-len", 100_000)
+            r.slowlog_reset()
         plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
                               spoke["engine"].address, workdir / "plain", "envoy-plain").start()
         if args.floor:
@@ -374,8 +463,12 @@ def main() -> int:
               cluster_stats(spoke["envoy"], "sidecar_authz_http"))
         if args.door_times:
             spoke["sidecar"].stop()  # its last lines flushed or not: a sample is enough
-            print("inside the door, µs from the request's read to its answer's write:",
-                  door_medians(door_times))
+            lines = door_lines(door_times)
+            print("inside the sidecar (benchmarks/door_timing), µs:")
+            for k, v in door_medians(lines).items():
+                print(f"  {k}: {v}")
+            tail_report(spoke["envoy"].log_path, lines)
+            print("Redis SLOWLOG (> 200 µs):", redis_slowlog(spoke.redis_url))
     finally:
         for svc in extra.values():
             svc.stop()

@@ -1,8 +1,20 @@
-"""bench_latency.py --door-times: the HTTP door's own time per Check, from the read that
-completed its request to the write of its answer, appended to $GATEWAY_BENCH_DOOR_TIMES as
-"<x-bench header or envoy> <leased 0/1> <µs>" lines. Loaded as `sitecustomize` by every
-Python process of the run (this directory first on PYTHONPATH); it patches the door's
-module when, and only if, a process imports it. Not part of the gateway: a measurement."""
+"""bench_latency.py --door-times: where the sidecar's time goes around each Check, appended
+to $GATEWAY_BENCH_DOOR_TIMES, one line per event (wall times from time.time(), to be set
+beside Envoy's access log):
+
+    check <x-bench header or envoy> <leased 0/1> <µs read to write> <wall of the read> <request id>
+    export <records> <µs until its first wait> <µs in all> <wall of its start>
+    settle <endings> <µs> <wall of its start>       (the ledger's end_many: one or more scripts)
+    renew <ids> <µs> <wall of its start>
+
+`export`'s first figure is how long the batch's records were read (each parsed, its event
+into the spool) before it waited for the spool: read whole, it held the event loop that
+long, and a Check whose request arrived then was read only after it; read in slices
+(records_service.SLICE_S), the loop ran between them.
+
+Loaded as `sitecustomize` by every Python process of the run (this directory first on
+PYTHONPATH); it patches the modules when, and only if, a process imports them. Not part of
+the gateway: a measurement."""
 
 from __future__ import annotations
 
@@ -15,38 +27,95 @@ import time
 from typing import Any
 
 OUT = os.environ.get("GATEWAY_BENCH_DOOR_TIMES")
+_lines: list[str] = []
+_first_wait = [0.0]  # perf_counter of the latest spool wait (an Export's first wait)
 
 
-def _patch(mod: Any) -> None:
+def _flush() -> None:
+    with open(OUT, "a") as f:  # type: ignore[arg-type]
+        f.writelines(_lines)
+    _lines.clear()
+
+
+def _add(line: str) -> None:
+    _lines.append(line)
+    if len(_lines) >= 100:
+        _flush()
+
+
+atexit.register(_flush)  # the sidecar exits normally on SIGTERM
+
+
+def _patch_door(mod: Any) -> None:
     conn = mod._Connection
     received, write = conn.data_received, conn._write
-    lines: list[str] = []
-
-    def flush() -> None:
-        with open(OUT, "a") as f:  # type: ignore[arg-type]
-            f.writelines(lines)
-        lines.clear()
-
-    atexit.register(flush)  # the sidecar exits normally on SIGTERM
 
     def data_received(self: Any, data: bytes) -> None:
-        self._bench_t = time.perf_counter()
+        self._bench_t = time.perf_counter(), time.time()
         received(self, data)
 
     def _write(self: Any, req: Any, answer: Any) -> None:
         write(self, req, answer)
-        us = (time.perf_counter() - getattr(self, "_bench_t", time.perf_counter())) * 1e6
-        lines.append(f"{req.headers.get('x-bench', 'envoy')} "
-                     f"{int(getattr(answer, 'leased', False))} {us:.1f}\n")
-        if len(lines) >= 100:
-            flush()
+        t, wall = getattr(self, "_bench_t", (time.perf_counter(), time.time()))
+        _add(f"check {req.headers.get('x-bench', 'envoy')} "
+             f"{int(getattr(answer, 'leased', False))} {(time.perf_counter() - t) * 1e6:.1f} "
+             f"{wall:.6f} {req.request_id or '-'}\n")
 
     conn.data_received, conn._write = data_received, _write
 
 
+def _patch_records(mod: Any) -> None:
+    export = mod.RecordsService.export
+
+    async def timed(self: Any, request: Any) -> None:
+        wall, t0 = time.time(), time.perf_counter()
+        n = sum(len(sl.log_records) for rl in request.resource_logs for sl in rl.scope_logs)
+        await export(self, request)
+        t1 = time.perf_counter()
+        first = _first_wait[0] if _first_wait[0] > t0 else t1
+        _add(f"export {n} {(first - t0) * 1e6:.1f} {(t1 - t0) * 1e6:.1f} {wall:.6f}\n")
+
+    mod.RecordsService.export = timed
+
+
+def _patch_spool(mod: Any) -> None:
+    until = mod.Spool.until_durable
+
+    async def timed(self: Any, seq: int) -> None:
+        _first_wait[0] = time.perf_counter()
+        await until(self, seq)
+
+    mod.Spool.until_durable = timed
+
+
+def _patch_store(mod: Any) -> None:
+    cls = mod.RedisLimiter
+    for name, kind in (("end_many", "settle"), ("renew", "renew")):
+        orig = getattr(cls, name)
+
+        def wrap(orig: Any, kind: str) -> Any:
+            async def timed(self: Any, first: Any, *args: Any) -> Any:
+                wall, t0 = time.time(), time.perf_counter()
+                try:
+                    return await orig(self, first, *args)
+                finally:
+                    _add(f"{kind} {len(first)} {(time.perf_counter() - t0) * 1e6:.1f} "
+                         f"{wall:.6f}\n")
+            return timed
+
+        setattr(cls, name, wrap(orig, kind))
+
+
+PATCHES = {"gateway.server.authz_http": _patch_door,
+           "gateway.server.records_service": _patch_records,
+           "gateway.sinks.spool": _patch_spool,
+           "gateway.limits.redis_store": _patch_store}
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "gateway.server.authz_http":
+        patch = PATCHES.get(fullname)
+        if patch is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -58,7 +127,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def patched(module: Any) -> None:
             exec_module(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = patched  # type: ignore[method-assign]
         return spec

@@ -117,7 +117,9 @@ class App:
         external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
             ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
         # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
-        records = RecordsService(recorder, self.ledger, emits=s.source.records_are_events)
+        records = RecordsService(recorder, self.ledger, emits=s.source.records_are_events,
+                                 checks_waiting=authz_http.waiting if s.authz_http_listen
+                                 else None)
         records.register(self.server)
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -30,6 +30,18 @@ _FAILED = b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnectio
 _TOO_LARGE = (b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n"
               b"connection: close\r\n\r\n")
 
+_waiting = 0  # Checks of this process waiting on the store (a Task each), all connections
+
+
+def waiting() -> int:
+    """How many Checks wait on the store now: a load gauge for the records batches."""
+    return _waiting
+
+
+def _done(_: asyncio.Task[None]) -> None:
+    global _waiting
+    _waiting -= 1
+
 
 class _Started:
     """A coroutine already run to its first wait (`waiting`: what it yielded), for a Task to
@@ -145,8 +157,11 @@ class _Connection(asyncio.Protocol):
         except Exception:
             self._failed(req)
             return
+        global _waiting
         self.pending = asyncio.get_running_loop().create_task(
             self._finish(req, _Started(coro, waiting)))
+        _waiting += 1  # a done callback, not a `finally`: a Task cancelled unstarted runs none
+        self.pending.add_done_callback(_done)
 
     async def _finish(self, req: AuthzRequest, check: _Started) -> None:
         try:

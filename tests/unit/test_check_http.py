@@ -210,3 +210,29 @@ async def test_what_the_door_cannot_take_closes_without_a_decision(raw: bytes) -
         answer = await asyncio.wait_for(reader.read(), 5)
         assert answer.split(b" ")[1] in (b"500", b"413")
         assert await reader.read() == b""
+
+
+async def test_the_door_counts_the_checks_waiting_on_every_connection() -> None:
+    """authz_http.waiting(): the records batches' gauge of load (records_service); a Check
+    answered, or abandoned with its connection, no longer counts."""
+    authorizer = HeldAuthorizer(ALLOW)
+    async with door(authorizer) as (reader, writer):
+        other = await asyncio.open_connection("127.0.0.1", writer.get_extra_info("peername")[1])
+        writer.write(request("a"))
+        other[1].write(request("b"))
+        for _ in range(50):
+            if authz_http.waiting() == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert authz_http.waiting() == 2
+        other[1].close()  # "b" abandoned
+        for _ in range(50):
+            if authz_http.waiting() == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert authz_http.waiting() == 1
+        authorizer.release.set()
+        assert (await read_answer(reader))[0] == 200
+        await asyncio.sleep(0)
+        assert authz_http.waiting() == 0
+        writer.close()
