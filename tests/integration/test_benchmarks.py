@@ -64,6 +64,16 @@ def test_bench_renew_quick(tmp_path: Path) -> None:
     assert all(v["renew_ms"] > 0 and v["worst_ms"] > 0 for v in doc.values())
 
 
+@pytest.mark.timeout(180)
+def test_bench_wakeups_quick(tmp_path: Path) -> None:
+    doc = run("bench_wakeups.py", tmp_path)
+    assert set(doc["results"]) == {"50", "500"}
+    for r in doc["results"].values():
+        assert r["requests"] > 0
+        assert r["threads"][0]["thread"] == "python (event loop)", r  # the most CPU
+        assert all(t["us_per_req"] > 0 for t in r["threads"])
+
+
 @pytest.mark.timeout(120)
 def test_bench_ledger_tick_quick(tmp_path: Path) -> None:
     doc = run("bench_ledger_tick.py", tmp_path)
