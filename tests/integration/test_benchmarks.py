@@ -136,6 +136,18 @@ def test_bench_span_encode_quick(tmp_path: Path) -> None:
     assert doc["spans"] == 64 and doc["ours_us_per_span"] > 0
 
 
+@pytest.mark.timeout(300)
+def test_bench_record_path_quick(tmp_path: Path) -> None:
+    """Every part timed for the pure tree; the compiled copy, where mypyc and a C compiler
+    are here, imports its compiled modules (the bench exits otherwise)."""
+    doc = run("bench_record_path.py", tmp_path, "--build-dir", str(tmp_path / "build"))
+    assert all(v > 0 for v in doc["median_us"]["pure"].values()), doc["median_us"]
+    assert set(doc["median_us"]["pure"]) == {"read+settle", "event_json", "emit", "_one",
+                                             "export"}
+    if "error" not in doc["builds"]["leaf"]:
+        assert doc["modules"]["mypyc leaf"]["gateway.metering.record"].endswith(".so")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_bench_hub_quick(tmp_path: Path) -> None:
