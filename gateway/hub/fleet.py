@@ -50,6 +50,21 @@ def fleet(statuses: dict[str, bytes], policies: dict[str, bytes], now: float) ->
         for name in sorted(spokes)]}
 
 
+def highest_reported(statuses: dict[str, bytes]) -> int:
+    """The highest revision any instance says it holds (0: none readable). A publish goes
+    above it: a spoke that holds a revision the feed never had (the topic lost, or a local
+    `policy apply`) would hold the feed's revision of the same number, not apply it."""
+    best = 0
+    for raw in statuses.values():
+        try:
+            rev = orjson.loads(raw).get("revision")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(rev, int) and not isinstance(rev, bool):
+            best = max(best, rev)
+    return best
+
+
 def lagging(spoke: dict[str, Any]) -> list[str]:
     """Instances holding less than the feed's revision for their spoke."""
     want = spoke["feed_revision"]

@@ -2,7 +2,10 @@
 
 Validation is `policy apply`'s (the same parser: an invalid file publishes nothing). The
 revision is the feed's one sequence: the highest ever put on the topic + 1, read from the
-topic itself, so the hub keeps no state of its own.
+topic itself, so the hub keeps no state of its own; and above the highest revision any
+instance reports on the status topic, so that a spoke holding a number the feed never gave
+(the topic lost and started again at 1, or a `policy apply` into the spoke's Redis) takes
+the next publish instead of holding it as not newer.
 
 Two publishers at the same instant can take the same number, and a spoke keeps the first
 record of a number and holds the next (it never moves to a revision not newer than its
@@ -14,8 +17,8 @@ number. Every publish then lands, the later one last, whatever the interleaving.
 from __future__ import annotations
 
 from gateway.errors import SinkUnavailable
-from gateway.hub import feed
-from gateway.hub.topics import POLICY_TOPIC, ensure_compacted, produce, read_all
+from gateway.hub import feed, fleet
+from gateway.hub.topics import POLICY_TOPIC, STATUS_TOPIC, ensure_compacted, produce, read_all
 from gateway.log import log
 from gateway.policy.loader import parse_doc, to_data
 
@@ -31,9 +34,10 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     doc = parse_doc(text, source)
     data = to_data(doc)
     await ensure_compacted(bootstrap, POLICY_TOPIC)
+    held = fleet.highest_reported(feed.latest(await read_all(bootstrap, STATUS_TOPIC)))
     records = await read_all(bootstrap, POLICY_TOPIC)
     for _ in range(ATTEMPTS):
-        revision = feed.max_revision(records) + 1
+        revision = max(feed.max_revision(records), held) + 1
         value = feed.encode(revision, data)
         await produce(bootstrap, POLICY_TOPIC, spoke, value, idempotence=idempotence)
         records = await read_all(bootstrap, POLICY_TOPIC)

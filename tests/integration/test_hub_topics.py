@@ -166,6 +166,18 @@ def test_hub_status_of_an_empty_fleet(tansu: Service,
 
 
 
+async def test_a_publish_goes_above_what_the_spokes_hold_when_the_feed_has_less(
+        feed_kafka: Service) -> None:
+    """The hub's topic lost (it starts again at 1) or a local `policy apply`: a spoke that
+    holds revision 7 would hold a published 1..7 as not newer. The next publish is 8."""
+    bs = feed_kafka.address
+    await ensure_compacted(bs, STATUS_TOPIC)
+    await produce(bs, STATUS_TOPIC, "s1/i1", Status("s1", "i1", 7, "ack", None, now_text(), 0,
+                                                    0.0, True).encode(), idempotence=False)
+    assert await publish(bs, _doc("m"), "p.yaml", idempotence=False) == 8
+    assert await publish(bs, _doc("n"), "p.yaml", idempotence=False) == 9  # then the feed's own
+
+
 def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
         feed_kafka: Service, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:

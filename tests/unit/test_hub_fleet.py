@@ -85,3 +85,12 @@ def test_an_instance_nacks_while_the_newest_revision_it_saw_was_refused() -> Non
     holder.swap(load(b"models: {m: {}}", 5))
     holder.reject(2, "old news")  # refused, but older than what it serves: still ACK
     assert seen == [("ack", None), ("nack", "models.m: bad"), ("ack", None), ("ack", None)]
+
+
+def test_a_publish_goes_above_the_highest_revision_any_instance_reports() -> None:
+    statuses = dict([report("a", "i1", 4), report("b", "sync-h", 9), report("b", "i2", 7)])
+    assert fleet.highest_reported(statuses) == 9
+    assert fleet.highest_reported({**statuses, "c/x": b"junk", "c/y": b"[1]",
+                                   "c/z": b'{"revision": true}', "c/w": b'{"revision": 99.5}',
+                                   "c/v": b'{"revision": "12"}'}) == 9  # only integers count
+    assert fleet.highest_reported({}) == 0
