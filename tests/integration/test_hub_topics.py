@@ -13,6 +13,7 @@ import pytest
 
 from devspoke.procs import Service, free_port, tansu_service
 from gateway.cli import main
+from gateway.errors import SinkUnavailable
 from gateway.hub import feed
 from gateway.hub.feed import Record
 from gateway.hub.publish import publish
@@ -176,6 +177,21 @@ async def test_a_publish_goes_above_what_the_spokes_hold_when_the_feed_has_less(
                                                     0.0, True).encode(), idempotence=False)
     assert await publish(bs, _doc("m"), "p.yaml", idempotence=False) == 8
     assert await publish(bs, _doc("n"), "p.yaml", idempotence=False) == 9  # then the feed's own
+
+
+async def test_a_status_topic_that_cannot_be_read_leaves_the_feeds_own_number(
+        feed_kafka: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    bs = feed_kafka.address
+    first = await publish(bs, _doc("m"), "p.yaml", idempotence=False)
+
+    async def status_unreadable(bootstrap: str, topic: str, timeout: float = 10.0
+                                ) -> list[Record]:
+        if topic == STATUS_TOPIC:
+            raise SinkUnavailable(f"kafka {bootstrap}: reading {topic}: too slow")
+        return await read_all(bootstrap, topic, timeout)
+
+    monkeypatch.setattr("gateway.hub.publish.read_all", status_unreadable)
+    assert await publish(bs, _doc("n"), "p.yaml", idempotence=False) == first + 1
 
 
 def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
