@@ -19,10 +19,9 @@ the store is down. A second task renews what this process follows (begun streams
 admissions) in one store call per tick, checkpointing each one's usage so far. An
 admission nobody ends still runs out on its own (crash safety).
 
-A tick costs what it renews, not what is followed: the admissions renewed, the fresh ones
-among them and the admitted ones not begun are kept apart at each transition, so that a
-tick between two rounds of everyone touches only the fresh ones, and the gauge of open
-admissions is a len() set as they change (a drain waits on it reaching 0).
+A tick costs what it renews, not what is followed: the admissions are filed at each
+transition by what the renewal loop does with them (gateway/limits/followed.py), so that a
+tick between two rounds of everyone touches only the fresh ones.
 
 A transition with no request id, or from a stage it cannot come from, is a no-op, counted
 in gateway_ledger_refused_total and logged once per kind, never raised: the caller is a
@@ -34,11 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
 
 from gateway import batching, metrics
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
+from gateway.limits.followed import Followed
 from gateway.limits.stages import FROM, GIVEN_UP, REPEATS, Admission, Progress, Stage
 from gateway.limits.types import (
     Abandon,
@@ -53,10 +52,6 @@ from gateway.limits.types import (
 from gateway.log import log
 from gateway.tasks import cancel_all
 
-# Ended admissions are remembered this long (at most this many), so that a late or repeated
-# call about them is recognised: a heartbeat after the end, a release after the settlement.
-ENDED_KEEP_S = 120.0
-ENDED_MAX = 100_000
 # A round of renewals goes this many ids at a time, the event loop free between two (the
 # Redis store's own batch, redis_store.MAX_BATCH: one script a chunk).
 RENEW_CHUNK = 256
@@ -83,17 +78,8 @@ class Ledger:
         # Streams that began since the last tick get their first renewal within a third of
         # the start TTL; the rest are renewed every third of the lease TTL.
         self.tick = max(self.first_lease / 3, 0.05)
-        self._live: dict[str, Admission] = {}
-        # The live admissions by what the renewal loop does with them (_track, at every
-        # change): renewed each round; of those, renewed at the next tick; forgotten after
-        # the first lease unless begun or heard of.
-        self._renewed: dict[str, Admission] = {}
-        self._fresh: dict[str, Admission] = {}
-        self._unbegun: dict[str, Admission] = {}
-        self._open = 0  # len(self._renewed) as last put in the gauge (one ledger a process)
-        metrics.ADMISSIONS_OPEN.set(0)
+        self._followed = Followed()
         self._last_all = clock.now()  # the last round of everyone
-        self._ended: OrderedDict[str, Admission] = OrderedDict()  # oldest end first
         self._refused: set[tuple[str, str]] = set()  # kinds of refusal already logged
         self._pending: list[Ending] = []
         self._wake = asyncio.Event()
@@ -127,7 +113,6 @@ class Ledger:
         if not self._may("admitted", request_id, a):
             return
         now = self._clock.now()
-        self._ended.pop(request_id, None)
         self._hold(request_id, Admission(
             Stage.ADMITTED, now, heard_until=now + self.unheard_s if self.watches else None))
 
@@ -139,9 +124,9 @@ class Ledger:
             return
         if a is not None and a.stage is Stage.ADMITTED:
             a.stage, a.heard_until, a.progress = Stage.BEGUN, None, progress
-            self._track(request_id, a)
+            self._followed.track(request_id, a)
             return
-        self._ended.pop(request_id, None)  # admitted by another process (or a new request)
+        # admitted by another process (or a new request)
         self._hold(request_id, Admission(Stage.BEGUN, self._clock.now(), progress=progress))
 
     def heard(self, request_id: str, checkpoint: tuple[int, int] | None) -> None:
@@ -157,8 +142,7 @@ class Ledger:
             return
         if a is None:  # adopted: renewed at the next tick
             a = Admission(Stage.ADMITTED, now)
-        elif a.stage is Stage.UNHEARD:
-            del self._ended[request_id]
+        elif a.stage is Stage.UNHEARD:  # taken back (_hold, below)
             a.stage, a.fresh = Stage.ADMITTED, True
         a.heard_until = now + self.unheard_s
         if checkpoint is not None:
@@ -178,7 +162,6 @@ class Ledger:
             self._send(Release(request_id))
         if a is None:
             a = Admission(Stage.RELEASED, self._clock.now())
-        self._ended.pop(request_id, None)
         a.stage, a.heard_until, a.progress = Stage.RELEASED, None, None
         self._hold(request_id, a)
 
@@ -221,8 +204,7 @@ class Ledger:
     # --- bookkeeping -------------------------------------------------------------------
 
     def _find(self, request_id: str) -> Admission | None:
-        a = self._live.get(request_id)
-        return a if a is not None else self._ended.get(request_id)
+        return self._followed.find(request_id)
 
     def _may(self, transition: str, request_id: str, a: Admission | None) -> bool:
         """Whether `transition` applies now: a repeat is quietly nothing, the rest refused."""
@@ -252,63 +234,16 @@ class Ledger:
         return True
 
     def _remember(self, request_id: str, a: Admission, stage: Stage, now: float) -> None:
-        """No longer followed: kept a while, so that late calls about it are recognised."""
-        self._drop(request_id)
-        a.stage, a.ended_at, a.progress = stage, now, None
-        self._ended[request_id] = a
-        self._ended.move_to_end(request_id)
-        if len(self._ended) > ENDED_MAX:
-            self._ended.popitem(last=False)
+        self._followed.remember(request_id, a, stage, now)
 
     def _hold(self, request_id: str, a: Admission) -> None:
-        """Follow it (after any change to it): the renewal loop finds it where it belongs."""
-        self._live[request_id] = a
-        self._track(request_id, a)
+        """Follow it (after any change to it), and wake the renewal loop if it sleeps."""
+        self._followed.hold(request_id, a)
         self._occupied.set()
-
-    def _track(self, request_id: str, a: Admission) -> None:
-        """File a live admission by what the renewal loop does with it, after each change."""
-        if a.renewed():
-            self._renewed[request_id] = a
-            if a.fresh:
-                self._fresh[request_id] = a
-            else:
-                self._fresh.pop(request_id, None)
-            self._unbegun.pop(request_id, None)
-        else:
-            self._renewed.pop(request_id, None)
-            self._fresh.pop(request_id, None)
-            if a.stage is Stage.ADMITTED:
-                self._unbegun[request_id] = a
-            else:
-                self._unbegun.pop(request_id, None)
-        self._count()
-
-    def _drop(self, request_id: str) -> None:
-        """No longer followed."""
-        self._live.pop(request_id, None)
-        self._renewed.pop(request_id, None)
-        self._fresh.pop(request_id, None)
-        self._unbegun.pop(request_id, None)
-        self._count()
-
-    def _count(self) -> None:
-        """The open admissions' gauge, as they change: a drain waits on it reaching 0."""
-        if len(self._renewed) != self._open:
-            self._open = len(self._renewed)
-            metrics.ADMISSIONS_OPEN.set(self._open)
 
     def _send(self, end: Ending) -> None:
         self._pending.append(end)
         self._wake.set()
-
-    def _look_after(self, now: float) -> None:
-        """Forget what is not worth following any more. Before each round of everyone."""
-        # Its stream began elsewhere, or never (a released one waits for its settlement).
-        for rid in [r for r, a in self._unbegun.items() if now - a.since >= self.first_lease]:
-            self._drop(rid)
-        while self._ended and next(iter(self._ended.values())).ended_at < now - ENDED_KEEP_S:
-            self._ended.popitem(last=False)
 
     def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
              ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, Admission]]]:
@@ -319,7 +254,7 @@ class Ledger:
         checkpoints: dict[str, tuple[int, int]] = {}
         fresh: list[tuple[str, Admission]] = []
         for rid in rids:
-            if (a := self._renewed.get(rid)) is None:
+            if (a := self._followed.renewed.get(rid)) is None:
                 continue  # ended (or released) since the tick began
             if now - a.since >= self.max_lifetime_s:
                 self._remember(rid, a, Stage.EXPIRED, now)
@@ -390,7 +325,7 @@ class Ledger:
     async def _renew_loop(self) -> None:
         self._last_all = self._clock.now()
         while True:
-            if not self._live and not self._ended:
+            if not self._followed.live and not self._followed.ended:
                 # Nothing to renew, give up or forget: an idle sidecar does not tick (a
                 # wakeup every `tick` for nothing) until an admission is taken on.
                 self._occupied.clear()
@@ -408,9 +343,10 @@ class Ledger:
         a second. A round whose store call fails is tried again at the next tick."""
         now = self._clock.now()
         everyone = now - self._last_all >= self.renew_every - self.tick / 2
-        if everyone:
-            self._look_after(now)
-        due = list(self._renewed if everyone else self._fresh)
+        followed = self._followed
+        if everyone:  # forget what is not worth following any more
+            followed.forget_old(now, self.first_lease)
+        due = list(followed.renewed if everyone else followed.fresh)
         unheard: list[str] = []
         expired: list[str] = []
         try:
@@ -427,12 +363,10 @@ class Ledger:
                     log.warning("lease_renew_failed", active=len(due), error=repr(exc))
                     return
                 for rid, a in fresh:
-                    if self._fresh.get(rid) is a:  # not ended, or taken on again, meanwhile
-                        a.fresh = False
-                        del self._fresh[rid]
+                    followed.renewed_once(rid, a)
                 for rid in gone:  # it holds nothing any more (settled elsewhere, or swept)
-                    if (held := self._live.get(rid)) is not None and held.renewed():
-                        self._drop(rid)
+                    if (held := followed.live.get(rid)) is not None and held.renewed():
+                        followed.drop(rid)
         finally:
             self._gave_up(unheard, expired)
         if everyone:

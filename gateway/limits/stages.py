@@ -27,7 +27,7 @@ class Stage(Enum):
 
 LIVE = frozenset({Stage.ADMITTED, Stage.BEGUN, Stage.RELEASED})  # followed here
 GIVEN_UP = frozenset({Stage.UNHEARD, Stage.EXPIRED})  # the store holds them until the sweep
-# The rest are remembered a while (ENDED_KEEP_S), as ended.
+# The rest are remembered a while (followed.ENDED_KEEP_S), as ended.
 
 # The stages each transition may come from (None: unknown here). A given-up admission may
 # still end; an ended id is admitted (or begun elsewhere) again only by a new request that
