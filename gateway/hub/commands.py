@@ -93,16 +93,17 @@ def cmd_hub_forget(args: argparse.Namespace) -> int:
     from gateway.hub import feed
     from gateway.hub.topics import STATUS_TOPIC, produce, read_all
     s, bootstrap = _hub_bootstrap(args)
-    bad = [k for k in args.instances if "/" not in k.strip("/")]
+    keys = list(dict.fromkeys(args.instances))  # each once, in the order given
+    bad = [k for k in keys if "/" not in k.strip("/")]
     if bad:
         print(f"nothing forgotten: not SPOKE/INSTANCE: {', '.join(bad)}", file=sys.stderr)
         return 2
 
     async def forget() -> list[str]:
         known = feed.latest(await read_all(bootstrap, STATUS_TOPIC))
-        unknown = [k for k in args.instances if k not in known]
+        unknown = [k for k in keys if k not in known]
         if not unknown:
-            for key in dict.fromkeys(args.instances):
+            for key in keys:
                 await produce(bootstrap, STATUS_TOPIC, key, None,
                               idempotence=s.kafka_idempotence)
         return unknown
@@ -116,7 +117,7 @@ def cmd_hub_forget(args: argparse.Namespace) -> int:
         print(f"nothing forgotten: no report from {', '.join(unknown)} (see `gateway hub "
               "status`)", file=sys.stderr)
         return 2
-    for key in dict.fromkeys(args.instances):
+    for key in keys:
         print(f"forgot {key}")
     return 0
 

@@ -7,7 +7,7 @@ form one sequence over the topic, and a spoke never moves to a lower one than it
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,30 +67,27 @@ def latest(records: Iterable[Record]) -> dict[str, bytes]:
     return out
 
 
+def _revisions(records: Iterable[Record]) -> Iterator[tuple[str, bytes, int]]:
+    """(key, value, revision) of each readable value, in topic order."""
+    for key, value in records:
+        if value is not None:
+            try:
+                yield key, value, parse_value(value).revision
+            except FeedValueError:
+                continue
+
+
 def max_revision(records: Iterable[Record]) -> int:
     """The highest revision ever put on the feed (superseded and removed ones included):
     the next publish takes this + 1, so the sequence never goes back."""
-    best = 0
-    for _, value in records:
-        if value is not None:
-            try:
-                best = max(best, parse_value(value).revision)
-            except FeedValueError:
-                continue
-    return best
+    return max((rev for _, _, rev in _revisions(records)), default=0)
 
 
 def first_with(records: Iterable[Record], revision: int) -> Record | None:
     """The first record on the feed that carries `revision`: the one a spoke that read the
     topic in order took as that revision (a later one with the same number it holds)."""
-    for key, value in records:
-        if value is not None:
-            try:
-                if parse_value(value).revision == revision:
-                    return key, value
-            except FeedValueError:
-                continue
-    return None
+    return next(((key, value) for key, value, rev in _revisions(records) if rev == revision),
+                None)
 
 
 def entry_for(current: dict[str, bytes], spoke: str) -> tuple[str, bytes] | None:

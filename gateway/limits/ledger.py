@@ -100,7 +100,7 @@ class Ledger:
 
     def stage(self, request_id: str) -> Stage | None:
         """Where this admission stands here (None: unknown, or ended long enough ago)."""
-        a = self._find(request_id)
+        a = self._followed.find(request_id)
         return a.stage if a is not None else None
 
     # --- the transitions ---------------------------------------------------------------
@@ -109,7 +109,7 @@ class Ledger:
         """The Check admitted it and the store holds something of it. Watched, it is renewed
         from now on; otherwise its metering stream takes it on (`begun`, here or in another
         process) and this entry is forgotten once the first lease has run out."""
-        a = self._find(request_id)
+        a = self._followed.find(request_id)
         if not self._may("admitted", request_id, a):
             return
         now = self._clock.now()
@@ -119,7 +119,7 @@ class Ledger:
     def begun(self, request_id: str, progress: Progress | None = None) -> None:
         """Its metering stream began: renew its lease from now on; `progress` (prompt,
         completion tokens so far) is checkpointed with each renewal."""
-        a = self._find(request_id)
+        a = self._followed.find(request_id)
         if not self._may("begun", request_id, a):
             return
         if a is not None and a.stage is Stage.ADMITTED:
@@ -133,12 +133,13 @@ class Ledger:
         """Envoy's heartbeat record of a request still in flight (perhaps admitted by another
         instance, or before a restart): renew it, checkpointing its usage so far. One given
         up as unheard is taken back (within its lifetime); an expired one only stays known."""
-        a = self._find(request_id)
+        a = self._followed.find(request_id)
         if not self._may("heard", request_id, a):
             return
         now = self._clock.now()
         if a is not None and a.stage in GIVEN_UP and now - a.since >= self.max_lifetime_s:
-            self._remember(request_id, a, Stage.EXPIRED, now)  # kept while heard, not renewed
+            # kept known while heard, not renewed
+            self._followed.remember(request_id, a, Stage.EXPIRED, now)
             return
         if a is None:  # adopted: renewed at the next tick
             a = Admission(Stage.ADMITTED, now)
@@ -155,7 +156,7 @@ class Ledger:
         find them free). The rest of the settlement waits for the usage event (`settled`).
         Only what this process renews is released early; any other admission is freed by
         its settlement, moments later."""
-        a = self._find(request_id)
+        a = self._followed.find(request_id)
         if not self._may("released", request_id, a):
             return
         if a is not None and a.renewed():
@@ -191,8 +192,8 @@ class Ledger:
         orphans = await self._limiter.sweep(now, limit)
         at = self._clock.now()
         for o in orphans:
-            a = self._find(o.request_id) or Admission(Stage.ORPHANED, at)
-            self._remember(o.request_id, a, Stage.ORPHANED, at)
+            a = self._followed.find(o.request_id) or Admission(Stage.ORPHANED, at)
+            self._followed.remember(o.request_id, a, Stage.ORPHANED, at)
         return orphans
 
     async def next_flush(self, timeout: float) -> None:
@@ -202,9 +203,6 @@ class Ledger:
             await asyncio.wait_for(self._flushed.wait(), timeout)
 
     # --- bookkeeping -------------------------------------------------------------------
-
-    def _find(self, request_id: str) -> Admission | None:
-        return self._followed.find(request_id)
 
     def _may(self, transition: str, request_id: str, a: Admission | None) -> bool:
         """Whether `transition` applies now: a repeat is quietly nothing, the rest refused."""
@@ -226,15 +224,12 @@ class Ledger:
                         request_id=request_id[:80], note="counted from now on, not logged")
 
     def _end(self, transition: str, request_id: str, stage: Stage) -> bool:
-        a = self._find(request_id)
+        a = self._followed.find(request_id)
         if not self._may(transition, request_id, a):
             return False
         now = self._clock.now()
-        self._remember(request_id, a or Admission(stage, now), stage, now)
+        self._followed.remember(request_id, a or Admission(stage, now), stage, now)
         return True
-
-    def _remember(self, request_id: str, a: Admission, stage: Stage, now: float) -> None:
-        self._followed.remember(request_id, a, stage, now)
 
     def _hold(self, request_id: str, a: Admission) -> None:
         """Follow it (after any change to it), and wake the renewal loop if it sleeps."""
@@ -257,11 +252,11 @@ class Ledger:
             if (a := self._followed.renewed.get(rid)) is None:
                 continue  # ended (or released) since the tick began
             if now - a.since >= self.max_lifetime_s:
-                self._remember(rid, a, Stage.EXPIRED, now)
+                self._followed.remember(rid, a, Stage.EXPIRED, now)
                 expired.append(rid)
                 continue
             if a.heard_until is not None and a.heard_until < now:
-                self._remember(rid, a, Stage.UNHEARD, now)
+                self._followed.remember(rid, a, Stage.UNHEARD, now)
                 unheard.append(rid)
                 continue
             ids.append(rid)
