@@ -38,6 +38,9 @@ RECORD_DUPLICATES = Counter(
     "gateway_envoy_record_duplicates_total", "Records Envoy sent again (a retried batch)")
 RECORD_HEARTBEATS = Counter(
     "gateway_envoy_record_heartbeats_total", "Periodic records of requests still in flight")
+RECORDS_ANSWERED_UNSETTLED = Counter(
+    "gateway_envoy_record_batches_answered_unsettled_total",
+    "Batches answered before their settlements reached the limiter store (it was down)")
 RECORDS_UNREADABLE = Counter(
     "gateway_envoy_records_unreadable_total",
     "Records whose facts could not be read (their requests are billed as orphans)")

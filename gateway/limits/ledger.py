@@ -82,6 +82,10 @@ class Ledger:
         self._last_all = clock.now()  # the last round of everyone
         self._refused: set[tuple[str, str]] = set()  # kinds of refusal already logged
         self._pending: list[Ending] = []
+        # Endings ever queued, and how many of them reached the store: the first `_sent`
+        # (the queue keeps its order, a failed batch going back to its front).
+        self._queued = 0
+        self._sent = 0
         self._wake = asyncio.Event()
         self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
         self._tasks: list[asyncio.Task[None]] = []
@@ -196,6 +200,20 @@ class Ledger:
             self._followed.remember(o.request_id, a, Stage.ORPHANED, at)
         return orphans
 
+    async def sent(self, timeout: float) -> bool:
+        """Wait until every ending queued so far has reached the store; False if `timeout`
+        came first (the store is down: they stay queued, retried). A batch of Envoy's
+        records is answered only after this: answered before, a sidecar killed between the
+        answer and the flush would lose the settlements of records Envoy then never sends
+        again, and their admissions would wait for the orphan sweep, billed their
+        reservation."""
+        mark = self._queued
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while self._sent < mark:
+                    await self._flushed.wait()
+        return self._sent >= mark
+
     async def next_flush(self, timeout: float) -> None:
         """Wait until the next batch of endings reached the store, or `timeout`: an
         admission denied for concurrency may find the slot it needs freed by then."""
@@ -238,6 +256,7 @@ class Ledger:
 
     def _send(self, end: Ending) -> None:
         self._pending.append(end)
+        self._queued += 1
         self._wake.set()
 
     def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
@@ -295,6 +314,7 @@ class Ledger:
         except Exception:
             self._pending = batch + self._pending
             raise
+        self._sent += len(batch)
         self._flushed.set()
         self._flushed = asyncio.Event()
 

@@ -39,6 +39,9 @@ from gateway.metering.recorder import Recorder
 # (authz_http.waiting); without it (the gRPC Check) a batch is read whole, as before.
 SLICE_S = 0.0002
 SLICE_UP_TO = 1
+# A batch is answered once its events are durable and its settlements reached the store,
+# or after this if the store does not answer (the settlements stay queued, retried).
+SETTLE_WAIT_S = 1.0
 SEEN_MAX = 200_000  # request ids remembered for dedup (~20 MB): minutes of traffic
 SERVICE = "opentelemetry.proto.collector.logs.v1.LogsService"  # Envoy's wire name
 
@@ -75,7 +78,8 @@ class RecordsService:
         return otlp.ExportLogsServiceResponse()
 
     async def export(self, request: otlp.ExportLogsServiceRequest) -> None:
-        """Record a batch; returns once its events are durable (then the batch is answered)."""
+        """Record a batch; returns once its events are durable and their settlements
+        reached the store (then the batch is answered, and Envoy forgets it)."""
         last_seq = n = 0
         clock = time.perf_counter
         until = clock() + SLICE_S
@@ -95,7 +99,9 @@ class RecordsService:
                         until = clock() + SLICE_S
         metrics.RECORDS.inc(n)  # once a batch: a Counter's inc takes a lock (~1 µs)
         if last_seq:
-            await self.recorder.spool.until_durable(last_seq)
+            await self.recorder.spool.until_durable(last_seq)  # queues their settlements
+        if not await self.ledger.sent(SETTLE_WAIT_S):
+            metrics.RECORDS_ANSWERED_UNSETTLED.inc()
 
     def _one(self, attrs: dict[str, str]) -> int:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""

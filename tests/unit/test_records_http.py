@@ -50,7 +50,9 @@ def post(body: bytes, path: str = "/v1/logs", content_type: str = "application/x
 async def records(tmp_path: Path) -> AsyncIterator[tuple[RecordsService, Spool]]:
     spool = Spool(tmp_path, "i").open()
     ledger = Ledger(MemoryLimiter(), SystemClock(), 30.0)
+    ledger.start()
     yield RecordsService(Recorder(spool, "s", ledger), ledger), spool
+    await ledger.stop()
 
 
 @pytest.mark.parametrize(("req", "status"), [

@@ -37,6 +37,7 @@ async def test_the_loop_runs_between_slices_of_a_batch_under_light_load(
     async def check() -> None:  # a Check that came in while the batch was being read
         seen.append(spool.last_seq)
 
+    ledger.start()
     writer = asyncio.create_task(spool.run_writer())
     exporting = asyncio.create_task(service.export(
         otlp.ExportLogsServiceRequest.FromString(batch(*rids))))
@@ -45,5 +46,6 @@ async def test_the_loop_runs_between_slices_of_a_batch_under_light_load(
     await asyncio.wait_for(exporting, 5)
     await checking
     writer.cancel()
+    await ledger.stop()
     assert spool.last_seq == len(rids)
     assert (0 < seen[0] < len(rids)) is seen_midway
