@@ -168,6 +168,8 @@ def door_medians(lines: dict[str, list[list[str]]]) -> dict[str, str]:
     for kind, at in (("export records", 0), ("export µs reading", 1), ("settle ends", 0),
                      ("settle µs", 1), ("renew ids", 0), ("renew µs", 1)):
         by[kind] = [float(x[at]) for x in lines[kind.split()[0]]]
+    for gen in ("0", "1", "2"):
+        by[f"gc{gen} µs"] = [float(us) for g, us, _ in lines["gc"] if g == gen]
     return {k: f"p50 {statistics.median(v):.0f} p90 {pct(v, .9):.0f} p99 {pct(v, .99):.0f} "
                f"(n={len(v)})" for k, v in sorted(by.items()) if v}
 
@@ -184,6 +186,7 @@ def tail_report(envoy_log: Path, lines: dict[str, list[list[str]]]) -> None:
     exports = [(float(w), float(w) + float(h) / 1e6) for _, h, _, w in lines["export"]]
     store = [(float(w), float(w) + float(us) / 1e6)
              for kind in ("settle", "renew") for _, us, w in lines[kind]]
+    collections = [(float(w), float(w) + float(us) / 1e6) for _, us, w in lines["gc"]]
     rows = []
     for line in envoy_log.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError, KeyError, TypeError):
@@ -196,7 +199,8 @@ def tail_report(envoy_log: Path, lines: dict[str, list[list[str]]]) -> None:
                 "after_door": authz - before - door_us, "after_authz": total - authz,
                 "leased": leased,
                 "export": any(a < read + door_us / 1e6 and b > start for a, b in exports),
-                "store": any(a < read + door_us / 1e6 and b > read for a, b in store)})
+                "store": any(a < read + door_us / 1e6 and b > read for a, b in store),
+                "gc": any(a < read + door_us / 1e6 and b > start for a, b in collections)})
     if len(rows) < 100:
         print("tail: too few requests joined", len(rows))
         return
@@ -206,7 +210,8 @@ def tail_report(envoy_log: Path, lines: dict[str, list[list[str]]]) -> None:
                for k in ("tx_end", "authz", "to_read", "door", "after_door", "after_authz")}
         print(f"tail, {name} (n={len(part)}): medians µs {med}; overlapping a records "
               f"batch being read {sum(r['export'] for r in part) / len(part):.0%}, "
-              f"a settle/renewal {sum(r['store'] for r in part) / len(part):.0%}")
+              f"a settle/renewal {sum(r['store'] for r in part) / len(part):.0%}, "
+              f"a garbage collection {sum(r['gc'] for r in part) / len(part):.0%}")
     for leased, name in (("1", "admitted"), ("0", "no limits")):
         met = [r["authz"] for r in rows if r["leased"] == leased and r["export"]]
         rest = [r["authz"] for r in rows if r["leased"] == leased and not r["export"]]

@@ -141,7 +141,7 @@ def worker(n: int) -> dict[str, Any]:
         for rid in admit:
             ledger.admitted(rid)
         recorder = Recorder(spool, "bench", ledger, price=lambda model, at: rates)
-        return RecordsService(recorder, ledger)
+        return RecordsService(recorder, ledger, settle_wait_s=0)  # no store to wait for
 
     def records(tag: str) -> list[dict[str, str]]:
         return [attrs_of(i, f"{tag}-{i:07d}") for i in range(n)]

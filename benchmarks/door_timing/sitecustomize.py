@@ -6,6 +6,7 @@ beside Envoy's access log):
     export <records> <µs until its first wait> <µs in all> <wall of its start>
     settle <endings> <µs> <wall of its start>       (the ledger's end_many: one or more scripts)
     renew <ids> <µs> <wall of its start>
+    gc <generation> <µs> <wall of its start>       (a cyclic garbage collection)
 
 `export`'s first figure is how long the batch's records were read (each parsed, its event
 into the spool) before it waited for the spool: read whole, it held the event loop that
@@ -19,6 +20,7 @@ the gateway: a measurement."""
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib.abc
 import importlib.util
 import os
@@ -62,6 +64,20 @@ def _patch_door(mod: Any) -> None:
              f"{wall:.6f} {req.request_id or '-'}\n")
 
     conn.data_received, conn._write = data_received, _write
+    _time_gc()  # in the sidecar only (the process with the door)
+
+
+def _time_gc() -> None:
+    started = [0.0, 0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[:] = time.perf_counter(), time.time()
+        else:
+            _add(f"gc {info['generation']} {(time.perf_counter() - started[0]) * 1e6:.1f} "
+                 f"{started[1]:.6f}\n")
+
+    gc.callbacks.append(timed)
 
 
 def _patch_records(mod: Any) -> None:

@@ -1,15 +1,14 @@
 """A batch of Envoy's records is answered only once its settlements reached the limiter
 store: Envoy never sends an answered batch again, so a sidecar killed between the answer
 and the settlement would leave the admission to the orphan sweep, its counter keeping the
-reservation. A store that does not answer delays the answer by SETTLE_WAIT_S, no more."""
+reservation. A store that does not answer delays the answer by its wait (SETTLE_WAIT_S), no
+more."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-
-import pytest
 
 from gateway import metrics
 from gateway._proto.gateway.otlp.v1 import otlp_pb2 as otlp
@@ -19,7 +18,6 @@ from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.types import Ending, Settle
 from gateway.metering.recorder import Recorder
-from gateway.server import records_service
 from gateway.server.records_service import RecordsService
 from gateway.sinks.spool import Spool
 from tests.unit.test_records_http import batch
@@ -42,12 +40,12 @@ class GatedStore(MemoryLimiter):
         await super().end_many(ends)
 
 
-async def _export(tmp_path: Path, store: GatedStore) -> tuple[asyncio.Task[None], Spool,
-                                                                  Ledger, asyncio.Task[None]]:
+async def _export(tmp_path: Path, store: GatedStore, settle_wait_s: float = 1.0
+                  ) -> tuple[asyncio.Task[None], Spool, Ledger, asyncio.Task[None]]:
     spool = Spool(tmp_path, "i").open()
     ledger = Ledger(store, SystemClock(), 30.0)
     ledger.start()
-    service = RecordsService(Recorder(spool, "s", ledger), ledger)
+    service = RecordsService(Recorder(spool, "s", ledger), ledger, settle_wait_s=settle_wait_s)
     writer = asyncio.create_task(spool.run_writer())
     exporting = asyncio.create_task(service.export(
         otlp.ExportLogsServiceRequest.FromString(batch("r1"))))
@@ -70,12 +68,11 @@ async def test_a_batch_is_answered_once_its_settlements_reached_the_store(
 
 
 async def test_a_store_that_does_not_answer_delays_the_answer_only_so_long(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(records_service, "SETTLE_WAIT_S", 0.3)
+        tmp_path: Path) -> None:
     store = GatedStore()
     store.down = True
     before = metrics.RECORDS_ANSWERED_UNSETTLED._value.get()
-    exporting, _, ledger, writer = await _export(tmp_path, store)
+    exporting, _, ledger, writer = await _export(tmp_path, store, settle_wait_s=0.3)
     try:
         await asyncio.wait_for(exporting, 2)
         assert metrics.RECORDS_ANSWERED_UNSETTLED._value.get() == before + 1
