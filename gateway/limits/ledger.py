@@ -200,6 +200,11 @@ class Ledger:
             self._followed.remember(o.request_id, a, Stage.ORPHANED, at)
         return orphans
 
+    @property
+    def queued(self) -> int:
+        """How many endings were ever queued (a mark: did a call queue any?)."""
+        return self._queued
+
     async def sent(self, timeout: float) -> bool:
         """Wait until every ending queued so far has reached the store; False if `timeout`
         came first (the store is down: they stay queued, retried). A batch of Envoy's
