@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterable
 
 from gateway import batching, metrics
 from gateway.clock import Clock
@@ -189,6 +190,17 @@ class Ledger:
         which frees it and bills its last checkpoint."""
         if self._end("orphaned", request_id, Stage.ORPHANED):
             self._send(Abandon(request_id))
+
+    def settled_before(self, ends: Iterable[tuple[str, int]]) -> int:
+        """Settlements a previous run may have lost (killed after an event was durable,
+        before its settlement reached the store): (request id, actual tokens), sent as
+        they are, not followed here. The store ignores those it no longer holds (settled,
+        or swept), so sending the tail of a spool again is safe. How many were sent."""
+        n = 0
+        for request_id, actual_tokens in ends:
+            self._send(Settle(request_id, actual_tokens))
+            n += 1
+        return n
 
     async def sweep(self, now: float, limit: int) -> list[Orphan]:
         """Claim (once, across instances) admissions whose lease ran out unsettled: each

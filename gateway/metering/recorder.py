@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
+from datetime import datetime
+
+import orjson
 
 from gateway import metrics
 from gateway.errors import StoreUnavailable
@@ -140,7 +143,8 @@ class Recorder:
             duration_ms=round((ended - started) * 1000, 3), cancellation=b.cancellation,
             cost=cost(usage, rates) if rates else 0.0,
             price_effective=rfc3339(rates.effective) if rates else "")
-        # The token counters settle to what is billed: the same rule as the event.
+        # The token counters settle to what is billed: the same rule as the event (and
+        # as `settlements`, which reads it back from a spool).
         self.spool.put(seq, event_json(event), on_durable=self._settlement(
             facts, usage.total_tokens if outcome != "denied" else 0))
         child = metrics.child  # each label set looked up once, not per event
@@ -154,3 +158,17 @@ class Recorder:
         if b.tpot_ms:
             child(metrics.TPOT, facts.model).observe(b.tpot_ms / 1000)
         return event
+
+
+def settlements(lines: Iterable[bytes], since: float) -> Iterator[tuple[str, int]]:
+    """The settlements of spooled events that ended at or after `since` (epoch seconds),
+    as `Recorder.emit` made them: (request id, the tokens billed). A denial settles nothing
+    (it was not admitted); a line that is not an event is skipped."""
+    for line in lines:
+        try:
+            e = orjson.loads(line)
+            if (e["outcome"] != "denied"
+                    and datetime.fromisoformat(e["ended_at"]).timestamp() >= since):
+                yield str(e["event_id"]), int(e["usage"]["total_tokens"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue

@@ -23,7 +23,7 @@ from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.types import Limiter
 from gateway.log import log
-from gateway.metering.recorder import Recorder
+from gateway.metering.recorder import Recorder, settlements
 from gateway.ops_http import healthz, metrics_handler, serve_http
 from gateway.policy.holder import FilePolicySync, PolicyHolder, RedisPolicySync
 from gateway.policy.prices import Rates
@@ -161,6 +161,17 @@ class App:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
         recorder = Recorder(self.spool, s.spoke, ledger, price=self._price)
+        # The last run may have been killed between an event's fsync and its settlement:
+        # the events of its last moments (its spool's tail) are settled again; the store
+        # ignores what it no longer holds. Earlier ones were settled, or their leases ran
+        # out long before, and a request id reused since must not be settled by them.
+        window = 2 * s.lease_ttl_s + s.orphan_grace_s
+        resettled = sum(ledger.settled_before(settlements(
+            sp.tail, sp.tail_written_at - window)) for sp in spools)
+        for sp in spools:
+            sp.tail = []
+        if resettled:
+            log.info("spool_tail_resettled", settlements=resettled)
         self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3,
                                                                     s.orphan_grace_s)))
         return recorder

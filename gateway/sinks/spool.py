@@ -37,6 +37,9 @@ SEGMENT_BYTES = 64 << 20
 # Lines just made durable, kept in memory for the shipper (seq order, contiguous): it sends
 # them without reading the file back. Past this many (the sink is away) it reads the files.
 RECENT_MAX = 10_000  # ~7 MB of typical events
+# The last lines found at open (of the last segment), kept as `Spool.tail`: the events a
+# crash may have left unsettled (App re-sends their settlements, gateway/server/app.py).
+TAIL_MAX = 10_000
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -76,6 +79,8 @@ class Spool:
         self._write_fd_seg = 0
         self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
         self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
+        self.tail: list[bytes] = []  # see TAIL_MAX; its reader empties it
+        self.tail_written_at = 0.0  # when its segment was last written (wall clock)
         self._lock_fd: int | None = None
         self._disk: DiskThread | None = None  # started by the first group commit
         self._lingering: asyncio.Future[None] | None = None  # the writer waiting for company
@@ -125,6 +130,8 @@ class Spool:
                 with open(path, "r+b") as f:
                     f.truncate(len(good))
             self._write_size = len(good)
+            self.tail = lines[-TAIL_MAX:]
+            self.tail_written_at = path.stat().st_mtime
             if not lines and self._segments[-1] > last:
                 last = self._segments[-1] - 1
         self.last_seq = self.durable_seq = self._queued_seq = last

@@ -21,10 +21,10 @@ from testkit.check_requests import check_request
 SECRET = secrets.new_secret("k1")
 
 
-def _policy(disabled: bool = False) -> str:
+def _policy(disabled: bool = False, limits: dict[str, int] | None = None) -> str:
     return yaml.safe_dump({
         "models": {"mock-model": {}},
-        "teams": {"t": {"models": ["*"], "limits": {"rps": 1000}}},
+        "teams": {"t": {"models": ["*"], "limits": limits or {"rps": 1000}}},
         "keys": {"k1": {"team": "t", "sha256": secrets.digest(SECRET).hex(),
                         "disabled": disabled}},
     })
@@ -110,5 +110,52 @@ def test_two_workers_share_one_port(tmp_path: Path, redis_url: str) -> None:
         text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
         assert 'gateway_authz_decisions_total{outcome="allowed",reason="",tier=""} 40.0' in text
         assert 'outcome="denied",reason="invalid_api_key"' in text
+    finally:
+        svc.stop()
+
+
+def test_a_restart_settles_what_the_killed_run_had_spooled(tmp_path: Path,
+                                                           redis_url: str) -> None:
+    """Killed after a request's event was durable, before its settlement reached Redis:
+    the next start settles it from the spool's tail, long before its lease would run out
+    and the orphan sweep would bill it as an orphan."""
+    import asyncio
+
+    import redis
+
+    from gateway.cli import main
+    from gateway.limits import maths
+    from gateway.sinks.spool import Spool
+    from tests.unit.test_spool_tail import event
+    (tmp_path / "p.yaml").write_text(_policy(limits={"concurrency": 5,
+                                                     "tokens_per_day": 1_000_000}))
+    assert main(["policy", "apply", str(tmp_path / "p.yaml"), "--redis-url", redis_url]) == 0
+    door, spools = free_port(), tmp_path / "spool"
+    svc, mport = _sidecar(tmp_path, {
+        "GATEWAY_REDIS_URL": redis_url, "GATEWAY_INSTANCE_ID": "i1", "GATEWAY_LEASE_TTL_S": "30",
+        "GATEWAY_SPOOL_DIR": str(spools), "GATEWAY_USAGE_JSONL": str(tmp_path / "u.jsonl"),
+        "GATEWAY_AUTHZ_HTTP_LISTEN": f"127.0.0.1:{door}"})
+    r = redis.Redis.from_url(redis_url)
+    counter = f"gw:tpd:team:t:{maths.day_id(time.time())}"
+    try:
+        _until(lambda: httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200, 10)
+        rid = str(uuid.uuid4())
+        answer = httpx.post(f"http://127.0.0.1:{door}/v1/chat/completions", timeout=5,
+                            headers={"authorization": f"Bearer {SECRET}", "x-request-id": rid},
+                            content=b'{"model":"mock-model","messages":[],"max_tokens":50}')
+        assert answer.status_code == 200
+        assert r.zscore("gw:reqs", rid) is not None  # admitted, owes its settlement
+        reserved = int(r.get(counter) or 0)
+        assert reserved > 42
+        svc.kill()
+        spool = Spool(spools, "i1").open()  # its event, durable as the kill came
+        seq = spool.next_seq()
+        spool.put(seq, event(rid, seq, 42))
+        asyncio.run(spool.commit())
+        spool.close()
+        svc.restart()
+        _until(lambda: r.zscore("gw:reqs", rid) is None, 10)
+        assert int(r.get(counter) or 0) == 42  # the reservation replaced by what was billed
+        assert '"spool_tail_resettled"' in svc.log_path.read_text()
     finally:
         svc.stop()
