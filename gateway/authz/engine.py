@@ -163,7 +163,7 @@ class Authorizer:
             return verdict
         give_up = time.monotonic() + grace
         while _no_slot(verdict) and (left := give_up - time.monotonic()) > 0:
-            await self._ledger.next_flush(left)
+            await self._ledger.outbox.next_flush(left)
             verdict = await self._limiter.admit(replace(req, now=self._clock.now()))
         return verdict
 

@@ -14,10 +14,11 @@ and which may follow which: gateway/limits/stages.py):
     orphan sweep frees and bills it (its last checkpoint), unless its end comes first.
 
 Callers never await the store (a stream that Envoy reset must not wait on Redis in its
-`finally`): endings are queued and sent in batches by one background task, retried while
-the store is down. A second task renews what this process follows (begun streams, watched
-admissions) in one store call per tick, checkpointing each one's usage so far. An
-admission nobody ends still runs out on its own (crash safety).
+`finally`): endings go to the outbox (gateway/limits/outbox.py), which sends them in
+batches from one background task, retried while the store is down. A second task renews
+what this process follows (begun streams, watched admissions) in one store call per tick,
+checkpointing each one's usage so far. An admission nobody ends still runs out on its own
+(crash safety).
 
 A tick costs what it renews, not what is followed: the admissions are filed at each
 transition by what the renewal loop does with them (gateway/limits/followed.py), so that a
@@ -35,14 +36,14 @@ import asyncio
 import contextlib
 from collections.abc import Iterable
 
-from gateway import batching, metrics
+from gateway import metrics
 from gateway.clock import Clock
 from gateway.errors import StoreUnavailable
 from gateway.limits.followed import Followed
+from gateway.limits.outbox import Outbox
 from gateway.limits.stages import FROM, GIVEN_UP, REPEATS, Admission, Progress, Stage
 from gateway.limits.types import (
     Abandon,
-    Ending,
     Limiter,
     Orphan,
     Release,
@@ -82,25 +83,19 @@ class Ledger:
         self._followed = Followed()
         self._last_all = clock.now()  # the last round of everyone
         self._refused: set[tuple[str, str]] = set()  # kinds of refusal already logged
-        self._pending: list[Ending] = []
-        # Endings ever queued, and how many of them reached the store: the first `_sent`
-        # (the queue keeps its order, a failed batch going back to its front).
-        self._queued = 0
-        self._sent = 0
-        self._wake = asyncio.Event()
-        self._flushed = asyncio.Event()  # replaced by a fresh one after every flush
+        self.outbox = Outbox(limiter)  # the endings, on their way to the store
         self._tasks: list[asyncio.Task[None]] = []
         self._occupied = asyncio.Event()  # set when an admission is taken on (_hold)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._settle_loop()),
+        self._tasks = [asyncio.create_task(self.outbox.run()),
                        asyncio.create_task(self._renew_loop())]
 
     async def stop(self) -> None:
         """Flush what is pending (best effort), then stop the background tasks."""
         with contextlib.suppress(StoreUnavailable, TimeoutError):
             async with asyncio.timeout(2):
-                await self._flush()
+                await self.outbox.flush()
         await cancel_all(self._tasks)
 
     def stage(self, request_id: str) -> Stage | None:
@@ -165,7 +160,7 @@ class Ledger:
         if not self._may("released", request_id, a):
             return
         if a is not None and a.renewed():
-            self._send(Release(request_id))
+            self.outbox.put(Release(request_id))
         if a is None:
             a = Admission(Stage.RELEASED, self._clock.now())
         a.stage, a.heard_until, a.progress = Stage.RELEASED, None, None
@@ -176,20 +171,20 @@ class Ledger:
         durable: a sidecar killed before that leaves the admission to the orphan sweep, so
         the request still gets exactly one event."""
         if self._end("settled", request_id, Stage.SETTLED):
-            self._send(Settle(request_id, actual_tokens))
+            self.outbox.put(Settle(request_id, actual_tokens))
 
     def voided(self, request_id: str) -> None:
         """Undo an admission nobody will act on (its answer came too late, or the Check was
         cancelled): whatever the store committed, or commits later, is released and
         charged nothing."""
         if self._end("voided", request_id, Stage.VOIDED):
-            self._send(Void(request_id))
+            self.outbox.put(Void(request_id))
 
     def orphaned(self, request_id: str) -> None:
         """Nobody will report this request's end (its record is unreadable): to the sweep,
         which frees it and bills its last checkpoint."""
         if self._end("orphaned", request_id, Stage.ORPHANED):
-            self._send(Abandon(request_id))
+            self.outbox.put(Abandon(request_id))
 
     def settled_before(self, ends: Iterable[tuple[str, int]]) -> int:
         """Settlements a previous run may have lost (killed after an event was durable,
@@ -198,7 +193,7 @@ class Ledger:
         or swept), so sending the tail of a spool again is safe. How many were sent."""
         n = 0
         for request_id, actual_tokens in ends:
-            self._send(Settle(request_id, actual_tokens))
+            self.outbox.put(Settle(request_id, actual_tokens))
             n += 1
         return n
 
@@ -211,33 +206,6 @@ class Ledger:
             a = self._followed.find(o.request_id) or Admission(Stage.ORPHANED, at)
             self._followed.remember(o.request_id, a, Stage.ORPHANED, at)
         return orphans
-
-    @property
-    def queued(self) -> int:
-        """How many endings were ever queued (a mark: did a call queue any?)."""
-        return self._queued
-
-    async def sent(self, timeout: float) -> bool:
-        """Wait until every ending queued so far has reached the store; False if `timeout`
-        came first (the store is down: they stay queued, retried). A batch of Envoy's
-        records is answered only after this: answered before, a sidecar killed between the
-        answer and the flush would lose the settlements of records Envoy then never sends
-        again, and their admissions would wait for the orphan sweep, billed their
-        reservation."""
-        mark = self._queued
-        if self._sent >= mark:
-            return True
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                while self._sent < mark:
-                    await self._flushed.wait()
-        return self._sent >= mark
-
-    async def next_flush(self, timeout: float) -> None:
-        """Wait until the next batch of endings reached the store, or `timeout`: an
-        admission denied for concurrency may find the slot it needs freed by then."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._flushed.wait(), timeout)
 
     # --- bookkeeping -------------------------------------------------------------------
 
@@ -273,10 +241,6 @@ class Ledger:
         self._followed.hold(request_id, a)
         self._occupied.set()
 
-    def _send(self, end: Ending) -> None:
-        self._pending.append(end)
-        self._queued += 1
-        self._wake.set()
 
     def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
              ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, Admission]]]:
@@ -323,38 +287,6 @@ class Ledger:
                         max_lifetime_s=self.max_lifetime_s)
 
     # --- the background tasks ----------------------------------------------------------
-
-    async def _flush(self) -> None:
-        if not self._pending:
-            return
-        batch, self._pending = self._pending, []
-        try:
-            await self._limiter.end_many(batch)
-        except Exception:
-            self._pending = batch + self._pending
-            raise
-        self._sent += len(batch)
-        self._flushed.set()
-        self._flushed = asyncio.Event()
-
-    async def _settle_loop(self) -> None:
-        backoff = 0.05
-        while True:
-            await self._wake.wait()
-            await batching.gather(lambda: len(self._pending))  # requests ending together
-            self._wake.clear()
-            try:
-                await self._flush()
-                backoff = 0.05
-            except Exception as exc:  # StoreUnavailable, or anything: never stop settling
-                metrics.SETTLE_ERRORS.inc()
-                log.warning("settle_deferred", pending=len(self._pending), error=repr(exc))
-                # Retry soon, and at once when another request ends: a slot held one second
-                # too long after Redis returns is a spurious 429 for someone.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), backoff)
-                backoff = min(backoff * 2, 0.5)
-                self._wake.set()
 
     async def _renew_loop(self) -> None:
         self._last_all = self._clock.now()

@@ -165,10 +165,9 @@ class App:
         # the events of its last moments (its spool's tail) are settled again; the store
         # ignores what it no longer holds. Earlier ones were settled, or their leases ran
         # out long before, and a request id reused since must not be settled by them.
-        window = 2 * s.lease_ttl_s + s.orphan_grace_s
-        resettled = sum(ledger.settled_before(settlements(
-            sp.tail, sp.tail_written_at - window)) for sp in spools)
+        window, resettled = 2 * s.lease_ttl_s + s.orphan_grace_s, 0
         for sp in spools:
+            resettled += ledger.settled_before(settlements(sp.tail, sp.tail_written_at - window))
             sp.tail = []
         if resettled:
             log.info("spool_tail_resettled", settlements=resettled)

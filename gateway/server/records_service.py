@@ -86,7 +86,7 @@ class RecordsService:
         """Record a batch; returns once its events are durable and their settlements
         reached the store (then the batch is answered, and Envoy forgets it)."""
         last_seq = n = 0
-        queued = self.ledger.queued
+        queued = self.ledger.outbox.queued
         clock = time.perf_counter
         until = clock() + SLICE_S
         for rl in request.resource_logs:
@@ -106,8 +106,8 @@ class RecordsService:
         metrics.RECORDS.inc(n)  # once a batch: a Counter's inc takes a lock (~1 µs)
         if last_seq:
             await self.recorder.spool.until_durable(last_seq)  # queues their settlements
-        if (self.settle_wait_s and self.ledger.queued != queued
-                and not await self.ledger.sent(self.settle_wait_s)):
+        if (self.settle_wait_s and self.ledger.outbox.queued != queued
+                and not await self.ledger.outbox.sent(self.settle_wait_s)):
             metrics.RECORDS_ANSWERED_UNSETTLED.inc()
 
     def _one(self, attrs: dict[str, str]) -> int:

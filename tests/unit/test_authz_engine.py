@@ -522,7 +522,7 @@ async def test_abandon_voids_the_admission_in_the_ledger() -> None:
         assert isinstance(await authz.check(alice("r1")), Allow)
         authz.abandon("r1")
         assert ledger.stage("r1") is Stage.VOIDED
-        await ledger.next_flush(1.0)
+        await ledger.outbox.next_flush(1.0)
         assert "r1" not in lim.held  # its slot is free again, charged nothing
     finally:
         await ledger.stop()

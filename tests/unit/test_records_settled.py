@@ -85,7 +85,7 @@ async def test_a_store_that_does_not_answer_delays_the_answer_only_so_long(
         await asyncio.wait_for(service.export(_request("r1")), 0.1)
         store.down = False  # back: the settlement was kept, and goes now
         store.gate.set()
-        assert await service.ledger.sent(2)
+        assert await service.ledger.outbox.sent(2)
         assert store.ended == [Settle("r1", 19)]
     finally:
         writer.cancel()

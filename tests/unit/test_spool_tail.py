@@ -68,7 +68,7 @@ async def test_a_previous_runs_settlement_reaches_the_store_once_and_is_not_foll
     ledger.start()
     try:
         assert ledger.settled_before([("r1", 12), ("gone", 5)]) == 2
-        assert await ledger.sent(2)
+        assert await ledger.outbox.sent(2)
         assert ledger.stage("r1") is None  # sent as it is: nothing follows it here
         # The slot is free again and the day's counter holds the 12 billed, not the 100.
         second = await store.admit(AdmitRequest("r2", (tier,), 0, time.time()))
