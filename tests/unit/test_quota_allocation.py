@@ -69,9 +69,10 @@ def test_the_readme_states_the_overshoot_bound_that_the_docs_derive() -> None:
     from pathlib import Path
     root = Path(__file__).resolve().parents[2]
     bound = ("Q + Σ over the requests in flight when the quota runs out of "
-             "(actual − reserved)⁺")
+             "(actual \N{MINUS SIGN} reserved)⁺")
     flat = {name: " ".join((root / name).read_text().split())
             for name in ("README.md", "docs/hub-and-spokes.md")}
     assert bound in flat["docs/hub-and-spokes.md"]
     assert bound in flat["README.md"]
-    assert "10 % × Q × (spokes the hub has never heard from)" in flat["README.md"]
+    times = "\N{MULTIPLICATION SIGN}"
+    assert f"10 % {times} Q {times} (spokes the hub has never heard from)" in flat["README.md"]
