@@ -198,6 +198,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-listen", dest="sync_metrics_listen", default=None,
                    help="/metrics and /healthz (default: $GATEWAY_SYNC_METRICS_LISTEN, else "
                         "127.0.0.1:9103)")
+    p.add_argument("--bootstrap", dest="hub_bootstrap", default=None,
+                   help="the hub's Kafka (default: $GATEWAY_HUB_BOOTSTRAP, else "
+                        "$GATEWAY_KAFKA_BOOTSTRAP)")
     _store_flags(p)
     p.set_defaults(fn=cmd_policy_sync)
 

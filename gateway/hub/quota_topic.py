@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
 from gateway.errors import SinkUnavailable
+from gateway.hub.topics import CompactedTopic
 from gateway.sinks.producers import KafkaProducer
 from gateway.usage_event import rfc3339
 
@@ -64,8 +65,10 @@ class QuotaPublisher:
     def __init__(self, bootstrap: str, idempotence: bool = True,
                  topic: str = QUOTA_TOPIC) -> None:
         self._producer = KafkaProducer(bootstrap, topic, idempotence)
+        self._topic = CompactedTopic(bootstrap, topic)  # its first writer creates it compacted
 
     async def publish(self, key: bytes, msg: dict[str, Any]) -> None:
+        await self._topic.ensure()
         body = {**msg, "at": rfc3339(time.time())}
         await self._producer.send_batch([(key, orjson.dumps(body), [])])
 

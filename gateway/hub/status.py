@@ -18,7 +18,7 @@ import orjson
 
 from gateway import metrics
 from gateway.errors import SinkUnavailable
-from gateway.hub.topics import STATUS_TOPIC
+from gateway.hub.topics import STATUS_TOPIC, CompactedTopic
 from gateway.log import log
 from gateway.sinks.producers import KafkaProducer
 
@@ -62,6 +62,7 @@ class StatusReporter:
         self.snapshot = snapshot
         self.interval = interval
         self.producer = KafkaProducer(bootstrap, STATUS_TOPIC, idempotence)
+        self.topic = CompactedTopic(bootstrap, STATUS_TOPIC)  # created compacted
         self._wake = asyncio.Event()
         self.sent = 0
 
@@ -80,6 +81,7 @@ class StatusReporter:
                 await self.producer.close()
 
     async def send_now(self) -> None:
+        await self.topic.ensure()  # the first report creates the topic compacted
         status = self.snapshot()
         try:
             async with asyncio.timeout(max(self.interval, 5.0)):

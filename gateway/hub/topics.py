@@ -28,9 +28,11 @@ STATUS_TOPIC = "llm.gateway.status.v1"
 _TOPIC_EXISTS = 36  # Kafka's TOPIC_ALREADY_EXISTS
 
 
-async def ensure_compacted(bootstrap: str, topic: str) -> None:
+async def ensure_compacted(bootstrap: str, topic: str) -> bool:
     """Create `topic` compacted, one partition, if it is missing (best effort: a broker
-    that auto-creates topics works without it, uncompacted)."""
+    that auto-creates topics works without it, uncompacted). True once the broker answered
+    (created, already there, or refused for good: asking again would not change it); False
+    when it could not be asked (Kafka away): ask again before the next write."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
     try:
         await admin.start()
@@ -39,11 +41,32 @@ async def ensure_compacted(bootstrap: str, topic: str) -> None:
         for _, code, *_ in res.topic_errors:
             if code not in (0, _TOPIC_EXISTS):
                 log.warning("topic_not_created", topic=topic, error_code=code)
+        return True
     except (KafkaError, OSError) as exc:
         log.warning("topic_not_created", topic=topic, error=repr(exc))
+        return False
     finally:
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+class CompactedTopic:
+    """A topic its first writer creates compacted (DESIGN §10: the hub's topics are): the
+    broker is asked once per process, before the first write, and again after a failure to
+    ask, so a broker that auto-creates topics never makes it plain first."""
+
+    def __init__(self, bootstrap: str, topic: str, timeout: float = 5.0) -> None:
+        self.bootstrap = bootstrap
+        self.topic = topic
+        self.timeout = timeout
+        self.ready = False
+
+    async def ensure(self) -> None:
+        if self.ready:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.timeout):
+                self.ready = await ensure_compacted(self.bootstrap, self.topic)
 
 
 async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,

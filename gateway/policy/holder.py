@@ -158,8 +158,9 @@ class FilePolicySync:
         try:
             doc = loader.parse_doc(self.path.read_bytes(), str(self.path))
         except PolicyError as err:
-            metrics.POLICY_LOADS.labels("nack").inc()
-            log.error("policy_rejected", path=str(self.path), error=str(err))
+            # NACKed as the revision it would have been (the hub's status reports it); the
+            # one held keeps serving, and the next good edit takes that number
+            self.holder.reject(max(self._revision + 1, 1), str(err))
             return
         self._revision = max(self._revision + 1, doc.revision or 0)
         self.holder.swap(Policy.compile(doc, self._revision))

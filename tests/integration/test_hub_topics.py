@@ -226,3 +226,52 @@ def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
     assert listed() == ["s1/live"]
     asyncio.run(report("s1/old"))  # a live instance comes back with its next report
     assert listed() == ["s1/live", "s1/old"]
+
+
+async def _cleanup_policy(bs: str, topic: str) -> str | None:
+    """`cleanup.policy` as the broker describes `topic` (None: not set)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+    admin = AIOKafkaAdminClient(bootstrap_servers=bs)
+    await admin.start()
+    try:
+        answers = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    for answer in answers:
+        for resource in answer.resources:
+            for name, value, *_ in resource[4]:
+                if name == "cleanup.policy":
+                    return str(value)
+    return None
+
+
+async def test_the_first_status_report_makes_the_status_topic_compacted(
+        feed_kafka: Service) -> None:
+    """DESIGN §10: `llm.gateway.status.v1` is compacted. The first `gateway serve` or
+    syncer to report creates it so, rather than the broker auto-creating it plain."""
+    from gateway.hub.status import StatusReporter
+    bs = feed_kafka.address
+    reporter = StatusReporter(bs, lambda: Status("s1", "i1", 1, "ack", None, now_text(), 0,
+                                                 0.0, True), 10.0, idempotence=False)
+    try:
+        await reporter.send_now()
+    finally:
+        await reporter.producer.close()
+    assert reporter.sent == 1
+    assert await _cleanup_policy(bs, STATUS_TOPIC) == "compact"
+    assert feed.latest(await read_all(bs, STATUS_TOPIC)).keys() == {"s1/i1"}
+
+
+async def test_the_first_quota_message_makes_the_quota_topic_compacted(
+        feed_kafka: Service) -> None:
+    """`llm.quota.v1` is compacted (docs/contracts.md): the allocator's or a follower's first
+    message creates it so."""
+    from gateway.hub import quota_topic as qt
+    bs = feed_kafka.address
+    pub = qt.QuotaPublisher(bs, idempotence=False)
+    try:
+        await pub.publish(qt.applied_key("s1"), {"generation": 0, "allowances": []})
+    finally:
+        await pub.close()
+    assert await _cleanup_policy(bs, qt.QUOTA_TOPIC) == "compact"

@@ -94,3 +94,25 @@ def test_a_publish_goes_above_the_highest_revision_any_instance_reports() -> Non
                                    "c/z": b'{"revision": true}', "c/w": b'{"revision": 99.5}',
                                    "c/v": b'{"revision": "12"}'}) == 9  # only integers count
     assert fleet.highest_reported({}) == 0
+
+
+def test_an_embedded_instance_reports_a_policy_file_it_refuses_as_its_nack(tmp_path) -> None:
+    """DESIGN §10: every `gateway serve` instance reports on each revision it refuses; in
+    embedded mode a revision is an edit of the policy file."""
+    from gateway.policy.holder import FilePolicySync, PolicyHolder
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("models: {m: {}}\n")
+    holder, seen = PolicyHolder(), []
+    holder.on_change.append(lambda: seen.append(holder.verdict()))
+    sync = FilePolicySync(holder, path)
+    sync.refresh()
+    path.write_text("models: {m: {limits: {rps: -3}}}\n")  # refused: revision 1 keeps serving
+    sync.refresh()
+    assert holder.policy is not None and holder.policy.revision == 1
+    state, error = holder.verdict()
+    assert state == "nack" and error is not None and "rps" in error
+    path.write_text("models: {m: {}, n: {}}\n")  # mended: the next revision is taken
+    sync.refresh()
+    assert holder.policy.revision == 2 and holder.verdict() == ("ack", None)
+    assert [s for s, _ in seen] == ["ack", "nack", "ack"]
