@@ -83,10 +83,26 @@ class Settings(BaseSettings):
 
     # Hub and spokes (DESIGN §10): the hub's Kafka, when not the usage Kafka's
     hub_bootstrap: str | None = None
-    status_interval_s: float = 10.0  # heartbeat on llm.gateway.status.v1
+    status_interval_s: float = Field(10.0, gt=0)  # heartbeat on llm.gateway.status.v1
     # `policy sync`: the last good revision on disk (a wiped Redis comes back serving it)
     sync_state_dir: Path = Path(".gateway-sync")
     sync_metrics_listen: str = "127.0.0.1:9103"  # `policy sync`'s /metrics, /healthz
+
+    @field_validator("spoke", "instance_id")
+    @classmethod
+    def _status_key_part(cls, v: str) -> str:
+        # The status topic's key is SPOKE/INSTANCE (DESIGN §10): a '/' in either would make
+        # it ambiguous, and an empty spoke would follow no feed entry of its own.
+        if "/" in v:
+            raise ValueError("must not contain '/' (the status key is SPOKE/INSTANCE)")
+        return v
+
+    @field_validator("spoke")
+    @classmethod
+    def _spoke(cls, v: str) -> str:
+        if not v.strip() or v == "*":
+            raise ValueError("must name this spoke ('*' is every spoke's feed entry)")
+        return v
 
     @field_validator("redis_url")
     @classmethod

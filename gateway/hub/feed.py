@@ -45,9 +45,9 @@ def parse_value(raw: bytes) -> FeedEntry:
     policy = data.get("policy")
     if not isinstance(policy, dict):
         raise FeedValueError("policy: must be a JSON object (a policy document)")
-    extra = sorted(set(data) - {"revision", "policy"})
-    if extra:
-        raise FeedValueError(f"unknown fields {', '.join(extra)}")
+    # Other fields of the envelope are ignored: a hub that adds one (who published, when)
+    # must not make every spoke it feeds refuse every revision. The policy inside is
+    # validated strictly, unknown fields refused, as `policy apply` does.
     return FeedEntry(rev, policy)
 
 

@@ -73,12 +73,22 @@ def test_an_invalid_newer_revision_is_refused_with_the_path_of_the_error() -> No
     (b'{"revision": true, "policy": {}}', "revision: must be a positive integer"),
     (b'{"revision": "2", "policy": {}}', "revision: must be a positive integer"),
     (b'{"revision": 2, "policy": []}', "policy: must be a JSON object"),
-    (b'{"revision": 2, "policy": {}, "extra": 1}', "unknown fields extra"),
 ])
 def test_an_unreadable_value_is_refused_and_says_why(raw: bytes, says: str) -> None:
     got = feed.decide("llm.policy.v1[*]", raw, held=1)
     assert isinstance(got, feed.Refuse) and got.revision is None
     assert says in got.error and got.error.startswith("llm.policy.v1[*]: ")
+
+
+def test_other_fields_of_the_envelope_are_ignored_and_the_policy_still_validated() -> None:
+    """A hub that adds a field to the envelope (who published it, when) is still followed;
+    an unknown field inside the policy is still refused."""
+    raw = orjson.dumps({"revision": 5, "policy": GOOD, "published_by": "ops", "at": 1})
+    got = feed.decide("llm.policy.v1[*]", raw, held=4)
+    assert isinstance(got, feed.Apply) and got.revision == 5
+    bad = orjson.dumps({"revision": 6, "policy": {**GOOD, "surprise": 1}, "at": 1})
+    refused = feed.decide("llm.policy.v1[*]", bad, held=5)
+    assert isinstance(refused, feed.Refuse) and "surprise" in refused.error
 
 
 def test_last_good_round_trips_and_survives_a_missing_or_corrupt_file(tmp_path) -> None:
