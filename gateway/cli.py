@@ -233,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_hub_forget)
 
     keys = sub.add_parser(
-        "keys", help="create / list / show / update / revoke / enable").add_subparsers(
+        "keys", help="create / mint / list / show / update / revoke / enable").add_subparsers(
         dest="sub", required=True)
     p = keys.add_parser("create", help="make a key; prints the secret once")
     p.add_argument("--team", required=True, help="the team the key belongs to (must exist)")
