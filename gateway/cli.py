@@ -13,6 +13,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from gateway.addresses import AddressError, split_hostport
 from gateway.billing.commands import (
     cmd_usage_consume,
     cmd_usage_reconcile,
@@ -52,6 +53,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.proto_fields import check_or_exit
     check_or_exit()  # a message lacking a field we read: refuse, with the fix
     s = _settings(args)
+    for value, name in ((s.listen, "GATEWAY_LISTEN"), (s.authz_http_listen,
+                        "GATEWAY_AUTHZ_HTTP_LISTEN"), (s.records_http_listen,
+                        "GATEWAY_RECORDS_HTTP_LISTEN"), (s.metrics_listen,
+                        "GATEWAY_METRICS_LISTEN")):
+        if value:  # refused before anything binds or connects (exit 2, see main)
+            split_hostport(value, name)
     from gateway.log import configure
     configure(s.log_level)
     if s.workers > 1:
@@ -229,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_hub_forget)
 
     keys = sub.add_parser(
-        "keys", help="create / list / show / update / revoke / enable").add_subparsers(
+        "keys", help="create / mint / list / show / update / revoke / enable").add_subparsers(
         dest="sub", required=True)
     p = keys.add_parser("create", help="make a key; prints the secret once")
     p.add_argument("--team", required=True, help="the team the key belongs to (must exist)")
@@ -395,4 +402,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except AddressError as exc:  # a listen address or an upstream that is not host:port
+        print(f"error: {exc} (its flag or setting)", file=sys.stderr)
+        return 2

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
 
 from gateway.billing.db import UsageDb
 from gateway.log import log
@@ -28,6 +29,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
     consumer = usage_consumer(bootstrap, topic, group)
+    consumer.subscribe([topic], listener=_FromTheStartWhileEmpty(consumer, db))
     await consumer.start()
     total = dups = 0
     try:
@@ -50,6 +52,25 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
         db.close()
     log.info("usage_consume_stopped", total_new=total, total_duplicates=dups)
     return total
+
+
+class _FromTheStartWhileEmpty(ConsumerRebalanceListener):
+    """A database `consume` never filled reads the topic from its start, whatever offsets
+    the group committed (for another database: offsets live in Kafka, per group, not in the
+    database). It would otherwise hold only what came after them, its report would miss the
+    rest, and `reconcile` would report the events it never read as gaps. Its dedup marks make
+    the re-read exact; once it holds an event, the group's offsets rule again."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, db: UsageDb) -> None:
+        self.consumer = consumer
+        self.db = db
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        if assigned and not self.db.has_events():
+            await self.consumer.seek_to_beginning(*assigned)
 
 
 async def _lag(consumer: AIOKafkaConsumer) -> int | None:

@@ -180,12 +180,12 @@ async def run_sync(settings: Settings, syncer_id: str,
     if not settings.redis_url or not bootstrap:
         raise SystemExit("policy sync needs GATEWAY_REDIS_URL (the spoke) and "
                          "GATEWAY_HUB_BOOTSTRAP or GATEWAY_KAFKA_BOOTSTRAP (the hub's Kafka)")
+    host, port = split_hostport(settings.sync_metrics_listen, "GATEWAY_SYNC_METRICS_LISTEN")
     client = policy_client(settings.redis_url, settings.redis_deadline_ms / 1000)
     syncer = Syncer(settings.spoke, syncer_id, PolicyStore(client), bootstrap,
                     settings.sync_state_dir, interval=settings.status_interval_s,
                     recheck=settings.policy_recheck_s,
                     idempotence=settings.kafka_idempotence)
-    host, port = split_hostport(settings.sync_metrics_listen, "GATEWAY_SYNC_METRICS_LISTEN")
     http = await serve_http(host, port, {"/metrics": metrics_handler, "/healthz": healthz})
     log.info("hub_sync_started", spoke=settings.spoke, id=syncer_id, feed=bootstrap,
              last_good=syncer.last_good.revision, metrics=settings.sync_metrics_listen)

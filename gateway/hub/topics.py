@@ -22,6 +22,7 @@ from aiokafka.errors import KafkaError
 from gateway.errors import SinkUnavailable
 from gateway.hub.feed import Record
 from gateway.log import log
+from gateway.sinks.producers import kafka_unavailable
 
 POLICY_TOPIC = "llm.policy.v1"
 STATUS_TOPIC = "llm.gateway.status.v1"
@@ -78,7 +79,7 @@ async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,
         await p.start()
         await p.send_and_wait(topic, key=key.encode(), value=value)
     except (KafkaError, OSError) as exc:
-        raise SinkUnavailable(f"kafka {bootstrap}: {exc!r}") from exc
+        raise kafka_unavailable(bootstrap, exc, idempotence) from exc
     finally:
         await p.stop()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, UnknownError
 
 from gateway.errors import SinkUnavailable
 
@@ -24,6 +24,17 @@ class Producer(Protocol):
     async def send_batch(self, records: list[Record]) -> None: ...
 
     async def close(self) -> None: ...
+
+
+def kafka_unavailable(bootstrap: str, exc: BaseException, idempotence: bool
+                      ) -> SinkUnavailable:
+    """What Kafka said; for an idempotent producer refused with an unknown error (Tansu's
+    answer to aiokafka's InitProducerId, docs/kafka-broker.md), also the setting to change:
+    `kafka 127.0.0.1:N: UnknownError()` alone left an operator guessing."""
+    hint = (" (a broker without idempotent producers, such as Tansu: set "
+            "GATEWAY_KAFKA_IDEMPOTENCE=false)"
+            if idempotence and isinstance(exc, UnknownError) else "")
+    return SinkUnavailable(f"kafka {bootstrap}: {exc!r}{hint}")
 
 
 class KafkaProducer:
@@ -46,7 +57,7 @@ class KafkaProducer:
                 await p.start()
             except (KafkaError, OSError) as exc:
                 await p.stop()
-                raise SinkUnavailable(f"kafka {self.bootstrap}: {exc!r}") from exc
+                raise kafka_unavailable(self.bootstrap, exc, self.idempotence) from exc
             self._producer = p
         return self._producer
 
@@ -79,7 +90,7 @@ class KafkaProducer:
             # A producer that lost its broker can wedge; start a fresh one next time.
             self._producer = None
             await p.stop()
-            raise SinkUnavailable(f"kafka {self.bootstrap}: {exc!r}") from exc
+            raise kafka_unavailable(self.bootstrap, exc, self.idempotence) from exc
 
     async def close(self) -> None:
         if self._producer is not None:

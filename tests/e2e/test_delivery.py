@@ -11,6 +11,7 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from gateway.billing.db import UsageDb
 from gateway.cli import main as gateway
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES
 from testkit.spoke import client, read_events, start_spoke
@@ -174,3 +175,34 @@ def test_billing_commands_through_the_cli(spoke, keys, tmp_path: Path,  # type: 
     assert ids <= {e["event_id"] for e in events}
     order = [(e["ended_at"], e["instance_id"], int(e["seq"])) for e in events]
     assert order == sorted(order)  # in time order
+
+
+def test_a_new_database_reads_the_topic_from_its_start_whatever_the_group_committed(
+        spoke, keys, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The consumer group's offsets live in Kafka, not in the database: `usage consume`
+    into a second database (another directory's `usage.db`, a new billing host) with the
+    group the first one committed used to start where the first stopped, so its report
+    missed every earlier event and `reconcile` showed them as gaps. A database never filled
+    reads from the start; once it holds events the group's offsets rule again."""
+    group = f"g-{tmp_path.name}"
+    ids = _requests(spoke, keys["good"], 3)
+    read_events(spoke.kafka_bootstrap, ids)
+    first, second = (f"sqlite:///{tmp_path / n}" for n in ("first.db", "second.db"))
+    for db in (first, second):
+        assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", db,
+                        "--group", group, "--until-caught-up"]) == 0
+    capsys.readouterr()
+    rows = []
+    for db in (first, second):
+        assert gateway(["usage", "report", "--db", db, "--by", "key", "-o", "json"]) == 0
+        rows.append(json.loads(capsys.readouterr().out)["rows"])
+    assert rows[0] == rows[1] and any(r["name"] == "good" for r in rows[1])
+    later = _requests(spoke, keys["good"], 1)  # the second now follows the group's offsets
+    read_events(spoke.kafka_bootstrap, later)
+    assert gateway(["usage", "consume", "--kafka", spoke.kafka_bootstrap, "--db", second,
+                    "--group", group, "--until-caught-up"]) == 0
+    db = UsageDb(second)
+    try:  # nothing read twice: it went on from the group's offsets, not from the start
+        assert not any(db.duplicates().values())
+    finally:
+        db.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -58,6 +59,18 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
                        headers={"authorization": f"Bearer {secret}"},
                        json={"model": "mock-model", "messages": [], "max_tokens": 2})
         assert r.status_code == 200
+        # its exports are all the hub's commands need against its Tansu (which has no
+        # idempotent producers: without GATEWAY_KAFKA_IDEMPOTENCE=false a publish failed
+        # with `kafka ...: UnknownError()`)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+        env |= _printed_exports(out)
+        gw = cmd.split()[0]
+        doc = subprocess.run([gw, "policy", "show"], env=env, capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        (tmp_path / "p.yaml").write_text(doc)
+        pub = subprocess.run([gw, "hub", "publish", str(tmp_path / "p.yaml"), "--spoke", "dev"],
+                             env=env, capture_output=True, text=True, timeout=30)
+        assert pub.returncode == 0 and "published revision" in pub.stdout, pub
     finally:
         # Nobody reads its output any more (a closed terminal): stopping must not need it.
         if proc.stdout is not None:
@@ -65,6 +78,19 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     assert not port_open(port)  # Envoy is gone, and with it the rest
+
+
+def _printed_exports(out: str) -> dict[str, str]:
+    """The NAME=VALUE pairs of the banner's `export` statement (a `\\` continues it)."""
+    lines = out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.strip().startswith("export "))
+    text = ""
+    for ln in lines[i:]:
+        text += " " + ln.split("#")[0].strip()
+        if not text.endswith("\\"):
+            break
+        text = text[:-1]
+    return dict(w.split("=", 1) for w in text.split()[1:])
 
 
 def test_a_second_ctrl_c_while_stopping_kills_every_service(tmp_path: Path) -> None:
