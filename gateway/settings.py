@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -83,7 +83,7 @@ class Settings(BaseSettings):
 
     # Hub and spokes (DESIGN §10): the hub's Kafka, when not the usage Kafka's
     hub_bootstrap: str | None = None
-    status_interval_s: float = Field(10.0, gt=0)  # heartbeat on llm.gateway.status.v1
+    status_interval_s: Annotated[float, Field(gt=0)] = 10.0  # heartbeat on llm.gateway.status.v1
     # `policy sync`: the last good revision on disk (a wiped Redis comes back serving it)
     sync_state_dir: Path = Path(".gateway-sync")
     sync_metrics_listen: str = "127.0.0.1:9103"  # `policy sync`'s /metrics, /healthz
