@@ -210,8 +210,11 @@ class Bench:
         self.idle: dict[str, float] = {}
 
     def start(self) -> None:
+        ahead = ({"GATEWAY_ADMIT_AHEAD_MS": f"{self.args.admit_ahead_ms:g}"}
+                 if self.args.admit_ahead_ms else {})
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
-                                   metering="envoy", records_http=self.args.records_http).start()
+                                   metering="envoy", records_http=self.args.records_http,
+                                   sidecar_env=ahead).start()
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
         for spoke in self.spokes.values():
@@ -592,6 +595,9 @@ def main() -> int:
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
+    parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
+                        help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md); with "
+                             "--baseline HEAD, the same code without it beside it")
     parser.add_argument("--no-limits", dest="no_limits", action="store_true",
                         help="the key, its team and the model carry no limits: no admission in "
                              "Redis (default: limits too high to trip on all three tiers)")
@@ -676,6 +682,7 @@ def main() -> int:
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
         "spoke_records": "http" if args.records_http else "grpc",
+        "spoke_admit_ahead_ms": args.admit_ahead_ms,
         "admission": "none (--no-limits)" if args.no_limits
         else "three tiers, limits too high to trip",
         "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_latency.py [--requests 300] [--rounds 3] [--no-pin]
         [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
-        [--sidecar-apart] [--redis-with-gateway]
+        [--sidecar-apart] [--redis-with-gateway] [--admit-ahead-ms 250]
 
 Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
 that answers at once, each over one keep-alive raw-socket connection:
@@ -361,6 +361,9 @@ def main() -> int:
                     help="pin the sidecar to the other core (default: beside Envoy)")
     ap.add_argument("--door-times", action="store_true",
                     help="the door's own time per Check, read to write (benchmarks/door_timing)")
+    ap.add_argument("--admit-ahead-ms", type=float, default=0.0,
+                    help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md): tickets "
+                         "admitted ahead, the Check answered without waiting on Redis")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
     args = ap.parse_args()
@@ -372,8 +375,10 @@ def main() -> int:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [str(here / "door_timing"), os.environ.get("PYTHONPATH", "")])
         os.environ["GATEWAY_BENCH_DOOR_TIMES"] = str(door_times)
+    ahead = {"GATEWAY_ADMIT_AHEAD_MS": f"{args.admit_ahead_ms:g}"} if args.admit_ahead_ms else {}
     spoke = Spoke(workdir=workdir / "spoke", listen_port=free_port(), metering="envoy",
-                  envoy_config=spoke_config([d for d in args.drop.split(",") if d])).start()
+                  envoy_config=spoke_config([d for d in args.drop.split(",") if d]),
+                  sidecar_env=ahead).start()
     plain: Service | None = None
     extra: dict[str, Service] = {}
     try:

@@ -59,6 +59,11 @@ LEDGER_REFUSED = Counter(
     "gateway_ledger_refused_total",
     "Admission transitions refused as no-ops: no request id, or a stage they cannot come from",
     ["transition", "stage"])
+TICKETS = Counter(
+    "gateway_admission_tickets_total",
+    "Admissions made ahead (GATEWAY_ADMIT_AHEAD_MS): taken by a request, expired unused, "
+    "refused by Redis (no headroom), or unbound (taken, then not renamed to the request)",
+    ["result"])
 ORPHANS = Counter("gateway_orphans_total", "Admissions the orphan sweep freed and billed")
 SPOOL_OLDEST_AGE = Gauge(
     "gateway_usage_spool_oldest_age_seconds",

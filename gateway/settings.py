@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     # A concurrency denial waits up to this for ends on their way, then retries (default:
     # 100 ms with Envoy-fed metering, whose records arrive ~50 ms after the end; else 0).
     concurrency_grace_ms: float | None = None
+    # Admitting ahead (docs/admit-ahead.md): how long a ticket admitted for the next request
+    # of a key and model is kept. 0: off, every admission waits for Redis. Redis mode only.
+    admit_ahead_ms: Annotated[float, Field(ge=0)] = 0.0
 
     # Admission
     redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)

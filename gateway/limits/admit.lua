@@ -21,6 +21,10 @@
 --       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
 --       7 global_tokens_per_day, 8 global_tokens_per_month (this spoke's allowance)
 --       9 duplicate (an admission with this request id is still live: ids are not shared)
+--       10 headroom: a ticket (an id that starts with \30, admitted ahead of its request:
+--          gateway/limits/ahead.py) that would leave a tier less than a quarter of a limit
+--          free, or under a limit too small to hide one (an rps burst or a concurrency
+--          under 16, a token limit under 16 reservations); nothing is committed.
 
 local now = tonumber(ARGV[1])
 local lease_ttl = tonumber(ARGV[2])
@@ -31,6 +35,8 @@ local n = tonumber(ARGV[8])
 local minute = math.floor(now / 60000)
 local into = (now % 60000) / 60000
 local to_minute = 60000 - (now % 60000)
+local KEEP_FREE, FLOOR = 0.25, 16  -- tickets: the share of each limit left free; no
+                                   -- ticket under a limit of FLOOR (reservations)
 
 local function split(text)
   local out, i = {}, 1
@@ -143,6 +149,7 @@ for r = 1, n do
   -- longest wait of every limit that refuses now, and a limit no wait can satisfy (a
   -- reservation larger than it) is the one named, with no retry (-1).
   local code, at, retry = 0, -1, 0
+  local ticket, short = string.byte(rid, 1) == 30, nil  -- short: a tier a ticket would crowd
   local rq, tk = {-1, -1, -1}, {-1, -1, -1}
   if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
     code, nt = 6, 0
@@ -170,12 +177,21 @@ for r = 1, n do
       else
         x.new_tat = new_tat
         offer(rq, x.burst, (now - allow_at) / interval + 1e-4, new_tat - now)
+        if ticket and (x.burst < FLOOR
+                       or x.burst - (new_tat - now) / interval < x.burst * KEEP_FREE) then
+          short = short or t
+        end
       end
     end
     if x.conc then
       local zk = 'gw:conc:' .. x.key
       redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
-      if redis.call('ZCARD', zk) >= x.conc then refuse(2, t, 1000) end
+      local live = redis.call('ZCARD', zk)
+      if live >= x.conc then
+        refuse(2, t, 1000)
+      elseif ticket and (x.conc < FLOOR or live + 1 > x.conc * (1 - KEEP_FREE)) then
+        short = short or t
+      end
     end
     for _, w in ipairs(x.windows) do
       local limit = w[2]
@@ -193,9 +209,14 @@ for r = 1, n do
           if w[1] == 3 and reserve > 0 then reset = to_minute + 60000 end
           offer(tk, limit, limit - used - reserve, reset)
         end
+        if ticket and (limit < FLOOR * math.max(reserve, 1)
+                       or used + reserve > limit * (1 - KEEP_FREE)) then
+          short = short or t
+        end
       end
     end
   end
+  if code == 0 and short then code, at = 10, short end
   if code >= 1 and code <= 8 and code ~= 6 then  -- the binding tier's own numbers, both families
     rq, tk = tier_numbers(tiers[at], code, reserve)
   end

@@ -22,7 +22,9 @@ from gateway.limits.types import (
     CONCURRENCY,
     GTPD,
     GTPMO,
+    HEADROOM,
     RPS,
+    TICKET,
     TPD,
     TPM,
     TPMO,
@@ -46,7 +48,8 @@ from gateway.policy.model import TierLimit
 REDIS_ERRORS = (RedisReplyError, OSError, asyncio.TimeoutError)  # RedisGone is an OSError
 MAX_BATCH = 256
 # admit.lua's answer codes: 0 admitted, a limit's code, or one of these two.
-LIMIT_CODES = {1: RPS, 2: CONCURRENCY, 3: TPM, 4: TPD, 5: TPMO, 7: GTPD, 8: GTPMO}
+LIMIT_CODES = {1: RPS, 2: CONCURRENCY, 3: TPM, 4: TPD, 5: TPMO, 7: GTPD, 8: GTPMO,
+               10: HEADROOM}
 VOIDED_CODE, DUPLICATE_CODE = 6, 9
 
 
@@ -94,6 +97,7 @@ class RedisLimiter(Limiter):
         self._settle = Script(redis, _lua("settle.lua"))
         self._renew = Script(redis, _lua("renew.lua"))
         self._sweep = Script(redis, _lua("sweep.lua"))
+        self._bind = Script(redis, _lua("bind.lua"))
         self._queue: list[tuple[AdmitRequest, asyncio.Future[Verdict]]] = []
         self._pump: asyncio.Task[None] | None = None
         self._tier_args: dict[int, tuple[tuple[TierLimit, ...], str]] = {}
@@ -178,9 +182,33 @@ class RedisLimiter(Limiter):
         limit = LIMIT_CODES[code]
         tier = req.tiers[at - 1]
         # A global quota's denial names the allowance this spoke enforced, not the quota.
-        value = rate.tok_limit if limit in (GTPD, GTPMO) else getattr(tier.spec, limit)
+        value = rate.tok_limit if limit in (GTPD, GTPMO) else getattr(tier.spec, limit, None)
         return Refused(tier.tier, limit, value, max(retry_ms, 0) / 1000, rate,
                        impossible=retry_ms < 0)
+
+    async def admit_now(self, req: AdmitRequest) -> Verdict:
+        """One admission in a call of its own, written at once: no batching, no deadline (a
+        ticket's, right behind the bind it follows; no Check waits on it)."""
+        try:
+            rows = await self._admit(*self._args([req]))
+        except REDIS_ERRORS as exc:
+            kind = StoreInDoubt if isinstance(exc, RedisLost) else StoreUnavailable
+            raise kind(f"redis: {exc.__class__.__name__}: {exc}") from exc
+        return self._verdict(req, rows[0])
+
+    async def bind(self, ticket_id: str, req: AdmitRequest) -> int:
+        """Make a ticket `req`'s admission (bind.lua): 1 bound, 0 the ticket is gone, -1
+        the request id is live already. Sent on the connection the ticket's admission and
+        the request's later settlement use, so Redis runs them in that order."""
+        try:
+            return int(await self._bind(ticket_id, req.request_id, req.reserve, req.meta))
+        except REDIS_ERRORS as exc:
+            raise StoreUnavailable(f"redis: {exc}") from exc
+
+    def answering(self) -> object | None:
+        """The connection admissions go on while it has not failed, else None: a ticket
+        admitted on one is good only while that same connection lives."""
+        return self.redis.live_connection()
 
     async def end_many(self, ends: Sequence[Ending]) -> None:
         """Settle in calls of at most MAX_BATCH, one after another: what piled up while the
@@ -222,8 +250,10 @@ class RedisLimiter(Limiter):
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
+        # A ticket nobody took (its sidecar died holding it) is freed with no event: no
+        # request existed.
         return [Orphan(str(dec[i]), str(dec[i + 1]), int(dec[i + 2]), _checkpoint(dec[i + 3]))
-                for i in range(0, len(dec), 4)]
+                for i in range(0, len(dec), 4) if not str(dec[i]).startswith(TICKET)]
 
     async def counters(self, tier_key: str, now: float) -> Counters:
         """One tier's counters as admission reads them (for `keys show`; not atomic across

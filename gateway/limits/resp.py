@@ -180,6 +180,11 @@ class RespClient:
             conn = await self._connection()
         return await conn.send(hiredis.pack_command(args))
 
+    def live_connection(self) -> _Connection | None:
+        """The connection calls go on, unless it failed (or none is open yet)."""
+        conn = self._conn
+        return conn if conn is not None and conn.lost is None else None
+
     async def follow(self) -> None:
         """Sentinel mode: if the Sentinels name another primary than the one connected to,
         drop the connection (callers waiting on it get RedisLost: in doubt). A primary cut

@@ -14,6 +14,11 @@ RPS, CONCURRENCY, TPM, TPD, TPMO = "rps", "concurrency", "tokens_per_minute", "t
     "tokens_per_month"
 # This spoke's allowance of a quota shared by all spokes (DESIGN §10), checked after the rest.
 GTPD, GTPMO = "global_tokens_per_day", "global_tokens_per_month"
+# A ticket (gateway/limits/ahead.py) refused because it would leave a limit nearly used up.
+HEADROOM = "headroom"
+# A ticket's id starts with this: an admission made ahead of its request, never a request
+# (a request id cannot hold a control character: Envoy refuses one in a header).
+TICKET = "\x1e"
 
 
 def first_lease(lease_ttl: float, start_ttl: float | None) -> float:

@@ -18,6 +18,7 @@ from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
 from gateway.hub.status import Status, StatusReporter, now_text
+from gateway.limits.ahead import AheadLimiter
 from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
@@ -73,6 +74,8 @@ class App:
             if s.policy_file is None:
                 raise SystemExit("embedded mode needs GATEWAY_POLICY_FILE (or GATEWAY_REDIS_URL)")
             self.limiter = MemoryLimiter(lease_ttl=s.lease_ttl_s, start_ttl=s.lease_start_ttl_s)
+            if s.admit_ahead_ms > 0:  # in-process counters: there is no round trip to save
+                log.warning("admit_ahead_ignored", reason="embedded mode has no Redis")
             self.sync = FilePolicySync(self.holder, s.policy_file)
             self.sync.refresh()
         else:
@@ -81,6 +84,8 @@ class App:
             self.limiter = RedisLimiter(
                 redis_clients.limiter_client(s.redis_url, deadline), s.lease_ttl_s,
                 s.lease_start_ttl_s, deadline, orphan_grace=s.orphan_grace_s)
+            if s.admit_ahead_ms > 0:
+                self.limiter = AheadLimiter(self.limiter, s.admit_ahead_ms / 1000)
             store = PolicyStore(redis_clients.policy_client(s.redis_url, deadline))
             self.sync = RedisPolicySync(self.holder, store, self.instance_id, s.policy_recheck_s)
             await self.sync.refresh()
@@ -91,6 +96,9 @@ class App:
                              watches=s.source.watches, unheard_s=s.unheard_s,
                              max_lifetime_s=s.admission_max_lifetime_s)
         self.ledger.start()
+        if isinstance(self.limiter, AheadLimiter):  # a live request id takes no ticket
+            ledger = self.ledger
+            self.limiter.follows = lambda request_id: ledger.stage(request_id) is not None
         recorder = self._start_usage_pipeline(self.ledger)
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
             self.store_up = await self._store_answers()

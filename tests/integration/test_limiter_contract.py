@@ -16,6 +16,7 @@ from devspoke.procs import free_port, redis_service
 from gateway.errors import RedisLost, StoreInDoubt
 from gateway.limits import maths
 from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
+from gateway.limits.ahead import AheadLimiter
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
@@ -35,13 +36,18 @@ from gateway.policy.model import LimitSpec, TierLimit
 T0 = 1_800_000_000.0  # a fixed wall-clock instant (2027-01-15)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis_ahead"])
 async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[Limiter]:
+    """`redis_ahead`: the Redis store admitting ahead (tickets kept 10 s, so the test's own
+    pace decides nothing): the contract must hold with it too."""
     if request.param == "memory":
         yield MemoryLimiter(lease_ttl=60)
         return
     url = request.getfixturevalue("redis_url")
-    lim = RedisLimiter(RespClient(url), lease_ttl=60)
+    lim: Limiter = RedisLimiter(RespClient(url), lease_ttl=60)
+    if request.param == "redis_ahead":
+        assert isinstance(lim, RedisLimiter)
+        lim = AheadLimiter(lim, ttl=10.0)
     yield lim
     await lim.close()
 
@@ -344,6 +350,8 @@ async def test_an_admission_whose_connection_died_after_sending_is_in_doubt(
 
 def allowances_of(limiter: Limiter) -> AllowanceStore:
     """Where this store's allowances are written: the same Redis, or the same process."""
+    if isinstance(limiter, AheadLimiter):
+        limiter = limiter.inner
     if isinstance(limiter, RedisLimiter):
         return RedisAllowances(limiter.redis)
     assert isinstance(limiter, MemoryLimiter)
