@@ -13,6 +13,11 @@
 --         is this spoke's allowance, gw:allow:tpd|tpmo:<tier_key>:<period> (written by the
 --         allowance follower), else that fallback; counted in gw:gtpd|gtpmo:<tier_key>:<period>.
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
+-- TTLs: a minute counter is re-armed (120 s) by every admission that counts in it; a day or
+-- month counter, local or global, gets its TTL (2 days, 40 days) once, from the admission
+-- that finds it at 0 (new, or settled back to nothing), which outlasts its period by a day
+-- or more (and spares a PEXPIRE an admission). None is ever left without a TTL: settle.lua
+-- and sweep.lua only change a counter that exists (INCRBY, SET KEEPTTL), nothing else does.
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
 --                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent
 -- (retry_ms -1: never, the reservation is larger than the whole limit). A denial's numbers
@@ -31,6 +36,9 @@ local n = tonumber(ARGV[8])
 local minute = math.floor(now / 60000)
 local into = (now % 60000) / 60000
 local to_minute = 60000 - (now % 60000)
+-- The windows' key suffixes, built once per call.
+local at_minute, at_prev = ':' .. minute, ':' .. (minute - 1)
+local at_day, at_month = ':' .. day_id, ':' .. month_id
 
 local function split(text)
   local out, i = {}, 1
@@ -74,7 +82,7 @@ local function window_use(key, w)
   if w[1] ~= 3 then
     return num(w[3]), w[4], 0, 0
   end
-  local prev, cur = num('gw:tpm:' .. key .. ':' .. (minute - 1)), num(w[3])
+  local prev, cur = num('gw:tpm:' .. key .. at_prev), num(w[3])
   local reset = 0
   if cur > 0 then reset = to_minute + 60000 elseif prev > 0 then reset = to_minute end
   return prev * (1 - into) + cur, reset, prev, cur
@@ -117,19 +125,19 @@ for r = 1, n do
   local tiers = {}
   for t = 1, nt do
     local windows = {
-      {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
-      {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
-      {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
+      {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. at_minute, to_minute, 120000},
+      {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. at_day, to_day, 172800000},
+      {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. at_month, to_month, 3456000000},
     }
     local gd, gm = tonumber(f[i + 7]), tonumber(f[i + 8])
     if gd then
-      local allow = redis.call('GET', 'gw:allow:tpd:' .. f[i] .. ':' .. day_id)
-      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. f[i] .. ':' .. day_id, to_day,
+      local allow = redis.call('GET', 'gw:allow:tpd:' .. f[i] .. at_day)
+      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. f[i] .. at_day, to_day,
                     172800000}
     end
     if gm then
-      local allow = redis.call('GET', 'gw:allow:tpmo:' .. f[i] .. ':' .. month_id)
-      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. f[i] .. ':' .. month_id,
+      local allow = redis.call('GET', 'gw:allow:tpmo:' .. f[i] .. at_month)
+      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. f[i] .. at_month,
                                to_month, 3456000000}
     end
     tiers[t] = {
@@ -217,7 +225,7 @@ for r = 1, n do
       for _, w in ipairs(x.windows) do
         if w[2] then
           local total = redis.call('INCRBY', w[3], reserve)
-          if w[1] < 7 or total == reserve then  -- a global counter: its TTL once, at birth
+          if w[1] == 3 or total == reserve then  -- see "TTLs" above
             redis.call('PEXPIRE', w[3], w[5])
           end
           toks[#toks + 1] = w[3]
