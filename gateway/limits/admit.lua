@@ -40,18 +40,10 @@ local to_minute = 60000 - (now % 60000)
 local at_minute, at_prev = ':' .. minute, ':' .. (minute - 1)
 local at_day, at_month = ':' .. day_id, ':' .. month_id
 
-local function split(text)
-  local out, i = {}, 1
-  while true do
-    local j = string.find(text, '\31', i, true)
-    if not j then
-      out[#out + 1] = string.sub(text, i)
-      return out
-    end
-    out[#out + 1] = string.sub(text, i, j - 1)
-    i = j + 1
-  end
-end
+-- A request's fields (see ARGV[8] above): its own four, then nine a tier, each one match.
+local F = '\31([^\31]*)'
+local HEAD = '^([^\31]*)' .. string.rep(F, 3) .. '()'
+local TIER = '^' .. string.rep(F, 9) .. '()'
 
 local function num(key)
   return tonumber(redis.call('GET', key) or 0)
@@ -90,21 +82,22 @@ end
 
 -- The numbers of the tier that refused (code), both families, as they stand: its rps (or
 -- its concurrency, full), and the token window that refused (no wait helps first), else
--- its tightest. Only a denial pays for this second look.
+-- its tightest, from what the checks read (x.tat, each window's w[6], w[7]). Only a
+-- denial pays for this second look.
 local function tier_numbers(x, code, reserve)
   local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
   if code == 2 then
     rq = {x.conc, 0, 1000}
   elseif x.rps then
     local interval = 1000 / x.rps
-    local tat = math.max(num('gw:rps:' .. x.key), now)
+    local tat = x.tat
     local left = (now - tat - interval + x.burst * interval) / interval + 1e-4
     rq = {x.burst, math.max(0, math.floor(left) + 1), math.ceil(tat - now)}
   end
   for _, w in ipairs(x.windows) do
     local limit = w[2]
     if limit then
-      local used, reset = window_use(x.key, w)
+      local used, reset = w[6], w[7]
       local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
       if used + reserve > limit and (not refused or (reserve > limit and refused[4])) then
         refused = {mine[1], mine[2], mine[3], reserve <= limit}
@@ -118,33 +111,33 @@ end
 
 local out = {}
 for r = 1, n do
-  local f = split(ARGV[8 + r])
-  local rid, reserve, meta = f[1], tonumber(f[2]), f[3]
-  local nt = tonumber(f[4])
-  local i = 5
+  local text = ARGV[8 + r]
+  local rid, reserve, meta, nt, pos = string.match(text, HEAD)
+  reserve, nt = tonumber(reserve), tonumber(nt)
   local tiers = {}
   for t = 1, nt do
+    local key, rps, burst, conc, tpm, tpd, tpmo, gd, gm
+    key, rps, burst, conc, tpm, tpd, tpmo, gd, gm, pos = string.match(text, TIER, pos)
     local windows = {
-      {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. at_minute, to_minute, 120000},
-      {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. at_day, to_day, 172800000},
-      {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. at_month, to_month, 3456000000},
+      {3, tonumber(tpm), 'gw:tpm:' .. key .. at_minute, to_minute, 120000, 0, 0},
+      {4, tonumber(tpd), 'gw:tpd:' .. key .. at_day, to_day, 172800000, 0, 0},
+      {5, tonumber(tpmo), 'gw:tpmo:' .. key .. at_month, to_month, 3456000000, 0, 0},
     }
-    local gd, gm = tonumber(f[i + 7]), tonumber(f[i + 8])
+    gd, gm = tonumber(gd), tonumber(gm)
     if gd then
-      local allow = redis.call('GET', 'gw:allow:tpd:' .. f[i] .. at_day)
-      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. f[i] .. at_day, to_day,
-                    172800000}
+      local allow = redis.call('GET', 'gw:allow:tpd:' .. key .. at_day)
+      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. key .. at_day, to_day,
+                    172800000, 0, 0}
     end
     if gm then
-      local allow = redis.call('GET', 'gw:allow:tpmo:' .. f[i] .. at_month)
-      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. f[i] .. at_month,
-                               to_month, 3456000000}
+      local allow = redis.call('GET', 'gw:allow:tpmo:' .. key .. at_month)
+      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. key .. at_month,
+                               to_month, 3456000000, 0, 0}
     end
     tiers[t] = {
-      key = f[i], rps = tonumber(f[i + 1]), burst = tonumber(f[i + 2]),
-      conc = tonumber(f[i + 3]), windows = windows,
+      key = key, rps = tonumber(rps), burst = tonumber(burst), conc = tonumber(conc),
+      windows = windows,
     }
-    i = i + 9
   end
 
   -- Every tier is scanned, even past a denial (which commits nothing): the retry is the
@@ -152,10 +145,9 @@ for r = 1, n do
   -- reservation larger than it) is the one named, with no retry (-1).
   local code, at, retry = 0, -1, 0
   local rq, tk = {-1, -1, -1}, {-1, -1, -1}
-  if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
-    code, nt = 6, 0
-  elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
-    code, nt = 9, 0
+  if redis.call('EXISTS', 'gw:void:' .. rid, 'gw:req:' .. rid) > 0 then  -- seldom: which?
+    if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then code = 6 else code = 9 end
+    nt = 0
   end
   local function refuse(c, t, wait)
     if retry >= 0 and wait < 0 then
@@ -171,6 +163,7 @@ for r = 1, n do
       local interval = 1000 / x.rps
       local tat = num('gw:rps:' .. x.key)
       if tat < now then tat = now end
+      x.tat = tat
       local new_tat = tat + interval
       local allow_at = new_tat - x.burst * interval
       if now < allow_at then
@@ -189,6 +182,7 @@ for r = 1, n do
       local limit = w[2]
       if limit then
         local used, reset, prev, cur = window_use(x.key, w)
+        w[6], w[7] = used, reset
         if used + reserve > limit then
           if reserve > limit and w[1] < 7 then  -- an allowance may grow: never "never"
             refuse(w[1], t, -1)
