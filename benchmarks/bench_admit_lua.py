@@ -2,11 +2,14 @@
 revision's script in the same Redis, interleaved (best of N rounds: the machine is shared).
 
     .venv/bin/python benchmarks/bench_admit_lua.py [--baseline REV] [--rounds 3] [--calls 1500]
+        [--all-limits]
 
 Each call admits a batch of 16 requests over three tiers (model, team, key), each tier with
-rps and the three token windows (no concurrency: nothing would release the leases). Allowed:
-limits that never bind. Denied: an rps of 0.001 that refuses at the first tier. Redis's own
-`usec_per_call` (INFO commandstats) divided by the batch: no client or network cost.
+rps and the three token windows; with --all-limits, also concurrency and both global quotas
+(an allowance for the day's, the fallback share for the month's), the leases dropped after
+each call. Allowed: limits that never bind. Denied: an rps of 0.001 that refuses at the
+first tier. Redis's own `usec_per_call` (INFO commandstats) divided by the batch: no client
+or network cost.
 """
 
 from __future__ import annotations
@@ -25,26 +28,33 @@ from devspoke.procs import free_port, redis_service
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = "gateway/limits/admit.lua"
 BATCH = 16
+TIERS = ("model", "team", "key")
 
 
-def _tiers(deny: bool) -> str:
+def _tiers(deny: bool, full: bool) -> str:
+    """admit.lua's tier fields: key, rps, burst, concurrency, tpm, tpd, tpmo, gtpd, gtpmo."""
     rps, burst = (0.001, 1) if deny else (1e9, 10**9)
     big = 10**10
-    return "3\x1f" + "\x1f".join(f"{t}:bench\x1f{rps}\x1f{burst}\x1f\x1f{big}\x1f{big}\x1f{big}"
-                                 for t in ("model", "team", "key"))
+    conc, glob = (big, f"{big}\x1f{big}") if full else ("", "\x1f")
+    return "3\x1f" + "\x1f".join(
+        f"{t}:bench\x1f{rps}\x1f{burst}\x1f{conc}\x1f{big}\x1f{big}\x1f{big}\x1f{glob}"
+        for t in TIERS)
 
 
-def us_per_admission(r: Redis, script: str, deny: bool, calls: int) -> float:
+def us_per_admission(r: Redis, script: str, deny: bool, calls: int, full: bool = False) -> float:
     r.flushall()
+    if full:  # the day's allowance is set; the month's is not (its fallback share applies)
+        r.mset({f"gw:allow:tpd:{t}:bench:20261202": 10**10 for t in TIERS})
     r.config_resetstat()
     sha = r.script_load(script)
-    tiers, now = _tiers(deny), int(time.time() * 1000)
+    tiers, now = _tiers(deny, full), int(time.time() * 1000)
+    leases = [f"gw:conc:{t}:bench" for t in TIERS] if full else []
     for i in range(calls):
         args: list[object] = [now, 60000, 180000, "20261202", "202612", 10**6, 10**7, BATCH]
         args += [f"r{i}-{j}\x1f100\x1fmeta\x1f{tiers}" for j in range(BATCH)]
         r.evalsha(sha, 0, *args)
-        if not deny:  # keep the request records from piling up
-            r.delete(*[f"gw:req:r{i}-{j}" for j in range(BATCH)])
+        if not deny:  # keep the request records (and leases) from piling up
+            r.delete(*[f"gw:req:r{i}-{j}" for j in range(BATCH)], *leases)
     return float(r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]) / BATCH
 
 
@@ -53,6 +63,8 @@ def main() -> None:
     ap.add_argument("--baseline", default="HEAD~1")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=1500)
+    ap.add_argument("--all-limits", action="store_true",
+                    help="also concurrency and both global quotas on every tier")
     a = ap.parse_args()
     scripts = {
         "this tree": (REPO / SCRIPT).read_text(),
@@ -67,7 +79,7 @@ def main() -> None:
             for _ in range(a.rounds):
                 for deny in (False, True):
                     for name, script in scripts.items():
-                        us = us_per_admission(r, script, deny, a.calls)
+                        us = us_per_admission(r, script, deny, a.calls, a.all_limits)
                         best[name, deny] = min(best.get((name, deny), us), us)
         finally:
             svc.stop()

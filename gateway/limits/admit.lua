@@ -13,6 +13,11 @@
 --         is this spoke's allowance, gw:allow:tpd|tpmo:<tier_key>:<period> (written by the
 --         allowance follower), else that fallback; counted in gw:gtpd|gtpmo:<tier_key>:<period>.
 -- Keys are derived from tier_key (standalone Redis; not cluster-slot safe).
+-- TTLs: a minute counter is re-armed (120 s) by every admission that counts in it; a day or
+-- month counter, local or global, gets its TTL (2 days, 40 days) once, from the admission
+-- that finds it at 0 (new, or settled back to nothing), which outlasts its period by a day
+-- or more (and spares a PEXPIRE an admission). None is ever left without a TTL: settle.lua
+-- and sweep.lua only change a counter that exists (INCRBY, SET KEEPTTL), nothing else does.
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
 --                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent
 -- (retry_ms -1: never, the reservation is larger than the whole limit). A denial's numbers
@@ -37,19 +42,14 @@ local into = (now % 60000) / 60000
 local to_minute = 60000 - (now % 60000)
 local KEEP_FREE, FLOOR = 0.25, 16  -- tickets: the share of each limit left free; no
                                    -- ticket under a limit of FLOOR (reservations)
+-- The windows' key suffixes, built once per call.
+local at_minute, at_prev = ':' .. minute, ':' .. (minute - 1)
+local at_day, at_month = ':' .. day_id, ':' .. month_id
 
-local function split(text)
-  local out, i = {}, 1
-  while true do
-    local j = string.find(text, '\31', i, true)
-    if not j then
-      out[#out + 1] = string.sub(text, i)
-      return out
-    end
-    out[#out + 1] = string.sub(text, i, j - 1)
-    i = j + 1
-  end
-end
+-- A request's fields (see ARGV[8] above): its own four, then nine a tier, each one match.
+local F = '\31([^\31]*)'
+local HEAD = '^([^\31]*)' .. string.rep(F, 3) .. '()'
+local TIER = '^' .. string.rep(F, 9) .. '()'
 
 local function num(key)
   return tonumber(redis.call('GET', key) or 0)
@@ -80,7 +80,7 @@ local function window_use(key, w)
   if w[1] ~= 3 then
     return num(w[3]), w[4], 0, 0
   end
-  local prev, cur = num('gw:tpm:' .. key .. ':' .. (minute - 1)), num(w[3])
+  local prev, cur = num('gw:tpm:' .. key .. at_prev), num(w[3])
   local reset = 0
   if cur > 0 then reset = to_minute + 60000 elseif prev > 0 then reset = to_minute end
   return prev * (1 - into) + cur, reset, prev, cur
@@ -88,21 +88,22 @@ end
 
 -- The numbers of the tier that refused (code), both families, as they stand: its rps (or
 -- its concurrency, full), and the token window that refused (no wait helps first), else
--- its tightest. Only a denial pays for this second look.
+-- its tightest, from what the checks read (x.tat, each window's w[6], w[7]). Only a
+-- denial pays for this second look.
 local function tier_numbers(x, code, reserve)
   local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
   if code == 2 then
     rq = {x.conc, 0, 1000}
   elseif x.rps then
     local interval = 1000 / x.rps
-    local tat = math.max(num('gw:rps:' .. x.key), now)
+    local tat = x.tat
     local left = (now - tat - interval + x.burst * interval) / interval + 1e-4
     rq = {x.burst, math.max(0, math.floor(left) + 1), math.ceil(tat - now)}
   end
   for _, w in ipairs(x.windows) do
     local limit = w[2]
     if limit then
-      local used, reset = window_use(x.key, w)
+      local used, reset = w[6], w[7]
       local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
       if used + reserve > limit and (not refused or (reserve > limit and refused[4])) then
         refused = {mine[1], mine[2], mine[3], reserve <= limit}
@@ -116,33 +117,33 @@ end
 
 local out = {}
 for r = 1, n do
-  local f = split(ARGV[8 + r])
-  local rid, reserve, meta = f[1], tonumber(f[2]), f[3]
-  local nt = tonumber(f[4])
-  local i = 5
+  local text = ARGV[8 + r]
+  local rid, reserve, meta, nt, pos = string.match(text, HEAD)
+  reserve, nt = tonumber(reserve), tonumber(nt)
   local tiers = {}
   for t = 1, nt do
+    local key, rps, burst, conc, tpm, tpd, tpmo, gd, gm
+    key, rps, burst, conc, tpm, tpd, tpmo, gd, gm, pos = string.match(text, TIER, pos)
     local windows = {
-      {3, tonumber(f[i + 4]), 'gw:tpm:' .. f[i] .. ':' .. minute, to_minute, 120000},
-      {4, tonumber(f[i + 5]), 'gw:tpd:' .. f[i] .. ':' .. day_id, to_day, 172800000},
-      {5, tonumber(f[i + 6]), 'gw:tpmo:' .. f[i] .. ':' .. month_id, to_month, 3456000000},
+      {3, tonumber(tpm), 'gw:tpm:' .. key .. at_minute, to_minute, 120000, 0, 0},
+      {4, tonumber(tpd), 'gw:tpd:' .. key .. at_day, to_day, 172800000, 0, 0},
+      {5, tonumber(tpmo), 'gw:tpmo:' .. key .. at_month, to_month, 3456000000, 0, 0},
     }
-    local gd, gm = tonumber(f[i + 7]), tonumber(f[i + 8])
+    gd, gm = tonumber(gd), tonumber(gm)
     if gd then
-      local allow = redis.call('GET', 'gw:allow:tpd:' .. f[i] .. ':' .. day_id)
-      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. f[i] .. ':' .. day_id, to_day,
-                    172800000}
+      local allow = redis.call('GET', 'gw:allow:tpd:' .. key .. at_day)
+      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. key .. at_day, to_day,
+                    172800000, 0, 0}
     end
     if gm then
-      local allow = redis.call('GET', 'gw:allow:tpmo:' .. f[i] .. ':' .. month_id)
-      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. f[i] .. ':' .. month_id,
-                               to_month, 3456000000}
+      local allow = redis.call('GET', 'gw:allow:tpmo:' .. key .. at_month)
+      windows[#windows + 1] = {8, tonumber(allow) or gm, 'gw:gtpmo:' .. key .. at_month,
+                               to_month, 3456000000, 0, 0}
     end
     tiers[t] = {
-      key = f[i], rps = tonumber(f[i + 1]), burst = tonumber(f[i + 2]),
-      conc = tonumber(f[i + 3]), windows = windows,
+      key = key, rps = tonumber(rps), burst = tonumber(burst), conc = tonumber(conc),
+      windows = windows,
     }
-    i = i + 9
   end
 
   -- Every tier is scanned, even past a denial (which commits nothing): the retry is the
@@ -151,10 +152,9 @@ for r = 1, n do
   local code, at, retry = 0, -1, 0
   local ticket, short = string.byte(rid, 1) == 30, nil  -- short: a tier a ticket would crowd
   local rq, tk = {-1, -1, -1}, {-1, -1, -1}
-  if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then
-    code, nt = 6, 0
-  elseif redis.call('EXISTS', 'gw:req:' .. rid) == 1 then
-    code, nt = 9, 0
+  if redis.call('EXISTS', 'gw:void:' .. rid, 'gw:req:' .. rid) > 0 then  -- seldom: which?
+    if redis.call('EXISTS', 'gw:void:' .. rid) == 1 then code = 6 else code = 9 end
+    nt = 0
   end
   local function refuse(c, t, wait)
     if retry >= 0 and wait < 0 then
@@ -170,6 +170,7 @@ for r = 1, n do
       local interval = 1000 / x.rps
       local tat = num('gw:rps:' .. x.key)
       if tat < now then tat = now end
+      x.tat = tat
       local new_tat = tat + interval
       local allow_at = new_tat - x.burst * interval
       if now < allow_at then
@@ -197,6 +198,7 @@ for r = 1, n do
       local limit = w[2]
       if limit then
         local used, reset, prev, cur = window_use(x.key, w)
+        w[6], w[7] = used, reset
         if used + reserve > limit then
           if reserve > limit and w[1] < 7 then  -- an allowance may grow: never "never"
             refuse(w[1], t, -1)
@@ -238,7 +240,7 @@ for r = 1, n do
       for _, w in ipairs(x.windows) do
         if w[2] then
           local total = redis.call('INCRBY', w[3], reserve)
-          if w[1] < 7 or total == reserve then  -- a global counter: its TTL once, at birth
+          if w[1] == 3 or total == reserve then  -- see "TTLs" above
             redis.call('PEXPIRE', w[3], w[5])
           end
           toks[#toks + 1] = w[3]
