@@ -15,8 +15,8 @@ import pytest
 from devspoke.procs import free_port, redis_service
 from gateway.errors import RedisLost, StoreInDoubt
 from gateway.limits import maths
-from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.limits.ahead import AheadLimiter
+from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.limits.memory import MemoryLimiter
 from gateway.limits.redis_store import RedisLimiter
 from gateway.limits.resp import RespClient
