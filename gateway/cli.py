@@ -25,6 +25,7 @@ from gateway.hub.commands import (
     cmd_hub_forget,
     cmd_hub_publish,
     cmd_hub_status,
+    cmd_hub_unpublish,
     cmd_policy_sync,
 )
 from gateway.policy_commands import (
@@ -212,7 +213,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_policy_sync)
 
     hub = sub.add_parser(
-        "hub", help="the hub's side: publish / status / forget / allocate").add_subparsers(
+        "hub", help="the hub's side: publish / unpublish / status / forget / allocate"
+    ).add_subparsers(
         dest="sub", required=True)
     p = hub.add_parser("publish", help="validate a policy and put it on the feed as the next "
                                       "revision")
@@ -222,6 +224,11 @@ def parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     _hub_flag(p)
     p.set_defaults(fn=cmd_hub_publish)
+    p = hub.add_parser("unpublish", help="remove spokes' own entries from the feed: each "
+                                        "follows '*' again")
+    p.add_argument("spokes", nargs="+", metavar="SPOKE", help="a spoke with an entry of its own")
+    _hub_flag(p)
+    p.set_defaults(fn=cmd_hub_unpublish)
     p = hub.add_parser("status", help="the fleet, from the status topic: per spoke and "
                                      "instance, revision, ACK/NACK, spool, store")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table",

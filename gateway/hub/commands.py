@@ -122,6 +122,41 @@ def cmd_hub_forget(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hub_unpublish(args: argparse.Namespace) -> int:
+    """A null value on each SPOKE's own feed entry (DESIGN §10: it removes that entry): the
+    spoke then follows `*`'s, from the first of its revisions above what the spoke holds."""
+    from gateway.hub import feed
+    from gateway.hub.topics import POLICY_TOPIC, produce, read_all
+    s, bootstrap = _hub_bootstrap(args)
+    spokes = list(dict.fromkeys(args.spokes))
+    if feed.EVERY_SPOKE in spokes:
+        print("nothing removed: '*' is every spoke's entry (publish a new revision instead)",
+              file=sys.stderr)
+        return 2
+
+    async def unpublish() -> list[str]:
+        held = feed.latest(await read_all(bootstrap, POLICY_TOPIC))
+        missing = [spoke for spoke in spokes if spoke not in held]
+        if not missing:
+            for spoke in spokes:
+                await produce(bootstrap, POLICY_TOPIC, spoke, None,
+                              idempotence=s.kafka_idempotence)
+        return missing
+
+    try:
+        missing = run_value(unpublish())
+    except Exception as exc:  # Kafka away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if missing:
+        print(f"nothing removed: no entry of its own for {', '.join(missing)} (see `gateway "
+              "hub status`)", file=sys.stderr)
+        return 2
+    for spoke in spokes:
+        print(f"removed the feed entry of spoke {spoke}: it follows '*'")
+    return 0
+
+
 def cmd_hub_allocate(args: argparse.Namespace) -> int:
     import uvloop
 

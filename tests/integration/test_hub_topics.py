@@ -194,6 +194,33 @@ async def test_a_status_topic_that_cannot_be_read_leaves_the_feeds_own_number(
     assert await publish(bs, _doc("n"), "p.yaml", idempotence=False) == first + 1
 
 
+def test_hub_unpublish_removes_a_spokes_own_entry_and_never_stars(
+        feed_kafka: Service, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    monkeypatch.setenv("GATEWAY_KAFKA_IDEMPOTENCE", "false")  # Tansu: no idempotent producer
+    bs = feed_kafka.address
+    doc = tmp_path / "p.yaml"
+    doc.write_bytes(_doc("m"))
+    for spoke in ("*", "a", "b"):
+        assert main(["hub", "publish", str(doc), "--spoke", spoke, "--bootstrap", bs]) == 0
+    capsys.readouterr()
+
+    def entries() -> set[str]:
+        return set(feed.latest(asyncio.run(read_all(bs, POLICY_TOPIC))))
+
+    assert main(["hub", "unpublish", "a", "--bootstrap", bs]) == 0
+    assert capsys.readouterr().out == "removed the feed entry of spoke a: it follows '*'\n"
+    assert entries() == {"*", "b"}
+    # '*', or a spoke without an entry of its own: exit 2, nothing removed
+    assert main(["hub", "unpublish", "b", "*", "--bootstrap", bs]) == 2
+    assert "'*' is every spoke's entry" in capsys.readouterr().err
+    assert main(["hub", "unpublish", "b", "a", "--bootstrap", bs]) == 2
+    assert "no entry of its own for a" in capsys.readouterr().err
+    assert entries() == {"*", "b"}
+    assert main(["hub", "publish", str(doc), "--spoke", "a", "--bootstrap", bs]) == 0
+    assert capsys.readouterr().out == "published revision 4 for spoke a\n"  # numbers go on
+
+
 def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
         feed_kafka: Service, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
