@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -87,74 +88,67 @@ def cmd_hub_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_hub_forget(args: argparse.Namespace) -> int:
-    """A null value (compaction's delete) for each SPOKE/INSTANCE that has reported: an
-    instance that stopped for good (a host gone, a renamed syncer) leaves `hub status`."""
+def _delete_keys(args: argparse.Namespace, topic: str, keys: list[str],
+                 missing: Callable[[list[str]], str], done: Callable[[str], str]) -> int:
+    """A null value (compaction's delete) for each of `keys` on `topic`, all or none: if
+    the topic does not hold one, nothing is written and `missing(those)` says so (exit 2);
+    else `done(key)` for each. Kafka away: exit 1."""
     from gateway.hub import feed
-    from gateway.hub.topics import STATUS_TOPIC, produce, read_all
+    from gateway.hub.topics import produce, read_all
     s, bootstrap = _hub_bootstrap(args)
+
+    async def delete() -> list[str]:
+        held = feed.latest(await read_all(bootstrap, topic))
+        absent = [k for k in keys if k not in held]
+        if not absent:
+            for key in keys:
+                await produce(bootstrap, topic, key, None, idempotence=s.kafka_idempotence)
+        return absent
+
+    try:
+        absent = run_value(delete())
+    except Exception as exc:  # Kafka away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if absent:
+        print(missing(absent), file=sys.stderr)
+        return 2
+    for key in keys:
+        print(done(key))
+    return 0
+
+
+def cmd_hub_forget(args: argparse.Namespace) -> int:
+    """A null value for each SPOKE/INSTANCE that has reported: an instance that stopped for
+    good (a host gone, a renamed syncer) leaves `hub status`."""
+    from gateway.hub.topics import STATUS_TOPIC
     keys = list(dict.fromkeys(args.instances))  # each once, in the order given
     bad = [k for k in keys if "/" not in k.strip("/")]
     if bad:
         print(f"nothing forgotten: not SPOKE/INSTANCE: {', '.join(bad)}", file=sys.stderr)
         return 2
-
-    async def forget() -> list[str]:
-        known = feed.latest(await read_all(bootstrap, STATUS_TOPIC))
-        unknown = [k for k in keys if k not in known]
-        if not unknown:
-            for key in keys:
-                await produce(bootstrap, STATUS_TOPIC, key, None,
-                              idempotence=s.kafka_idempotence)
-        return unknown
-
-    try:
-        unknown = run_value(forget())
-    except Exception as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if unknown:
-        print(f"nothing forgotten: no report from {', '.join(unknown)} (see `gateway hub "
-              "status`)", file=sys.stderr)
-        return 2
-    for key in keys:
-        print(f"forgot {key}")
-    return 0
+    return _delete_keys(
+        args, STATUS_TOPIC, keys,
+        lambda absent: f"nothing forgotten: no report from {', '.join(absent)} (see "
+                       "`gateway hub status`)",
+        lambda key: f"forgot {key}")
 
 
 def cmd_hub_unpublish(args: argparse.Namespace) -> int:
     """A null value on each SPOKE's own feed entry (DESIGN §10: it removes that entry): the
     spoke then follows `*`'s, from the first of its revisions above what the spoke holds."""
-    from gateway.hub import feed
-    from gateway.hub.topics import POLICY_TOPIC, produce, read_all
-    s, bootstrap = _hub_bootstrap(args)
+    from gateway.hub.feed import EVERY_SPOKE
+    from gateway.hub.topics import POLICY_TOPIC
     spokes = list(dict.fromkeys(args.spokes))
-    if feed.EVERY_SPOKE in spokes:
+    if EVERY_SPOKE in spokes:
         print("nothing removed: '*' is every spoke's entry (publish a new revision instead)",
               file=sys.stderr)
         return 2
-
-    async def unpublish() -> list[str]:
-        held = feed.latest(await read_all(bootstrap, POLICY_TOPIC))
-        missing = [spoke for spoke in spokes if spoke not in held]
-        if not missing:
-            for spoke in spokes:
-                await produce(bootstrap, POLICY_TOPIC, spoke, None,
-                              idempotence=s.kafka_idempotence)
-        return missing
-
-    try:
-        missing = run_value(unpublish())
-    except Exception as exc:  # Kafka away: say it, exit non-zero
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if missing:
-        print(f"nothing removed: no entry of its own for {', '.join(missing)} (see `gateway "
-              "hub status`)", file=sys.stderr)
-        return 2
-    for spoke in spokes:
-        print(f"removed the feed entry of spoke {spoke}: it follows '*'")
-    return 0
+    return _delete_keys(
+        args, POLICY_TOPIC, spokes,
+        lambda absent: f"nothing removed: no entry of its own for {', '.join(absent)} (see "
+                       "`gateway hub status`)",
+        lambda spoke: f"removed the feed entry of spoke {spoke}: it follows '*'")
 
 
 def cmd_hub_allocate(args: argparse.Namespace) -> int:
