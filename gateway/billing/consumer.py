@@ -13,13 +13,16 @@ from gateway.log import log
 from gateway.sinks.usage_proto import from_json
 
 
-def usage_consumer(bootstrap: str, topic: str, group: str | None) -> AIOKafkaConsumer:
+def usage_consumer(bootstrap: str, topic: str, group: str | None,
+                   listener: ConsumerRebalanceListener | None = None) -> AIOKafkaConsumer:
     # earliest + committed offsets (Tansu's ListOffsets(latest) is wrong); its JoinGroup is
     # held for session/2, so a short session keeps start-up fast.
-    return AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
         auto_offset_reset="earliest", session_timeout_ms=6000, heartbeat_interval_ms=1000,
         max_poll_records=1000)
+    consumer.subscribe([topic], listener=listener)
+    return consumer
 
 
 async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway-billing",
@@ -28,8 +31,8 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     """Aggregate until stopped, until `stop_when(total_new)` says so, or (`until_caught_up`)
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
-    consumer = usage_consumer(bootstrap, topic, group)
-    consumer.subscribe([topic], listener=_FromTheStartWhileEmpty(consumer, db))
+    from_the_start = _FromTheStartWhileEmpty(db)
+    consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
     await consumer.start()
     total = dups = 0
     try:
@@ -61,8 +64,9 @@ class _FromTheStartWhileEmpty(ConsumerRebalanceListener):
     rest, and `reconcile` would report the events it never read as gaps. Its dedup marks make
     the re-read exact; once it holds an event, the group's offsets rule again."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, db: UsageDb) -> None:
-        self.consumer = consumer
+    consumer: AIOKafkaConsumer  # the consumer it listens to (set once made)
+
+    def __init__(self, db: UsageDb) -> None:
         self.db = db
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:

@@ -241,7 +241,6 @@ class Ledger:
         self._followed.hold(request_id, a)
         self._occupied.set()
 
-
     def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
              ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, Admission]]]:
         """Of `rids`, those still renewed here that are due a renewal now, their usage so

@@ -69,6 +69,13 @@ def _none(v: int) -> int | None:
     return None if v < 0 else v
 
 
+def _admission_failed(exc: BaseException) -> StoreUnavailable:
+    """An admission call that failed: in doubt if it was sent and then the connection died
+    (it may have committed: the caller voids it), else plainly unavailable."""
+    kind = StoreInDoubt if isinstance(exc, RedisLost) else StoreUnavailable
+    return kind(f"redis: {exc.__class__.__name__}: {exc}")
+
+
 def _settle_code(end: Ending) -> int:
     """settle.lua's `actual_tokens`: a count, -1 keep the reservation, -2 void, -3 release,
     -4 abandon (to the sweep)."""
@@ -123,9 +130,7 @@ class RedisLimiter(Limiter):
             try:
                 rows = await self._admit(*self._args([r for r, _ in live]))
             except REDIS_ERRORS as exc:
-                # Sent, then the connection died: it may have committed (the caller voids it).
-                kind = StoreInDoubt if isinstance(exc, RedisLost) else StoreUnavailable
-                err = kind(f"redis: {exc.__class__.__name__}: {exc}")
+                err = _admission_failed(exc)
                 for _, f in live:
                     if not f.done():
                         f.set_exception(err)
@@ -192,8 +197,7 @@ class RedisLimiter(Limiter):
         try:
             rows = await self._admit(*self._args([req]))
         except REDIS_ERRORS as exc:
-            kind = StoreInDoubt if isinstance(exc, RedisLost) else StoreUnavailable
-            raise kind(f"redis: {exc.__class__.__name__}: {exc}") from exc
+            raise _admission_failed(exc) from exc
         return self._verdict(req, rows[0])
 
     async def bind(self, ticket_id: str, req: AdmitRequest) -> int:
