@@ -95,7 +95,7 @@ class Settings(BaseSettings):
     @classmethod
     def _status_key_part(cls, v: str) -> str:
         # The status topic's key is SPOKE/INSTANCE (DESIGN §10): a '/' in either would make
-        # it ambiguous, and an empty spoke would follow no feed entry of its own.
+        # it ambiguous.
         if "/" in v:
             raise ValueError("must not contain '/' (the status key is SPOKE/INSTANCE)")
         return v
@@ -103,6 +103,7 @@ class Settings(BaseSettings):
     @field_validator("spoke")
     @classmethod
     def _spoke(cls, v: str) -> str:
+        # A blank spoke, or '*' (every spoke's feed key), would follow no entry of its own.
         if not v.strip() or v == "*":
             raise ValueError("must name this spoke ('*' is every spoke's feed entry)")
         return v
