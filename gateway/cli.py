@@ -36,9 +36,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             split_hostport(value, name)
     from gateway.log import configure
     configure(s.log_level)
-    if s.workers > 1:
+    if s.workers > 1 or s.door_workers:
         if s.embedded:
-            raise SystemExit("GATEWAY_WORKERS > 1 needs Redis: in-process counters are per process")
+            raise SystemExit("GATEWAY_WORKERS > 1 and GATEWAY_DOOR_WORKERS need Redis: "
+                             "in-process counters are per process")
+        if s.door_workers and not s.authz_http_listen:
+            raise SystemExit("GATEWAY_DOOR_WORKERS needs the HTTP door "
+                             "(GATEWAY_AUTHZ_HTTP_LISTEN is empty)")
         from gateway.server.workers import run_workers
         run_workers(s)
         return 0
@@ -117,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
                         "else 127.0.0.1:9102)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes sharing the port (default: $GATEWAY_WORKERS, else 1)")
+    p.add_argument("--door-workers", dest="door_workers", type=int, default=None,
+                   help="more processes serving only the HTTP door, so a Check never waits "
+                        "behind Envoy's records (default: $GATEWAY_DOOR_WORKERS, else 0)")
     store_flags(p)
     p.set_defaults(fn=cmd_serve)
 

@@ -44,7 +44,11 @@ class Settings(BaseSettings):
     spool_dir: Path = Path(".gateway-spool")
     spoke: str = "local"
     instance_id: str = ""  # default: the spool this host left behind, else hostname-pid
-    workers: int = 1
+    workers: Annotated[int, Field(ge=1)] = 1
+    # Processes that serve only the HTTP door (GATEWAY_AUTHZ_HTTP_LISTEN, SO_REUSEPORT), so a
+    # Check never waits behind a batch of Envoy's records on the records' event loop
+    # (docs/operations.md, "Door workers"). 0: the door is served with everything else.
+    door_workers: Annotated[int, Field(ge=0)] = 0
     kafka_idempotence: bool = True  # off against Tansu (docs/kafka-broker.md)
     usage_jsonl: Path = Path("usage.jsonl")  # embedded mode's sink
     # Models served by vLLM/SGLang: also ask for continuous usage, so a cut stream is exact.

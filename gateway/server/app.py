@@ -7,6 +7,7 @@ import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -42,11 +43,20 @@ from gateway.tasks import cancel_all
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 
+# What one process serves. "all": everything (one process, or each of GATEWAY_WORKERS).
+# With GATEWAY_DOOR_WORKERS, the door is split off: "door" processes serve only the HTTP
+# Check (admission, its ledger, policy and status; no records, spool or gRPC), "records"
+# processes the rest (gRPC: records, ext_proc, the gRPC Check, health). An admission made
+# in a door process is ended by the records process's settlement in Redis, which the door
+# process's renewal then finds gone (renew.lua), as between any two instances.
+Role = Literal["all", "records", "door"]
+
 
 @dataclass
 class App:
     settings: Settings
     instance_id: str
+    role: Role = "all"
     holder: PolicyHolder = field(default_factory=PolicyHolder)
     limiter: Limiter | None = None
     sync: RedisPolicySync | FilePolicySync | None = None
@@ -99,7 +109,10 @@ class App:
         if isinstance(self.limiter, AheadLimiter):  # a live request id takes no ticket
             ledger = self.ledger
             self.limiter.follows = lambda request_id: ledger.stage(request_id) is not None
-        recorder = self._start_usage_pipeline(self.ledger)
+        door_only = self.role == "door"
+        recorder = None if door_only else self._start_usage_pipeline(self.ledger)
+        if door_only:  # no spool to watch; whether Redis answers still goes to the hub
+            self.tasks.append(asyncio.create_task(self._watch([])))
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
             self.store_up = await self._store_answers()
             self.reporter = StatusReporter(s.feed_bootstrap, self.status, s.status_interval_s,
@@ -119,24 +132,28 @@ class App:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         self.tracing = tracing_from_env()
-        self.server = grpc.aio.server(options=opts)
         check = Check(authorizer, self.tracing)  # the one Check, whichever door Envoy uses
-        AuthorizationService(check).register(self.server)
-        external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
-        # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream ended
-        records = RecordsService(recorder, self.ledger, emits=s.source.records_are_events,
-                                 checks_waiting=authz_http.waiting if s.authz_http_listen
-                                 else None)
-        records.register(self.server)
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.server.add_insecure_port(s.listen)
-        await self.server.start()
-        if s.authz_http_listen:
+        serves_door = bool(s.authz_http_listen) and self.role != "records"
+        records = None
+        if recorder is not None:
+            self.server = grpc.aio.server(options=opts)
+            AuthorizationService(check).register(self.server)
+            external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
+                ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
+            # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream
+            # ended. Read in slices only while a Check of this process's door waits.
+            records = RecordsService(recorder, self.ledger, emits=s.source.records_are_events,
+                                     checks_waiting=authz_http.waiting if serves_door
+                                     else None)
+            records.register(self.server)
+            self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            self.server.add_insecure_port(s.listen)
+            await self.server.start()
+        if serves_door:
             host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
             self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
-        if s.records_http_listen:
+        if s.records_http_listen and records is not None:
             host, port = split_hostport(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN")
             self.records_http = await records_http.serve(records, host, port,
                                                          s.max_message_bytes)
@@ -145,8 +162,10 @@ class App:
             host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")
             self.http = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
-        log.info("serving", listen=s.listen, authz_http=s.authz_http_listen or None,
-                 records_http=s.records_http_listen or None,
+        log.info("serving", role=self.role,
+                 listen=s.listen if self.server else None,
+                 authz_http=s.authz_http_listen if serves_door else None,
+                 records_http=(s.records_http_listen or None) if records is not None else None,
                  metrics=s.metrics_listen, instance=self.instance_id,
                  metering=s.metering,
                  mode="embedded" if s.embedded else "redis",
@@ -164,7 +183,7 @@ class App:
         for sp in spools:
             self.tasks.append(asyncio.create_task(
                 Shipper(sp, self.producer).run(until_empty=sp is not self.spool)))
-        self.tasks.append(asyncio.create_task(self._watch_spool(spools)))
+        self.tasks.append(asyncio.create_task(self._watch(spools)))
         if len(spools) > 1:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
@@ -189,7 +208,7 @@ class App:
         policy = self.holder.policy
         return policy.price(model, at) if policy is not None else None
 
-    async def _watch_spool(self, spools: list[Spool]) -> None:
+    async def _watch(self, spools: list[Spool]) -> None:
         """Depth and age of what waits for Kafka, and whether Redis answers, every second;
         an error log once a minute while either is degraded, one line when it clears."""
         threshold = self.settings.spool_alert_s
@@ -197,7 +216,7 @@ class App:
         while True:
             now = time.time()
             depth = sum(sp.depth for sp in spools)
-            age = max(sp.oldest_age(now) for sp in spools)
+            age = max((sp.oldest_age(now) for sp in spools), default=0.0)
             metrics.SPOOL_DEPTH.set(depth)
             metrics.SPOOL_OLDEST_AGE.set(age)
             self.spool_depth, self.spool_oldest_s = depth, age
@@ -230,7 +249,8 @@ class App:
             return False
 
     async def _set_health(self) -> None:
-        assert self.health is not None
+        if self.health is None:  # a door process: no gRPC, no gRPC health
+            return
         ok = self.holder.policy is not None
         status = health_pb2.HealthCheckResponse.SERVING if ok else \
             health_pb2.HealthCheckResponse.NOT_SERVING

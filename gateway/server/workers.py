@@ -1,7 +1,10 @@
-"""GATEWAY_WORKERS processes sharing one port (SO_REUSEPORT), each its own instance.
+"""GATEWAY_WORKERS processes sharing one port (SO_REUSEPORT), each its own instance; with
+GATEWAY_DOOR_WORKERS, that many more serving only the HTTP door (`<id>-d<i>`), the others
+then everything but the door (app.Role).
 
 The parent only supervises: it restarts a worker that dies and serves /metrics (merged
-across workers with prometheus' multiprocess mode), /healthz and /readyz.
+across workers with prometheus' multiprocess mode), /healthz and /readyz. A worker whose
+parent is gone (killed with SIGKILL) stops within a second: nobody would restart it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ import signal
 import socket
 import tempfile
 from multiprocessing.synchronize import Event as MpEvent
+from typing import TYPE_CHECKING
 
 from gateway.log import configure, log
 from gateway.settings import Settings
 
+if TYPE_CHECKING:
+    from gateway.server.app import Role
 
-def _worker(settings: Settings, index: int, ready: MpEvent) -> None:
+
+def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: int) -> None:
     import uvloop
 
     from gateway.server.app import App
@@ -28,7 +35,7 @@ def _worker(settings: Settings, index: int, ready: MpEvent) -> None:
 
     async def main() -> None:
         base = settings.instance_id or socket.gethostname()
-        app = App(settings, f"{base}-w{index}")  # stable: a restarted worker keeps its seq
+        app = App(settings, f"{base}-{name}", role)  # stable: a restart keeps its spool
         await app.start(serve_http_endpoints=False)
         if app.holder.policy is not None:
             ready.set()
@@ -36,7 +43,7 @@ def _worker(settings: Settings, index: int, ready: MpEvent) -> None:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
-        while not stop.is_set():
+        while not stop.is_set() and os.getppid() == parent:
             with_policy = app.holder.policy is not None
             (ready.set if with_policy else ready.clear)()
             with contextlib.suppress(TimeoutError):
@@ -49,16 +56,18 @@ def _worker(settings: Settings, index: int, ready: MpEvent) -> None:
 def run_workers(settings: Settings) -> None:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="gateway-prom-"))
     ctx = mp.get_context("spawn")
-    procs: dict[int, tuple[mp.process.BaseProcess, MpEvent]] = {}
+    roles = workers_of(settings)
+    procs: dict[str, tuple[mp.process.BaseProcess, MpEvent]] = {}
 
-    def spawn(i: int) -> None:
+    def spawn(name: str) -> None:
         ready = ctx.Event()
-        p = ctx.Process(target=_worker, args=(settings, i, ready), name=f"gateway-w{i}")
+        p = ctx.Process(target=_worker, args=(settings, name, roles[name], ready, os.getpid()),
+                        name=f"gateway-{name}")
         p.start()
-        procs[i] = (p, ready)
+        procs[name] = (p, ready)
 
-    for i in range(settings.workers):
-        spawn(i)
+    for name in roles:
+        spawn(name)
 
     async def supervise() -> None:
         from gateway.addresses import split_hostport
@@ -76,10 +85,10 @@ def run_workers(settings: Settings) -> None:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         loop.add_signal_handler(signal.SIGINT, stop.set)
         while not stop.is_set():
-            for i, (p, _) in list(procs.items()):
+            for name, (p, _) in list(procs.items()):
                 if not p.is_alive():
-                    log.error("worker_died", worker=i, exitcode=p.exitcode)
-                    spawn(i)
+                    log.error("worker_died", worker=name, exitcode=p.exitcode)
+                    spawn(name)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         server.close()
@@ -89,3 +98,11 @@ def run_workers(settings: Settings) -> None:
             p.join(5)
 
     asyncio.run(supervise())
+
+
+def workers_of(settings: Settings) -> dict[str, Role]:
+    """Each worker's name (its instance id's suffix) and what it serves."""
+    if not settings.door_workers:
+        return {f"w{i}": "all" for i in range(settings.workers)}
+    return {**{f"w{i}": "records" for i in range(settings.workers)},
+            **{f"d{i}": "door" for i in range(settings.door_workers)}}
