@@ -81,16 +81,19 @@ from typing import Any
 import aiohttp
 import orjson
 from common import (
+    DOOR_CPU,
     Baseline,
     baseline_tree,
+    descendants,
     git_state,
     machine_info,
     markdown_table,
     pin,
+    pin_sidecar,
     proc_cpu_s,
     runs,
     scan_log,
-    sched_ns,
+    tree_sched_ns,
 )
 from streaming import pct, serve_one_key
 
@@ -212,6 +215,8 @@ class Bench:
     def start(self) -> None:
         ahead = ({"GATEWAY_ADMIT_AHEAD_MS": f"{self.args.admit_ahead_ms:g}"}
                  if self.args.admit_ahead_ms else {})
+        if self.args.door_workers:
+            ahead["GATEWAY_DOOR_WORKERS"] = str(self.args.door_workers)
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
                                    metering="envoy", records_http=self.args.records_http,
                                    sidecar_env=ahead).start()
@@ -226,8 +231,11 @@ class Bench:
         if self.pinned:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
-                gateway = name.endswith((".envoy", ".sidecar"))
-                pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
+                if name.endswith(".sidecar"):  # and its workers, with GATEWAY_DOOR_WORKERS
+                    door = self.spokes[name.split(".")[0]].authz_http_address
+                    pin_sidecar(svc.pid, {GATEWAY_CPU}, door, self.args.door_cpu, {OTHER_CPU})
+                else:
+                    pin(svc.pid, {GATEWAY_CPU} if name.endswith(".envoy") else {OTHER_CPU})
 
     def start_baseline(self) -> Spoke:
         """REV's sidecar and its default (reference) Envoy config: its HTTP door where REV
@@ -270,14 +278,14 @@ class Bench:
         """On-CPU seconds: schedstat (ns) for every process, /proc stat ticks as a fallback."""
         snap = {"client": time.process_time()}
         for name, svc in self.procs().items():
-            sched, ticks = sched_ns(svc.pid), proc_cpu_s(svc.pid)
+            sched, ticks = tree_sched_ns(svc.pid), proc_cpu_s(svc.pid)
             if (cpu := sched[0] / 1e9 if sched else ticks) is not None:
                 snap[name] = cpu
         return snap
 
     def wakeups(self) -> dict[str, int]:
-        return {name: n for name, svc in self.procs().items()
-                if (n := runs(svc.pid)) is not None}
+        return {name: sum(filter(None, map(runs, descendants(svc.pid))))
+                for name, svc in self.procs().items() if svc.pid is not None}
 
     async def phase(self, session: aiohttp.ClientSession, rnd: int, path: str, workload: str,
                     conc: int, per_worker: int, rate: int = 0) -> None:
@@ -598,6 +606,11 @@ def main() -> int:
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md); with "
                              "--baseline HEAD, the same code without it beside it")
+    parser.add_argument("--door-workers", type=int, default=0,
+                        help="the spoke's GATEWAY_DOOR_WORKERS (with --baseline HEAD, the same "
+                             "code without them beside it)")
+    parser.add_argument("--door-cpu", choices=DOOR_CPU, default="free",
+                        help="where the door workers run (common.pin_sidecar)")
     parser.add_argument("--no-limits", dest="no_limits", action="store_true",
                         help="the key, its team and the model carry no limits: no admission in "
                              "Redis (default: limits too high to trip on all three tiers)")
@@ -683,6 +696,7 @@ def main() -> int:
         "baseline": bench.base.describe if bench.base else None,
         "spoke_records": "http" if args.records_http else "grpc",
         "spoke_admit_ahead_ms": args.admit_ahead_ms,
+        "spoke_door_workers": args.door_workers, "door_cpu": args.door_cpu,
         "admission": "none (--no-limits)" if args.no_limits
         else "three tiers, limits too high to trip",
         "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,

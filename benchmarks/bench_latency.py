@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_latency.py [--requests 300] [--rounds 3] [--no-pin]
         [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
         [--sidecar-apart] [--redis-with-gateway] [--admit-ahead-ms 250]
+        [--door-workers 1 [--door-cpu free|same|other]]
 
 Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
 that answers at once, each over one keep-alive raw-socket connection:
@@ -18,6 +19,8 @@ that answers at once, each over one keep-alive raw-socket connection:
   `floor_answer` (the same, the answer a real allowed Check of `bench` gave: its headers
   and metadata), `floor_lua` (+ the Lua filter), `floor_chain` (+ json_to_metadata: the
   whole chain). Each step's p50 minus the one before is what that part adds.
+* with `--door-workers N`, `doors` and `doors_free`: a second whole spoke, its sidecar with
+  GATEWAY_DOOR_WORKERS=N (the Check in processes of its own, away from the records).
 
 Printed per path: p50/p90/p99 and CPU µs a request of its Envoy and of the sidecar
 (schedstat, all threads, 60 ms after each series for the records). The Envoys log, from a
@@ -58,7 +61,7 @@ from typing import Any
 
 import orjson
 import yaml
-from common import pin, sched_ns
+from common import DOOR_CPU, pin, pin_sidecar, tree_sched_ns
 
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
@@ -364,6 +367,12 @@ def main() -> int:
     ap.add_argument("--admit-ahead-ms", type=float, default=0.0,
                     help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md): tickets "
                          "admitted ahead, the Check answered without waiting on Redis")
+    ap.add_argument("--door-workers", type=int, default=0,
+                    help="also a second spoke, its sidecar with GATEWAY_DOOR_WORKERS=N (paths "
+                         "`doors`, `doors_free`), in the same rounds")
+    ap.add_argument("--door-cpu", choices=DOOR_CPU, default="free",
+                    help="where its door workers run: either core (the kernel decides, the "
+                         "default), the sidecar's and Envoy's core, or the other one")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
     args = ap.parse_args()
@@ -381,8 +390,15 @@ def main() -> int:
                   sidecar_env=ahead).start()
     plain: Service | None = None
     extra: dict[str, Service] = {}
+    doors: Spoke | None = None
     try:
         serve_keys(spoke, secret, free_secret, limited=not args.no_limits)
+        if args.door_workers:
+            doors = Spoke(workdir=workdir / "doors", listen_port=free_port(), metering="envoy",
+                          envoy_config=spoke_config([d for d in args.drop.split(",") if d]),
+                          sidecar_env={**ahead,
+                                       "GATEWAY_DOOR_WORKERS": str(args.door_workers)}).start()
+            serve_keys(doors, secret, free_secret, limited=not args.no_limits)
         if args.door_times:
             import redis
             r = redis.Redis.from_url(spoke.redis_url)
@@ -415,6 +431,14 @@ def main() -> int:
                     name == "sidecar" and not args.sidecar_apart) or name.startswith(
                     ("floor", "ok")) or (name == "redis" and args.redis_with_gateway)
                 pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
+            if doors is not None:  # as the spoke's, but for the door workers (--door-cpu)
+                for name, svc in doors.services.items():
+                    if name == "sidecar":
+                        pin_sidecar(svc.pid, {GATEWAY_CPU}, doors.authz_http_address,
+                                    args.door_cpu, {OTHER_CPU})
+                    else:
+                        pin(svc.pid, {GATEWAY_CPU} if name == "envoy" or (
+                            name == "redis" and args.redis_with_gateway) else {OTHER_CPU})
         chat = {"content-type": "application/json", "authorization": f"Bearer {secret}",
                 "x-mock-ttft-ms": "0", "x-mock-tokens-per-s": "0"}
         rid = {"x-request-id": RID, "x-bench": "direct"}
@@ -437,20 +461,25 @@ def main() -> int:
         for name, svc in extra.items():
             if name.startswith("floor"):
                 paths[name] = (f"127.0.0.1:{svc.port}", request("/v1/chat/completions", chat))
+        if doors is not None:
+            paths["doors"] = (f"127.0.0.1:{doors.listen_port}", paths["spoke"][1])
+            paths["doors_free"] = (f"127.0.0.1:{doors.listen_port}", paths["spoke_free"][1])
         times: dict[str, list[float]] = {k: [] for k in paths}
         # whose CPU each path's requests cost: its Envoy (the door's paths: none), the sidecar
         procs = {"plain": plain, "spoke": spoke["envoy"], "spoke_free": spoke["envoy"],
+                 **({"doors": doors["envoy"], "doors_free": doors["envoy"]} if doors else {}),
                  **{k: v for k, v in extra.items() if k.startswith("floor")}}
         cpu: dict[str, dict[str, int]] = {k: defaultdict(int) for k in paths}
         order = list(paths)
         for rnd in range(args.rounds):
             for name in order if rnd % 2 == 0 else order[::-1]:
-                watch = {"envoy": procs.get(name), "sidecar": spoke["sidecar"]}
-                before = {k: sched_ns(v.pid) for k, v in watch.items() if v is not None}
+                sidecar = doors if doors is not None and name.startswith("doors") else spoke
+                watch = {"envoy": procs.get(name), "sidecar": sidecar["sidecar"]}
+                before = {k: tree_sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
                 time.sleep(0.06)  # the records Envoy flushes every 50 ms, and their settle
                 for k, b in before.items():
-                    a = sched_ns(watch[k].pid)  # type: ignore[union-attr]
+                    a = tree_sched_ns(watch[k].pid)  # type: ignore[union-attr]
                     if a is not None and b is not None:
                         cpu[name][k] += a[0] - b[0]
         for name, xs in times.items():
@@ -458,8 +487,12 @@ def main() -> int:
             print(f"{name:11s} p50 {statistics.median(xs) * 1e3:6.3f} ms  "
                   f"p90 {pct(xs, .9) * 1e3:6.3f}  p99 {pct(xs, .99) * 1e3:6.3f}  "
                   f"CPU µs/req {per}")
-        added = statistics.median(times["spoke"]) - statistics.median(times["plain"])
-        print(f"added p50 {added * 1e3:.3f} ms")
+        for name in ("spoke", "doors"):
+            if name in times:
+                xs, base = times[name], times["plain"]
+                p50 = statistics.median(xs) - statistics.median(base)
+                print(f"added by {name}: p50 {p50 * 1e3:.3f} ms, "
+                      f"p99 {(pct(xs, .99) - pct(base, .99)) * 1e3:.3f} ms")
         print("spoke's Envoy, medians µs from the request's first byte:",
               {k: round(v) for k, v in log_medians(spoke["envoy"], "bench").items()})
         print("the same, spoke_free:",
@@ -480,6 +513,8 @@ def main() -> int:
             tail_report(spoke["envoy"].log_path, lines)
             print("Redis SLOWLOG (> 200 µs):", redis_slowlog(spoke.redis_url))
     finally:
+        if doors is not None:
+            doors.stop()
         for svc in extra.values():
             svc.stop()
         if plain is not None:

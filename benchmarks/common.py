@@ -140,6 +140,71 @@ def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
     return run, wait, main_wait
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process under it (a sidecar's workers), from /proc's parent ids."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError), \
+                    open(f"/proc/{entry}/stat", "rb") as f:
+                parent[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return found
+
+
+def tree_sched_ns(pid: int | None) -> tuple[int, int, int] | None:
+    """sched_ns summed over `pid` and its descendants (the main thread's wait: `pid`'s)."""
+    if pid is None:
+        return None
+    parts = [x for x in map(sched_ns, descendants(pid)) if x is not None]
+    if not parts:
+        return None
+    return sum(x[0] for x in parts), sum(x[1] for x in parts), parts[0][2]
+
+
+def listening_pids(port: int) -> set[int]:
+    """The processes holding a TCP socket that listens on `port` (IPv4, /proc/net/tcp)."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{cols[9]}]")
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{entry}/fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(f"/proc/{entry}/fd/{fd}") in inodes:
+                            pids.add(int(entry))
+                            break
+    return pids
+
+
+DOOR_CPU = ("free", "same", "other")  # where a bench puts GATEWAY_DOOR_WORKERS' processes
+
+
+def pin_sidecar(pid: int | None, cpus: set[int], door: str | None, door_cpu: str,
+                other: set[int]) -> None:
+    """Pin a sidecar and its workers to `cpus`; its door workers (the processes listening on
+    `door`, with GATEWAY_DOOR_WORKERS) to `cpus` ("same"), `other`, or both ("free": the
+    kernel decides)."""
+    if pid is None:
+        return
+    for p in descendants(pid):
+        pin(p, cpus)
+    if door is None:
+        return
+    doors = listening_pids(int(door.rsplit(":", 1)[1])) - {pid}
+    for p in doors:
+        pin(p, {"free": cpus | other, "same": cpus, "other": other}[door_cpu])
+
+
 def runs(pid: int | None) -> int | None:
     """How many times the threads of `pid` were put on a CPU (schedstat's third field, over
     the live threads): its wake-ups, each of which costs a cold cache and a switch."""
