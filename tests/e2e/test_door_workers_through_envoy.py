@@ -109,12 +109,12 @@ def test_a_concurrency_limit_holds_across_the_door_and_the_records(
         chunks = slow.iter_bytes()
         next(chunks)  # streaming: the engine has it
         rid = slow.headers["x-request-id"]
-        for stream in (True, False):
-            assert _post(spoke, keys["conc1"], stream=stream)[0] == 429
+        refused = [_post(spoke, keys["conc1"], stream=stream) for stream in (True, False)]
         assert r.zcard("gw:conc:key:conc1") == 1
         for _ in range(5):  # 5.5 s of its 7: past its first lease (1 s), a lease (2 s), and
             time.sleep(1.1)  # the door's giving it up unheard (3 s) and its lease after that
-            assert _post(spoke, keys["conc1"], stream=True)[0] == 429
+            refused.append(_post(spoke, keys["conc1"], stream=True))
+        assert [code for code, _ in refused] == [429] * 7
         for _ in chunks:
             pass
     after = []
@@ -128,9 +128,11 @@ def test_a_concurrency_limit_holds_across_the_door_and_the_records(
     # The end travels Envoy → records (flushed every 50 ms) → Redis; a Check within the
     # door's concurrency grace waits for it: at most a few tries.
     assert _until(admitted, 3) < 2
-    events = read_events(spoke.kafka_bootstrap, {rid, *after})
-    assert sorted(e["event_id"] for e in events) == sorted({rid, *after})
-    assert {e["outcome"] for e in events} == {"completed"}
+    denied = {refused_rid for _, refused_rid in refused}
+    assert len(denied) == 7 and "" not in denied
+    events = read_events(spoke.kafka_bootstrap, {rid, *after, *denied})
+    assert sorted(e["event_id"] for e in events) == sorted({rid, *after, *denied})
+    assert {e["event_id"] for e in events if e["outcome"] == "denied"} == denied
     _settled(r)
     # Envoy reported the stream all along (to the records process, which renewed it): the
     # door process's letting it go is no admission lost, and no alarm of one.
