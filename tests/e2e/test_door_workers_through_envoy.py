@@ -104,14 +104,14 @@ def test_a_concurrency_limit_holds_across_the_door_and_the_records(
     with httpx.stream("POST", f"{spoke.base_url}/chat/completions", timeout=30,
                       headers={"authorization": f"Bearer {keys['conc1']}",
                                "x-mock-tokens-per-s": "10"},
-                      json={**BODY, "max_tokens": 70, "stream": True}) as slow:
+                      json={**BODY, "max_tokens": 90, "stream": True}) as slow:
         assert slow.status_code == 200
         chunks = slow.iter_bytes()
         next(chunks)  # streaming: the engine has it
         rid = slow.headers["x-request-id"]
         refused = [_post(spoke, keys["conc1"], stream=stream) for stream in (True, False)]
         assert r.zcard("gw:conc:key:conc1") == 1
-        for _ in range(5):  # 5.5 s of its 7: past its first lease (1 s), a lease (2 s), and
+        for _ in range(5):  # 5.5 s of its 9: past its first lease (1 s), a lease (2 s), and
             time.sleep(1.1)  # the door's giving it up unheard (3 s) and its lease after that
             refused.append(_post(spoke, keys["conc1"], stream=True))
         assert [code for code, _ in refused] == [429] * 7
