@@ -65,14 +65,21 @@ class Ledger:
 
     `unheard_s`: how long a watched admission is renewed without any word of its request
     from Envoy (Envoy died, or lost the record). `max_lifetime_s`: no admission is renewed
-    past it (a stream or a heartbeat that never stops must not hold a slot for ever)."""
+    past it (a stream or a heartbeat that never stops must not hold a slot for ever).
+
+    `hears`: False in a process Envoy's records never reach (a door process, app.Role): it
+    renews its admissions until another process hears of them, so giving one up unheard
+    there is expected, not Envoy's loss: neither counted nor logged as one (if Envoy did
+    lose it, the orphan sweep still frees, bills and counts it)."""
 
     def __init__(self, limiter: Limiter, clock: Clock, lease_ttl: float,
                  start_ttl: float | None = None, *, watches: bool = False,
-                 unheard_s: float | None = None, max_lifetime_s: float = float("inf")) -> None:
+                 unheard_s: float | None = None, max_lifetime_s: float = float("inf"),
+                 hears: bool = True) -> None:
         self._limiter = limiter
         self._clock = clock
         self.watches = watches
+        self.hears = hears
         self.unheard_s = lease_ttl if unheard_s is None else unheard_s
         self.max_lifetime_s = max_lifetime_s
         self.first_lease = first_lease(lease_ttl, start_ttl)
@@ -276,7 +283,7 @@ class Ledger:
     def _gave_up(self, unheard: list[str], expired: list[str]) -> None:
         # One line a tick, not one per request: an Envoy that died with thousands of
         # requests in flight must not stall the event loop (and every Check) on logging.
-        if unheard:
+        if unheard and self.hears:
             metrics.ADMISSIONS_UNHEARD.inc(len(unheard))
             log.warning("admissions_unheard", count=len(unheard), request_ids=unheard[:10],
                         unheard_s=self.unheard_s)

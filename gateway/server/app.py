@@ -104,7 +104,8 @@ class App:
         # is renewed while Envoy's heartbeat records say the request lives, until its end.
         self.ledger = Ledger(self.limiter, clock, s.lease_ttl_s, s.lease_start_ttl_s,
                              watches=s.source.watches, unheard_s=s.unheard_s,
-                             max_lifetime_s=s.admission_max_lifetime_s)
+                             max_lifetime_s=s.admission_max_lifetime_s,
+                             hears=self.role != "door")
         self.ledger.start()
         if isinstance(self.limiter, AheadLimiter):  # a live request id takes no ticket
             ledger = self.ledger

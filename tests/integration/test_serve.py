@@ -3,6 +3,9 @@ and several workers on one port."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 import time
 import uuid
@@ -14,7 +17,7 @@ import yaml
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from devspoke.procs import Service, free_port
+from devspoke.procs import Service, free_port, port_open
 from gateway.policy import secrets
 from testkit.check_requests import check_request
 
@@ -159,3 +162,87 @@ def test_a_restart_settles_what_the_killed_run_had_spooled(tmp_path: Path,
         assert '"spool_tail_resettled"' in svc.log_path.read_text()
     finally:
         svc.stop()
+
+
+def _holders(pid: int, port: int) -> set[int]:
+    """Which of `pid`'s children hold the socket listening on `port` (from /proc)."""
+    from devspoke.procs import _children, _listening_inodes
+    inodes = _listening_inodes(port) or set()
+    out = set()
+    for child in _children(pid):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{child}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{child}/fd/{fd}")
+                    if link.startswith("socket:[") and link[8:-1] in inodes:
+                        out.add(child)
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")  # exited (a zombie until its new parent reaps it)
+
+
+def _door_answers(door: int) -> bool:
+    try:
+        return _door_code(door, SECRET) == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_door_workers_serve_the_door_and_the_rest_serves_the_rest(tmp_path: Path,
+                                                                  redis_url: str) -> None:
+    """GATEWAY_DOOR_WORKERS=1: `box-d0` alone binds the HTTP door, `box-w0` alone the gRPC
+    port; one policy status each, one /metrics for both; a killed door worker comes back;
+    a supervisor killed with SIGKILL takes its workers with it."""
+    import redis
+
+    from gateway.cli import main
+    (tmp_path / "p.yaml").write_text(_policy())
+    assert main(["policy", "apply", str(tmp_path / "p.yaml"), "--redis-url", redis_url]) == 0
+    door = free_port()
+    svc, mport = _sidecar(tmp_path, {"GATEWAY_REDIS_URL": redis_url, "GATEWAY_DOOR_WORKERS": "1",
+                                     "GATEWAY_INSTANCE_ID": "box",
+                                     "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
+                                     "GATEWAY_AUTHZ_HTTP_LISTEN": f"127.0.0.1:{door}"})
+    workers: set[int] = set()
+    try:
+        assert svc.pid is not None
+        _until(lambda: httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200, 10)
+        records, doors = _holders(svc.pid, svc.port), _holders(svc.pid, door)
+        assert len(records) == 1 and len(doors) == 1 and records != doors, (records, doors)
+        workers = records | doors
+        codes = [_check_code(svc.port, SECRET) for _ in range(7)]  # the records worker
+        codes += [_door_code(door, SECRET) for _ in range(5)]  # the door worker
+        assert codes == [200] * 12
+        assert _door_code(door, "sk-wrong") == 401
+        assert _check_code(svc.port, "sk-wrong") == 401
+        statuses = redis.Redis.from_url(redis_url).hkeys("gw:policy:status")
+        assert sorted(statuses) == [b"box-d0", b"box-w0"]
+        text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text  # both processes' counts
+        assert 'gateway_authz_decisions_total{outcome="allowed",reason="",tier=""} 12.0' in text
+        assert 'outcome="denied",reason="invalid_api_key",tier=""} 2.0' in text
+
+        (killed,) = doors
+        os.kill(killed, signal.SIGKILL)
+        _until(lambda: _gone(killed), 3)
+        _until(lambda: _door_answers(door), 15)  # restarted by the supervisor
+        (again,) = _holders(svc.pid, door)
+        assert again != killed and _holders(svc.pid, svc.port) == records
+        assert "worker_died" in svc.log_path.read_text()
+        workers = records | {again}
+
+        svc.kill()  # SIGKILL: nobody restarts a worker now, so the workers stop too
+        t0 = time.monotonic()
+        _until(lambda: all(_gone(p) for p in workers), 3.5)
+        assert time.monotonic() - t0 < 3.5
+        assert not port_open(door) and not port_open(svc.port)
+    finally:
+        svc.stop()
+        for p in workers:  # never leave a worker behind, whatever failed above
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

@@ -550,6 +550,25 @@ async def test_given_up_by_the_next_round_and_never_renewed_past_its_bound(
     assert slow_lim.held["r"].until <= deadline + slow_lim.lease_ttl  # then the sweep's
 
 
+async def test_a_process_envoy_never_reports_to_gives_up_unheard_without_an_alarm(
+        slow_lim: Store, clock: FakeClock) -> None:
+    """A door process (hears=False) renews its admissions until another process hears of
+    them; letting one go then is no loss of Envoy's: given up alike, neither counted nor
+    logged as unheard."""
+    ledger = stepped(slow_lim, clock, watches=True, unheard_s=20.0, hears=False)
+    deadline = clock.now() + 20.0
+    await admit(slow_lim, "r", clock.now())
+    ledger.admitted("r")
+    before = sample("gateway_admissions_unheard_total")
+    for _ in range(100):
+        await step(ledger, clock)
+        if ledger.stage("r") is not Stage.ADMITTED:
+            break
+    assert ledger.stage("r") is Stage.UNHEARD
+    assert sample("gateway_admissions_unheard_total") == before
+    assert max(at for at, ids in slow_lim.renewals if "r" in ids) <= deadline
+
+
 @pytest.mark.parametrize("bound", ["unheard_s", "max_lifetime_s"])
 async def test_a_fresh_admission_past_its_bound_is_not_renewed_between_rounds(
         slow_lim: Store, clock: FakeClock, bound: str) -> None:

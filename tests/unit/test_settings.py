@@ -25,3 +25,56 @@ def test_a_value_the_hub_contract_cannot_carry_is_refused(field: str, value: obj
 def test_the_defaults_and_ordinary_names_are_taken() -> None:
     s = Settings(spoke="eu-west-1", instance_id="host-7")
     assert (s.spoke, s.instance_id, s.status_interval_s) == ("eu-west-1", "host-7", 10.0)
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("workers", 0, "greater than or equal to 1"),
+    ("workers", -2, "greater than or equal to 1"),
+    ("door_workers", -1, "greater than or equal to 0"),
+])
+def test_no_worker_at_all_or_a_negative_count_is_refused(field: str, value: int,
+                                                         says: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        Settings(**{field: value})
+    assert field in str(err.value) and says in str(err.value)
+
+
+@pytest.mark.parametrize(("env", "argv", "says"), [
+    ({"GATEWAY_DOOR_WORKERS": "-1"}, [], "door_workers"),
+    ({}, ["--door-workers", "-1"], "door_workers"),
+    ({"GATEWAY_WORKERS": "0"}, [], "workers"),
+    ({"GATEWAY_DOOR_WORKERS": "1"}, [], "need Redis"),  # embedded: no GATEWAY_REDIS_URL
+    ({}, ["--door-workers", "2"], "need Redis"),
+    ({"GATEWAY_DOOR_WORKERS": "1", "GATEWAY_REDIS_URL": "redis://127.0.0.1:1",
+      "GATEWAY_AUTHZ_HTTP_LISTEN": ""}, [], "GATEWAY_DOOR_WORKERS needs the HTTP door"),
+    ({"GATEWAY_REDIS_URL": "redis://127.0.0.1:1"},
+     ["--door-workers", "1", "--authz-http-listen", ""], "needs the HTTP door"),
+])
+def test_serve_refuses_door_workers_it_cannot_run_before_binding_anything(
+        env: dict[str, str], argv: list[str], says: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import cli
+    from gateway.server import app, workers
+
+    def serving(*_: object) -> None:
+        raise AssertionError("serve went on to bind its ports")
+
+    monkeypatch.setattr(workers, "run_workers", serving)
+    monkeypatch.setattr(app, "run", serving)
+    for name in ("GATEWAY_REDIS_URL", "GATEWAY_WORKERS", "GATEWAY_DOOR_WORKERS",
+                 "GATEWAY_AUTHZ_HTTP_LISTEN"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", *argv])
+    assert isinstance(exit_.value.code, str) and says in exit_.value.code, exit_.value.code
+
+
+def test_workers_of_names_each_process_and_what_it_serves() -> None:
+    from gateway.server.workers import workers_of
+    assert workers_of(Settings()) == {"w0": "all"}
+    assert workers_of(Settings(workers=3)) == {"w0": "all", "w1": "all", "w2": "all"}
+    assert workers_of(Settings(door_workers=1)) == {"w0": "records", "d0": "door"}
+    assert workers_of(Settings(workers=2, door_workers=3)) == {
+        "w0": "records", "w1": "records", "d0": "door", "d1": "door", "d2": "door"}
