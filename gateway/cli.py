@@ -38,8 +38,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure(s.log_level)
     if s.workers > 1 or s.door_workers:
         if s.embedded:
-            raise SystemExit("GATEWAY_WORKERS > 1 and GATEWAY_DOOR_WORKERS need Redis: "
-                             "in-process counters are per process")
+            what = "GATEWAY_WORKERS > 1" if s.workers > 1 else "GATEWAY_DOOR_WORKERS"
+            raise SystemExit(f"{what} needs Redis (GATEWAY_REDIS_URL): in-process counters "
+                             "are per process")
         if s.door_workers and not s.authz_http_listen:
             raise SystemExit("GATEWAY_DOOR_WORKERS needs the HTTP door "
                              "(GATEWAY_AUTHZ_HTTP_LISTEN is empty)")

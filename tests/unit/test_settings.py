@@ -43,8 +43,9 @@ def test_no_worker_at_all_or_a_negative_count_is_refused(field: str, value: int,
     ({"GATEWAY_DOOR_WORKERS": "-1"}, [], "door_workers"),
     ({}, ["--door-workers", "-1"], "door_workers"),
     ({"GATEWAY_WORKERS": "0"}, [], "workers"),
-    ({"GATEWAY_DOOR_WORKERS": "1"}, [], "need Redis"),  # embedded: no GATEWAY_REDIS_URL
-    ({}, ["--door-workers", "2"], "need Redis"),
+    # embedded: no GATEWAY_REDIS_URL
+    ({"GATEWAY_DOOR_WORKERS": "1"}, [], "GATEWAY_DOOR_WORKERS needs Redis"),
+    ({}, ["--door-workers", "2"], "GATEWAY_DOOR_WORKERS needs Redis"),
     ({"GATEWAY_DOOR_WORKERS": "1", "GATEWAY_REDIS_URL": "redis://127.0.0.1:1",
       "GATEWAY_AUTHZ_HTTP_LISTEN": ""}, [], "GATEWAY_DOOR_WORKERS needs the HTTP door"),
     ({"GATEWAY_REDIS_URL": "redis://127.0.0.1:1"},
