@@ -6,6 +6,7 @@ servers. What a metric means is decided by the code that increments it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -76,12 +77,6 @@ STORE_UP = Gauge("gateway_limiter_store_up",
 # Hub and spokes (DESIGN §10)
 STATUS_SEND_ERRORS = Counter(
     "gateway_hub_status_send_errors_total", "Status reports the hub's Kafka did not take")
-SYNC_FEED_UP = Gauge(
-    "gateway_hub_feed_up", "1 while the policy feed (the hub's Kafka) answers the syncer")
-SYNC_FEED_REVISION = Gauge(
-    "gateway_hub_feed_revision", "The revision the feed holds for this spoke (0: none)")
-SYNC_HELD_REVISION = Gauge(
-    "gateway_hub_sync_held_revision", "The revision the spoke's Redis holds, as last seen")
 SYNC_REVISIONS = Counter(
     "gateway_hub_sync_revisions_total",
     "Feed revisions by what the syncer did: applied, refused (NACK), restored (from disk)",
@@ -90,6 +85,20 @@ SYNC_ERRORS = Counter(
     "gateway_hub_sync_errors_total",
     "Sync rounds that failed: Redis or Kafka away, or Redis moved meanwhile (conflict)",
     ["what"])
+
+
+@functools.cache
+def sync_gauges() -> tuple[Gauge, Gauge, Gauge]:
+    """The syncer's gauges (feed up, the feed's revision, Redis's), created by the syncer
+    on first use: a gauge exists from its creation, so `gateway serve`'s /metrics would
+    otherwise show a feed that is down (`gateway_hub_feed_up 0`) in a process with none."""
+    return (
+        Gauge("gateway_hub_feed_up", "1 while the policy feed (the hub's Kafka) answers the "
+              "syncer"),
+        Gauge("gateway_hub_feed_revision", "The revision the feed holds for this spoke "
+              "(0: none)"),
+        Gauge("gateway_hub_sync_held_revision", "The revision the spoke's Redis holds, as "
+              "last seen"))
 
 
 _CHILDREN: dict[tuple[Any, ...], Any] = {}

@@ -57,6 +57,7 @@ class Syncer:
         self.held = 0  # the revision the spoke's Redis holds, as last read
         self.redis_up = False
         self.refused: tuple[bytes, str] | None = None  # the entry refused, and why
+        metrics.sync_gauges()  # shown from the start, at 0 until the first round
         self.reporter = StatusReporter(bootstrap, self.status, interval, idempotence)
         self._lock = asyncio.Lock()
 
@@ -79,8 +80,9 @@ class Syncer:
             else:
                 key, raw = entry
                 await self._take(feed.decide(f"{POLICY_TOPIC}[{key}]", raw, self.held), raw)
-            metrics.SYNC_HELD_REVISION.set(self.held)  # both last: a round ended here
-            metrics.SYNC_FEED_REVISION.set(feed.feed_revision(self.current, self.spoke) or 0)
+            _, feed_revision, held_revision = metrics.sync_gauges()
+            held_revision.set(self.held)  # both last: a round ended here
+            feed_revision.set(feed.feed_revision(self.current, self.spoke) or 0)
             await self.store.report_sync(self.id, {
                 "feed": "up" if self.feed.up else "down", "feed_error": self.feed.error,
                 "feed_revision": feed.feed_revision(self.current, self.spoke),
@@ -145,7 +147,7 @@ class Syncer:
         generation, reading = 0, True
         pending: dict[str, bytes] = {}
         async for records in self.feed.batches():
-            metrics.SYNC_FEED_UP.set(1 if self.feed.up else 0)
+            metrics.sync_gauges()[0].set(1 if self.feed.up else 0)
             if not self.feed.up:
                 metrics.SYNC_ERRORS.labels("kafka").inc()
             if self.feed.generation != generation:

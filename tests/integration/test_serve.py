@@ -82,6 +82,7 @@ def test_embedded_mode_serves_health_metrics_and_reloads(tmp_path: Path) -> None
         assert 'reason="invalid_api_key"' in text
         assert "gateway_authz_check_seconds_bucket" in text
         assert "gateway_policy_revision 1.0" in text
+        assert "gateway_hub_feed_up" not in text  # the syncer's, not a sidecar's: no feed here
         policy.write_text(_policy(disabled=True))  # the operator edits the file
         _until(lambda: _check_code(svc.port, SECRET) == 401, 3.0)
         policy.write_text("keys: {k1: {team: nobody}}\n")  # invalid: the old one keeps serving
