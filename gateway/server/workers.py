@@ -70,6 +70,8 @@ def run_workers(settings: Settings) -> None:
         spawn(name)
 
     async def supervise() -> None:
+        from prometheus_client import multiprocess
+
         from gateway.addresses import split_hostport
         from gateway.ops_http import healthz, metrics_handler, serve_http
 
@@ -88,6 +90,9 @@ def run_workers(settings: Settings) -> None:
             for name, (p, _) in list(procs.items()):
                 if not p.is_alive():
                     log.error("worker_died", worker=name, exitcode=p.exitcode)
+                    # Its live gauges (spool depth, ready) would otherwise stay summed
+                    # into /metrics beside its successor's.
+                    multiprocess.mark_process_dead(p.pid)
                     spawn(name)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
