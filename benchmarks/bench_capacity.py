@@ -426,6 +426,10 @@ class Bench:
                 "rps_rounds": [len(p.answers) / p.wall_s for p in ph],
                 "p50_ms": statistics.median(pct(x, 50) for x in lat),
                 "p99_ms": pct([v for x in lat for v in x], 99),
+                # in the JSON only: where a stall of the sidecar's loop (a full garbage
+                # collection at c=32) shows, beyond the p99
+                "p999_ms": pct([v for x in lat for v in x], 99.9),
+                "max_ms": max((v for x in lat for v in x), default=math.nan),
                 "cpu_us_per_req": cpu_us}
 
     def summary(self) -> list[dict[str, Any]]:

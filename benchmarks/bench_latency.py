@@ -172,7 +172,9 @@ def door_medians(lines: dict[str, list[list[str]]]) -> dict[str, str]:
                      ("settle µs", 1), ("renew ids", 0), ("renew µs", 1)):
         by[kind] = [float(x[at]) for x in lines[kind.split()[0]]]
     for gen in ("0", "1", "2"):
-        by[f"gc{gen} µs"] = [float(us) for g, us, _ in lines["gc"] if g == gen]
+        by[f"gc{gen} µs"] = [float(us) for g, us, *_ in lines["gc"] if g == gen]
+        # objects found unreachable (cyclic garbage) by that generation's collections
+        by[f"gc{gen} collected"] = [float(x[3]) for x in lines["gc"] if x[0] == gen and len(x) > 3]
     return {k: f"p50 {statistics.median(v):.0f} p90 {pct(v, .9):.0f} p99 {pct(v, .99):.0f} "
                f"(n={len(v)})" for k, v in sorted(by.items()) if v}
 
@@ -189,7 +191,7 @@ def tail_report(envoy_log: Path, lines: dict[str, list[list[str]]]) -> None:
     exports = [(float(w), float(w) + float(h) / 1e6) for _, h, _, w in lines["export"]]
     store = [(float(w), float(w) + float(us) / 1e6)
              for kind in ("settle", "renew") for _, us, w in lines[kind]]
-    collections = [(float(w), float(w) + float(us) / 1e6) for _, us, w in lines["gc"]]
+    collections = [(float(w), float(w) + float(us) / 1e6) for _, us, w, *_ in lines["gc"]]
     rows = []
     for line in envoy_log.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError, KeyError, TypeError):

@@ -6,7 +6,7 @@ beside Envoy's access log):
     export <records> <µs until its first wait> <µs in all> <wall of its start>
     settle <endings> <µs> <wall of its start>       (the ledger's end_many: one or more scripts)
     renew <ids> <µs> <wall of its start>
-    gc <generation> <µs> <wall of its start>       (a cyclic garbage collection)
+    gc <generation> <µs> <wall of its start> <objects collected>   (a cyclic collection)
 
 `export`'s first figure is how long the batch's records were read (each parsed, its event
 into the spool) before it waited for the spool: read whole, it held the event loop that
@@ -75,7 +75,7 @@ def _time_gc() -> None:
             started[:] = time.perf_counter(), time.time()
         else:
             _add(f"gc {info['generation']} {(time.perf_counter() - started[0]) * 1e6:.1f} "
-                 f"{started[1]:.6f}\n")
+                 f"{started[1]:.6f} {info['collected']}\n")
 
     gc.callbacks.append(timed)
 

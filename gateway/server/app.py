@@ -33,6 +33,7 @@ from gateway.policy.store import PolicyStore
 from gateway.server import authz_http, records_http
 from gateway.server.authz_service import AuthorizationService
 from gateway.server.extproc_service import ExternalProcessorService
+from gateway.server.gc_tuning import tune_gc_after_startup
 from gateway.server.records_service import RecordsService
 from gateway.settings import Settings
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
@@ -309,6 +310,7 @@ async def run(settings: Settings, serve_http_endpoints: bool = True) -> None:
     """Run one instance until SIGTERM/SIGINT."""
     app = App(settings, settings.instance_id)
     await app.start(serve_http_endpoints)
+    tune_gc_after_startup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

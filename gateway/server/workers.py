@@ -30,6 +30,7 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
     import uvloop
 
     from gateway.server.app import App
+    from gateway.server.gc_tuning import tune_gc_after_startup
 
     configure(settings.log_level)
 
@@ -37,6 +38,7 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
         base = settings.instance_id or socket.gethostname()
         app = App(settings, f"{base}-{name}", role)  # stable: a restart keeps its spool
         await app.start(serve_http_endpoints=False)
+        tune_gc_after_startup()
         if app.holder.policy is not None:
             ready.set()
         stop = asyncio.Event()

@@ -89,6 +89,7 @@ def test_embedded_mode_serves_health_metrics_and_reloads(tmp_path: Path) -> None
         time.sleep(1.0)
         assert _check_code(svc.port, "sk-wrong") == 401
         assert "policy_rejected" in svc.log_path.read_text()
+        assert "gc_tuned" in svc.log_path.read_text()  # the start-up heap frozen
     finally:
         svc.stop()
     assert SECRET not in svc.log_path.read_text()
@@ -114,6 +115,7 @@ def test_two_workers_share_one_port(tmp_path: Path, redis_url: str) -> None:
         text = httpx.get(f"http://127.0.0.1:{mport}/metrics").text
         assert 'gateway_authz_decisions_total{outcome="allowed",reason="",tier=""} 40.0' in text
         assert 'outcome="denied",reason="invalid_api_key"' in text
+        assert svc.log_path.read_text().count("gc_tuned") == 2  # in each worker
     finally:
         svc.stop()
 
