@@ -125,16 +125,21 @@ def _owns_listener(pid: int, port: int) -> bool:
     inodes = _listening_inodes(port)
     if inodes is None:
         return True
-    for proc in (pid, *_children(pid)):  # a supervisor's workers hold the socket for it
-        try:
-            fds = os.listdir(f"/proc/{proc}/fd")
-        except OSError:
-            return True
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{proc}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return True
+    # a supervisor's workers hold the socket for it
+    return any(_holds(proc, inodes) is not False for proc in (pid, *_children(pid)))
+
+
+def _holds(pid: int, inodes: set[str]) -> bool | None:
+    """Whether process `pid` has one of the sockets `inodes` open; None if /proc won't say."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
     return False
 
 
@@ -144,6 +149,27 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(c) for c in text.split()]
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (a supervisor's workers), from /proc."""
+    return _children(pid)
+
+
+def listening_children(pid: int, port: int) -> set[int]:
+    """Which of `pid`'s children hold the socket listening on `port` (tcp or tcp6: gRPC
+    listens on ::ffff:127.0.0.1): which worker serves what."""
+    inodes = _listening_inodes(port) or set()
+    return {child for child in _children(pid) if _holds(child, inodes)}
+
+
+def exited(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie counts: its parent may not have reaped it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
 
 
 class Service:

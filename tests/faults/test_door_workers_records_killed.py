@@ -32,7 +32,7 @@ from conftest import LEASE_TTL
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from devspoke.procs import _children, _listening_inodes
+from devspoke.procs import children, exited, listening_children
 from devspoke.stack import Spoke
 from gateway.settings import METERING_SOURCES
 from testkit.invariants import check
@@ -58,36 +58,13 @@ def door_spoke(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Spk]:
                                   "GATEWAY_LEASE_TTL_S": str(LEASE_TTL),
                                   "GATEWAY_REDIS_DEADLINE_MS": "250",
                                   "PROMETHEUS_MULTIPROC_DIR": str(prom)})
-    workers = _children(spoke["sidecar"].pid or 0)
+    workers = children(spoke["sidecar"].pid or 0)
     yield spoke, keys, prom
-    workers += _children(spoke["sidecar"].pid or 0)
+    workers += children(spoke["sidecar"].pid or 0)
     spoke.stop()
     for pid in workers:  # never leave a worker behind, whatever failed
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _holders(pid: int, port: int) -> set[int]:
-    """Which of `pid`'s children hold the socket listening on `port` (/proc/net/tcp and
-    tcp6: gRPC listens on ::ffff:127.0.0.1)."""
-    inodes = _listening_inodes(port) or set()
-    out = set()
-    for child in _children(pid):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{child}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{child}/fd/{fd}")
-                    if link.startswith("socket:[") and link[8:-1] in inodes:
-                        out.add(child)
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
 
 
 def _serving(address: str) -> bool:
@@ -191,8 +168,8 @@ def test_records_worker_killed_under_load(door_spoke: Spk) -> None:
     key, sidecar, envoy_fed = keys["fault"], spoke["sidecar"], spoke.metering == "envoy"
     assert sidecar.pid is not None and spoke.authz_http_address
     door_port = int(spoke.authz_http_address.rsplit(":", 1)[1])
-    (w0,) = _holders(sidecar.pid, sidecar.port)
-    (d0,) = _holders(sidecar.pid, door_port)
+    (w0,) = listening_children(sidecar.pid, sidecar.port)
+    (d0,) = listening_children(sidecar.pid, door_port)
     assert w0 != d0
 
     long: list[Result] = []  # 150 tokens at 50/s: in flight across the kill
@@ -204,8 +181,9 @@ def test_records_worker_killed_under_load(door_spoke: Spk) -> None:
     t_kill = time.monotonic()
     os.kill(w0, signal.SIGKILL)
     prober = Prober(spoke, key)
-    _until(lambda: _gone(w0), 3, "w0 exited")
-    _until(lambda: _holders(sidecar.pid or 0, sidecar.port) - {w0}, 10, "w0 restarted")
+    _until(lambda: exited(w0), 3, "w0 exited")
+    _until(lambda: listening_children(sidecar.pid or 0, sidecar.port) - {w0}, 10,
+           "w0 restarted")
     listening = time.monotonic() - t_kill
     _until(lambda: _serving(sidecar.address), 10, "the new w0 serves gRPC")
     serving = time.monotonic() - t_kill
@@ -219,8 +197,9 @@ def test_records_worker_killed_under_load(door_spoke: Spk) -> None:
     streaming.join(30)
     results += probes + long
 
-    (w0_new,) = _holders(sidecar.pid, sidecar.port)
-    assert w0_new != w0 and _holders(sidecar.pid, door_port) == {d0}  # the door never died
+    (w0_new,) = listening_children(sidecar.pid, sidecar.port)
+    # the door never died
+    assert w0_new != w0 and listening_children(sidecar.pid, door_port) == {d0}
     assert '"worker_died"' in sidecar.log_path.read_text()
     outage = [r for r in results if t_kill <= _started(r) < t_back]
     statuses = sorted(r.status for r in outage)

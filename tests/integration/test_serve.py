@@ -17,7 +17,7 @@ import yaml
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from devspoke.procs import Service, free_port, port_open
+from devspoke.procs import Service, exited, free_port, listening_children, port_open
 from gateway.policy import secrets
 from testkit.check_requests import check_request
 
@@ -167,29 +167,6 @@ def test_a_restart_settles_what_the_killed_run_had_spooled(tmp_path: Path,
         svc.stop()
 
 
-def _holders(pid: int, port: int) -> set[int]:
-    """Which of `pid`'s children hold the socket listening on `port` (from /proc)."""
-    from devspoke.procs import _children, _listening_inodes
-    inodes = _listening_inodes(port) or set()
-    out = set()
-    for child in _children(pid):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{child}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{child}/fd/{fd}")
-                    if link.startswith("socket:[") and link[8:-1] in inodes:
-                        out.add(child)
-    return out
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")  # exited (a zombie until its new parent reaps it)
-
-
 def _door_answers(door: int) -> bool:
     try:
         return _door_code(door, SECRET) == 200
@@ -216,7 +193,7 @@ def test_door_workers_serve_the_door_and_the_rest_serves_the_rest(tmp_path: Path
     try:
         assert svc.pid is not None
         _until(lambda: httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200, 10)
-        records, doors = _holders(svc.pid, svc.port), _holders(svc.pid, door)
+        records, doors = listening_children(svc.pid, svc.port), listening_children(svc.pid, door)
         assert len(records) == 1 and len(doors) == 1 and records != doors, (records, doors)
         workers = records | doors
         codes = [_check_code(svc.port, SECRET) for _ in range(7)]  # the records worker
@@ -232,16 +209,16 @@ def test_door_workers_serve_the_door_and_the_rest_serves_the_rest(tmp_path: Path
 
         (killed,) = doors
         os.kill(killed, signal.SIGKILL)
-        _until(lambda: _gone(killed), 3)
+        _until(lambda: exited(killed), 3)
         _until(lambda: _door_answers(door), 15)  # restarted by the supervisor
-        (again,) = _holders(svc.pid, door)
-        assert again != killed and _holders(svc.pid, svc.port) == records
+        (again,) = listening_children(svc.pid, door)
+        assert again != killed and listening_children(svc.pid, svc.port) == records
         assert "worker_died" in svc.log_path.read_text()
         workers = records | {again}
 
         svc.kill()  # SIGKILL: nobody restarts a worker now, so the workers stop too
         t0 = time.monotonic()
-        _until(lambda: all(_gone(p) for p in workers), 3.5)
+        _until(lambda: all(exited(p) for p in workers), 3.5)
         assert time.monotonic() - t0 < 3.5
         assert not port_open(door) and not port_open(svc.port)
     finally:
