@@ -93,7 +93,8 @@ def orphaned(request: RequestFacts, checkpoint: tuple[int, int] | None,
              charged: int) -> Billed:
     """A request whose sidecar died mid-request: no response facts, only what its admission
     stored. Billed what its stream had used at its last lease renewal (`checkpoint`), else
-    the tokens charged at admission."""
+    `charged`: what the sweep left charged to its quotas, 0 without a checkpoint (sweep.lua:
+    the platform lost track of it, so only what was seen is billed)."""
     if not billed(request.endpoint):
         return Billed("upstream_error", 0, Usage(), "reported")
     if checkpoint is not None:
