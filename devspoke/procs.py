@@ -126,7 +126,7 @@ def _owns_listener(pid: int, port: int) -> bool:
     if inodes is None:
         return True
     # a supervisor's workers hold the socket for it
-    return any(_holds(proc, inodes) is not False for proc in (pid, *_children(pid)))
+    return any(_holds(proc, inodes) is not False for proc in (pid, *children(pid)))
 
 
 def _holds(pid: int, inodes: set[str]) -> bool | None:
@@ -143,7 +143,8 @@ def _holds(pid: int, inodes: set[str]) -> bool | None:
     return False
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (a supervisor's workers), from /proc."""
     try:
         text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     except OSError:
@@ -151,16 +152,11 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in text.split()]
 
 
-def children(pid: int) -> list[int]:
-    """The child processes of `pid` (a supervisor's workers), from /proc."""
-    return _children(pid)
-
-
 def listening_children(pid: int, port: int) -> set[int]:
     """Which of `pid`'s children hold the socket listening on `port` (tcp or tcp6: gRPC
     listens on ::ffff:127.0.0.1): which worker serves what."""
     inodes = _listening_inodes(port) or set()
-    return {child for child in _children(pid) if _holds(child, inodes)}
+    return {child for child in children(pid) if _holds(child, inodes)}
 
 
 def exited(pid: int) -> bool:

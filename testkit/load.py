@@ -30,6 +30,9 @@ class Load:
     max_requests: int = 2000
     max_seconds: float = 120.0
     model: str = "mock-model"
+    kinds: tuple[str, ...] = ("plain", "stream", "stream", "cancel")  # drawn at random
+    max_tokens: int = 12
+    tokens_per_s: int = 100  # the mock engine's pace
     results: list[Result] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -53,18 +56,19 @@ class Load:
                 rnd = random.Random(seed)
                 while (not self._stop.is_set() and time.monotonic() < deadline
                        and len(self.results) < self.max_requests):
-                    kind = rnd.choice(("plain", "stream", "stream", "cancel"))
+                    kind = rnd.choice(self.kinds)
                     self.results.append(await self._one(http, kind))
                     await asyncio.sleep(0.01)
 
             await asyncio.gather(*(worker(i) for i in range(self.concurrency)))
 
     async def _one(self, http: httpx.AsyncClient, kind: str) -> Result:
-        body = {"model": self.model, "max_tokens": 12,
+        body = {"model": self.model, "max_tokens": self.max_tokens,
                 "messages": [{"role": "user", "content": "tell me a story"}]}
         if kind != "plain":
             body["stream"] = True
-        headers = {"authorization": f"Bearer {self.key}", "x-mock-tokens-per-s": "100"}
+        headers = {"authorization": f"Bearer {self.key}",
+                   "x-mock-tokens-per-s": str(self.tokens_per_s)}
         r = Result(kind, 0)
         t0 = time.monotonic()
         try:

@@ -10,7 +10,7 @@ from gateway.log import log
 # older one after 50 collections of the one below, not 10. A request leaves ~0.1 objects in
 # reference cycles (measured at c=32), so what waits for a collection stays small; what the
 # defaults cost was a full collection of the start-up heap every ~15 s under load, holding
-# the event loop 57-89 ms (docs/benchmarks.md, "Garbage collection after start-up").
+# the event loop 50-89 ms (docs/benchmarks.md, "Garbage collection after start-up").
 THRESHOLDS = (10_000, 50, 50)
 
 

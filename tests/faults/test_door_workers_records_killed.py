@@ -18,7 +18,6 @@ import contextlib
 import glob
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,50 +113,6 @@ def _until(cond: Any, timeout: float, what: str) -> float:
     raise AssertionError(f"not within {timeout:.0f}s: {what}")
 
 
-def _request(spoke: Spoke, key: str, out: list[Result], kind: str, tokens: int = 4) -> None:
-    """One request through Envoy, read to its end, into `out` (as testkit.load's)."""
-    r = Result(kind, 0)
-    t0 = time.monotonic()
-    try:
-        with httpx.stream("POST", f"{spoke.base_url}/chat/completions", timeout=15,
-                          headers={"authorization": f"Bearer {key}",
-                                   "x-mock-tokens-per-s": "50"},
-                          json={"model": "mock-model", "max_tokens": tokens,
-                                "stream": kind == "stream",
-                                "messages": [{"role": "user", "content": "a story"}]}) as resp:
-            r.status, r.request_id = resp.status_code, resp.headers.get("x-request-id", "")
-            for _ in resp.iter_raw():
-                pass
-            r.completed = True
-    except httpx.HTTPError as exc:
-        r.error = type(exc).__name__
-    r.ended = time.monotonic()
-    r.seconds = r.ended - t0
-    out.append(r)
-
-
-class Prober:
-    """Plain requests one after another, from the kill until told to stop: what a client
-    starting a request during the outage gets (the Load's clients may all be in streams
-    that the kill cut, and wait for their end)."""
-
-    def __init__(self, spoke: Spoke, key: str) -> None:
-        self.results: list[Result] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(spoke, key), daemon=True)
-        self._thread.start()
-
-    def _run(self, spoke: Spoke, key: str) -> None:
-        while not self._stop.is_set():
-            _request(spoke, key, self.results, "plain", tokens=1)
-            time.sleep(0.02)
-
-    def stop(self) -> list[Result]:
-        self._stop.set()
-        self._thread.join(30)
-        return self.results
-
-
 def _started(r: Result) -> float:
     return r.ended - r.seconds
 
@@ -172,15 +127,17 @@ def test_records_worker_killed_under_load(door_spoke: Spk) -> None:
     (d0,) = listening_children(sidecar.pid, door_port)
     assert w0 != d0
 
-    long: list[Result] = []  # 150 tokens at 50/s: in flight across the kill
-    streaming = threading.Thread(target=_request, args=(spoke, key, long, "stream", 150))
-    streaming.start()
+    # One stream of 150 tokens at 50/s: in flight across the kill
+    streaming = Load(spoke.base_url, key, concurrency=1, max_requests=1, kinds=("stream",),
+                     max_tokens=150, tokens_per_s=50).start()
     load = Load(spoke.base_url, key, concurrency=4).start()
     time.sleep(2)  # the long stream's first heartbeats reached w0, which took it on
     stale = _live_gauges(prom, w0)  # what it holds as it dies: summed in for ever if kept
     t_kill = time.monotonic()
     os.kill(w0, signal.SIGKILL)
-    prober = Prober(spoke, key)
+    # Plain requests one after another from the kill on: what a client starting one during
+    # the outage gets (the Load's clients may all be in streams the kill cut, waiting).
+    prober = Load(spoke.base_url, key, concurrency=1, kinds=("plain",), max_tokens=1).start()
     _until(lambda: exited(w0), 3, "w0 exited")
     _until(lambda: listening_children(sidecar.pid or 0, sidecar.port) - {w0}, 10,
            "w0 restarted")
@@ -194,7 +151,7 @@ def test_records_worker_killed_under_load(door_spoke: Spk) -> None:
     # ext_proc: the outage's 503s hold their slots for their first lease (= LEASE_TTL here)
     time.sleep(1.5 if envoy_fed else LEASE_TTL + 1.5)
     results = load.stop()
-    streaming.join(30)
+    long = streaming.stop()
     results += probes + long
 
     (w0_new,) = listening_children(sidecar.pid, sidecar.port)
