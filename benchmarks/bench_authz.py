@@ -91,7 +91,7 @@ class Mode:
     http_duration_s: int
 
 
-QUICK = Mode("quick", rounds=1, warmup_s=0.5, duration_s=1.0, max_calls=20_000,
+QUICK = Mode("quick", rounds=1, warmup_s=0.25, duration_s=0.5, max_calls=20_000,
              http_warmup_s=1, http_duration_s=1)
 FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
             http_warmup_s=1, http_duration_s=4)
