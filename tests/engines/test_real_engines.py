@@ -311,17 +311,21 @@ def test_engine_errors_pass_untouched_and_bill_nothing(rig: Rig) -> None:
 
 def test_a_cut_stream_is_billed_and_with_continuous_usage_exactly(rig: Rig) -> None:
     """The client leaves after a few chunks of a long stream. With llama.cpp the event
-    estimates from what streamed; vLLM with continuous usage gives the engine's own count."""
-    body = {**CHAT, "max_tokens": 1500, "stream": True}
+    estimates from what streamed; vLLM with continuous usage gives the engine's own count.
+    llama.cpp writes 1,500 tokens of the tiny model in ~0.3 s: it gets its context's worth
+    (~1 s), and the client leaves after 3 lines, or a loaded machine lets the stream end
+    before the client leaves (seen once with six test workers)."""
+    max_tokens = 4000 if rig.engine == "llamacpp" else 1500  # vLLM's context here: 2048
+    body = {**CHAT, "max_tokens": max_tokens, "stream": True}
     with httpx.stream("POST", rig.gateway + "/v1/chat/completions", json=body,
                       headers=rig.auth, timeout=60) as r:
         lines = r.iter_lines()
-        got = sum(1 for _, line in zip(range(10), lines, strict=False) if line)
+        got = sum(1 for _, line in zip(range(5), lines, strict=False) if line)
     assert got >= 3
     e = billed(rig, [rid(r)])[rid(r)]
     assert e["outcome"] == "client_cancelled"
     assert e["usage_source"] == ("reported" if rig.engine == "vllm" else "estimated")
-    assert 3 <= usage(e)[1] < 1500 and usage(e)[0] > 0
+    assert 1 <= usage(e)[1] < max_tokens and usage(e)[0] > 0
 
 
 def test_concurrent_streams_each_bill_their_own(rig: Rig) -> None:
