@@ -8,7 +8,7 @@
 #     (buffered 50 ms) to the sidecar, which outlives Envoy.
 # Streams still running after DRAIN_S are cut by Envoy's exit: their records may be lost,
 # and the orphan sweep of any sidecar of the spoke bills each from its last heartbeat
-# (README "Every admission ends"). Needs only bash (/dev/tcp): Envoy's image has no curl.
+# (docs/request-flow.md "Every admission ends"). Needs only bash (/dev/tcp): Envoy's image has no curl.
 set -u
 ADMIN=${ENVOY_ADMIN:-127.0.0.1:9901}
 BOUND=${DRAIN_S:-30}
