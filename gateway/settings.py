@@ -11,8 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gateway.metering.sources import MeteringSource, source_named
 from gateway.sentinel_url import check_redis_url
 
-# Who does the per-chunk work of metering (README "Two metering sources"): the names of
-# gateway/metering/sources.py's sources, which say what each one means (a test keeps them equal).
+# Who does the per-chunk work of metering (docs/request-flow.md "Two metering sources"): the
+# names of gateway/metering/sources.py's sources, which say what each one means (a test keeps
+# them equal).
 Metering = Literal["envoy", "ext_proc"]
 METERING_SOURCES: tuple[Metering, ...] = ("envoy", "ext_proc")
 DEFAULT_METERING: Metering = "envoy"  # the cheaper one, with every guarantee (README)

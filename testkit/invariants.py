@@ -40,7 +40,7 @@ def check(spoke: Spoke, results: list[Result], key_id: str, *, lease_ttl: float,
           engine_before: int = 0, token_check: bool = True,
           replication_loss: bool = False) -> dict[str, Any]:
     """`replication_loss`: Redis failed over, so writes its old primary never passed on may
-    be gone (README "Redis under Sentinel"): the token counter may then be short of the
+    be gone (docs/operations.md "Redis under Sentinel"): the token counter may then be short of the
     billed total, never above it (nothing counted twice)."""
     r = sync_client(spoke.redis_url)
     _wait(lambda: httpx.get(f"{spoke.engine_url}/mock/stats").json()["in_flight"] == 0,

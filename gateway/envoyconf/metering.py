@@ -97,7 +97,7 @@ RECORDS_HTTP_TIMEOUT = timedelta(seconds=5)
 # While a request is in flight Envoy also sends a periodic record for it (%ACCESS_LOG_TYPE%
 # DownstreamPeriodic) every this often: the sidecar's proof that the request is still
 # alive, and its usage so far. An admission nobody reports for a while is given up
-# (README "Every admission ends"); GATEWAY_RECORD_HEARTBEAT_S must equal it.
+# (docs/request-flow.md "Every admission ends"); GATEWAY_RECORD_HEARTBEAT_S must equal it.
 RECORD_HEARTBEAT = timedelta(seconds=10)
 
 # (metadata key, selector path, type): chat/completions/embeddings `usage`, then the

@@ -5,7 +5,7 @@ admitting under more than its newest allowance until it reports having applied i
 older, larger one may still be in force there): `held` is that most, and the allocator
 never hands out what is held elsewhere. So the spokes together admit at most the quota;
 what they can consume beyond it is only what requests in flight use past their
-reservations (README "One quota across spokes").
+reservations (docs/hub-and-spokes.md "One quota across spokes").
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The two metering sources (README "Two metering sources") as what each one means, so the
-sidecar, the Envoy config and the dev stack read one answer instead of comparing a name.
+"""The two metering sources (docs/request-flow.md "Two metering sources") as what each one
+means, so the sidecar, the Envoy config and the dev stack read one answer instead of
+comparing a name.
 
 `GATEWAY_METERING` / `--metering` stay the names users set (gateway/settings.py);
 `source_named` turns one into its source.

@@ -1,4 +1,4 @@
-"""Cancellation billing is a policy (README "Usage events"): each rule gives the expected
+"""Cancellation billing is a policy (docs/usage-events.md): each rule gives the expected
 billed tokens, facts and token counter, through real Envoy, Redis and Tansu, on both
 metering sources.
 

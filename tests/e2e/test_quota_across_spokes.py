@@ -2,7 +2,8 @@
 sidecar, Envoy each) reporting usage to one Tansu, the hub's allocator and one allowance
 follower per spoke, as processes. A team's global daily quota follows its use from one
 spoke to the other, and the two together stay within it plus what requests in flight use
-past their reservations (README "One quota across spokes", where these numbers go)."""
+past their reservations (docs/hub-and-spokes.md "One quota across spokes", where these
+numbers go)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ MODEL = "tiny"  # the name every engine serves the model under, and the policy n
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = os.environ.get("GATEWAY_TEST_VLLM_PYTHON", "")
 ENGINES = ("llamacpp", "vllm") if VLLM_PYTHON else ("llamacpp",)
-# Engine settings the README's "Tested with" table recommends, per engine.
+# Engine settings docs/engines.md's "Tested with" table recommends, per engine.
 SIDECAR_ENV = {"llamacpp": {}, "vllm": {"GATEWAY_CONTINUOUS_USAGE_MODELS": MODEL}}
 
 

@@ -1,7 +1,7 @@
 """Envoy-fed metering when a request's record never comes: Envoy killed mid-stream, the
 records' way to the sidecar cut for longer than Envoy retries, a record the sidecar cannot
 read. Every admitted request still gets exactly one event, and its slot and reservation are
-freed within the stated bound (README "Every admission ends"):
+freed within the stated bound (docs/request-flow.md "Every admission ends"):
 
     unheard (3 heartbeats) + lease TTL + sweep interval (lease TTL / 3) + orphan grace
 """
