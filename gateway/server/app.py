@@ -172,6 +172,10 @@ class App:
                  metering=s.metering,
                  mode="embedded" if s.embedded else "redis",
                  revision=self.holder.policy.revision if self.holder.policy else None)
+        if self.holder.policy is None:  # fails closed: say why every request gets a 503
+            log.warning("no_policy", detail="every request is refused with 503 until a policy "
+                        "is held: `gateway policy apply FILE`, or the hub's revisions through "
+                        "`gateway policy sync`")
 
     def _start_usage_pipeline(self, ledger: Ledger) -> Recorder:
         """Spool (ours, plus any a dead instance left behind) → shipper → Kafka or JSONL."""

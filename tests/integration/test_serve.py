@@ -95,6 +95,24 @@ def test_embedded_mode_serves_health_metrics_and_reloads(tmp_path: Path) -> None
     assert SECRET not in svc.log_path.read_text()
 
 
+def test_serve_without_a_policy_refuses_and_says_why(tmp_path: Path, redis_url: str) -> None:
+    """An operator who starts `serve` before `policy apply` sees every request refused (fail
+    closed) and is told why in the log and on /readyz, then served once a policy is held."""
+    from gateway.cli import main
+    svc, mport = _sidecar(tmp_path, {"GATEWAY_REDIS_URL": redis_url})
+    try:
+        ready = httpx.get(f"http://127.0.0.1:{mport}/readyz")
+        assert (ready.status_code, ready.text) == (503, "no policy loaded\n")
+        assert _check_code(svc.port, SECRET) == 503
+        _until(lambda: '"no_policy"' in svc.log_path.read_text(), 3.0)
+        assert "gateway policy apply" in svc.log_path.read_text()
+        (tmp_path / "p.yaml").write_text(_policy())
+        assert main(["policy", "apply", str(tmp_path / "p.yaml"), "--redis-url", redis_url]) == 0
+        _until(lambda: _check_code(svc.port, SECRET) == 200, 10)
+    finally:
+        svc.stop()
+
+
 def test_two_workers_share_one_port(tmp_path: Path, redis_url: str) -> None:
     from gateway.cli import main
     (tmp_path / "p.yaml").write_text(_policy())
