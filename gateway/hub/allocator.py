@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.hub import quota_topic as qt
 from gateway.hub.quota_ledger import QuotaLedger
+from gateway.hub.topics import stop_consumer
 from gateway.log import log
 
 
@@ -88,7 +89,7 @@ class Allocator:
                     return
         finally:
             await pub.close()
-            await c.stop()
+            await stop_consumer(c)
 
     async def _send(self, pub: qt.QuotaPublisher) -> None:
         for spoke, msg in sorted(self._unsent.items()):

@@ -24,6 +24,7 @@ from typing import Any
 
 from gateway.errors import StoreUnavailable
 from gateway.hub import quota_topic as qt
+from gateway.hub.topics import stop_consumer
 from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.log import log
 
@@ -85,7 +86,7 @@ class AllowanceFollower:
         finally:
             self.state.kafka_up = False
             await pub.close()
-            await c.stop()
+            await stop_consumer(c)
 
     async def _apply(self) -> None:
         msg = self._latest

@@ -29,8 +29,10 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
                   *, idempotence: bool = True) -> int:
     """Validate `text` (PolicyError, naming the path: nothing published) and put it on the
     feed for `spoke` (`*`: every spoke without its own entry); its revision."""
-    if not spoke:
-        raise ValueError("--spoke: a spoke id, or * for every spoke")
+    if spoke != feed.EVERY_SPOKE and (not spoke.strip() or "/" in spoke):
+        # GATEWAY_SPOKE's own rules: no spoke could follow such a key
+        raise ValueError(f"--spoke: a spoke id (not blank, no '/'), or * for every spoke; "
+                         f"got {spoke!r}")
     doc = parse_doc(text, source)
     data = to_data(doc)
     await ensure_compacted(bootstrap, POLICY_TOPIC)

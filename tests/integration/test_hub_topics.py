@@ -4,6 +4,9 @@ when Kafka is away."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -94,6 +97,82 @@ def feed_kafka(tmp_path: Path) -> Iterator[Service]:
     svc = tansu_service(free_port(), tmp_path / "tansu").start()
     yield svc
     svc.stop()
+
+
+async def test_the_follower_outlives_a_broker_that_is_down_and_reads_it_again_once_back(
+        feed_kafka: Service) -> None:
+    """DESIGN §10: Kafka away, the syncer retries and says so. A broker that is down refuses
+    connections (a paused one only hangs): aiokafka's stop() then raised CancelledError out
+    of the follower, which ended `gateway policy sync`."""
+    bs = feed_kafka.address
+    await produce(bs, "hub.t3", "*", b"first", idempotence=False)
+    follower = Follower(bs, "hub.t3", probe_s=0.5)
+    seen: list[Record] = []
+    batches = follower.batches()
+    try:
+        await until(batches, lambda: follower.caught_up and seen, seen)
+        feed_kafka.stop()
+        down = follower.generation
+        await until(batches, lambda: follower.generation >= down + 3, seen)  # 3 tries, alive
+        assert not follower.up and follower.error
+        feed_kafka.start()  # memory storage: the topic comes back empty
+        await produce(bs, "hub.t3", "*", b"second", idempotence=False)
+        seen.clear()
+        await until(batches, lambda: follower.up and ("*", b"second") in seen, seen)
+    finally:
+        await batches.aclose()
+
+
+def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
+        feed_kafka: Service, redis_url: str, tmp_path: Path) -> None:
+    """The long-running hub commands keep what they hold and retry while the broker is down,
+    rather than exit; once it is back, the syncer reports again on the status topic."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
+           "GATEWAY_KAFKA_BOOTSTRAP": feed_kafka.address, "GATEWAY_KAFKA_IDEMPOTENCE": "false",
+           "GATEWAY_SPOKE": "s1", "GATEWAY_REDIS_URL": redis_url,
+           "GATEWAY_STATUS_INTERVAL_S": "1", "GATEWAY_SYNC_STATE_DIR": str(tmp_path / "sync")}
+    env.pop("GATEWAY_HUB_BOOTSTRAP", None)
+    cmds = {"sync": ["policy", "sync", "--id", "sync-1",
+                     "--metrics-listen", f"127.0.0.1:{free_port()}"],
+            "allocate": ["hub", "allocate", "--interval-s", "1"]}
+    logs = {name: tmp_path / f"{name}.log" for name in cmds}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "gateway", *argv], env=env,
+                                    stdout=subprocess.DEVNULL,
+                                    stderr=logs[name].open("wb"))
+             for name, argv in cmds.items()}
+    try:
+        def reported() -> bool:
+            return "s1/sync-1" in feed.latest(asyncio.run(read_all(feed_kafka.address,
+                                                                   STATUS_TOPIC)))
+        _wait(reported, "the syncer's first report")
+        feed_kafka.stop()
+        time.sleep(6)  # many failed fetches and reconnects
+        dead = {name: logs[name].read_text()[-2000:] for name, proc in procs.items()
+                if proc.poll() is not None}
+        assert not dead, dead
+        feed_kafka.start()  # memory storage: every topic comes back empty
+        _wait(reported, "a report once the broker is back")
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except SinkUnavailable:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"not reached: {what}")
 
 
 def _doc(model: str) -> bytes:

@@ -408,3 +408,13 @@ def test_the_key_commands_say_what_they_did(tmp_path: Path,
     assert main(["keys", "revoke", "key_nope", *flags]) == 2
     assert main(["keys", "create", "--team", "team-a", "--models", "qwen3", *flags]) == 2
     assert "models.0: model 'qwen3' matches no model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["status", "show"])
+def test_policy_status_and_show_say_when_redis_does_not_answer(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """DESIGN §10 has `policy status` say how the spoke is doing: a Redis that does not
+    answer is one error line and exit 1, not a traceback."""
+    assert cli("policy", command, "--redis-url", "redis://127.0.0.1:1/0") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "127.0.0.1:1" in err and "Traceback" not in err

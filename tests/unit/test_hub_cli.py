@@ -4,6 +4,7 @@ overrides"), without Kafka: what each long-running command would follow."""
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,3 +33,17 @@ def test_policy_sync_takes_the_hubs_kafka_from_bootstrap_over_the_env(
     seen.clear()  # without the flag: GATEWAY_HUB_BOOTSTRAP, as before
     assert main(["policy", "sync", "--id", "s1"]) == 0
     assert seen["feed"] == seen["allowances"] == "hub-env:9092"
+
+
+@pytest.mark.parametrize("spoke", ["", " ", "eu-1/vm-4", "/"])
+def test_hub_publish_refuses_a_spoke_id_no_spoke_can_have(
+        spoke: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GATEWAY_SPOKE is never blank nor holds a '/' (the status key is SPOKE/INSTANCE): an
+    entry for such a key is followed by no spoke, yet took a revision and showed in `hub
+    status`. Refused before Kafka is asked (none answers here): exit 2, nothing published."""
+    doc = tmp_path / "p.yaml"
+    doc.write_text("models: {m: {}}\n")
+    assert main(["hub", "publish", str(doc), "--spoke", spoke,
+                 "--bootstrap", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing published: --spoke" in err and repr(spoke) in err
