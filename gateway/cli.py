@@ -189,3 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     except AddressError as exc:  # a listen address or an upstream that is not host:port
         print(f"error: {exc} (its flag or setting)", file=sys.stderr)
         return 2
+    except _redis_error() as exc:  # the spoke's Redis away, refusing, or no primary known
+        print(f"error: redis: {exc} (is GATEWAY_REDIS_URL / --redis-url right, and Redis up?)",
+              file=sys.stderr)
+        return 1
+
+
+def _redis_error() -> type[Exception]:
+    """Imported only when a command failed: the commands that never touch Redis (envoy-config,
+    keys mint) start without loading the client."""
+    from redis.exceptions import RedisError
+    return RedisError

@@ -410,11 +410,12 @@ def test_the_key_commands_say_what_they_did(tmp_path: Path,
     assert "models.0: model 'qwen3' matches no model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["status", "show"])
-def test_policy_status_and_show_say_when_redis_does_not_answer(
-        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", [("policy", "status"), ("policy", "show"),
+                                     ("keys", "list"), ("keys", "show", "key_x")])
+def test_commands_say_when_redis_does_not_answer(
+        command: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     """DESIGN §10 has `policy status` say how the spoke is doing: a Redis that does not
-    answer is one error line and exit 1, not a traceback."""
-    assert cli("policy", command, "--redis-url", "redis://127.0.0.1:1/0") == 1
+    answer is one error line and exit 1, not a traceback (the CLI's one boundary for it)."""
+    assert cli(*command, "--redis-url", "redis://127.0.0.1:1/0") == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "127.0.0.1:1" in err and "Traceback" not in err
