@@ -72,12 +72,24 @@ def lagging(spoke: dict[str, Any]) -> list[str]:
             if want is not None and (i["revision"] or 0) < want]
 
 
+def ahead(spoke: dict[str, Any]) -> list[str]:
+    """Instances holding more than the feed's revision for their spoke: a local `policy
+    apply`, or a feed that lost its entry. The feed's document is then not what they serve,
+    and they will not take it (revisions never go back) until one above theirs is published."""
+    want = spoke["feed_revision"]
+    return [i["instance"] for i in spoke["instances"]
+            if want is not None and (i["revision"] or 0) > want]
+
+
 def table(view: dict[str, Any], interval: float) -> str:
-    """One line per instance; a spoke's header says whether it lags behind the feed."""
+    """One line per instance; a spoke's header says whether it lags behind the feed, or holds
+    a revision the feed does not have."""
     out = []
     for sp in view["spokes"]:
-        behind = lagging(sp)
-        mark = f"LAGGING ({len(behind)} behind)" if behind else "in step"
+        behind, above = lagging(sp), ahead(sp)
+        marks = ([f"LAGGING ({len(behind)} behind)"] if behind else []) + (
+            [f"AHEAD OF THE FEED ({len(above)}: publish again)"] if above else [])
+        mark = ", ".join(marks) or "in step"
         if sp["feed_revision"] is None:
             mark = "no feed entry"
         out.append(f"spoke {sp['spoke']}: feed revision {sp['feed_revision'] or '-'}, {mark}")

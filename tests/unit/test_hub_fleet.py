@@ -56,6 +56,17 @@ def test_lagging_names_the_instances_behind_the_feed() -> None:
     assert "spoke b: feed revision 6, in step" in text
 
 
+def test_an_instance_above_the_feed_is_not_in_step() -> None:
+    """A spoke holding revision 9 while the feed says 7 (a local apply, or the topic lost its
+    entry) serves a document the hub does not have, and will not take 7: the table says so."""
+    statuses = dict([report("a", "side", 9), report("a", "sync", 7), report("b", "x", 6)])
+    view = fleet.fleet(statuses, {"a": feed.encode(7, {}), "b": feed.encode(7, {})}, NOW)
+    assert [fleet.ahead(s) for s in view["spokes"]] == [["side"], []]
+    text = fleet.table(view, interval=10)
+    assert "spoke a: feed revision 7, AHEAD OF THE FEED (1: publish again)" in text
+    assert "spoke b: feed revision 7, LAGGING (1 behind)" in text
+
+
 def test_an_unreadable_report_shows_rather_than_vanishes() -> None:
     view = fleet.fleet({"a/i": b"{garbage"}, {}, NOW)
     inst = view["spokes"][0]["instances"][0]
