@@ -19,8 +19,6 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
-    NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
     StringConstraints,
     model_validator,
@@ -43,6 +41,11 @@ KeyId = Annotated[str, AfterValidator(_key_id)]
 Sha256Hex = Annotated[
     str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(str.lower)]
 Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+# Limits are counted in Redis's Lua, whose numbers are doubles: exact up to 2**53. Above it a
+# limit would be rounded (and above 2**63 refused by the store itself, after validation).
+MAX_COUNT = 2**53 - 1
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -52,12 +55,12 @@ class _Strict(BaseModel):
 class Limits(_Strict):
     """Absent limit = unlimited at this tier. Tokens count prompt + completion."""
 
-    rps: PositiveFloat | None = None
-    burst: PositiveInt | None = None
-    concurrency: NonNegativeInt | None = None
-    tokens_per_minute: NonNegativeInt | None = None
-    tokens_per_day: NonNegativeInt | None = None
-    tokens_per_month: NonNegativeInt | None = None
+    rps: Rate | None = None
+    burst: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
+    concurrency: Count | None = None
+    tokens_per_minute: Count | None = None
+    tokens_per_day: Count | None = None
+    tokens_per_month: Count | None = None
 
     @model_validator(mode="after")
     def _burst_needs_rps(self) -> Limits:
@@ -80,8 +83,8 @@ class GlobalLimits(_Strict):
     per-spoke allowances; a spoke that holds none enforces the fallback share
     (`gateway.hub.allocation.FALLBACK_SHARE`)."""
 
-    tokens_per_day: NonNegativeInt | None = None
-    tokens_per_month: NonNegativeInt | None = None
+    tokens_per_day: Count | None = None
+    tokens_per_month: Count | None = None
 
 
 class Billing(_Strict):

@@ -130,6 +130,18 @@ keys:
     assert sorted(problem_paths(info.value)) == ["keys.k1.limits.concurrency", "teams.t.limits.rps"]
 
 
+@pytest.mark.parametrize("limits, path", [
+    ("{tokens_per_day: 1e23}", "tokens_per_day"),  # was accepted, then refused by Redis
+    ("{tokens_per_minute: 9007199254740992}", "tokens_per_minute"),  # 2**53: Lua rounds it
+    ("{rps: .inf}", "rps"), ("{rps: 1, burst: 9007199254740993}", "burst")])
+def test_a_limit_the_store_cannot_count_exactly_is_invalid(limits: str, path: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc(f"teams: {{t: {{limits: {limits}}}}}")
+    assert problem_paths(info.value) == [f"teams.t.limits.{path}"]
+    doc = parse_doc("teams: {t: {limits: {tokens_per_day: 9007199254740991, rps: 1e6}}}")
+    assert doc.teams["t"].limits.tokens_per_day == 2**53 - 1
+
+
 def test_expires_at_without_timezone_is_rejected() -> None:
     text = f"""
 teams: {{t: {{}}}}
