@@ -103,6 +103,10 @@ def add_tools(sub: Any) -> None:
     p.add_argument("--spoke", dest="target_spoke", default="*", metavar="ID|*",
                    help="the spoke it is for; * = every spoke without its own entry "
                         "(default: %(default)s)")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="publish a document with no models or no keys (every spoke that "
+                        "takes it refuses every request); without it such a file is refused, "
+                        "exit 2, as `policy apply` does")
     _hub_flag(p)
     p.set_defaults(fn=cmd_hub_publish)
     p = hub.add_parser("unpublish", help="remove spokes' own entries from the feed: each "

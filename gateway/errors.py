@@ -11,7 +11,7 @@ stdlib's meaning for callers that catch that).
      │    └── RedisLost     ... with this command written: Redis may have run it
      ├── RedisReplyError    Redis answered one command with an error reply
      ├── RevisionConflict   the policy revision moved while it was being edited
-     ├── ApplyRefused       [ValueError] `policy apply` would do harm nobody asked for
+     ├── ApplyRefused       [ValueError] `policy apply`, `hub publish` would do harm unasked
      ├── SinkUnavailable    not delivered to Kafka/JSONL: try again later
      ├── SpoolLocked        the spool directory belongs to a live instance
      └── ReportError        [ValueError] a usage report that cannot be answered
@@ -71,7 +71,8 @@ class RevisionConflict(GatewayError):
 
 
 class ApplyRefused(GatewayError, ValueError):
-    """`policy apply` would do harm the operator did not ask for; nothing was published."""
+    """`policy apply` or `hub publish` would do harm the operator did not ask for; nothing was
+    published."""
 
 
 class SinkUnavailable(GatewayError):

@@ -50,13 +50,14 @@ def cmd_hub_publish(args: argparse.Namespace) -> int:
     try:
         text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
         revision = run_value(publish(bootstrap, text, args.file, args.target_spoke,
-                                      idempotence=s.kafka_idempotence))
+                                      idempotence=s.kafka_idempotence,
+                                      allow_empty=args.allow_empty))
     except PolicyError as err:
         print("invalid policy, nothing published:", file=sys.stderr)
         for p in err.problems:
             print(f"  {err.source}: {p}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # ApplyRefused (empty, no --allow-empty) included
         print(f"nothing published: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # Kafka away: say it, exit non-zero

@@ -1,8 +1,15 @@
 """`gateway hub publish`: a validated document onto the feed as the next revision.
 
-Validation is `policy apply`'s (the same parser: an invalid file publishes nothing). The
-revision is the feed's one sequence: the highest ever put on the topic + 1, read from the
-topic itself, so the hub keeps no state of its own; and above the highest revision any
+Validation is `policy apply`'s (the same parser: an invalid file publishes nothing), and so
+is its empty-document rule: a document with no models or no keys would have every spoke that
+takes it refuse every request, so it is refused unless `allow_empty` (`--allow-empty`). The
+hub cannot see what each spoke holds, so any empty section is refused, whatever the feed held
+before. (`policy apply`'s `--prune` rule is not applied: only the hub's own commands write
+the feed, so no key on it was made elsewhere (`keys create`), and dropping a key from the
+hub's file is how the hub revokes one.)
+
+The revision is the feed's one sequence: the highest ever put on the topic + 1, read from
+the topic itself, so the hub keeps no state of its own; and above the highest revision any
 instance reports on the status topic, so that a spoke holding a number the feed never gave
 (the topic lost and started again at 1, or a `policy apply` into the spoke's Redis) takes
 the next publish instead of holding it as not newer.
@@ -16,24 +23,28 @@ number. Every publish then lands, the later one last, whatever the interleaving.
 
 from __future__ import annotations
 
-from gateway.errors import SinkUnavailable
+from gateway.errors import ApplyRefused, SinkUnavailable
 from gateway.hub import feed, fleet
 from gateway.hub.topics import POLICY_TOPIC, STATUS_TOPIC, ensure_compacted, produce, read_all
 from gateway.log import log
+from gateway.policy.admin import empty_refusal
 from gateway.policy.loader import parse_doc, to_data
 
 ATTEMPTS = 10  # publishes racing for one number: each round at least one of them lands
 
 
 async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EVERY_SPOKE,
-                  *, idempotence: bool = True) -> int:
-    """Validate `text` (PolicyError, naming the path: nothing published) and put it on the
-    feed for `spoke` (`*`: every spoke without its own entry); its revision."""
+                  *, idempotence: bool = True, allow_empty: bool = False) -> int:
+    """Validate `text` (PolicyError, naming the path; ApplyRefused if it has no models or no
+    keys and not `allow_empty`: nothing published) and put it on the feed for `spoke` (`*`:
+    every spoke without its own entry); its revision."""
     if spoke != feed.EVERY_SPOKE and (not spoke.strip() or "/" in spoke):
         # GATEWAY_SPOKE's own rules: no spoke could follow such a key
         raise ValueError(f"--spoke: a spoke id (not blank, no '/'), or * for every spoke; "
                          f"got {spoke!r}")
     doc = parse_doc(text, source)
+    if refused := empty_refusal(source, doc, None, allow_empty=allow_empty):
+        raise ApplyRefused(refused)  # before Kafka is asked
     data = to_data(doc)
     await ensure_compacted(bootstrap, POLICY_TOPIC)
     held = await _highest_reported(bootstrap)

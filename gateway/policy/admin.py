@@ -168,12 +168,26 @@ async def apply(backend: Backend, text: bytes, source: str, *, prune: bool = Fal
     return Applied(await backend.write(doc, base), change, base)
 
 
+def empty_refusal(source: str, new: PolicyDoc, old: PolicyDoc | None, *,
+                  allow_empty: bool) -> str:
+    """Why `new` is refused without `--allow-empty` ("": it is not): it has no models or no
+    keys where `old` has some, so every request would be refused. `old` None: what it
+    replaces cannot be seen (`hub publish`: each spoke holds what it holds), any empty
+    section is refused. Shared by `policy apply` and `hub publish`."""
+    if allow_empty:
+        return ""
+    empty = [s for s in ("models", "keys")
+             if not getattr(new, s) and (old is None or getattr(old, s))]
+    if not empty:
+        return ""
+    return (f"{source} has no {' and no '.join(empty)}: every request would be refused "
+            f"(401/404). Pass --allow-empty if that is what you want")
+
+
 def _refusal(source: str, old: PolicyDoc, new: PolicyDoc, change: Diff, *, prune: bool,
              allow_empty: bool) -> str:
-    for section in ("models", "keys"):
-        if getattr(old, section) and not getattr(new, section) and not allow_empty:
-            return (f"{source} has no {section}: every request would be refused (401/404). "
-                    f"Pass --allow-empty if that is what you want")
+    if refused := empty_refusal(source, new, old, allow_empty=allow_empty):
+        return refused
     if change.removed["keys"] and not prune:
         return (f"{source} would remove keys {', '.join(change.removed['keys'])} (made with "
                 f"`keys create`, or dropped from the file?): pass --prune to remove them, or "

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -175,8 +176,15 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"not reached: {what}")
 
 
+def _data(model: str) -> dict[str, Any]:
+    """A policy with model `model` and one key: `hub publish` refuses one without models or
+    keys (unless --allow-empty)."""
+    return {"models": {model: {}}, "teams": {"t": {"models": ["*"]}},
+            "keys": {"k": {"team": "t", "sha256": "0" * 64}}}
+
+
 def _doc(model: str) -> bytes:
-    return f"models: {{{model}: {{}}}}\n".encode()
+    return orjson.dumps(_data(model))  # JSON is YAML
 
 
 async def test_publishes_at_the_same_instant_each_land_under_a_number_of_their_own(
@@ -192,7 +200,7 @@ async def test_publishes_at_the_same_instant_each_land_under_a_number_of_their_o
     records = await read_all(bs, POLICY_TOPIC)
     for i, (spoke, rev) in enumerate(zip(targets, revisions, strict=True)):
         key, raw = feed.first_with(records, rev) or ("", b"")
-        assert key == spoke and feed.parse_value(raw).policy == {"models": {f"m{i}": {}}}
+        assert key == spoke and feed.parse_value(raw).policy == _data(f"m{i}")
     # A spoke that read the topic in order, keeping the first of a number, ends on what the
     # compacted topic holds for it (the two did not agree when two publishes shared one).
     for spoke in ("a", "b", "c"):
@@ -225,14 +233,14 @@ async def test_a_publish_that_lost_its_number_to_another_publishes_again_as_the_
     assert sent == [first + 1, first + 2] and rev == first + 2
     records = await read_all(bs, POLICY_TOPIC)
     assert feed.first_with(records, first + 1) == ("*", rival)
-    assert feed.latest(records)["*"] == feed.encode(first + 2, {"models": {"mine": {}}})
+    assert feed.latest(records)["*"] == feed.encode(first + 2, _data("mine"))
 
 
 def test_hub_publish_with_kafka_away_says_so_and_exits_1(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
     doc = tmp_path / "p.yaml"
-    doc.write_text("models: {m: {}}\n")
+    doc.write_bytes(_doc("m"))
     assert main(["hub", "publish", str(doc), "--bootstrap", f"127.0.0.1:{free_port()}"]) == 1
     assert "error: kafka" in capsys.readouterr().err
 

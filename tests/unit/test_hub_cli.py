@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 
 from gateway.cli import main
+from gateway.hub import feed
+from gateway.hub.topics import POLICY_TOPIC
+from gateway.policy.loader import parse_doc, to_data
 from gateway.settings import Settings
 
 
@@ -47,3 +50,54 @@ def test_hub_publish_refuses_a_spoke_id_no_spoke_can_have(
                  "--bootstrap", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "nothing published: --spoke" in err and repr(spoke) in err
+
+
+class _Feed:
+    """The hub's topics in memory, in place of Kafka: what `hub publish` put on them."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, list[tuple[str, bytes | None]]] = {}
+
+    async def ensure_compacted(self, bootstrap: str, topic: str) -> None:
+        self.records.setdefault(topic, [])
+
+    async def produce(self, bootstrap: str, topic: str, key: str, value: bytes | None,
+                      *, idempotence: bool = True) -> None:
+        self.records.setdefault(topic, []).append((key, value))
+
+    async def read_all(self, bootstrap: str, topic: str,
+                       timeout: float = 10.0) -> list[tuple[str, bytes | None]]:
+        return list(self.records.get(topic, []))
+
+
+@pytest.fixture
+def hub_feed(monkeypatch: pytest.MonkeyPatch) -> _Feed:
+    fake = _Feed()
+    for name in ("ensure_compacted", "produce", "read_all"):
+        monkeypatch.setattr(f"gateway.hub.publish.{name}", getattr(fake, name))
+    return fake
+
+
+@pytest.mark.parametrize(("text", "empty"), [
+    ("{}\n", "no models and no keys"),
+    ("models: {m: {}}\n", "no keys"),
+    ("teams: {t: {models: ['*']}}\nkeys: {k: {team: t, sha256: '" + "0" * 64 + "'}}\n",
+     "no models"),
+])
+def test_hub_publish_refuses_a_document_without_models_or_keys_unless_allow_empty(
+        text: str, empty: str, hub_feed: _Feed, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As `policy apply`: an empty file published to `*` was a new revision, and every spoke
+    without its own entry took it and refused every request. Exit 2, nothing on the feed
+    (the topic not even made), unless --allow-empty."""
+    doc = tmp_path / "p.yaml"
+    doc.write_text(text)
+    assert main(["hub", "publish", str(doc), "--bootstrap", "hub:9092"]) == 2
+    err = capsys.readouterr().err
+    assert f"nothing published: {doc} has {empty}:" in err and "--allow-empty" in err
+    assert hub_feed.records == {}
+
+    assert main(["hub", "publish", str(doc), "--allow-empty", "--bootstrap", "hub:9092"]) == 0
+    assert capsys.readouterr().out == "published revision 1 for spoke *\n"
+    entry = feed.parse_value(feed.latest(hub_feed.records[POLICY_TOPIC])["*"])
+    assert entry.revision == 1 and entry.policy == to_data(parse_doc(text.encode(), "p"))
