@@ -101,6 +101,22 @@ def sync_gauges() -> tuple[Gauge, Gauge, Gauge]:
               "last seen"))
 
 
+@functools.cache
+def quota_gauges() -> tuple[Gauge, Gauge, Gauge, Gauge]:
+    """The allowance follower's gauges (a task of `policy sync`), created on first use as
+    `sync_gauges` are: Kafka up for `llm.quota.v1`, allowances written to Redis, the newest
+    generation applied and when (unix time; 0: none yet)."""
+    return (
+        Gauge("gateway_quota_feed_up", "1 while the hub's Kafka answers the allowance "
+              "follower (llm.quota.v1)"),
+        Gauge("gateway_quota_store_up", "0 while the spoke's Redis refuses the allowances "
+              "the follower writes"),
+        Gauge("gateway_quota_allowance_generation", "The newest allowance generation the "
+              "follower applied (0: none yet)"),
+        Gauge("gateway_quota_allowance_applied_timestamp_seconds", "When the follower last "
+              "applied an allowance generation (unix time; 0: none yet)"))
+
+
 _CHILDREN: dict[tuple[Any, ...], Any] = {}
 
 

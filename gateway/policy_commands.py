@@ -108,8 +108,24 @@ def cmd_policy_status(args: argparse.Namespace) -> int:
                     f"; {err}" if err else "")
             print(f"{name:32} {r['feed']:5} {r.get('feed_revision') or '-':>8} "
                   f"{r['revision']:>5} {r['state']:5} {age:>10}  {err}")
+            if r.get("allowances"):
+                print(f"  {allowances_text(r['allowances'], now)}")
     nack = [*rows.values(), *syncers.values()]
     return 1 if any(r["state"] == "NACK" for r in nack) else 0
+
+
+def allowances_text(state: dict[str, Any], now: float) -> str:
+    """The allowance follower's line under its syncer's row (`FollowerState` as a dict):
+    e.g. `allowances: generation 4, 12s ago` or `allowances: none yet; kafka away, retrying`."""
+    applied = (f"generation {state['generation']}, {now - state['applied_at']:.0f}s ago"
+               if state.get("applied_at") else "none yet")
+    error = state.get("error") or ""
+    away = [f"{what} away, retrying" + (f": {error.partition(': ')[2]}"
+                                        if error.startswith(tag) else "")
+            for what, tag, up in (("kafka", "kafka", state.get("kafka_up")),
+                                  ("redis", "store", state.get("store_up")))
+            if not up]
+    return "; ".join([f"allowances: {applied}", *away])
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

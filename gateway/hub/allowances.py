@@ -7,7 +7,8 @@ Meant to run as one more task of `gateway policy sync`:
     follower = AllowanceFollower(bootstrap, spoke, redis_url=url, idempotence=...)
     await follower.run(stop)        # until `stop` is set; retries Kafka and Redis itself
 
-`follower.state` says how it is doing (for /metrics and `policy status`). Applying is
+`follower.state` says how it is doing: its `quota_gauges` on /metrics, and the syncer's row
+of `policy status` (`run_sync(..., allowances=follower.state)`). Applying is
 idempotent and never goes back to an older generation (gateway/limits/allowances.lua), so
 a restart re-reads the topic from its beginning without harm. Run standalone for tests:
 `python -m gateway.hub.allowances` (settings from env: GATEWAY_HUB_BOOTSTRAP or
@@ -22,12 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gateway import metrics
 from gateway.errors import StoreUnavailable
 from gateway.hub import quota_topic as qt
 from gateway.hub.topics import stop_consumer
 from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.log import log
 
+PROBE_S = 2.0  # how often Kafka is asked whether it answers (`state.kafka_up`)
 
 @dataclass
 class FollowerState:
@@ -35,6 +38,16 @@ class FollowerState:
     kafka_up: bool = False
     store_up: bool = True
     error: str = ""  # the last failure, until the next success
+    applied_at: float = 0.0  # when `generation` was applied (unix time; 0: none yet)
+
+
+def export(state: FollowerState) -> None:
+    """The state onto /metrics (`metrics.quota_gauges`)."""
+    feed_up, store_up, generation, applied_at = metrics.quota_gauges()
+    feed_up.set(1 if state.kafka_up else 0)
+    store_up.set(1 if state.store_up else 0)
+    generation.set(state.generation)
+    applied_at.set(state.applied_at)
 
 
 class AllowanceFollower:
@@ -52,6 +65,7 @@ class AllowanceFollower:
         self.idempotence = idempotence
         self.retry_s = retry_s
         self.state = FollowerState()
+        export(self.state)  # shown from the start: Kafka not yet answered
         self._latest: dict[str, Any] | None = None  # newest allowance message not yet applied
         self._report: dict[str, Any] | None = None  # newest report not yet sent
         self._retry_at = 0.0  # the store failed: not before then
@@ -73,7 +87,11 @@ class AllowanceFollower:
             await pub.publish(qt.applied_key(self.spoke), hello)
             await c.start()
             self.state.kafka_up = True
+            if self.state.error.startswith("kafka"):
+                self.state.error = ""
+            export(self.state)
             mine = qt.allowance_key(self.spoke)
+            probed = time.monotonic()
             async for batch in qt.batches(c, poll_ms=100):
                 for m in batch:
                     msg = qt.decode(m.value) if m.key == mine else None
@@ -83,8 +101,12 @@ class AllowanceFollower:
                 await self._send(pub)
                 if stop.is_set():
                     return
+                if time.monotonic() - probed >= PROBE_S:
+                    await qt.probe(c)  # raises when Kafka is away: kafka_up is 0 till back
+                    probed = time.monotonic()
         finally:
             self.state.kafka_up = False
+            export(self.state)
             await pub.close()
             await stop_consumer(c)
 
@@ -116,10 +138,11 @@ class AllowanceFollower:
             return None
         applied = await self.store.apply_allowances(gen, entries)
         self.state.store_up = True
+        if applied is not None:
+            self.state.generation, self.state.applied_at, self.state.error = gen, time.time(), ""
+        export(self.state)
         if applied is None:  # an older generation than the one held
             return None
-        self.state.generation = gen
-        self.state.error = ""
         log.info("quota_allowance_applied", spoke=self.spoke, generation=gen,
                  allowances={f"{a.scope}/{a.period_id}": a.allowance for a in applied})
         return self._message(gen, applied)
@@ -148,6 +171,7 @@ class AllowanceFollower:
         if what == "store":
             self.state.store_up = False
         self.state.error = f"{what}: {exc!r}"
+        export(self.state)
         log.warning("quota_follower_retrying", spoke=self.spoke, error=self.state.error,
                     retry_s=self.retry_s)
 

@@ -31,7 +31,8 @@ def cmd_policy_sync(args: argparse.Namespace) -> int:
     allowances = AllowanceFollower(s.feed_bootstrap, s.spoke, redis_url=s.redis_url,
                                    idempotence=s.kafka_idempotence,
                                    deadline=s.redis_deadline_ms / 1000)
-    uvloop.run(run_sync(s, args.id or default_id(), extra=[allowances.run]))
+    uvloop.run(run_sync(s, args.id or default_id(), extra=[allowances.run],
+                       allowances=allowances.state))
     return 0
 
 

@@ -1,6 +1,7 @@
 """`gateway policy sync`: the spoke's follower of the hub (DESIGN §10), a set of concurrent
 tasks: the policy feed, a Redis guard, the status heartbeat and /metrics. (Another follower,
-e.g. quota allowances, is one more task: `run_sync(..., extra=[...])`.)
+e.g. quota allowances, is one more task: `run_sync(..., extra=[...])`; its state, given as
+`allowances`, goes into the syncer's row of `policy status`.)
 
 Each round brings the spoke's Redis to the feed's entry for this spoke (its own, else `*`)
 through the path `policy apply` uses: validated, then stored by the compare-and-set script
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import socket
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import exceptions as redis_errors
 
@@ -34,6 +36,9 @@ from gateway.policy.store import PolicyStore
 from gateway.settings import Settings
 from gateway.tasks import cancel_all
 
+if TYPE_CHECKING:
+    from gateway.hub.allowances import FollowerState
+
 _REDIS_DOWN = (redis_errors.RedisError, OSError, TimeoutError)
 DISK = "last good revision on disk"
 
@@ -46,8 +51,9 @@ def default_id() -> str:
 class Syncer:
     def __init__(self, spoke: str, syncer_id: str, store: PolicyStore, bootstrap: str,
                  state_dir: Path, *, interval: float = 10.0, recheck: float = 5.0,
-                 idempotence: bool = True) -> None:
+                 idempotence: bool = True, allowances: FollowerState | None = None) -> None:
         self.spoke = spoke
+        self.allowances = allowances  # the allowance follower's, shown in our row
         self.id = syncer_id
         self.store = store
         self.recheck = recheck
@@ -87,7 +93,9 @@ class Syncer:
                 "feed": "up" if self.feed.up else "down", "feed_error": self.feed.error,
                 "feed_revision": feed.feed_revision(self.current, self.spoke),
                 "revision": self.held, "state": "NACK" if self.refused else "ACK",
-                "error": self.refused[1] if self.refused else None})
+                "error": self.refused[1] if self.refused else None,
+                **({"allowances": dataclasses.asdict(self.allowances)}
+                   if self.allowances is not None else {})})
 
     async def _restore(self, raw: bytes) -> None:
         decision = feed.decide(DISK, raw, self.held)
@@ -172,8 +180,10 @@ class Syncer:
 
 
 async def run_sync(settings: Settings, syncer_id: str,
-                   extra: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
-    """Run the syncer's tasks (and `extra` followers) until SIGTERM/SIGINT."""
+                   extra: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+                   allowances: FollowerState | None = None) -> None:
+    """Run the syncer's tasks (and `extra` followers) until SIGTERM/SIGINT; `allowances`:
+    the allowance follower's state, for the syncer's row of `policy status`."""
     from gateway.addresses import split_hostport
     from gateway.ops_http import healthz, metrics_handler, serve_http
     from gateway.redis_clients import policy_client
@@ -187,7 +197,7 @@ async def run_sync(settings: Settings, syncer_id: str,
     syncer = Syncer(settings.spoke, syncer_id, PolicyStore(client), bootstrap,
                     settings.sync_state_dir, interval=settings.status_interval_s,
                     recheck=settings.policy_recheck_s,
-                    idempotence=settings.kafka_idempotence)
+                    idempotence=settings.kafka_idempotence, allowances=allowances)
     http = await serve_http(host, port, {"/metrics": metrics_handler, "/healthz": healthz})
     log.info("hub_sync_started", spoke=settings.spoke, id=syncer_id, feed=bootstrap,
              last_good=syncer.last_good.revision, metrics=settings.sync_metrics_listen)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -127,14 +128,16 @@ async def test_the_follower_outlives_a_broker_that_is_down_and_reads_it_again_on
 def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
         feed_kafka: Service, redis_url: str, tmp_path: Path) -> None:
     """The long-running hub commands keep what they hold and retry while the broker is down,
-    rather than exit; once it is back, the syncer reports again on the status topic."""
+    rather than exit; once it is back, the syncer reports again on the status topic. The
+    syncer's allowance follower says on /metrics whether Kafka answers it, and `policy
+    status` shows its line under the syncer's row."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "GATEWAY_KAFKA_BOOTSTRAP": feed_kafka.address, "GATEWAY_KAFKA_IDEMPOTENCE": "false",
            "GATEWAY_SPOKE": "s1", "GATEWAY_REDIS_URL": redis_url,
            "GATEWAY_STATUS_INTERVAL_S": "1", "GATEWAY_SYNC_STATE_DIR": str(tmp_path / "sync")}
     env.pop("GATEWAY_HUB_BOOTSTRAP", None)
-    cmds = {"sync": ["policy", "sync", "--id", "sync-1",
-                     "--metrics-listen", f"127.0.0.1:{free_port()}"],
+    metrics_at = f"127.0.0.1:{free_port()}"
+    cmds = {"sync": ["policy", "sync", "--id", "sync-1", "--metrics-listen", metrics_at],
             "allocate": ["hub", "allocate", "--interval-s", "1"]}
     logs = {name: tmp_path / f"{name}.log" for name in cmds}
     procs = {name: subprocess.Popen([sys.executable, "-m", "gateway", *argv], env=env,
@@ -145,14 +148,26 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
         def reported() -> bool:
             return "s1/sync-1" in feed.latest(asyncio.run(read_all(feed_kafka.address,
                                                                    STATUS_TOPIC)))
+        def quota_feed_up() -> float | None:
+            return _gauge(metrics_at, "gateway_quota_feed_up")
+
         _wait(reported, "the syncer's first report")
+        _wait(lambda: quota_feed_up() == 1, "the allowance follower reads llm.quota.v1")
+        def policy_status() -> str:
+            return subprocess.run([sys.executable, "-m", "gateway", "policy", "status"],
+                                  env=env, capture_output=True, text=True, timeout=30).stdout
+
+        _wait(lambda: "\n  allowances: none yet\n" in policy_status(),
+              "the follower's line under the syncer's row of `policy status`")
         feed_kafka.stop()
         time.sleep(6)  # many failed fetches and reconnects
         dead = {name: logs[name].read_text()[-2000:] for name, proc in procs.items()
                 if proc.poll() is not None}
         assert not dead, dead
+        assert quota_feed_up() == 0
         feed_kafka.start()  # memory storage: every topic comes back empty
         _wait(reported, "a report once the broker is back")
+        _wait(lambda: quota_feed_up() == 1, "the allowance follower reads again")
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -162,6 +177,15 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _gauge(address: str, name: str) -> float | None:
+    """One unlabelled sample of a /metrics page, or None."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

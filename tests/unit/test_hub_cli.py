@@ -21,8 +21,10 @@ def test_policy_sync_takes_the_hubs_kafka_from_bootstrap_over_the_env(
     seen: dict[str, Any] = {}
 
     async def run_sync(settings: Settings, syncer_id: str,
-                       extra: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
+                       extra: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+                       allowances: Any = None) -> None:
         follower = getattr(extra[0], "__self__", None)
+        assert allowances is getattr(follower, "state", None)  # its state: `policy status`
         seen.update(feed=settings.feed_bootstrap, id=syncer_id,
                     allowances=getattr(follower, "bootstrap", None))
 

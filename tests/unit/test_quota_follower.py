@@ -3,11 +3,15 @@ quota topic's keys, without Kafka: the in-process limiter is the store."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
+from prometheus_client import REGISTRY
+
 from gateway.hub import quota_topic as qt
-from gateway.hub.allowances import AllowanceFollower
+from gateway.hub.allowances import AllowanceFollower, FollowerState, export
 from gateway.limits.memory import MemoryLimiter
+from gateway.policy_commands import allowances_text
 
 DAY = "20270115"
 
@@ -45,3 +49,38 @@ def test_quota_topic_keys() -> None:
     assert qt.parse_key(b"east/other") is None and qt.parse_key(None) is None
     assert qt.decode(b"not json") is None and qt.decode(b"[1]") is None
     assert qt.decode(None) is None and qt.decode(b'{"a": 1}') == {"a": 1}
+
+
+def gauges() -> dict[str, float | None]:
+    return {name: REGISTRY.get_sample_value(f"gateway_quota_{name}") for name in (
+        "feed_up", "store_up", "allowance_generation", "allowance_applied_timestamp_seconds")}
+
+
+async def test_the_followers_state_is_on_metrics_from_the_start_and_as_it_applies() -> None:
+    f = AllowanceFollower("unused:9092", "east", store=MemoryLimiter())
+    assert gauges() == {"feed_up": 0, "store_up": 1, "allowance_generation": 0,
+                        "allowance_applied_timestamp_seconds": 0}
+    await f.take(message(7, 400))
+    assert f.state.applied_at > 0
+    assert gauges() == {"feed_up": 0, "store_up": 1, "allowance_generation": 7,
+                        "allowance_applied_timestamp_seconds": f.state.applied_at}
+    export(FollowerState(generation=7, kafka_up=True, store_up=False, applied_at=5.0))
+    assert gauges() == {"feed_up": 1, "store_up": 0, "allowance_generation": 7,
+                        "allowance_applied_timestamp_seconds": 5.0}
+
+
+def test_the_followers_line_in_policy_status() -> None:
+    def text(**state: Any) -> str:
+        return allowances_text(asdict(FollowerState(**state)), now=1000.0)
+
+    assert text(kafka_up=True) == "allowances: none yet"
+    assert text() == "allowances: none yet; kafka away, retrying"  # not yet answered
+    assert text(generation=4, kafka_up=True, applied_at=988.4) == \
+        "allowances: generation 4, 12s ago"
+    assert text(generation=4, applied_at=900.0, error="kafka: KafkaConnectionError()") == \
+        "allowances: generation 4, 100s ago; kafka away, retrying: KafkaConnectionError()"
+    assert text(kafka_up=True, store_up=False, error="store: StoreUnavailable('x')") == \
+        "allowances: none yet; redis away, retrying: StoreUnavailable('x')"
+    assert text(store_up=False, error="store: StoreUnavailable('x')") == (
+        "allowances: none yet; kafka away, retrying; redis away, retrying: "
+        "StoreUnavailable('x')")
