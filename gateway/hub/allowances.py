@@ -26,11 +26,12 @@ from typing import Any
 from gateway import metrics
 from gateway.errors import StoreUnavailable
 from gateway.hub import quota_topic as qt
-from gateway.hub.topics import stop_consumer
+from gateway.hub.topics import probe, stop_consumer
 from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.log import log
 
 PROBE_S = 2.0  # how often Kafka is asked whether it answers (`state.kafka_up`)
+
 
 @dataclass
 class FollowerState:
@@ -102,7 +103,7 @@ class AllowanceFollower:
                 if stop.is_set():
                     return
                 if time.monotonic() - probed >= PROBE_S:
-                    await qt.probe(c)  # raises when Kafka is away: kafka_up is 0 till back
+                    await probe(c, 3.0)  # raises when Kafka is away: kafka_up is 0 till back
                     probed = time.monotonic()
         finally:
             self.state.kafka_up = False

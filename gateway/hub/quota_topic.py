@@ -104,13 +104,6 @@ async def batches(c: AIOKafkaConsumer, poll_ms: int = 200,
         yield [m for msgs in got.values() for m in msgs]
 
 
-async def probe(c: AIOKafkaConsumer, timeout_s: float = 3.0) -> None:
-    """A metadata round trip; raises (KAFKA_ERRORS) when no broker answers, which the
-    consumer alone never says (it retries quietly)."""
-    async with asyncio.timeout(timeout_s):
-        await c._client.fetch_all_metadata()
-
-
 async def read_until_caught_up(c: AIOKafkaConsumer, handle: Callable[[Any], object],
                                quiet_s: float = 2.0) -> None:
     """Hand every record to `handle` until the consumer is caught up (or nothing came for

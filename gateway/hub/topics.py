@@ -119,6 +119,13 @@ async def _metadata(c: AIOKafkaConsumer) -> Any:
     return await c._client.fetch_all_metadata()
 
 
+async def probe(c: AIOKafkaConsumer, timeout_s: float) -> None:
+    """Kafka answers within `timeout_s`, or this raises (KafkaError, TimeoutError): a consumer
+    alone never says the broker is away, it retries quietly."""
+    async with asyncio.timeout(timeout_s):
+        await _metadata(c)
+
+
 async def _assign_all(c: AIOKafkaConsumer, topic: str) -> list[TopicPartition]:
     """Every partition of `topic` from its beginning; [] if the topic does not exist yet."""
     parts = (await _metadata(c)).partitions_for_topic(topic)
@@ -209,8 +216,7 @@ class Follower:
                     if not self.caught_up:
                         self.caught_up = await _caught_up(c, tps)
                     if time.monotonic() - probed >= self.probe_s:
-                        async with asyncio.timeout(self.probe_s + 1):
-                            await _metadata(c)  # raises if Kafka is away
+                        await probe(c, self.probe_s + 1)
                         self._mark(None)
                         probed = time.monotonic()
                     yield records
