@@ -74,6 +74,13 @@ STORE_UP = Gauge("gateway_limiter_store_up",
                  "1 while the limiter store (Redis) answers, else 0 (admissions fail closed)",
                  multiprocess_mode="livemin")
 
+# A sidecar's state: another process (`policy sync`) does not show them, since their zeros
+# there would read as a sidecar down (`gateway_ready 0`, `gateway_limiter_store_up 0`).
+SIDECAR_GAUGES = frozenset((
+    "gateway_policy_revision", "gateway_extproc_streams_active", "gateway_ready",
+    "gateway_usage_spool_depth", "gateway_admissions_open",
+    "gateway_usage_spool_oldest_age_seconds", "gateway_limiter_store_up"))
+
 # Hub and spokes (DESIGN §10)
 STATUS_SEND_ERRORS = Counter(
     "gateway_hub_status_send_errors_total", "Status reports the hub's Kafka did not take")

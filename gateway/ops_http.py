@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from prometheus_client.metrics_core import Metric
 
 Handler = Callable[[], Awaitable[tuple[int, str, bytes]]]
 
@@ -24,6 +25,22 @@ async def metrics_handler() -> tuple[int, str, bytes]:
         multiprocess.MultiProcessCollector(registry)
         return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest(registry)
     return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest()
+
+
+class _Without:
+    """The default registry without some metric families."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def collect(self) -> Iterator[Metric]:
+        return (m for m in prometheus_client.REGISTRY.collect() if m.name not in self.names)
+
+
+async def syncer_metrics_handler() -> tuple[int, str, bytes]:
+    """/metrics of `gateway policy sync`: its own and the shared ones, not a sidecar's gauges."""
+    from gateway.metrics import SIDECAR_GAUGES
+    return 200, prometheus_client.CONTENT_TYPE_LATEST, generate_latest(_Without(SIDECAR_GAUGES))
 
 
 async def healthz() -> tuple[int, str, bytes]:

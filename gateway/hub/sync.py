@@ -185,7 +185,7 @@ async def run_sync(settings: Settings, syncer_id: str,
     """Run the syncer's tasks (and `extra` followers) until SIGTERM/SIGINT; `allowances`:
     the allowance follower's state, for the syncer's row of `policy status`."""
     from gateway.addresses import split_hostport
-    from gateway.ops_http import healthz, metrics_handler, serve_http
+    from gateway.ops_http import healthz, serve_http, syncer_metrics_handler
     from gateway.redis_clients import policy_client
 
     bootstrap = settings.feed_bootstrap
@@ -198,7 +198,7 @@ async def run_sync(settings: Settings, syncer_id: str,
                     settings.sync_state_dir, interval=settings.status_interval_s,
                     recheck=settings.policy_recheck_s,
                     idempotence=settings.kafka_idempotence, allowances=allowances)
-    http = await serve_http(host, port, {"/metrics": metrics_handler, "/healthz": healthz})
+    http = await serve_http(host, port, {"/metrics": syncer_metrics_handler, "/healthz": healthz})
     log.info("hub_sync_started", spoke=settings.spoke, id=syncer_id, feed=bootstrap,
              last_good=syncer.last_good.revision, metrics=settings.sync_metrics_listen)
     tasks = [asyncio.create_task(fn()) for fn in [*syncer.tasks(), *extra]]
