@@ -136,6 +136,7 @@ class Answer:
     request_id: str
     completion_tokens: int
     error: str = ""
+    sent_at: float = 0.0  # time.time() when sent (--answers-out)
 
 
 @dataclass
@@ -153,20 +154,23 @@ class Phase:
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
                       headers: dict[str, str]) -> Answer:
-    t0 = time.perf_counter()
+    t0, sent_at = time.perf_counter(), time.time()
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             raw = await resp.read()
             latency = time.perf_counter() - t0
             rid = resp.headers.get("x-request-id", "")
             if resp.status != 200:
-                return Answer(resp.status, latency, rid, -1, f"status {resp.status}")
+                return Answer(resp.status, latency, rid, -1, f"status {resp.status}",
+                              sent_at)
             usage = orjson.loads(raw).get("usage")
             if not isinstance(usage, dict):
-                return Answer(resp.status, latency, rid, -1, "no usage in the answer")
-            return Answer(200, latency, rid, int(usage.get("completion_tokens", 0)))
+                return Answer(resp.status, latency, rid, -1, "no usage in the answer", sent_at)
+            return Answer(200, latency, rid, int(usage.get("completion_tokens", 0)), "",
+                          sent_at)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return Answer(0, time.perf_counter() - t0, "", -1, f"{type(exc).__name__}: {exc}"[:200])
+        return Answer(0, time.perf_counter() - t0, "", -1, f"{type(exc).__name__}: {exc}"[:200],
+                      sent_at)
 
 
 async def closed_loop(session: aiohttp.ClientSession, url: str, body: bytes,
@@ -619,6 +623,9 @@ def main() -> int:
                         help="the key, its team and the model carry no limits: no admission in "
                              "Redis (default: limits too high to trip on all three tiers)")
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--answers-out", metavar="FILE", default=None,
+                        help="every measured request as a JSON line: path, workload, c, round, "
+                             "sent_at (time.time()), latency_ms, status, x-request-id")
     parser.add_argument("--keep-workdir", action="store_true")
     parser.add_argument("--py-spy", metavar="BIN", default=None,
                         help="record the spoke's sidecar with this py-spy binary")
@@ -716,6 +723,15 @@ def main() -> int:
                                 loadavg_end=loadavg_end),
         "git": git_state(),
     }
+    if args.answers_out:
+        with open(args.answers_out, "wb") as f:
+            for p in bench.phases:
+                for a in p.answers:
+                    f.write(orjson.dumps({"path": p.path, "workload": p.workload,
+                                          "c": p.concurrency, "round": p.round,
+                                          "sent_at": a.sent_at,
+                                          "latency_ms": a.latency_s * 1000,
+                                          "status": a.status, "rid": a.request_id}) + b"\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
