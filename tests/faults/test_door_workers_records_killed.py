@@ -167,10 +167,15 @@ def test_records_worker_killed_under_load(door_spoke: Spk) -> None:
     print(f"[{spoke.metering}] w0's live gauges at the kill: {stale}")
     assert sum(stale.values()) > 0, stale  # else the /metrics check below proves nothing
     if envoy_fed:
-        # The Check needs only the door; records go over gRPC, which Envoy retries.
-        assert len(outage) >= 5 and statuses == [200] * len(outage), statuses
-        assert all(r.status == 200 and not r.error for r in results), \
-            [(r.kind, r.status, r.error) for r in results if r.status != 200 or r.error]
+        # The Check needs only the door; records go over gRPC, which Envoy retries. Until
+        # they arrive, each request that ended meanwhile still holds its concurrency slot
+        # (64 for this key): a long outage's later requests get 429, the limit holding (seen
+        # once: 8 of 71 in a 1.42 s restart). Never a 503, and the first 48 all served.
+        in_order = [r.status for r in sorted(outage, key=_started)]
+        assert len(outage) >= 5 and set(in_order) <= {200, 429}, statuses
+        assert in_order[:48] == [200] * len(in_order[:48]), in_order
+        assert all(r.status in (200, 429) and not r.error for r in results), \
+            [(r.kind, r.status, r.error) for r in results if r.status not in (200, 429) or r.error]
     else:
         assert all(r.status in (200, 429, 503) for r in results)
         assert 503 in statuses, statuses  # failed closed while ext_proc was away
