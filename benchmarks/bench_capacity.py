@@ -155,23 +155,28 @@ class Phase:
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
                       headers: dict[str, str]) -> Answer:
-    t0, sent_at = time.perf_counter(), time.time()
+    sent_at = time.time()
+    answer = await _answer(session, url, body, headers)
+    answer.sent_at = sent_at
+    return answer
+
+
+async def _answer(session: aiohttp.ClientSession, url: str, body: bytes,
+                  headers: dict[str, str]) -> Answer:
+    t0 = time.perf_counter()
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             raw = await resp.read()
             latency = time.perf_counter() - t0
             rid = resp.headers.get("x-request-id", "")
             if resp.status != 200:
-                return Answer(resp.status, latency, rid, -1, f"status {resp.status}",
-                              sent_at)
+                return Answer(resp.status, latency, rid, -1, f"status {resp.status}")
             usage = orjson.loads(raw).get("usage")
             if not isinstance(usage, dict):
-                return Answer(resp.status, latency, rid, -1, "no usage in the answer", sent_at)
-            return Answer(200, latency, rid, int(usage.get("completion_tokens", 0)), "",
-                          sent_at)
+                return Answer(resp.status, latency, rid, -1, "no usage in the answer")
+            return Answer(200, latency, rid, int(usage.get("completion_tokens", 0)))
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return Answer(0, time.perf_counter() - t0, "", -1, f"{type(exc).__name__}: {exc}"[:200],
-                      sent_at)
+        return Answer(0, time.perf_counter() - t0, "", -1, f"{type(exc).__name__}: {exc}"[:200])
 
 
 async def closed_loop(session: aiohttp.ClientSession, url: str, body: bytes,

@@ -43,12 +43,13 @@ class FollowerState:
 
 
 def export(state: FollowerState) -> None:
-    """The state onto /metrics (`metrics.quota_gauges`)."""
+    """/metrics reads `state` from now on (`metrics.quota_gauges`), whenever it is scraped:
+    no copy to keep in step. One follower per process."""
     feed_up, store_up, generation, applied_at = metrics.quota_gauges()
-    feed_up.set(1 if state.kafka_up else 0)
-    store_up.set(1 if state.store_up else 0)
-    generation.set(state.generation)
-    applied_at.set(state.applied_at)
+    feed_up.set_function(lambda: 1 if state.kafka_up else 0)
+    store_up.set_function(lambda: 1 if state.store_up else 0)
+    generation.set_function(lambda: state.generation)
+    applied_at.set_function(lambda: state.applied_at)
 
 
 class AllowanceFollower:
@@ -66,7 +67,7 @@ class AllowanceFollower:
         self.idempotence = idempotence
         self.retry_s = retry_s
         self.state = FollowerState()
-        export(self.state)  # shown from the start: Kafka not yet answered
+        export(self.state)  # on /metrics from the start: Kafka not yet answered
         self._latest: dict[str, Any] | None = None  # newest allowance message not yet applied
         self._report: dict[str, Any] | None = None  # newest report not yet sent
         self._retry_at = 0.0  # the store failed: not before then
@@ -90,7 +91,6 @@ class AllowanceFollower:
             self.state.kafka_up = True
             if self.state.error.startswith("kafka"):
                 self.state.error = ""
-            export(self.state)
             mine = qt.allowance_key(self.spoke)
             probed = time.monotonic()
             async for batch in qt.batches(c, poll_ms=100):
@@ -107,7 +107,6 @@ class AllowanceFollower:
                     probed = time.monotonic()
         finally:
             self.state.kafka_up = False
-            export(self.state)
             await pub.close()
             await stop_consumer(c)
 
@@ -141,7 +140,6 @@ class AllowanceFollower:
         self.state.store_up = True
         if applied is not None:
             self.state.generation, self.state.applied_at, self.state.error = gen, time.time(), ""
-        export(self.state)
         if applied is None:  # an older generation than the one held
             return None
         log.info("quota_allowance_applied", spoke=self.spoke, generation=gen,
@@ -172,7 +170,6 @@ class AllowanceFollower:
         if what == "store":
             self.state.store_up = False
         self.state.error = f"{what}: {exc!r}"
-        export(self.state)
         log.warning("quota_follower_retrying", spoke=self.spoke, error=self.state.error,
                     retry_s=self.retry_s)
 
