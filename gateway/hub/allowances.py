@@ -30,7 +30,7 @@ from gateway.hub.topics import probe, stop_consumer
 from gateway.limits.allowances import Allowance, AllowanceStore, Applied, RedisAllowances
 from gateway.log import log
 
-PROBE_S = 2.0  # how often Kafka is asked whether it answers (`state.kafka_up`)
+PROBE_S = 2.0  # how often Kafka and Redis are asked whether they answer (`state.*_up`)
 
 
 @dataclass
@@ -103,6 +103,7 @@ class AllowanceFollower:
                 if stop.is_set():
                     return
                 if time.monotonic() - probed >= PROBE_S:
+                    await self.probe_store()  # a write alone would say only when one comes
                     await probe(c, 3.0)  # raises when Kafka is away: kafka_up is 0 till back
                     probed = time.monotonic()
         finally:
@@ -137,7 +138,7 @@ class AllowanceFollower:
             log.error("quota_allowance_unreadable", spoke=self.spoke, error=repr(exc))
             return None
         applied = await self.store.apply_allowances(gen, entries)
-        self.state.store_up = True
+        self._store_answered()
         if applied is not None:
             self.state.generation, self.state.applied_at, self.state.error = gen, time.time(), ""
         if applied is None:  # an older generation than the one held
@@ -156,10 +157,22 @@ class AllowanceFollower:
         """What the store holds, for the hello: an allocator that lost its topic starts
         its generations above it (else this spoke would refuse them all)."""
         try:
-            return await self.store.allowance_generation()
+            held = await self.store.allowance_generation()
         except StoreUnavailable as exc:
             self._failed("store", exc)
             return 0
+        self._store_answered()
+        return held
+
+    async def probe_store(self) -> None:
+        """Ask the store whether it answers, so `store_up` goes to 0 when Redis goes away
+        between allowances (most of the time: they come once per allocation)."""
+        await self._held_generation()
+
+    def _store_answered(self) -> None:
+        self.state.store_up = True
+        if self.state.error.startswith("store"):
+            self.state.error = ""
 
     def _message(self, generation: int, applied: list[Applied]) -> dict[str, Any]:
         return {"kind": "applied", "spoke": self.spoke, "generation": generation,

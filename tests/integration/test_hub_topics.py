@@ -126,11 +126,12 @@ async def test_the_follower_outlives_a_broker_that_is_down_and_reads_it_again_on
 
 
 def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
-        feed_kafka: Service, redis_url: str, tmp_path: Path) -> None:
+        feed_kafka: Service, redis_server: Service, redis_url: str, tmp_path: Path) -> None:
     """The long-running hub commands keep what they hold and retry while the broker is down,
     rather than exit; once it is back, the syncer reports again on the status topic. The
-    syncer's allowance follower says on /metrics whether Kafka answers it, and `policy
-    status` shows its line under the syncer's row."""
+    syncer's allowance follower says on /metrics whether Kafka and Redis answer it (Redis
+    too between allowances, when it writes nothing), and `policy status` shows its line
+    under the syncer's row."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
            "GATEWAY_KAFKA_BOOTSTRAP": feed_kafka.address, "GATEWAY_KAFKA_IDEMPOTENCE": "false",
            "GATEWAY_SPOKE": "s1", "GATEWAY_REDIS_URL": redis_url,
@@ -168,6 +169,13 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
         feed_kafka.start()  # memory storage: every topic comes back empty
         _wait(reported, "a report once the broker is back")
         _wait(lambda: quota_feed_up() == 1, "the allowance follower reads again")
+        assert _gauge(metrics_at, "gateway_quota_store_up") == 1
+        redis_server.stop()
+        _wait(lambda: _gauge(metrics_at, "gateway_quota_store_up") == 0,
+              "the follower sees Redis gone with no allowance to write")
+        redis_server.start()
+        _wait(lambda: _gauge(metrics_at, "gateway_quota_store_up") == 1,
+              "the follower sees Redis back")
     finally:
         for proc in procs.values():
             proc.terminate()

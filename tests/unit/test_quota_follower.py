@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
+from gateway.errors import StoreUnavailable
 from gateway.hub import quota_topic as qt
 from gateway.hub.allowances import AllowanceFollower, FollowerState, export
 from gateway.limits.memory import MemoryLimiter
@@ -67,6 +68,31 @@ async def test_the_followers_state_is_on_metrics_from_the_start_and_as_it_applie
     export(FollowerState(generation=7, kafka_up=True, store_up=False, applied_at=5.0))
     assert gauges() == {"feed_up": 1, "store_up": 0, "allowance_generation": 7,
                         "allowance_applied_timestamp_seconds": 5.0}
+
+
+class _Away(MemoryLimiter):
+    """The in-process store, made to fail like a Redis that went away while `away`."""
+
+    away = False
+
+    async def allowance_generation(self) -> int:
+        if self.away:
+            raise StoreUnavailable("redis: connection refused")
+        return await super().allowance_generation()
+
+
+async def test_the_store_probe_says_when_redis_goes_away_between_allowances() -> None:
+    store = _Away()
+    f = AllowanceFollower("unused:9092", "east", store=store)
+    await f.take(message(2, 400))
+    store.away = True
+    await f.probe_store()  # no allowance is written meanwhile: only the probe can tell
+    assert not f.state.store_up and f.state.error.startswith("store: ")
+    assert gauges()["store_up"] == 0
+    store.away = False
+    await f.probe_store()
+    assert f.state.store_up and f.state.error == "" and gauges()["store_up"] == 1
+    assert f.state.generation == 2  # what it applied stands
 
 
 def test_the_followers_line_in_policy_status() -> None:
