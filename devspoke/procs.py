@@ -88,15 +88,6 @@ def port_open(port: int, host: str = LOOPBACK, timeout: float = 0.2) -> bool:
     return True
 
 
-def wait_port(port: int, timeout: float = 10.0, host: str = LOOPBACK) -> None:
-    """Block until host:port accepts connections; TimeoutError after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not port_open(port, host):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nothing listens on {host}:{port} after {timeout:.1f}s")
-        time.sleep(0.02)
-
-
 def _listening_inodes(port: int) -> set[str] | None:
     """Socket inodes listening on `port` (any address), from /proc; None if unknown here."""
     inodes: set[str] = set()

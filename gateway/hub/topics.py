@@ -177,13 +177,12 @@ class Follower:
         self.probe_s = probe_s
         self.up = False
         self.error = "not connected yet"
-        self.ok_at = 0.0  # when Kafka last answered (time.time())
         self.generation = 0  # +1 each time it starts reading again from the beginning
         self.caught_up = False  # this generation has read up to the topic's end once
 
     def _mark(self, error: str | None) -> None:
         if error is None:
-            self.up, self.error, self.ok_at = True, "", time.time()
+            self.up, self.error = True, ""
         else:
             if self.up or self.error != error:
                 log.warning("hub_feed_unreachable", topic=self.topic, error=error)

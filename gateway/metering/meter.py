@@ -78,7 +78,6 @@ class Meter:
     content_chars: int = 0
     first_token: float | None = None
     last_token: float | None = None
-    malformed: int = 0
     saw_end: bool = False  # the engine's own end marker: [DONE], a terminal Responses event,
     # or Anthropic's message_stop
     engine_error: bool = False  # the engine reported a failure inside its stream
@@ -161,8 +160,7 @@ class Meter:
             return None
         try:
             obj = orjson.loads(ev.data)
-        except orjson.JSONDecodeError:
-            self.malformed += 1
+        except orjson.JSONDecodeError:  # a broken event: its content is not counted
             return None
         if not isinstance(obj, dict):
             return obj
@@ -249,8 +247,8 @@ class Meter:
             try:
                 self._usage(orjson.loads(b"".join(self._body)))
                 self.saw_end = True  # a whole JSON document arrived
-            except orjson.JSONDecodeError:
-                self.malformed += 1
+            except orjson.JSONDecodeError:  # not JSON: the usage is estimated
+                pass
             self._body = []
 
     def checkpoint(self) -> tuple[int, int] | None:

@@ -74,9 +74,6 @@ class Limits(_Strict):
             return None
         return self.burst if self.burst is not None else max(1, math.ceil(self.rps))
 
-    def is_empty(self) -> bool:
-        return all(v is None for v in self.model_dump().values())
-
 
 class GlobalLimits(_Strict):
     """One quota for all spokes together (DESIGN §10): the hub's allocator divides it into
