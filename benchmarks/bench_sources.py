@@ -1,7 +1,8 @@
 """The two metering sources side by side: CPU per request and per chunk, TTFT, stream pace
 and throughput of each, against an Envoy with no gateway at all.
 
-    .venv/bin/python benchmarks/bench_sources.py [--quick] [--out benchmarks/results/sources.json]
+    .venv/bin/python benchmarks/bench_sources.py [--quick] [--grpc-check] [--no-limits]
+        [--admit-ahead-ms 250] [--out benchmarks/results/sources.json]
 
 Three paths (four with --grpc-check), measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
@@ -14,6 +15,14 @@ Three paths (four with --grpc-check), measured in one run against one workload:
   its HTTP door (as `gateway dev` runs it);
 * with `--grpc-check`, `envoy_grpc_check`: a third spoke, the same with ext_authz's gRPC
   Check instead of the HTTP door: what the door saves, in the same run.
+
+The bench key, its team and the model carry limits too high to trip (rps, concurrency,
+tokens per minute), so every metered request is admitted through all three tiers in Redis
+and settled after, as under a real policy; `--no-limits` measures a key with none (no Redis
+admission: the Check answers from the policy alone; what this bench measured before
+2026-12-06). `--admit-ahead-ms MS` sets GATEWAY_ADMIT_AHEAD_MS on every spoke's sidecar
+(docs/admit-ahead.md). The JSON records both (`admission`, `spoke_admit_ahead_ms`), and the
+header line prints them.
 
 Workload: streaming chat completions (`stream: true`, no stream_options), the engine paced by
 x-mock-ttft-ms 20 and x-mock-tokens-per-s 1000 (content chunks 1 ms apart; see c8x4), max_tokens =
@@ -136,13 +145,15 @@ class Bench:
         self.held: dict[str, dict[str, int]] = {}  # path -> request id -> to_engine_us
 
     def start(self) -> None:
+        ahead = ({"GATEWAY_ADMIT_AHEAD_MS": f"{self.args.admit_ahead_ms:g}"}
+                 if self.args.admit_ahead_ms else {})
         for source in self.paths[1:]:
             metering, door = SPOKES[source]
             spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
-                          metering=metering, authz_http=door,
+                          metering=metering, authz_http=door, sidecar_env=ahead,
                           engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S)
             self.spokes[source] = spoke.start()
-            serve_one_key(spoke, self.secret)
+            serve_one_key(spoke, self.secret, limited=not self.args.no_limits)
         ext_proc = self.spokes[EXT_PROC]
         self.plain = envoy_without(WITHOUT_GATEWAY, ext_proc["sidecar"].address,
                                    ext_proc["engine"].address, self.workdir / PLAIN,
@@ -470,12 +481,19 @@ def main() -> int:
     parser.add_argument("--grpc-check", action="store_true",
                         help=f"also the envoy source with ext_authz's gRPC Check instead of "
                              f"the sidecar's HTTP door (path {ENVOY_GRPC})")
+    parser.add_argument("--no-limits", dest="no_limits", action="store_true",
+                        help="the key, its team and the model carry no limits: no admission in "
+                             "Redis (default: limits too high to trip on all three tiers)")
+    parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
+                        help="every spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md)")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 8)
     args.per_worker_c8 = args.per_worker_c8 or (3 if args.quick else 20)
     args.per_worker_c32 = args.per_worker_c32 or (2 if args.quick else 8)
     args.idle_s = 1.0 if args.quick else 3.0
+    admission = ("none (--no-limits)" if args.no_limits
+                 else "three tiers, limits too high to trip")
 
     import uvloop
 
@@ -486,8 +504,8 @@ def main() -> int:
     try:
         bench.start()
         print(f"up: {', '.join(f'{p} {bench.url(p)}' for p in bench.paths)}; "
-              f"pinned={bench.pinned};"
-              f" {args.rounds} rounds", flush=True)
+              f"pinned={bench.pinned}; {args.rounds} rounds; admission: {admission}; "
+              f"admit-ahead {args.admit_ahead_ms:g} ms", flush=True)
         uvloop.run(bench.measure())
         for source, spoke in bench.spokes.items():
             checks[source] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[source],
@@ -504,7 +522,8 @@ def main() -> int:
             shutil.rmtree(bench.workdir, ignore_errors=True)
 
     rows = bench.summary()
-    print("\n" + render_table(rows))
+    print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms\n"
+          + render_table(rows))
     print("\n".join(target_lines(rows)))
     ok = report(bench, checks, logs)
     print(f"checks: {'passed' if ok else 'FAILED'}; {time.time() - started:.0f} s")
@@ -512,6 +531,7 @@ def main() -> int:
         "bench": "sources", "mode": "quick" if args.quick else "full",
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": time.time() - started, "checks_passed": ok,
+        "admission": admission, "spoke_admit_ahead_ms": args.admit_ahead_ms,
         "workload": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S,
                      "phases": {k: {"concurrency": int(c), "chunks": n}
                                 for k, (c, n) in PHASES.items()},

@@ -96,6 +96,7 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
     doc = run("bench_sources.py", tmp_path)  # exits 1 on errors or a failed Kafka check
     assert doc["checks_passed"] and all(c["ok"] for c in doc["kafka_check"].values())
     assert [r["path"] for r in doc["rows"]] == ["plain", "ext_proc", "envoy"]
+    assert doc["admission"].startswith("three tiers"), doc["admission"]  # limited by default
     assert all(r["ok"] == r["requests_total"] > 0 for r in doc["rows"]), doc["rows"]
 
 
