@@ -3,7 +3,7 @@ door: one upstream connection per concurrent Check) against the same over h2c (e
 a stream on one HTTP/2 connection), Envoy side only, without an h2c door.
 
     .venv/bin/python benchmarks/bench_check_transport.py [--rounds 5] [--requests 1600]
-        [--requests-c1 300] [--concurrency 32,1] [--quick] [--no-pin]
+        [--requests-c1 300] [--levels c32,c1,r800] [--seconds 2] [--quick] [--no-pin]
 
 The answerer: a second Envoy whose listener (codec AUTO: HTTP/1.1 or h2c prior knowledge)
 answers every Check with a constant 200 carrying a set of headers like the door's allowed
@@ -20,10 +20,13 @@ http2_protocol_options, as gateway/envoyconf/clusters.py's `http2_cluster`), `h1
 second `h1`: the noise floor) and `no_authz` (no ext_authz filter: what the whole Check
 costs on this floor).
 
-Workload: bench_capacity's short non-streamed chat, closed loop at each `--concurrency`.
-Each round runs every Envoy once per concurrency, in order, reversed every other round
-(A B C D, D C B A) so drift cancels. CPU per request: schedstat of the Envoy under test
-(every thread) over the phase and 0.1 s after, less its idle rate. Reported per concurrency:
+Workload: bench_capacity's short non-streamed chat at each of `--levels`: `cN` a closed
+loop of N clients, `rR` an open loop at R req/s for `--seconds` (the same load on every
+Envoy; its batching per wake-up depends on the rate: 800/s is about what the whole spoke
+serves at c=32, where the sidecar is the bottleneck). Each round runs every Envoy once per
+level, in order, reversed every other round (A B C D, D C B A) so drift cancels. CPU per
+request: schedstat of the Envoy under test (every thread) over the phase and 0.1 s after,
+less its idle rate. Reported per level:
 the median over rounds of µs/request, of h1 minus h2c in the same round (and h1 minus
 h1_b), latency p50/p99 (aiohttp, client side), and the authz cluster's counters from
 Envoy's admin: connections opened since the start (upstream_cx_total, _http1_total,
@@ -55,7 +58,7 @@ from typing import Any
 
 import aiohttp
 import yaml
-from bench_capacity import WORKLOADS, closed_loop
+from bench_capacity import WORKLOADS, closed_loop, open_loop
 from bench_latency import floor_config
 from common import git_state, machine_info, markdown_table, pin, sched_ns
 
@@ -178,9 +181,9 @@ class Bench:
         self.answerer_admin = 0
         self.envoys: dict[str, tuple[Service, int]] = {}  # name -> (service, admin port)
         self.idle: dict[str, float] = {}
-        # (concurrency, round, variant) -> phase
-        self.results: dict[tuple[int, int, str], dict[str, Any]] = {}
-        self.counters: dict[str, dict[str, dict[str, int]]] = {}  # concurrency -> ...
+        # (level, round, variant) -> phase
+        self.results: dict[tuple[str, int, str], dict[str, Any]] = {}
+        self.counters: dict[str, dict[str, dict[str, int]]] = {}  # level -> ...
 
     def start(self) -> None:
         self.engine = engine_service(free_port(), self.workdir, ttft_ms=0).start()
@@ -213,7 +216,7 @@ class Bench:
                 out[name] = s[0] / 1e9
         return out
 
-    async def phase(self, session: aiohttp.ClientSession, name: str, conc: int,
+    async def phase(self, session: aiohttp.ClientSession, name: str, level: str,
                     requests: int) -> dict[str, Any]:
         path, body = WORKLOADS["chat"]
         headers = {"authorization": "Bearer bench", "content-type": "application/json",
@@ -223,8 +226,10 @@ class Bench:
         gc.disable()
         try:
             before, t0 = self.cpu(), time.perf_counter()
-            answers = await closed_loop(session, url, body, headers, conc,
-                                        max(1, requests // conc))
+            n = int(level[1:])
+            answers = await (open_loop(session, url, body, headers, n, self.args.seconds)
+                             if level[0] == "r" else
+                             closed_loop(session, url, body, headers, n, max(1, requests // n)))
             wall = time.perf_counter() - t0
             await asyncio.sleep(SETTLE_S)
             after, span = self.cpu(), time.perf_counter() - t0
@@ -242,27 +247,27 @@ class Bench:
                 timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as session:
             names = list(self.envoys)
             for name in names:  # warm-up
-                await self.phase(session, name, max(self.args.concurrency), 64)
+                await self.phase(session, name, "c32", 64)
             before, t0 = self.cpu(), time.perf_counter()
             await asyncio.sleep(IDLE_S)
             after, wall = self.cpu(), time.perf_counter() - t0
             self.idle = {k: (after[k] - v) / wall for k, v in before.items()}
-            for conc in self.args.concurrency:
+            for conc in self.args.levels:
                 start = {n: cluster_counters(a) for n, (_, a) in self.envoys.items()}
                 ans0 = answerer_counters(self.answerer_admin)
-                requests = self.args.requests if conc > 1 else self.args.requests_c1
+                requests = self.args.requests_c1 if conc == "c1" else self.args.requests
                 for rnd in range(self.args.rounds):
                     for name in (names if rnd % 2 == 0 else names[::-1]):
                         self.results[(conc, rnd, name)] = await self.phase(
                             session, name, conc, requests)
                     r = {n: self.results[(conc, rnd, n)] for n in names}
-                    print(f"  c={conc} round {rnd}: " + ", ".join(
+                    print(f"  {conc} round {rnd}: " + ", ".join(
                         f"{n} {x['envoy_us']:.0f} µs p50 {x['p50_ms']:.2f} ms"
                         for n, x in r.items()), flush=True)
                 end = {n: cluster_counters(a) for n, (_, a) in self.envoys.items()}
                 ans1 = answerer_counters(self.answerer_admin)
                 # per Envoy: the level's new connections and requests, and since its start
-                self.counters[str(conc)] = {
+                self.counters[conc] = {
                     **{n: {**{k: end[n][k] - start[n][k] for k in end[n]
                               if k != "upstream_cx_active"},
                            "upstream_cx_active": end[n]["upstream_cx_active"],
@@ -276,7 +281,7 @@ class Bench:
     def rows(self) -> list[dict[str, Any]]:
         out = []
         rounds = range(self.args.rounds)
-        for conc in self.args.concurrency:
+        for conc in self.args.levels:
             for name in self.envoys:
                 r = [self.results[(conc, i, name)] for i in rounds]
                 h1 = [self.results[(conc, i, "h1")] for i in rounds] \
@@ -284,7 +289,7 @@ class Bench:
                 saved = ([a["envoy_us"] - b["envoy_us"] for a, b in zip(h1, r, strict=True)]
                          if h1 else [])
                 out.append({
-                    "concurrency": conc, "variant": name, "what": VARIANTS[name],
+                    "level": conc, "variant": name, "what": VARIANTS[name],
                     "envoy_us": statistics.median(x["envoy_us"] for x in r),
                     "envoy_us_rounds": [x["envoy_us"] for x in r],
                     "saved_vs_h1_us": statistics.median(saved) if saved else None,
@@ -293,17 +298,17 @@ class Bench:
                     "p99_ms": statistics.median(x["p99_ms"] for x in r),
                     "rps": statistics.median(x["rps"] for x in r),
                     "errors": sum(int(x["errors"]) for x in r),
-                    "authz_cluster": self.counters[str(conc)][name]})
+                    "authz_cluster": self.counters[conc][name]})
         return out
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    head = ("c", "variant", "Envoy µs/req", "h1 - this, µs (rounds)", "p50 ms", "p99 ms",
+    head = ("level", "variant", "Envoy µs/req", "h1 - this, µs (rounds)", "p50 ms", "p99 ms",
             "req/s", "errors", "authz cluster: cx since start (h1, h2) / active / rq")
     body = []
     for r in rows:
         c = r["authz_cluster"]
-        body.append((str(r["concurrency"]), r["variant"], f"{r['envoy_us']:.0f}",
+        body.append((r["level"], r["variant"], f"{r['envoy_us']:.0f}",
                      "-" if r["saved_vs_h1_us"] is None or r["variant"] == "h1" else
                      f"{r['saved_vs_h1_us']:+.0f} (" + " ".join(
                          f"{s:+.0f}" for s in r["saved_vs_h1_us_rounds"]) + ")",
@@ -325,7 +330,11 @@ def main() -> int:
                         help="requests a phase at c>1 (default: %(default)s)")
     parser.add_argument("--requests-c1", type=int, default=300,
                         help="requests a phase at c=1 (default: %(default)s)")
-    parser.add_argument("--concurrency", default="32,1")
+    parser.add_argument("--levels", default="c32,c1,r800",
+                        help="cN: closed loop, N clients; rR: open loop, R req/s "
+                             "(default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=2.0,
+                        help="an open-loop phase's length (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="2 rounds of 128 (c>1) and 32 (c=1) requests: the harness runs")
     parser.add_argument("--no-pin", action="store_true")
@@ -334,9 +343,11 @@ def main() -> int:
     args.variants = [v for v in args.variants.split(",") if v]
     if unknown := set(args.variants) - set(VARIANTS):
         parser.error(f"unknown variants: {sorted(unknown)}")
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.levels = [v for v in args.levels.split(",") if v]
+    if bad := [v for v in args.levels if v[:1] not in ("c", "r") or not v[1:].isdigit()]:
+        parser.error(f"bad levels: {bad}")
     if args.quick:
-        args.rounds, args.requests, args.requests_c1 = 2, 128, 32
+        args.rounds, args.requests, args.requests_c1, args.seconds = 2, 128, 32, 0.2
 
     import uvloop
 
@@ -352,17 +363,17 @@ def main() -> int:
     rows = bench.rows()
     print("\n" + render_table(rows))
     print(f"Envoy CPU per request: schedstat over the phase + {SETTLE_S} s, less idle; median "
-          f"of {args.rounds} rounds; chat, closed loop; authz cluster counters over the "
-          "whole concurrency level")
+          f"of {args.rounds} rounds; chat; authz cluster counters over the "
+          "whole level")
     for conc, c in bench.counters.items():
-        print(f"c={conc} answerer: {c['answerer']}")
+        print(f"{conc} answerer: {c['answerer']}")
     errors = sum(r["errors"] for r in rows)
     loadavg_end = os.getloadavg()
     doc = {"bench": "check_transport",
            "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
            "duration_s": time.time() - started, "rounds": args.rounds,
            "requests": args.requests, "requests_c1": args.requests_c1,
-           "concurrency": args.concurrency, "answer_headers": ANSWER, "rows": rows,
+           "levels": args.levels, "seconds": args.seconds, "answer_headers": ANSWER, "rows": rows,
            "counters": bench.counters,
            "machine": machine_info(pinned=bench.pinned, loadavg_start=loadavg_start,
                                    loadavg_end=loadavg_end), "git": git_state()}
