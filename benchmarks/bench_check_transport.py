@@ -305,7 +305,7 @@ class Bench:
 def render_table(rows: list[dict[str, Any]]) -> str:
     head = ("level", "variant", "Envoy µs/req", "h1 - this, µs (rounds)", "p50 ms", "p99 ms",
             "req/s", "errors", "authz cluster: cx since start (h1, h2) / active / rq")
-    body = []
+    body: list[tuple[str, ...]] = []
     for r in rows:
         c = r["authz_cluster"]
         body.append((r["level"], r["variant"], f"{r['envoy_us']:.0f}",
