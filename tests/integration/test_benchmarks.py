@@ -194,3 +194,20 @@ def test_bench_envoy_cost_small(tmp_path: Path) -> None:
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"ref", "no_file_log"}
     assert all(r["errors"] == 0 and r["envoy_us"] > 0 for r in rows.values()), rows
+
+
+def test_bench_check_transport_quick(tmp_path: Path) -> None:
+    """h1 and h2c Envoys to the constant answerer, one short level each: every request
+    answered, h1 on many authz connections, h2c multiplexed on one HTTP/2 connection."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_check_transport.py"), "--quick",
+                           "--variants", "h1,h2c", "--levels", "c8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"h1", "h2c"}
+    assert all(r["errors"] == 0 and r["envoy_us"] > 0 for r in rows.values()), rows
+    h1, h2c = rows["h1"]["authz_cluster"], rows["h2c"]["authz_cluster"]
+    assert h1["upstream_cx_http1_total_since_start"] > 1 and h1["upstream_cx_http2_total"] == 0
+    assert h2c["upstream_cx_total_since_start"] == h2c["upstream_cx_http2_total_since_start"] == 1
+    assert h1["upstream_rq_total"] == h2c["upstream_rq_total"] == 2 * 128  # --quick: 2 rounds
