@@ -2,7 +2,7 @@
 and throughput of each, against an Envoy with no gateway at all.
 
     .venv/bin/python benchmarks/bench_sources.py [--quick] [--grpc-check] [--no-limits]
-        [--admit-ahead-ms 250] [--out benchmarks/results/sources.json]
+        [--admit-ahead-ms 250] [--redis-with-gateway] [--out benchmarks/results/sources.json]
 
 Three paths (four with --grpc-check), measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
@@ -57,9 +57,11 @@ plain request id on either topic; no traceback in the sidecars' logs. For each r
 answered 200 the Envoy access-log line (status, flags, details, ext_authz time) is printed.
 
 CPU placement (2+ CPUs, unless --no-pin): each path's Envoy and sidecar on CPU 0; the client,
-engines, Redis and Tansu on CPU 1. `cpu0 %`/`cpu1 %`: how busy the path's gateway and CPU 1's
-processes were at c=32; with cpu1 near 100 % the client side, not the gateway, bounds
-throughput and pace. The issue's targets are printed beside the numbers, not asserted.
+engines, Redis and Tansu on CPU 1 (`--redis-with-gateway`: both spokes' Redis on CPU 0 with
+the gateways instead; JSON `redis_cpu`, and the header line prints it). `cpu0 %`/`cpu1 %`: how
+busy the path's gateway and CPU 1's processes were at c=32; with cpu1 near 100 % the client
+side, not the gateway, bounds throughput and pace. The issue's targets are printed beside the
+numbers, not asserted.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class Bench:
         self.refused: dict[str, int] = {}  # rid -> chunks, requests answered other than 200
         self.idle: dict[str, float] = {}
         self.held: dict[str, dict[str, int]] = {}  # path -> request id -> to_engine_us
+        # processes pinned with the gateways on CPU 0 (by name suffix); the rest go on CPU 1
+        self.on_gateway = (".envoy", ".sidecar") + ((".redis",) if args.redis_with_gateway
+                                                    else ())
 
     def start(self) -> None:
         ahead = ({"GATEWAY_ADMIT_AHEAD_MS": f"{self.args.admit_ahead_ms:g}"}
@@ -161,8 +166,7 @@ class Bench:
         if self.pinned:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
-                gateway = name.endswith((".envoy", ".sidecar"))
-                pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
+                pin(svc.pid, {GATEWAY_CPU} if name.endswith(self.on_gateway) else {OTHER_CPU})
 
     def stop(self) -> None:
         for svc in (self.plain, *self.spokes.values()):
@@ -244,8 +248,9 @@ class Bench:
     def row(self, path: str) -> dict[str, Any]:
         ph = {k: [p for p in self.phases if p.path == path and p.kind == k] for k in PHASES}
         ours = [k for k in self.phases[0].cpu_s if not k.startswith("cpu")]
-        side = [k for k in ours if k == "client" or k.endswith((".engine", ".redis", ".kafka"))]
-        gw_all = [k for k in ours if k.endswith((".envoy", ".sidecar"))]
+        side = [k for k in ours if k == "client" or (
+            k.endswith((".engine", ".redis", ".kafka")) and not k.endswith(self.on_gateway))]
+        gw_all = [k for k in ours if k.endswith(self.on_gateway)]  # CPU 0's
 
         def per_req(kind: str, proc: str, idle: float = 0.0) -> float:  # µs
             cpu = sum(p.cpu_s.get(proc, 0.0) - idle / 1e6 * p.span_s for p in ph[kind])
@@ -301,7 +306,8 @@ class Bench:
             "per_phase": [{"round": p.round, "kind": p.kind, "wall_s": p.wall_s,
                            "span_s": p.span_s, "requests": len(p.samples), "cpu_s": {
                                k: v for k, v in p.cpu_s.items() if k.startswith((path, "cpu"))
-                               or k in side}} for v in ph.values() for p in v],
+                               or k in side or k.endswith(".redis")}}
+                          for v in ph.values() for p in v],
         }
 
     def read_access_logs(self) -> None:
@@ -389,7 +395,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         "cpu4/req)/60, fixed = cpu4/req - 4·µs/chunk; TTFT ms at c=8 with 64 chunks (p50 = "
         "median of round p50s, p99 pooled, +p50 = minus plain's); c=32 with 64 chunks: req/s, "
         "pace = mean gap between content events per stream (mean over streams), cpu0 % = the "
-        "path's Envoy + sidecar, cpu1 % = client + engines + Redis + Tansu")
+        "path's Envoy + sidecar, cpu1 % = client + engines + Redis (unless --redis-with-gateway) "
+        "+ Tansu")
     for r in rows:
         for part in ("envoy", "sidecar") if r["path"] != PLAIN else ("envoy",):
             (short, long_), rr = r[f"{part}_us_per_req_4_64"], r[f"{part}_us_per_chunk_rounds"]
@@ -486,6 +493,9 @@ def main() -> int:
                              "Redis (default: limits too high to trip on all three tiers)")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="every spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md)")
+    parser.add_argument("--redis-with-gateway", action="store_true",
+                        help="pin both spokes' Redis to CPU 0 with the Envoys and sidecars "
+                             "(default: CPU 1, with the client, the engines and Tansu)")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 8)
@@ -499,13 +509,15 @@ def main() -> int:
 
     started, loadavg_start = time.time(), os.getloadavg()
     bench = Bench(args)
+    redis_cpu = (GATEWAY_CPU if args.redis_with_gateway else OTHER_CPU) if bench.pinned else None
+    redis_at = f"Redis on CPU {redis_cpu}" if bench.pinned else "not pinned"
     checks: dict[str, dict[str, Any]] = {}
     logs: dict[str, dict[str, Any]] = {}
     try:
         bench.start()
         print(f"up: {', '.join(f'{p} {bench.url(p)}' for p in bench.paths)}; "
               f"pinned={bench.pinned}; {args.rounds} rounds; admission: {admission}; "
-              f"admit-ahead {args.admit_ahead_ms:g} ms", flush=True)
+              f"admit-ahead {args.admit_ahead_ms:g} ms; {redis_at}", flush=True)
         uvloop.run(bench.measure())
         for source, spoke in bench.spokes.items():
             checks[source] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[source],
@@ -522,7 +534,7 @@ def main() -> int:
             shutil.rmtree(bench.workdir, ignore_errors=True)
 
     rows = bench.summary()
-    print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms\n"
+    print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms; {redis_at}\n"
           + render_table(rows))
     print("\n".join(target_lines(rows)))
     ok = report(bench, checks, logs)
@@ -532,6 +544,7 @@ def main() -> int:
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": time.time() - started, "checks_passed": ok,
         "admission": admission, "spoke_admit_ahead_ms": args.admit_ahead_ms,
+        "redis_cpu": redis_cpu,
         "workload": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S,
                      "phases": {k: {"concurrency": int(c), "chunks": n}
                                 for k, (c, n) in PHASES.items()},
