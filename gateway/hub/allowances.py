@@ -182,9 +182,11 @@ class AllowanceFollower:
     def _failed(self, what: str, exc: BaseException) -> None:
         if what == "store":
             self.state.store_up = False
-        self.state.error = f"{what}: {exc!r}"
-        log.warning("quota_follower_retrying", spoke=self.spoke, error=self.state.error,
-                    retry_s=self.retry_s)
+        error = f"{what}: {exc!r}"
+        if error != self.state.error:  # once per outage, not once per probe
+            log.warning("quota_follower_retrying", spoke=self.spoke, error=error,
+                        retry_s=self.retry_s)
+        self.state.error = error
 
 
 def main() -> None:

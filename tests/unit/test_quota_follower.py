@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
 from gateway.errors import StoreUnavailable
 from gateway.hub import quota_topic as qt
@@ -86,8 +87,11 @@ async def test_the_store_probe_says_when_redis_goes_away_between_allowances() ->
     f = AllowanceFollower("unused:9092", "east", store=store)
     await f.take(message(2, 400))
     store.away = True
-    await f.probe_store()  # no allowance is written meanwhile: only the probe can tell
+    with capture_logs() as logs:
+        await f.probe_store()  # no allowance is written meanwhile: only the probe can tell
+        await f.probe_store()
     assert not f.state.store_up and f.state.error.startswith("store: ")
+    assert [e["event"] for e in logs] == ["quota_follower_retrying"]  # once per outage
     assert gauges()["store_up"] == 0
     store.away = False
     await f.probe_store()
