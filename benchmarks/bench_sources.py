@@ -2,7 +2,8 @@
 and throughput of each, against an Envoy with no gateway at all.
 
     .venv/bin/python benchmarks/bench_sources.py [--quick] [--grpc-check] [--no-limits]
-        [--admit-ahead-ms 250] [--redis-with-gateway] [--out benchmarks/results/sources.json]
+        [--admit-ahead-ms 250] [--redis-with-gateway] [--door-times]
+        [--out benchmarks/results/sources.json]
 
 Three paths (four with --grpc-check), measured in one run against one workload:
 * `plain`: the spoke's Envoy config with ext_authz and ext_proc deleted
@@ -55,6 +56,19 @@ every metered request answered 200 (warm-up included) is on its spoke's topic ll
 exactly once, outcome completed, usage_source reported, completion_tokens = its chunks; no
 plain request id on either topic; no traceback in the sidecars' logs. For each request not
 answered 200 the Envoy access-log line (status, flags, details, ext_authz time) is printed.
+
+`--door-times`: the `envoy` spoke's sidecar loads benchmarks/door_timing (as
+bench_latency.py --door-times does: its docstring has the lines), which logs inside it each
+Check's read-to-write µs and the wall time of its read, each records Export, settle and
+renewal, and each admission call (admit.lua, a batch). After the run, for the c8x64
+phases' Checks (joined by request id): read-to-write p50/p90; bursts (Checks each read
+within 1 ms of the one before) and, by position in a burst, read-to-write, `to_engine_us`
+and sent-to-read (the client's send, time.time(), to the door's read: the client, the
+loopback and Envoy before the Check reached the door); how many Checks' read-to-write
+windows overlap an Export's reading (the loop held) or a settle/renewal; for admitted
+Checks, the admission call that answered each (the last to start after its read and end
+before its answer): µs before it, in it, after it, and its size. Printed and in the JSON
+(`door_times`). The sidecar's own work for those lines adds a few µs per Check.
 
 CPU placement (2+ CPUs, unless --no-pin): each path's Envoy and sidecar on CPU 0; the client,
 engines, Redis and Tansu on CPU 1 (`--redis-with-gateway`: both spokes' Redis on CPU 0 with
@@ -154,8 +168,10 @@ class Bench:
                  if self.args.admit_ahead_ms else {})
         for source in self.paths[1:]:
             metering, door = SPOKES[source]
+            env = ahead | (self.door_env() if source == ENVOY and self.args.door_times
+                           else {})
             spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
-                          metering=metering, authz_http=door, sidecar_env=ahead,
+                          metering=metering, authz_http=door, sidecar_env=env,
                           engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S)
             self.spokes[source] = spoke.start()
             serve_one_key(spoke, self.secret, limited=not self.args.no_limits)
@@ -167,6 +183,86 @@ class Bench:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
                 pin(svc.pid, {GATEWAY_CPU} if name.endswith(self.on_gateway) else {OTHER_CPU})
+
+    def door_env(self) -> dict[str, str]:
+        """--door-times: the envoy spoke's sidecar loads benchmarks/door_timing."""
+        return {"PYTHONPATH": os.pathsep.join([str(HERE / "door_timing"),
+                                               os.environ.get("PYTHONPATH", "")]),
+                "GATEWAY_BENCH_DOOR_TIMES": str(self.workdir / "door-times")}
+
+    def door_times(self) -> dict[str, Any]:
+        """--door-times: the c8x64 Checks of the envoy path, as the sidecar saw them."""
+        lines: dict[str, list[list[str]]] = {}
+        with contextlib.suppress(OSError):
+            for line in (self.workdir / "door-times").read_text().splitlines():
+                kind, *rest = line.split()
+                lines.setdefault(kind, []).append(rest)
+        sent = {s.request_id: s.sent_at for p in self.phases
+                if p.path == ENVOY and p.kind == "c8x64" for s in p.samples}
+        checks = sorted((float(wall), float(us), rid) for _, _, us, wall, rid
+                        in lines.get("check", []) if rid in sent)
+        if not checks:
+            return {}
+        held = self.held.get(ENVOY, {})
+        exports = [(float(w), float(w) + float(h) / 1e6) for _, h, _, w in lines.get("export", [])]
+        store = [(float(w), float(w) + float(us) / 1e6)
+                 for kind in ("settle", "renew") for _, us, w in lines.get(kind, [])]
+
+        def overlaps(spans: list[tuple[float, float]], a: float, b: float) -> bool:
+            return any(s < b and e > a for s, e in spans)
+
+        by_pos: dict[int, list[tuple[float, int | None, float]]] = {}
+        sizes: Counter[int] = Counter()
+        pos, prev = 0, -1.0
+        burst: list[int] = []
+        met_export = met_store = 0
+        admits = sorted((float(w), float(w) + float(us) / 1e6, int(n))
+                        for n, us, w in lines.get("admit", []))
+        calls: list[tuple[float, float, float, int]] = []  # wait, call, after (µs), size
+        for wall, us, _ in checks:  # its call: the last to start after the read, end before
+            end = wall + us / 1e6
+            mine = [a for a in admits if a[0] >= wall and a[1] <= end]
+            if mine:
+                s0, e0, n = mine[-1]
+                calls.append(((s0 - wall) * 1e6, (e0 - s0) * 1e6, (end - e0) * 1e6, n))
+        for i, (wall, us, rid) in enumerate(checks):
+            pos = pos + 1 if wall - prev < 0.001 else 1
+            prev = wall
+            if pos == 1 and burst:
+                sizes[len(burst)] += 1
+                burst = []
+            burst.append(i)
+            by_pos.setdefault(min(pos, 8), []).append(
+                (us, held.get(rid), (wall - sent[rid]) * 1e6))
+            met_export += overlaps(exports, wall, wall + us / 1e6)
+            met_store += overlaps(store, wall, wall + us / 1e6)
+        sizes[len(burst)] += 1
+        us_all = [c[1] for c in checks]
+        eng = [held[c[2]] for c in checks if c[2] in held]
+
+        def q(v: list[float], p: int) -> float:
+            return pct(v, p) if v else float("nan")
+
+        return {
+            "checks": len(checks), "read_to_write_p50_us": q(us_all, 50),
+            "read_to_write_p90_us": q(us_all, 90), "to_engine_p50_us": q(eng, 50),
+            "outside_door_p50_us": q([held[r] - u for _, u, r in checks if r in held], 50),
+            "sent_to_read_p50_us": q([(w - sent[r]) * 1e6 for w, _, r in checks], 50),
+            "burst_sizes": dict(sorted(sizes.items())),
+            "in_bursts": sum(n * k for k, n in sizes.items() if k > 1),
+            "by_position": {k: {"n": len(v), "read_to_write_p50_us": q([u for u, _, _ in v], 50),
+                                "sent_to_read_p50_us": q([r for _, _, r in v], 50),
+                                "to_engine_p50_us": q([e for _, e, _ in v if e is not None], 50)}
+                            for k, v in sorted(by_pos.items())},
+            "admitted_checks_joined": len(calls),
+            "before_call_p50_us": q([c[0] for c in calls], 50),
+            "before_call_p90_us": q([c[0] for c in calls], 90),
+            "call_p50_us": q([c[1] for c in calls], 50),
+            "call_p90_us": q([c[1] for c in calls], 90),
+            "after_call_p50_us": q([c[2] for c in calls], 50),
+            "call_sizes": dict(sorted(Counter(c[3] for c in calls).items())),
+            "overlap_export": met_export, "overlap_settle_renew": met_store,
+            "exports": len(exports), "settles_renews": len(store)}
 
     def stop(self) -> None:
         for svc in (self.plain, *self.spokes.values()):
@@ -496,6 +592,9 @@ def main() -> int:
     parser.add_argument("--redis-with-gateway", action="store_true",
                         help="pin both spokes' Redis to CPU 0 with the Envoys and sidecars "
                              "(default: CPU 1, with the client, the engines and Tansu)")
+    parser.add_argument("--door-times", action="store_true",
+                        help="the envoy spoke's sidecar logs each Check's time in it "
+                             "(benchmarks/door_timing; see the docstring)")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 8)
@@ -528,6 +627,7 @@ def main() -> int:
     finally:
         bench.stop()
         bench.read_access_logs()
+        door = bench.door_times() if args.door_times else {}
         if args.keep_workdir:
             print(f"workdir kept: {bench.workdir}")
         else:
@@ -537,6 +637,8 @@ def main() -> int:
     print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms; {redis_at}\n"
           + render_table(rows))
     print("\n".join(target_lines(rows)))
+    if door:
+        print("door times (envoy path, c8x64, inside the sidecar):", json.dumps(door))
     ok = report(bench, checks, logs)
     print(f"checks: {'passed' if ok else 'FAILED'}; {time.time() - started:.0f} s")
     doc = {
@@ -551,7 +653,7 @@ def main() -> int:
                      "per_worker_c8": args.per_worker_c8, "per_worker_c32": args.per_worker_c32},
         "rounds": args.rounds, "targets": TARGETS, "rows": rows, "idle_us_per_s": bench.idle,
         "errors": bench.problems, "error_sample": bench.problem_sample,
-        "kafka_check": checks, "sidecar_log": logs,
+        "kafka_check": checks, "sidecar_log": logs, "door_times": door,
         "machine": {"nproc": os.cpu_count(), "python": sys.version.split()[0],
                     "platform": platform.platform(), "pinned": bench.pinned,
                     "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()},

@@ -64,6 +64,7 @@ class Sample:
     done: bool = False  # the end marker: `data: [DONE]` (chat), message_stop (messages)
     usage_chunks: int = 0  # chat only: Anthropic streams always carry usage
     api: Api = "chat"
+    sent_at: float = 0.0  # wall time (time.time()) the request was sent
 
     def problem(self, want_tokens: int) -> str:
         if self.error:
@@ -120,7 +121,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes,
                       headers: dict[str, str], api: Api = "chat") -> Sample:
     sample = Sample(api=api)
     last: list[float] = []
-    t0 = time.perf_counter()
+    t0, sample.sent_at = time.perf_counter(), time.time()
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             sample.hdr_s = time.perf_counter() - t0

@@ -6,6 +6,7 @@ beside Envoy's access log):
     export <records> <µs until its first wait> <µs in all> <wall of its start>
     settle <endings> <µs> <wall of its start>       (the ledger's end_many: one or more scripts)
     renew <ids> <µs> <wall of its start>
+    admit <requests> <µs> <wall of its start>     (one admission call: admit.lua, a batch)
     gc <generation> <µs> <wall of its start> <objects collected>   (a cyclic collection)
 
 `export`'s first figure is how long the batch's records were read (each parsed, its event
@@ -106,6 +107,22 @@ def _patch_spool(mod: Any) -> None:
 
 def _patch_store(mod: Any) -> None:
     cls = mod.RedisLimiter
+    init = cls.__init__
+
+    def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        script = self._admit
+
+        async def timed(*call: Any) -> Any:  # call[7]: how many requests (_args)
+            wall, t0 = time.time(), time.perf_counter()
+            try:
+                return await script(*call)
+            finally:
+                _add(f"admit {call[7]} {(time.perf_counter() - t0) * 1e6:.1f} {wall:.6f}\n")
+
+        self._admit = timed
+
+    cls.__init__ = timed_init
     for name, kind in (("end_many", "settle"), ("renew", "renew")):
         orig = getattr(cls, name)
 
