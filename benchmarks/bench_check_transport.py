@@ -51,7 +51,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -59,8 +58,8 @@ from typing import Any
 import aiohttp
 import yaml
 from bench_capacity import WORKLOADS, closed_loop, open_loop
-from bench_latency import floor_config
-from common import git_state, machine_info, markdown_table, pin, sched_ns
+from bench_latency import floor_config, pct
+from common import envoy_stats, git_state, machine_info, markdown_table, pin, sched_ns
 
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
@@ -142,33 +141,17 @@ def under_test(name: str, engine: str, answerer_port: int) -> tuple[str, int, in
     return yaml.safe_dump(doc, sort_keys=False), port, admin
 
 
-def admin_stats(admin: int, prefix: str) -> dict[str, int]:
-    url = f"http://{LOOP}:{admin}/stats?filter=^{prefix}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        out = {}
-        for line in resp.read().decode().splitlines():
-            key, _, value = line.partition(": ")
-            with contextlib.suppress(ValueError):
-                out[key.removeprefix(prefix)] = int(value)
-        return out
-
-
 def cluster_counters(admin: int) -> dict[str, int]:
-    stats = admin_stats(admin, f"cluster.{AUTHZ_HTTP_CLUSTER}.")
+    stats = envoy_stats(admin, f"cluster.{AUTHZ_HTTP_CLUSTER}.")
     return {k: stats.get(k, 0) for k in (
         "upstream_cx_total", "upstream_cx_http1_total", "upstream_cx_http2_total",
         "upstream_cx_active", "upstream_rq_total", "upstream_cx_destroy")}
 
 
 def answerer_counters(admin: int) -> dict[str, int]:
-    stats = admin_stats(admin, "http.answerer.")
+    stats = envoy_stats(admin, "http.answerer.")
     return {k: stats.get(k, 0) for k in (
         "downstream_cx_http1_total", "downstream_cx_http2_total", "downstream_rq_total")}
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 class Bench:

@@ -53,7 +53,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -61,7 +60,7 @@ from typing import Any
 
 import orjson
 import yaml
-from common import DOOR_CPU, pin, pin_sidecar, tree_sched_ns
+from common import DOOR_CPU, envoy_stats, pin, pin_sidecar, tree_sched_ns
 
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
@@ -140,16 +139,8 @@ def cluster_stats(svc: Service, cluster: str) -> dict[str, int]:
         return {}
     want = ("upstream_cx_total", "upstream_rq_total", "upstream_cx_destroy",
             "upstream_cx_destroy_remote", "upstream_rq_pending_total")
-    with urllib.request.urlopen(
-            f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.{cluster}\\.", timeout=2) as r:
-        lines = r.read().decode().splitlines()
-    out = {}
-    for line in lines:
-        name, _, value = line.partition(": ")
-        short = name.rsplit(".", 1)[-1]
-        if short in want and value.strip().isdigit():
-            out[short] = int(value)
-    return out
+    stats = envoy_stats(admin, f"cluster.{cluster}.", timeout=2)
+    return {k: v for k, v in stats.items() if k in want}
 
 
 def door_lines(path: Path) -> dict[str, list[list[str]]]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import subprocess
 import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,20 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def envoy_stats(admin_port: int, prefix: str, timeout: float = 5.0) -> dict[str, int]:
+    """An Envoy's counters and gauges whose names start with `prefix`, the prefix cut off
+    (its admin /stats; histograms left out)."""
+    url = f"http://127.0.0.1:{admin_port}/stats?filter=^{re.escape(prefix)}"
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        lines = resp.read().decode().splitlines()
+    out = {}
+    for line in lines:
+        name, _, value = line.partition(": ")
+        if value.strip().isdigit():
+            out[name.removeprefix(prefix)] = int(value)
+    return out
 
 
 def git_state() -> dict[str, Any]:

@@ -39,6 +39,20 @@ def sidecar_service(port: int, metrics_port: int, workdir: Path, env: dict[str, 
     return Service("sidecar", argv, port, workdir, env=full_env)
 
 
+def metric(metrics_url: str, name: str) -> float | None:
+    """One unlabelled value of a process's /metrics at `metrics_url` (http://host:port);
+    None if it is not there or the page cannot be read."""
+    try:
+        with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=1) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
 def wait_ready(metrics_url: str, timeout: float = 30.0) -> None:
     """Block until the sidecar's /readyz answers 200: it is up and has a policy. A sidecar
     accepts Checks before that, and answers them 503."""
@@ -175,15 +189,7 @@ class Spoke:
 
     def metric(self, name: str) -> float | None:
         """One unlabelled value of the sidecar's /metrics (None: not there)."""
-        try:
-            with urllib.request.urlopen(f"{self.metrics_url}/metrics", timeout=1) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-        return None
+        return metric(self.metrics_url, name)
 
     def publish(self, doc: dict[str, Any], source: str, *, prune: bool = False) -> int:
         """Publish a policy (devspoke.publish) to this spoke's Redis; its revision."""

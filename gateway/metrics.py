@@ -111,13 +111,13 @@ def sync_gauges() -> tuple[Gauge, Gauge, Gauge]:
 @functools.cache
 def quota_gauges() -> tuple[Gauge, Gauge, Gauge, Gauge]:
     """The allowance follower's gauges (a task of `policy sync`), created on first use as
-    `sync_gauges` are: Kafka up for `llm.quota.v1`, allowances written to Redis, the newest
+    `sync_gauges` are: Kafka up for `llm.quota.v1`, the spoke's Redis up, the newest
     generation applied and when (unix time; 0: none yet)."""
     return (
         Gauge("gateway_quota_feed_up", "1 while the hub's Kafka answers the allowance "
               "follower (llm.quota.v1)"),
-        Gauge("gateway_quota_store_up", "0 while the spoke's Redis refuses the allowances "
-              "the follower writes"),
+        Gauge("gateway_quota_store_up", "0 while the spoke's Redis does not answer the "
+              "allowance follower (probed every 2 s)"),
         Gauge("gateway_quota_allowance_generation", "The newest allowance generation the "
               "follower applied (0: none yet)"),
         Gauge("gateway_quota_allowance_applied_timestamp_seconds", "When the follower last "

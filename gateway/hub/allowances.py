@@ -139,10 +139,9 @@ class AllowanceFollower:
             return None
         applied = await self.store.apply_allowances(gen, entries)
         self._store_answered()
-        if applied is not None:
-            self.state.generation, self.state.applied_at, self.state.error = gen, time.time(), ""
         if applied is None:  # an older generation than the one held
             return None
+        self.state.generation, self.state.applied_at, self.state.error = gen, time.time(), ""
         log.info("quota_allowance_applied", spoke=self.spoke, generation=gen,
                  allowances={f"{a.scope}/{a.period_id}": a.allowance for a in applied})
         return self._message(gen, applied)

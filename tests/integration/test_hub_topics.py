@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import orjson
 import pytest
 
 from devspoke.procs import Service, free_port, tansu_service
+from devspoke.stack import metric
 from gateway.cli import main
 from gateway.errors import SinkUnavailable
 from gateway.hub import feed
@@ -138,6 +138,7 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
            "GATEWAY_STATUS_INTERVAL_S": "1", "GATEWAY_SYNC_STATE_DIR": str(tmp_path / "sync")}
     env.pop("GATEWAY_HUB_BOOTSTRAP", None)
     metrics_at = f"127.0.0.1:{free_port()}"
+    metrics_url = f"http://{metrics_at}"
     cmds = {"sync": ["policy", "sync", "--id", "sync-1", "--metrics-listen", metrics_at],
             "allocate": ["hub", "allocate", "--interval-s", "1"]}
     logs = {name: tmp_path / f"{name}.log" for name in cmds}
@@ -150,7 +151,7 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
             return "s1/sync-1" in feed.latest(asyncio.run(read_all(feed_kafka.address,
                                                                    STATUS_TOPIC)))
         def quota_feed_up() -> float | None:
-            return _gauge(metrics_at, "gateway_quota_feed_up")
+            return metric(metrics_url, "gateway_quota_feed_up")
 
         _wait(reported, "the syncer's first report")
         _wait(lambda: quota_feed_up() == 1, "the allowance follower reads llm.quota.v1")
@@ -169,12 +170,12 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
         feed_kafka.start()  # memory storage: every topic comes back empty
         _wait(reported, "a report once the broker is back")
         _wait(lambda: quota_feed_up() == 1, "the allowance follower reads again")
-        assert _gauge(metrics_at, "gateway_quota_store_up") == 1
+        assert metric(metrics_url, "gateway_quota_store_up") == 1
         redis_server.stop()
-        _wait(lambda: _gauge(metrics_at, "gateway_quota_store_up") == 0,
+        _wait(lambda: metric(metrics_url, "gateway_quota_store_up") == 0,
               "the follower sees Redis gone with no allowance to write")
         redis_server.start()
-        _wait(lambda: _gauge(metrics_at, "gateway_quota_store_up") == 1,
+        _wait(lambda: metric(metrics_url, "gateway_quota_store_up") == 1,
               "the follower sees Redis back")
     finally:
         for proc in procs.values():
@@ -185,15 +186,6 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _gauge(address: str, name: str) -> float | None:
-    """One unlabelled sample of a /metrics page, or None."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return None
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
