@@ -22,6 +22,10 @@ from gateway.limits.resp import RespClient
 from gateway.limits.types import TICKET, AdmitRequest, Admitted, Refused
 from gateway.policy.model import LimitSpec, TierLimit
 
+# The store's deadline, not under test here: room for a first connection and script load
+# on a busy CI machine (the 250 ms default failed there once).
+SLACK = 5.0
+
 BIG = LimitSpec(rps=1000, burst=1000, concurrency=100, tokens_per_day=1_000_000)
 
 
@@ -47,7 +51,7 @@ async def until(cond: Callable[[], bool], timeout: float = 2.0) -> None:
 
 @pytest.fixture
 async def ahead(redis_url: str) -> AsyncIterator[AheadLimiter]:
-    lim = AheadLimiter(RedisLimiter(RespClient(redis_url), lease_ttl=60), ttl=0.3)
+    lim = AheadLimiter(RedisLimiter(RespClient(redis_url), lease_ttl=60, deadline=SLACK), ttl=0.3)
     yield lim
     await lim.close()
 
@@ -114,7 +118,7 @@ async def test_small_limits_get_no_ticket_and_behave_as_without(spec: LimitSpec,
                                                                 redis_url: str) -> None:
     ts = (TierLimit("key", "k", spec),)
     assert not worth_a_ticket(ts, 100)
-    lim = AheadLimiter(RedisLimiter(RespClient(redis_url), lease_ttl=60), ttl=5.0)
+    lim = AheadLimiter(RedisLimiter(RespClient(redis_url), lease_ttl=60, deadline=SLACK), ttl=5.0)
     try:
         await lim.admit(req("r1", ts))
         await asyncio.sleep(0.05)
@@ -127,7 +131,7 @@ async def test_redis_refuses_a_ticket_that_would_crowd_a_limit(redis_url: str) -
     """Past the Python floor, admit.lua keeps a quarter of every limit free of tickets: the
     enforced limits (an allowance among them) are only known there."""
     ts = (TierLimit("key", "k", LimitSpec(concurrency=16)),)
-    inner = RedisLimiter(RespClient(redis_url), lease_ttl=60)
+    inner = RedisLimiter(RespClient(redis_url), lease_ttl=60, deadline=SLACK)
     try:
         for i in range(11):
             assert isinstance(await inner.admit(req(f"r{i}", ts, 0)), Admitted)
@@ -145,7 +149,7 @@ async def test_a_ticket_the_sweep_claims_gets_no_event(redis_url: str) -> None:
     """A sidecar killed holding a ticket: its lease runs out, the sweep frees its slots and
     reservation, and reports no orphan (no request existed)."""
     ts = tiers()
-    inner = RedisLimiter(RespClient(redis_url), lease_ttl=1)
+    inner = RedisLimiter(RespClient(redis_url), lease_ttl=1, deadline=SLACK)
     try:
         assert isinstance(await inner.admit(req(f"{TICKET}x", ts)), Admitted)
         assert isinstance(await inner.admit(req("real", ts)), Admitted)
@@ -158,7 +162,8 @@ async def test_a_ticket_the_sweep_claims_gets_no_event(redis_url: str) -> None:
 
 async def test_a_lost_connection_fails_closed_whatever_tickets_are_held(tmp_path: Path) -> None:
     server = redis_service(free_port(), tmp_path).start()
-    lim = AheadLimiter(RedisLimiter(RespClient(f"redis://{server.address}/0"), lease_ttl=60),
+    lim = AheadLimiter(RedisLimiter(RespClient(f"redis://{server.address}/0"), lease_ttl=60,
+                                    deadline=SLACK),
                        ttl=10.0)
     try:
         ts = tiers()

@@ -19,6 +19,10 @@ from gateway.limits.resp import RespClient
 from gateway.limits.types import AdmitRequest, Admitted, Refused
 from gateway.policy.model import LimitSpec, TierLimit
 
+# The store's deadline, not under test here: room for a first connection and script load
+# on a busy CI machine (the 250 ms default failed there once).
+SLACK = 5.0
+
 T0 = 1_800_000_000.0
 MINUTE_MS, DAY_MS, MONTH_MS = 120_000, 172_800_000, 3_456_000_000
 ALL = LimitSpec(rps=100, burst=10, concurrency=5, tokens_per_minute=10_000,
@@ -29,7 +33,7 @@ TIERS = (TierLimit("model", "m", ALL), TierLimit("team", "t", ALL), TierLimit("k
 
 @pytest.fixture
 async def lim(redis_url: str) -> AsyncIterator[RedisLimiter]:
-    limiter = RedisLimiter(RespClient(redis_url), lease_ttl=60, start_ttl=5)
+    limiter = RedisLimiter(RespClient(redis_url), lease_ttl=60, start_ttl=5, deadline=SLACK)
     yield limiter
     await limiter.close()
 

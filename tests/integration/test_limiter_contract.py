@@ -33,6 +33,10 @@ from gateway.limits.types import (
 )
 from gateway.policy.model import LimitSpec, TierLimit
 
+# The store's deadline, not under test here: room for a first connection and script load
+# on a busy CI machine (the 250 ms default failed there once).
+SLACK = 5.0
+
 T0 = 1_800_000_000.0  # a fixed wall-clock instant (2027-01-15)
 
 
@@ -44,7 +48,7 @@ async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[Limiter]:
         yield MemoryLimiter(lease_ttl=60)
         return
     url = request.getfixturevalue("redis_url")
-    lim: Limiter = RedisLimiter(RespClient(url), lease_ttl=60)
+    lim: Limiter = RedisLimiter(RespClient(url), lease_ttl=60, deadline=SLACK)
     if request.param == "redis_ahead":
         assert isinstance(lim, RedisLimiter)
         lim = AheadLimiter(lim, ttl=10.0)
@@ -59,7 +63,7 @@ async def start_ttl_limiter(request: pytest.FixtureRequest) -> AsyncIterator[Lim
         yield MemoryLimiter(lease_ttl=60, start_ttl=5)
         return
     lim = RedisLimiter(RespClient(request.getfixturevalue("redis_url")), lease_ttl=60,
-                       start_ttl=5)
+                       start_ttl=5, deadline=SLACK)
     yield lim
     await lim.close()
 
@@ -278,7 +282,7 @@ async def test_an_abandoned_admission_is_swept_at_once(limiter: Limiter) -> None
 
 
 async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> None:
-    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60)
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60, deadline=SLACK)
     key = tier("key", "k1", concurrency=1, tokens_per_day=100)
     # the admission ran, then its caller gave up: the void releases it
     assert isinstance(await lim.admit(req("late", [key], reserve=100)), Admitted)
