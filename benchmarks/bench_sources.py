@@ -68,7 +68,11 @@ loopback and Envoy before the Check reached the door); how many Checks' read-to-
 windows overlap an Export's reading (the loop held) or a settle/renewal; for admitted
 Checks, the admission call that answered each (the last to start after its read and end
 before its answer): µs before it, in it, after it, and its size. Printed and in the JSON
-(`door_times`). The sidecar's own work for those lines adds a few µs per Check.
+(`door_times`). The sidecar's own work for those lines adds a few µs per Check. With
+GATEWAY_BENCH_DOOR_AFTER=1 in the environment too, each admitted Check's time after its call
+is split (`after_split`: the reply read, the call's Task resumed, this Check's Task resumed,
+its answer built, encoded, written; and whether the sidecar was off CPU meanwhile), for the
+first Check a call answers and for the others; this costs a few µs more per Check.
 
 CPU placement (2+ CPUs, unless --no-pin): each path's Envoy and sidecar on CPU 0; the client,
 engines, Redis and Tansu on CPU 1 (`--redis-with-gateway`: both spokes' Redis on CPU 0 with
@@ -262,7 +266,8 @@ class Bench:
             "after_call_p50_us": q([c[2] for c in calls], 50),
             "call_sizes": dict(sorted(Counter(c[3] for c in calls).items())),
             "overlap_export": met_export, "overlap_settle_renew": met_store,
-            "exports": len(exports), "settles_renews": len(store)}
+            "exports": len(exports), "settles_renews": len(store),
+            **_after_split(lines.get("after", []), set(sent), q)}
 
     def stop(self) -> None:
         for svc in (self.plain, *self.spokes.values()):
@@ -569,6 +574,29 @@ def report(bench: Bench, checks: dict[str, dict[str, Any]], logs: dict[str, dict
                   f"error lines; first:\n{lg['first_traceback'][:1500] or lg['error_sample']}")
     return ok
 
+
+
+def _after_split(after: list[list[str]], ids: set[str], q: Any) -> dict[str, Any]:
+    """With GATEWAY_BENCH_DOOR_AFTER=1 (benchmarks/door_timing: `after` lines): the c8x64
+    Checks' time from their admission call's reply to their answer written, p50 µs of each
+    part, for the first Check a call answers and for the others (its 2nd, 3rd, ...), and
+    how often the sidecar was off CPU (preempted) in that window."""
+    rows = [(int(r[3]), [float(v) for v in r[4:]]) for r in after if r[0] in ids]
+    if not rows:
+        return {}
+    parts = ("read_to_call_resumes", "call_resumes_to_check_resumes", "check_resumes_to_write",
+             "encode", "write", "call_resumes_to_written", "off_cpu_window", "off_cpu_write")
+
+    def split(sel: list[list[float]]) -> dict[str, Any]:
+        return {"n": len(sel), **{k: q([v[i] for v in sel], 50) for i, k in enumerate(parts)},
+                "off_cpu_over_20us": sum(v[6] > 20 for v in sel),
+                "preempted_in_write": sum(v[7] > 20 for v in sel)}
+
+    return {"after_split": {"first": split([v for pos, v in rows if pos == 1]),
+                            "later": split([v for pos, v in rows if pos > 1]),
+                            "by_position_written_p50_us": {
+                                p: q([v[5] for pos, v in rows if min(pos, 8) == p], 50)
+                                for p in sorted({min(pos, 8) for pos, _ in rows})}}}
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,

@@ -1,6 +1,6 @@
-"""bench_latency.py --door-times: where the sidecar's time goes around each Check, appended
-to $GATEWAY_BENCH_DOOR_TIMES, one line per event (wall times from time.time(), to be set
-beside Envoy's access log):
+"""bench_latency.py and bench_sources.py --door-times: where the sidecar's time goes around
+each Check, appended to $GATEWAY_BENCH_DOOR_TIMES, one line per event (wall times from
+time.time(), to be set beside Envoy's access log):
 
     check <x-bench header or envoy> <leased 0/1> <µs read to write> <wall of the read> <request id>
     export <records> <µs until its first wait> <µs in all> <wall of its start>
@@ -8,6 +8,19 @@ beside Envoy's access log):
     renew <ids> <µs> <wall of its start>
     admit <requests> <µs> <wall of its start>     (one admission call: admit.lua, a batch)
     gc <generation> <µs> <wall of its start> <objects collected>   (a cyclic collection)
+    after <request id> <call> <size> <position> <µs reply read to the call's resume>
+          <µs call's resume to this Check's resume> <µs resume to its _write> <µs encode>
+          <µs write> <µs call's resume to written> <µs off CPU in that window>
+          <µs off CPU in the write>
+
+`after` (only with GATEWAY_BENCH_DOOR_AFTER=1 too; an admitted Check that waited on an
+admission call): where the time from the call's reply to this Check's answer goes. The reply
+is read (the Redis connection's data_received), the call's Task resumes (the batch's
+verdicts, one future each), this Check's Task resumes (its position among the batch's Checks
+resumed so far, from 1), its decision and answer are built, encoded and written
+(transport.write: the send syscall). "Off CPU": wall time minus the thread's CPU time
+(time.thread_time) over the window: the sidecar preempted, e.g. by Envoy on the same CPU
+woken by an earlier write.
 
 `export`'s first figure is how long the batch's records were read (each parsed, its event
 into the spool) before it waited for the spool: read whole, it held the event loop that
@@ -30,8 +43,15 @@ import time
 from typing import Any
 
 OUT = os.environ.get("GATEWAY_BENCH_DOOR_TIMES")
+AFTER = os.environ.get("GATEWAY_BENCH_DOOR_AFTER") == "1"  # `after` lines too
 _lines: list[str] = []
 _first_wait = [0.0]  # perf_counter of the latest spool wait (an Export's first wait)
+_reply = [0.0]  # perf_counter of the latest Redis read (data_received)
+# the latest admission call's resume: number, size, µs from its reply read, perf, thread CPU,
+# Checks resumed since
+_call: list[Any] = [0, 0, 0.0, 0.0, 0.0, 0]
+_resumed = [0.0]  # perf_counter of the latest resume of a Check's Task
+_encode = [0.0]  # µs the latest encode took
 
 
 def _flush() -> None:
@@ -52,17 +72,68 @@ atexit.register(_flush)  # the sidecar exits normally on SIGTERM
 def _patch_door(mod: Any) -> None:
     conn = mod._Connection
     received, write = conn.data_received, conn._write
+    encode = mod.check_http.encode
 
     def data_received(self: Any, data: bytes) -> None:
         self._bench_t = time.perf_counter(), time.time()
         received(self, data)
 
+    def timed_encode(answer: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return encode(answer)
+        finally:
+            _encode[0] = (time.perf_counter() - t0) * 1e6
+
+    if AFTER:
+        mod.check_http.encode = timed_encode
+
+    class Started(mod._Started):  # type: ignore[misc,name-defined]
+        __slots__ = ()
+
+        def __await__(self) -> Any:
+            inner = super().__await__()
+            waiting = next(inner)
+            while True:
+                try:
+                    sent = yield waiting
+                except BaseException as exc:
+                    try:
+                        waiting = inner.throw(exc)
+                    except StopIteration as done:
+                        return done.value
+                    continue
+                _resumed[0] = time.perf_counter()
+                _call[5] += 1
+                try:
+                    waiting = inner.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+    if AFTER:
+        mod._Started = Started
+
     def _write(self: Any, req: Any, answer: Any) -> None:
-        write(self, req, answer)
+        if not AFTER:
+            write(self, req, answer)
+        else:
+            _after(self, req, answer)
         t, wall = getattr(self, "_bench_t", (time.perf_counter(), time.time()))
         _add(f"check {req.headers.get('x-bench', 'envoy')} "
              f"{int(getattr(answer, 'leased', False))} {(time.perf_counter() - t) * 1e6:.1f} "
              f"{wall:.6f} {req.request_id or '-'}\n")
+
+    def _after(self: Any, req: Any, answer: Any) -> None:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        resumed = _resumed[0]
+        write(self, req, answer)
+        w1, c1 = time.perf_counter(), time.thread_time()
+        if resumed > _call[3] and resumed > self._bench_t[0]:  # it waited on that call
+            n, size, read_us, p0, cpu0, pos = _call
+            _add(f"after {req.request_id or '-'} {n} {size} {pos} {read_us:.1f} "
+                 f"{(resumed - p0) * 1e6:.1f} {(w0 - resumed) * 1e6:.1f} {_encode[0]:.1f} "
+                 f"{(w1 - w0) * 1e6 - _encode[0]:.1f} {(w1 - p0) * 1e6:.1f} "
+                 f"{((w1 - p0) - (c1 - cpu0)) * 1e6:.1f} {((w1 - w0) - (c1 - c0)) * 1e6:.1f}\n")
 
     conn.data_received, conn._write = data_received, _write
     _time_gc()  # in the sidecar only (the process with the door)
@@ -118,7 +189,11 @@ def _patch_store(mod: Any) -> None:
             try:
                 return await script(*call)
             finally:
-                _add(f"admit {call[7]} {(time.perf_counter() - t0) * 1e6:.1f} {wall:.6f}\n")
+                t1 = time.perf_counter()
+                if AFTER:
+                    _call[:] = (_call[0] + 1, call[7], (t1 - _reply[0]) * 1e6, t1,
+                                time.thread_time(), 0)
+                _add(f"admit {call[7]} {(t1 - t0) * 1e6:.1f} {wall:.6f}\n")
 
         self._admit = timed
 
@@ -139,10 +214,22 @@ def _patch_store(mod: Any) -> None:
         setattr(cls, name, wrap(orig, kind))
 
 
+def _patch_resp(mod: Any) -> None:
+    received = mod._Connection.data_received
+
+    def data_received(self: Any, data: bytes) -> None:
+        _reply[0] = time.perf_counter()
+        received(self, data)
+
+    mod._Connection.data_received = data_received
+
+
 PATCHES = {"gateway.server.authz_http": _patch_door,
            "gateway.server.records_service": _patch_records,
            "gateway.sinks.spool": _patch_spool,
            "gateway.limits.redis_store": _patch_store}
+if AFTER:
+    PATCHES["gateway.limits.resp"] = _patch_resp
 
 
 class _Finder(importlib.abc.MetaPathFinder):
