@@ -575,7 +575,6 @@ def report(bench: Bench, checks: dict[str, dict[str, Any]], logs: dict[str, dict
     return ok
 
 
-
 def _after_split(after: list[list[str]], ids: set[str], q: Any) -> dict[str, Any]:
     """With GATEWAY_BENCH_DOOR_AFTER=1 (benchmarks/door_timing: `after` lines): the c8x64
     Checks' time from their admission call's reply to their answer written, p50 µs of each
@@ -597,6 +596,7 @@ def _after_split(after: list[list[str]], ids: set[str], q: Any) -> dict[str, Any
                             "by_position_written_p50_us": {
                                 p: q([v[5] for pos, v in rows if min(pos, 8) == p], 50)
                                 for p in sorted({min(pos, 8) for pos, _ in rows})}}}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
