@@ -19,9 +19,6 @@ admission: the Check answers from the policy alone).
 
 `--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
 --records-http`); with `--baseline HEAD`, the same code's default gRPC records beside it.
-`--uds`: the spoke's Envoy reaches its sidecar over Unix sockets (GATEWAY_LISTEN and
-GATEWAY_AUTHZ_HTTP_LISTEN unix:/path: the Check and the records); with `--baseline HEAD`,
-the same code over loopback TCP beside it.
 
 Workloads (the engine answers at once: x-mock-ttft-ms 0, no token pacing): `chat`, a
 non-streamed chat completion with max_tokens 8; `embeddings`, one short input. For each
@@ -232,13 +229,13 @@ class Bench:
             ahead["GATEWAY_DOOR_WORKERS"] = str(self.args.door_workers)
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
                                    metering="envoy", records_http=self.args.records_http,
-                                   sidecar_env=ahead, uds=self.args.uds).start()
+                                   sidecar_env=ahead).start()
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
         for spoke in self.spokes.values():
             serve_one_key(spoke, self.secret, MODEL, limited=not self.args.no_limits)
         spoke = self.spokes[SPOKE]
-        self.plain = envoy_without(WITHOUT_GATEWAY, spoke.sidecar_address,
+        self.plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
                                    spoke["engine"].address, self.workdir / PLAIN,
                                    "envoy-plain").start()
         if self.pinned:
@@ -626,9 +623,6 @@ def main() -> int:
                         help="the sweep's req/s, comma-separated (default: %(default)s)")
     parser.add_argument("--rate-s", type=float, default=None,
                         help="seconds at each rate (quick 1, full 6)")
-    parser.add_argument("--uds", action="store_true",
-                        help="the spoke's Envoy reaches its sidecar over Unix sockets (with "
-                             "--baseline HEAD: the same code over loopback TCP beside it)")
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
@@ -676,8 +670,7 @@ def main() -> int:
     logs: dict[str, dict[str, Any]] = {}
     try:
         bench.start()
-        print(f"up: {', '.join(bench.paths)}; pinned={bench.pinned}; {args.rounds} rounds; "
-              f"spoke to its sidecar over {'unix sockets' if args.uds else 'loopback TCP'}",
+        print(f"up: {', '.join(bench.paths)}; pinned={bench.pinned}; {args.rounds} rounds",
               flush=True)
         uvloop.run(bench.measure())
         for path, spoke in bench.spokes.items():
@@ -728,7 +721,6 @@ def main() -> int:
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
         "spoke_records": "http" if args.records_http else "grpc",
-        "spoke_uds": args.uds,
         "spoke_admit_ahead_ms": args.admit_ahead_ms,
         "spoke_door_workers": args.door_workers, "door_cpu": args.door_cpu,
         "admission": "none (--no-limits)" if args.no_limits

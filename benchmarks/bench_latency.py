@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_latency.py [--requests 300] [--rounds 3] [--no-pin]
         [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
         [--sidecar-apart] [--redis-with-gateway] [--admit-ahead-ms 250]
-        [--door-workers 1 [--door-cpu free|same|other]] [--uds]
+        [--door-workers 1 [--door-cpu free|same|other]]
 
 Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
 that answers at once, each over one keep-alive raw-socket connection:
@@ -21,11 +21,6 @@ that answers at once, each over one keep-alive raw-socket connection:
   whole chain). Each step's p50 minus the one before is what that part adds.
 * with `--door-workers N`, `doors` and `doors_free`: a second whole spoke, its sidecar with
   GATEWAY_DOOR_WORKERS=N (the Check in processes of its own, away from the records).
-* with `--uds`, `uds`, `uds_free`, `udoor_allow` and `udoor_free`: a second whole spoke
-  whose Envoy reaches its sidecar over Unix sockets (GATEWAY_LISTEN and
-  GATEWAY_AUTHZ_HTTP_LISTEN unix:/path: the Check and the records), placed as the spoke,
-  and its door asked directly over its socket; `spoke`, `spoke_free`, `door_allow` and
-  `door_free` are the same over loopback TCP.
 
 Printed per path: p50/p90/p99 and CPU µs a request of its Envoy and of the sidecar
 (schedstat, all threads, 60 ms after each series for the records). The Envoys log, from a
@@ -251,21 +246,10 @@ def redis_stats(url: str) -> dict[str, tuple[int, float]]:
             for k, v in stats.items() if v["calls"] >= 100}
 
 
-def connect(address: str) -> socket.socket:
-    """A connection to host:port (TCP_NODELAY) or unix:/path."""
-    if address.startswith("unix:"):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(address.removeprefix("unix:"))
-        return sock
-    host, port = address.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
 def door_answer(address: str, raw: bytes) -> bytes:
     """The door's whole answer to one request."""
-    with connect(address) as sock:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:
         sock.sendall(raw)
         buf = b""
         while b"\r\n\r\n" not in buf:
@@ -320,8 +304,10 @@ def round_trip(sock: socket.socket, raw: bytes) -> float:
 def series(address: str, raw: bytes, n: int) -> list[float]:
     """n timed round trips after 20 untimed; each door request has its own x-request-id
     (an admitted Check refuses a request id it has seen)."""
+    host, port = address.rsplit(":", 1)
     raws = [raw.replace(RID.encode(), str(uuid.uuid4()).encode()) for _ in range(n + 20)]
-    with connect(address) as sock:
+    with socket.create_connection((host, int(port))) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for r in raws[:20]:  # warm-up
             round_trip(sock, r)
         return [round_trip(sock, r) for r in raws[20:]]
@@ -382,13 +368,7 @@ def main() -> int:
                          "default), the sidecar's and Envoy's core, or the other one")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
-    ap.add_argument("--uds", action="store_true",
-                    help="also a second spoke, Envoy to its sidecar over Unix sockets (paths "
-                         "`uds`, `uds_free`, `udoor_allow`, `udoor_free`), in the same rounds")
     args = ap.parse_args()
-    print(f"bench_latency: {args.requests} requests x {args.rounds} rounds; uds={args.uds}; "
-          f"door_workers={args.door_workers}; limits={not args.no_limits}; "
-          f"load {os.getloadavg()[0]:.2f}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-latency-"))
     secret, free_secret = secrets.new_secret("bench"), secrets.new_secret("free")
     door_times = workdir / "door-times"
@@ -404,7 +384,6 @@ def main() -> int:
     plain: Service | None = None
     extra: dict[str, Service] = {}
     doors: Spoke | None = None
-    uds: Spoke | None = None
     try:
         serve_keys(spoke, secret, free_secret, limited=not args.no_limits)
         if args.door_workers:
@@ -413,18 +392,13 @@ def main() -> int:
                           sidecar_env={**ahead,
                                        "GATEWAY_DOOR_WORKERS": str(args.door_workers)}).start()
             serve_keys(doors, secret, free_secret, limited=not args.no_limits)
-        if args.uds:
-            uds = Spoke(workdir=workdir / "uds", listen_port=free_port(), metering="envoy",
-                        envoy_config=spoke_config([d for d in args.drop.split(",") if d]),
-                        sidecar_env=ahead, uds=True).start()
-            serve_keys(uds, secret, free_secret, limited=not args.no_limits)
         if args.door_times:
             import redis
             r = redis.Redis.from_url(spoke.redis_url)
             r.config_set("slowlog-log-slower-than", 200)
             r.config_set("slowlog-max-len", 100_000)
             r.slowlog_reset()
-        plain = envoy_without(WITHOUT_GATEWAY, spoke.sidecar_address,
+        plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
                               spoke["engine"].address, workdir / "plain", "envoy-plain").start()
         if args.floor:
             door = spoke.authz_http_address
@@ -449,10 +423,6 @@ def main() -> int:
                 gateway = name in ("envoy", "plain") or (
                     name == "sidecar" and not args.sidecar_apart) or name.startswith(
                     ("floor", "ok")) or (name == "redis" and args.redis_with_gateway)
-                pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
-            for name, svc in (uds.services if uds is not None else {}).items():  # as the spoke
-                gateway = name == "envoy" or (name == "sidecar" and not args.sidecar_apart) or (
-                    name == "redis" and args.redis_with_gateway)
                 pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
             if doors is not None:  # as the spoke's, but for the door workers (--door-cpu)
                 for name, svc in doors.services.items():
@@ -487,25 +457,16 @@ def main() -> int:
         if doors is not None:
             paths["doors"] = (f"127.0.0.1:{doors.listen_port}", paths["spoke"][1])
             paths["doors_free"] = (f"127.0.0.1:{doors.listen_port}", paths["spoke_free"][1])
-        if uds is not None:
-            assert uds.authz_http_address is not None
-            paths["uds"] = (f"127.0.0.1:{uds.listen_port}", paths["spoke"][1])
-            paths["uds_free"] = (f"127.0.0.1:{uds.listen_port}", paths["spoke_free"][1])
-            paths["udoor_allow"] = (uds.authz_http_address, paths["door_allow"][1])
-            paths["udoor_free"] = (uds.authz_http_address, paths["door_free"][1])
         times: dict[str, list[float]] = {k: [] for k in paths}
         # whose CPU each path's requests cost: its Envoy (the door's paths: none), the sidecar
         procs = {"plain": plain, "spoke": spoke["envoy"], "spoke_free": spoke["envoy"],
                  **({"doors": doors["envoy"], "doors_free": doors["envoy"]} if doors else {}),
-                 **({"uds": uds["envoy"], "uds_free": uds["envoy"]} if uds else {}),
                  **{k: v for k, v in extra.items() if k.startswith("floor")}}
         cpu: dict[str, dict[str, int]] = {k: defaultdict(int) for k in paths}
         order = list(paths)
         for rnd in range(args.rounds):
             for name in order if rnd % 2 == 0 else order[::-1]:
-                sidecar = (doors if doors is not None and name.startswith("doors") else
-                           uds if uds is not None and name.startswith(("uds", "udoor"))
-                           else spoke)
+                sidecar = doors if doors is not None and name.startswith("doors") else spoke
                 watch = {"envoy": procs.get(name), "sidecar": sidecar["sidecar"]}
                 before = {k: tree_sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
@@ -519,7 +480,7 @@ def main() -> int:
             print(f"{name:11s} p50 {statistics.median(xs) * 1e3:6.3f} ms  "
                   f"p90 {pct(xs, .9) * 1e3:6.3f}  p99 {pct(xs, .99) * 1e3:6.3f}  "
                   f"CPU µs/req {per}")
-        for name in ("spoke", "doors", "uds"):
+        for name in ("spoke", "doors"):
             if name in times:
                 xs, base = times[name], times["plain"]
                 p50 = statistics.median(xs) - statistics.median(base)
@@ -536,11 +497,6 @@ def main() -> int:
         print("Redis, µs a call:", redis_stats(spoke.redis_url))
         print("spoke's Envoy, the door's cluster:",
               cluster_stats(spoke["envoy"], "sidecar_authz_http"))
-        if uds is not None:
-            print("uds spoke's Envoy, medians µs from the request's first byte:",
-                  {k: round(v) for k, v in log_medians(uds["envoy"], "bench").items()})
-            print("uds spoke's Envoy, the door's cluster:",
-                  cluster_stats(uds["envoy"], "sidecar_authz_http"))
         if args.door_times:
             spoke["sidecar"].stop()  # its last lines flushed or not: a sample is enough
             lines = door_lines(door_times)
@@ -552,8 +508,6 @@ def main() -> int:
     finally:
         if doors is not None:
             doors.stop()
-        if uds is not None:
-            uds.stop()
         for svc in extra.values():
             svc.stop()
         if plain is not None:

@@ -214,7 +214,7 @@ def pin_sidecar(pid: int | None, cpus: set[int], door: str | None, door_cpu: str
         return
     for p in descendants(pid):
         pin(p, cpus)
-    if door is None or door.startswith("unix:"):  # a unix door has no door workers
+    if door is None:
         return
     doors = listening_pids(int(door.rsplit(":", 1)[1])) - {pid}
     for p in doors:

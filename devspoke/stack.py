@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -108,10 +107,6 @@ class Spoke:
     # Redis as production runs it: a primary ("redis"), a replica ("redis-replica") and three
     # Sentinels ("sentinel-N"); the sidecar gets the redis+sentinel:// URL
     sentinel: bool = False
-    # Envoy reaches the sidecar's gRPC port and door over Unix sockets in the workdir
-    # (GATEWAY_LISTEN / GATEWAY_AUTHZ_HTTP_LISTEN=unix:/path), not loopback TCP
-    uds: bool = False
-    sidecar_address: str = ""  # its GATEWAY_LISTEN, once started
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -135,17 +130,10 @@ class Spoke:
         if self.otlp:
             env |= {"OTEL_TRACES_EXPORTER": "otlp",
                     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://{self.otlp}"}
-        sidecar_port = free_port()
-        grpc, sockets = f"{LOOP}:{sidecar_port}", self._socket_dir() if self.uds else None
-        if sockets is not None:  # the sidecar is then ready once its /metrics port listens
-            sidecar_port = self.metrics_port
-            grpc = env["GATEWAY_LISTEN"] = f"unix:{sockets}/grpc.sock"
-        self.sidecar_address = grpc
         door = None
         if (self.authz_http if self.authz_http is not None
                 else not source_named(self.metering).portable):
-            door = env["GATEWAY_AUTHZ_HTTP_LISTEN"] = (
-                f"unix:{sockets}/door.sock" if sockets else f"{LOOP}:{free_port()}")
+            door = env["GATEWAY_AUTHZ_HTTP_LISTEN"] = f"{LOOP}:{free_port()}"
         self.authz_http_address = door
         records = None
         if self.records_http:
@@ -155,8 +143,8 @@ class Spoke:
             env["GATEWAY_RECORD_HEARTBEAT_S"] = str(self.record_heartbeat_s)
             extra["heartbeat_s"] = self.record_heartbeat_s
         env.update(self.sidecar_env)
-        sidecar = sidecar_service(sidecar_port, self.metrics_port, self.workdir, env)
-        ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=grpc,
+        sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
+        ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
                            engine=engine.address, admin=f"{LOOP}:{free_port()}", otlp=self.otlp,
                            authz_http=door, records_http=records)
         config = (render(ports, metering=self.metering, **extra) if self.envoy_config is None
@@ -171,15 +159,6 @@ class Spoke:
             self.stop()
             raise
         return self
-
-    def _socket_dir(self) -> Path:
-        """Where the sidecar's sockets go: the workdir, unless its path is too long for a
-        socket's (108 bytes), then a short temporary directory."""
-        here = self.workdir.resolve() / "sock"
-        if len(str(here)) > 80:
-            return Path(tempfile.mkdtemp(prefix="spoke-sock-"))
-        here.mkdir(exist_ok=True)
-        return here
 
     def stop(self, drain_s: float = 0.0) -> None:
         """Stop every service. With `drain_s` (gateway dev): the requests in flight get up

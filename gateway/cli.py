@@ -13,7 +13,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from gateway.addresses import AddressError, check_listen, split_hostport, unix_path
+from gateway.addresses import AddressError, split_hostport
 from gateway.cli_tools import add_tools, store_flags
 from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
 
@@ -28,23 +28,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.proto_fields import check_or_exit
     check_or_exit()  # a message lacking a field we read: refuse, with the fix
     s = _settings(args)
-    # refused before anything binds or connects (exit 2, see main); Envoy's two ways in may
-    # be unix:/path (gateway/addresses.py: for the benchmarks' --uds)
     for value, name in ((s.listen, "GATEWAY_LISTEN"), (s.authz_http_listen,
-                                                       "GATEWAY_AUTHZ_HTTP_LISTEN")):
-        if value:
-            check_listen(value, name)
-    for value, name in ((s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN"),
-                        (s.metrics_listen, "GATEWAY_METRICS_LISTEN")):
-        if value:
+                        "GATEWAY_AUTHZ_HTTP_LISTEN"), (s.records_http_listen,
+                        "GATEWAY_RECORDS_HTTP_LISTEN"), (s.metrics_listen,
+                        "GATEWAY_METRICS_LISTEN")):
+        if value:  # refused before anything binds or connects (exit 2, see main)
             split_hostport(value, name)
-    if s.workers > 1 or s.door_workers:
-        for value, name in ((s.listen, "GATEWAY_LISTEN"),
-                            (s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")):
-            if unix_path(value or "", name):
-                what = "GATEWAY_WORKERS > 1" if s.workers > 1 else "GATEWAY_DOOR_WORKERS"
-                raise AddressError(f"{name}={value}: a unix socket is served by one process; "
-                                   f"{what} shares a TCP port (SO_REUSEPORT)")
     from gateway.log import configure
     configure(s.log_level)
     if s.workers > 1 or s.door_workers:

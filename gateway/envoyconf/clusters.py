@@ -8,8 +8,6 @@
   burst of long-lived SSE streams into 503s (`UO`) long before anything is overloaded.
 * **One endpoint each**: STATIC for an IP literal, STRICT_DNS for a name such as
   `localhost`. Listeners (and admin) need an IP literal.
-* **A `unix:/path` address** (the sidecar's GATEWAY_LISTEN or GATEWAY_AUTHZ_HTTP_LISTEN as a
-  Unix socket, for the benchmarks' `--uds`; gateway/addresses.py) is a STATIC `pipe` endpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any as AnyValue
 
-from gateway.addresses import is_ip, split_hostport, unix_path
+from gateway.addresses import is_ip, split_hostport
 from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, SIDECAR_CLUSTER
 from gateway.envoyconf.metering import RECORDS_HTTP_CLUSTER
 from gateway.envoyconf.plain import quiet_imports
@@ -32,7 +30,6 @@ with quiet_imports():
     from envoy_data_plane.envoy.config.core.v3 import (
         Address,
         Http2ProtocolOptions,
-        Pipe,
         SocketAddress,
     )
     from envoy_data_plane.envoy.config.endpoint.v3 import (
@@ -95,14 +92,9 @@ def engine_cluster(engine: str, buffer_limit: int) -> Cluster:
 
 
 def _cluster(name: str, hostport: str, **options: AnyValue) -> Cluster:
-    if (path := unix_path(hostport, name)) is not None:
-        discovery, address = ClusterDiscoveryType.STATIC, Address(pipe=Pipe(path=path))
-    else:
-        host, port = split_hostport(hostport, name)
-        discovery = (ClusterDiscoveryType.STATIC if is_ip(host)
-                     else ClusterDiscoveryType.STRICT_DNS)
-        address = _socket(host, port)
-    endpoint = LbEndpoint(endpoint=Endpoint(address=address))
+    host, port = split_hostport(hostport, name)
+    discovery = ClusterDiscoveryType.STATIC if is_ip(host) else ClusterDiscoveryType.STRICT_DNS
+    endpoint = LbEndpoint(endpoint=Endpoint(address=_socket(host, port)))
     return Cluster(
         name=name,
         type=discovery,

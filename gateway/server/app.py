@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway import metrics, redis_clients
-from gateway.addresses import remove_socket, split_hostport, unix_path
+from gateway.addresses import split_hostport
 from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
@@ -150,15 +150,11 @@ class App:
             records.register(self.server)
             self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-            self.server.add_insecure_port(s.listen)  # grpc takes unix:/path as it is
+            self.server.add_insecure_port(s.listen)
             await self.server.start()
         if serves_door:
-            if path := unix_path(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN"):
-                self.authz_http = await authz_http.serve_unix(check, path, s.max_message_bytes)
-            else:
-                host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
-                self.authz_http = await authz_http.serve(check, host, port,
-                                                         s.max_message_bytes)
+            host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
+            self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
         if s.records_http_listen and records is not None:
             host, port = split_hostport(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN")
             self.records_http = await records_http.serve(records, host, port,
@@ -281,12 +277,10 @@ class App:
             self.http.close()
         if self.authz_http:
             self.authz_http.close()
-            remove_socket(self.settings.authz_http_listen)
         if self.records_http:
             self.records_http.close()
         if self.server:
             await self.server.stop(grace)
-            remove_socket(self.settings.listen)
         if self.spool:
             await self.spool.commit()  # events reach the disk, and queue their settlements,
         if self.ledger:

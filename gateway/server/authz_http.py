@@ -203,11 +203,3 @@ async def serve(check: Check, host: str, port: int, max_body: int) -> asyncio.Se
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Connection(check, max_body), host, port,
                                     reuse_port=True, backlog=1024)
-
-
-async def serve_unix(check: Check, path: str, max_body: int) -> asyncio.Server:
-    """The HTTP door on a Unix domain socket (GATEWAY_AUTHZ_HTTP_LISTEN=unix:/path): Envoy in
-    the same pod, no TCP between them. One process only: no SO_REUSEPORT for a path."""
-    loop = asyncio.get_running_loop()
-    return await loop.create_unix_server(lambda: _Connection(check, max_body), path,
-                                         backlog=1024)
