@@ -127,11 +127,13 @@ TTFT_MS, TOKENS_PER_S = 20.0, 1000.0  # the engine's pace: first chunk at 20 ms,
 PHASES = {"c8x4": ("8", SHORT), "c8x64": ("8", LONG), "c32x64": ("32", LONG)}
 SETTLE_S, PHASE_TIMEOUT_S = 0.3, 60.0
 CLK = os.sysconf("SC_CLK_TCK")
-TARGETS = {  # the issue's, for the envoy source: row key -> (what, <= or >=, limit, unit)
+# For the envoy source: row key -> (what, <= or >=, limit, unit). The Envoy-native design's
+# targets, but the TTFT's: issue 26's (the design's was 1.5 ms).
+TARGETS = {
     "sidecar_us_per_chunk": ("sidecar per additional chunk", "<=", 5.0, "µs"),
     "sidecar_fixed_us": ("sidecar fixed per request", "<=", 800.0, "µs"),
     "envoy_chunk_x_plain": ("Envoy per chunk vs plain Envoy's", "<=", 2.0, "x"),
-    "ttft_added_p50_ms": ("TTFT p50 added at c=8", "<=", 1.5, "ms"),
+    "ttft_added_p50_ms": ("TTFT p50 added at c=8", "<=", 1.0, "ms"),
     "throughput_x_plain": ("throughput at c=32 vs plain", ">=", 0.95, "x"),
     "pace_x_plain": ("stream pace at c=32 vs plain", "<=", 1.05, "x")}
 
