@@ -151,18 +151,20 @@ def json_to_metadata() -> JsonToMetadata:
         rules=rules, allow_content_types_regex=RegexMatcher(regex=r"^application/json\b.*")))
 
 
-def record_log(only_flags: Iterable[str] = (), http: bool = False) -> AccessLog:
+def record_log(only_flags: Iterable[str] = (), http: bool = False,
+               flush: timedelta = FLUSH) -> AccessLog:
     """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s, or
     (`http`) over OTLP/HTTP, never retried.
 
     `only_flags`: send a record only for requests with one of these response flags. The
     ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
-    DC: the client), which ext_proc itself cannot see."""
+    DC: the client), which ext_proc itself cannot see. `flush`: how often Envoy sends a
+    batch (FLUSH; the benches vary it: bench_latency/bench_capacity --records-flush-ms)."""
     only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
         flags=sorted(only_flags))) if only_flags else None
     if http:
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
-                         typed_config=Any.pack(_otel_http_config()))
+                         typed_config=Any.pack(_otel_http_config(flush)))
     retry = RetryPolicy(
         retry_back_off=BackoffStrategy(base_interval=timedelta(milliseconds=250),
                                        max_interval=timedelta(seconds=2)),
@@ -174,26 +176,26 @@ def record_log(only_flags: Iterable[str] = (), http: bool = False) -> AccessLog:
     with warnings.catch_warnings():  # common_config is deprecated, but the only place
         warnings.simplefilter("ignore", DeprecationWarning)  # 1.40 honours gRPC's buffering
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
-                         typed_config=Any.pack(_otel_config(grpc)))
+                         typed_config=Any.pack(_otel_config(grpc, flush)))
 
 
-def _otel_config(grpc: GrpcService) -> OpenTelemetryAccessLogConfig:
+def _otel_config(grpc: GrpcService, flush: timedelta) -> OpenTelemetryAccessLogConfig:
     return OpenTelemetryAccessLogConfig(
         common_config=CommonGrpcAccessLogConfig(
             log_name=RECORD_LOG_NAME, transport_api_version=ApiVersion.V3, grpc_service=grpc,
-            buffer_flush_interval=FLUSH, buffer_size_bytes=BUFFER_BYTES),
+            buffer_flush_interval=flush, buffer_size_bytes=BUFFER_BYTES),
         disable_builtin_labels=True,
         attributes=_attributes(),
     )
 
 
-def _otel_http_config() -> OpenTelemetryAccessLogConfig:
+def _otel_http_config(flush: timedelta) -> OpenTelemetryAccessLogConfig:
     """The same records over OTLP/HTTP: the top-level buffering fields are honoured here."""
     uri = HttpUri(uri=f"http://{RECORDS_HTTP_CLUSTER}{RECORDS_HTTP_PATH}",
                   cluster=RECORDS_HTTP_CLUSTER, timeout=RECORDS_HTTP_TIMEOUT)
     return OpenTelemetryAccessLogConfig(
         http_service=HttpService(http_uri=uri), log_name=RECORD_LOG_NAME,
-        buffer_flush_interval=FLUSH, buffer_size_bytes=BUFFER_BYTES,
+        buffer_flush_interval=flush, buffer_size_bytes=BUFFER_BYTES,
         disable_builtin_labels=True, attributes=_attributes())
 
 
