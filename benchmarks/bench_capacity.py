@@ -17,6 +17,10 @@ tokens per minute), so every request is admitted through all three tiers in Redi
 settled after, as under a real policy; `--no-limits` measures a key with none (no Redis
 admission: the Check answers from the policy alone).
 
+`--records-flush-ms MS`: the spoke's Envoy sends its records every MS (default: FLUSH in
+gateway/envoyconf/metering.py, 20 ms); a `--baseline` keeps its own (`--baseline HEAD
+--records-flush-ms 10` is an A/B of the flush alone).
+
 `--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
 --records-http`); with `--baseline HEAD`, the same code's default gRPC records beside it.
 
@@ -27,7 +31,7 @@ round): c closed-loop clients (aiohttp on uvloop, in this process) send `per_wor
 requests each. Per phase: requests/s = answers / wall time; latency p50 (median of the
 rounds' p50s) and p99 (pooled); added = minus plain's. CPU per request of each process
 (schedstat, every live thread, read 0.3 s after the phase's last answer so the records
-Envoy flushes every 50 ms and the Kafka sends count in their phase).
+Envoy flushes every 20 ms and the Kafka sends count in their phase).
 
 Checks (exit 1 if any fails): every request answers 200 with a usage object; every metered
 request's x-request-id is on its spoke's topic llm.usage.v1 exactly once, outcome
@@ -102,6 +106,7 @@ from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from devspoke.usage_topic import read_topic
 from gateway.envoyconf.bootstrap import EnvoyPorts
+from gateway.envoyconf.metering import FLUSH
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
@@ -229,6 +234,7 @@ class Bench:
             ahead["GATEWAY_DOOR_WORKERS"] = str(self.args.door_workers)
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
                                    metering="envoy", records_http=self.args.records_http,
+                                   records_flush_s=self.args.records_flush_ms / 1e3,
                                    sidecar_env=ahead).start()
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
@@ -626,6 +632,9 @@ def main() -> int:
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
+    parser.add_argument("--records-flush-ms", type=float, default=FLUSH.total_seconds() * 1e3,
+                        help="how often the spoke's Envoy sends its records (default: "
+                             "%(default)g, metering.py's FLUSH; a --baseline keeps its own)")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md); with "
                              "--baseline HEAD, the same code without it beside it")
@@ -670,8 +679,8 @@ def main() -> int:
     logs: dict[str, dict[str, Any]] = {}
     try:
         bench.start()
-        print(f"up: {', '.join(bench.paths)}; pinned={bench.pinned}; {args.rounds} rounds",
-              flush=True)
+        print(f"up: {', '.join(bench.paths)}; pinned={bench.pinned}; {args.rounds} rounds; "
+              f"the spoke's records flushed every {args.records_flush_ms:g} ms", flush=True)
         uvloop.run(bench.measure())
         for path, spoke in bench.spokes.items():
             checks[path] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[path],
@@ -721,6 +730,7 @@ def main() -> int:
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
         "spoke_records": "http" if args.records_http else "grpc",
+        "spoke_records_flush_ms": args.records_flush_ms,
         "spoke_admit_ahead_ms": args.admit_ahead_ms,
         "spoke_door_workers": args.door_workers, "door_cpu": args.door_cpu,
         "admission": "none (--no-limits)" if args.no_limits

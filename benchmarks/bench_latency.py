@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_latency.py [--requests 300] [--rounds 3] [--no-pin]
         [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
         [--sidecar-apart] [--redis-with-gateway] [--admit-ahead-ms 250]
-        [--door-workers 1 [--door-cpu free|same|other]]
+        [--door-workers 1 [--door-cpu free|same|other]] [--records-flush-ms 50]
 
 Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
 that answers at once, each over one keep-alive raw-socket connection:
@@ -40,7 +40,9 @@ Placement (2+ CPUs, unless --no-pin): the Envoys, the sidecar and the floor serv
 0; the client, the engine, Redis and Tansu on CPU 1 (`--sidecar-apart`: the sidecar on 1;
 `--redis-with-gateway`: Redis on 0). `--drop` removes filters from the spoke's chain (by a
 part of their names; `records`: its OpenTelemetry access log, so no records, settles,
-spool or Kafka).
+spool or Kafka). `--records-flush-ms`: how often the spoke's Envoy (and the `doors` spoke's)
+sends its records (default: gateway/envoyconf/metering.py's FLUSH); to compare settings,
+alternate whole runs (docs/benchmarks.md, "2026-12-06: a shorter records flush").
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
+from gateway.envoyconf.metering import FLUSH
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
@@ -83,9 +86,9 @@ GATEWAY_CPU, OTHER_CPU = 0, 1
 RID = "0b6a9a48-cd1b-4bb4-9a1c-6d1d9a1f0e11"  # replaced by a fresh one in each door request
 
 
-def spoke_config(drop: list[str]) -> Any:
+def spoke_config(drop: list[str], flush_s: float = FLUSH.total_seconds()) -> Any:
     def config(ports: EnvoyPorts, metering: Any) -> str:
-        doc = yaml.safe_load(render(ports, metering=metering))
+        doc = yaml.safe_load(render(ports, metering=metering, records_flush_s=flush_s))
         hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
         tc = hcm["typed_config"]
         tc["http_filters"] = [f for f in tc["http_filters"]
@@ -368,7 +371,13 @@ def main() -> int:
                          "default), the sidecar's and Envoy's core, or the other one")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
+    ap.add_argument("--records-flush-ms", type=float, default=FLUSH.total_seconds() * 1e3,
+                    help="how often the spoke's Envoy sends its records (default: %(default)g, "
+                         "gateway/envoyconf/metering.py's FLUSH)")
     args = ap.parse_args()
+    flush_s = args.records_flush_ms / 1e3
+    print(f"bench_latency: {args.rounds} rounds of {args.requests}; records flushed every "
+          f"{args.records_flush_ms:g} ms; drop {args.drop or 'nothing'}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-latency-"))
     secret, free_secret = secrets.new_secret("bench"), secrets.new_secret("free")
     door_times = workdir / "door-times"
@@ -379,7 +388,7 @@ def main() -> int:
         os.environ["GATEWAY_BENCH_DOOR_TIMES"] = str(door_times)
     ahead = {"GATEWAY_ADMIT_AHEAD_MS": f"{args.admit_ahead_ms:g}"} if args.admit_ahead_ms else {}
     spoke = Spoke(workdir=workdir / "spoke", listen_port=free_port(), metering="envoy",
-                  envoy_config=spoke_config([d for d in args.drop.split(",") if d]),
+                  envoy_config=spoke_config([d for d in args.drop.split(",") if d], flush_s),
                   sidecar_env=ahead).start()
     plain: Service | None = None
     extra: dict[str, Service] = {}
@@ -388,7 +397,8 @@ def main() -> int:
         serve_keys(spoke, secret, free_secret, limited=not args.no_limits)
         if args.door_workers:
             doors = Spoke(workdir=workdir / "doors", listen_port=free_port(), metering="envoy",
-                          envoy_config=spoke_config([d for d in args.drop.split(",") if d]),
+                          envoy_config=spoke_config(
+                              [d for d in args.drop.split(",") if d], flush_s),
                           sidecar_env={**ahead,
                                        "GATEWAY_DOOR_WORKERS": str(args.door_workers)}).start()
             serve_keys(doors, secret, free_secret, limited=not args.no_limits)
@@ -470,7 +480,8 @@ def main() -> int:
                 watch = {"envoy": procs.get(name), "sidecar": sidecar["sidecar"]}
                 before = {k: tree_sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
-                time.sleep(0.06)  # the records Envoy flushes every 50 ms, and their settle
+                # the records Envoy flushes every FLUSH (20 ms), and their settle
+                time.sleep(max(0.06, flush_s + 0.01))
                 for k, b in before.items():
                     a = tree_sched_ns(watch[k].pid)  # type: ignore[union-attr]
                     if a is not None and b is not None:

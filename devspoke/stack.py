@@ -104,6 +104,8 @@ class Spoke:
     # Envoy-fed metering's heartbeat (Envoy's config and the sidecar's setting, together)
     record_heartbeat_s: float | None = None
     keep_request_ids: bool = False  # Envoy keeps a client's own x-request-id
+    # how often Envoy sends its records (None: gateway/envoyconf/metering.py's FLUSH)
+    records_flush_s: float | None = None
     # Redis as production runs it: a primary ("redis"), a replica ("redis-replica") and three
     # Sentinels ("sentinel-N"); the sidecar gets the redis+sentinel:// URL
     sentinel: bool = False
@@ -142,6 +144,8 @@ class Spoke:
         if self.record_heartbeat_s is not None:
             env["GATEWAY_RECORD_HEARTBEAT_S"] = str(self.record_heartbeat_s)
             extra["heartbeat_s"] = self.record_heartbeat_s
+        if self.records_flush_s is not None:
+            extra["records_flush_s"] = self.records_flush_s
         env.update(self.sidecar_env)
         sidecar = sidecar_service(free_port(), self.metrics_port, self.workdir, env)
         ports = EnvoyPorts(listen=f"{LOOP}:{self.listen_port}", sidecar=sidecar.address,
@@ -178,7 +182,7 @@ class Spoke:
                 print(f"  cutting the streams still running after {bound:g}s", flush=True)
             self.services["engine"].stop()
             envoy.wait_idle(5.0)
-        # Envoy's records of the last requests (50 ms buffers), then their events' delivery.
+        # Envoy's records of the last requests (20 ms buffers), then their events' delivery.
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             held = self.metric("gateway_admissions_open"), self.metric(

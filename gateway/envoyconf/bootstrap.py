@@ -187,6 +187,7 @@ class _Limits:
     records_http: bool = False
     heartbeat: timedelta = envoy_metering.RECORD_HEARTBEAT
     keep_request_ids: bool = False
+    records_flush: timedelta = envoy_metering.FLUSH
 
 
 def render(
@@ -198,6 +199,7 @@ def render(
     message_timeout_s: float = 2.0,
     heartbeat_s: float = envoy_metering.RECORD_HEARTBEAT.total_seconds(),
     keep_request_ids: bool = False,
+    records_flush_s: float = envoy_metering.FLUSH.total_seconds(),
 ) -> str:
     """The bootstrap YAML for `ports`, with the generated-file header."""
     typed = bootstrap(
@@ -208,6 +210,7 @@ def render(
         message_timeout_s=message_timeout_s,
         heartbeat_s=heartbeat_s,
         keep_request_ids=keep_request_ids,
+        records_flush_s=records_flush_s,
     )
     plain = to_plain(typed, _SPELLED_OUT_FALSE)
     return HEADER + yaml.dump(plain, Dumper=_Dumper, sort_keys=False, width=100)
@@ -234,6 +237,7 @@ def bootstrap(
     message_timeout_s: float = 2.0,
     heartbeat_s: float = envoy_metering.RECORD_HEARTBEAT.total_seconds(),
     keep_request_ids: bool = False,
+    records_flush_s: float = envoy_metering.FLUSH.total_seconds(),
 ) -> Bootstrap:
     """The typed bootstrap: one listener, the sidecar and engine clusters, admin."""
     limits = _Limits(
@@ -245,6 +249,7 @@ def bootstrap(
         records_http=bool(ports.records_http),
         heartbeat=timedelta(seconds=heartbeat_s),
         keep_request_ids=keep_request_ids,
+        records_flush=timedelta(seconds=records_flush_s),
     )
     clusters = [sidecar_cluster(ports.sidecar), engine_cluster(ports.engine, _buffer_limit(limits))]
     if ports.authz_http:
@@ -285,7 +290,7 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         ],
         access_log=[_stdout_access_log(limits.source), envoy_metering.record_log(
             only_flags=() if limits.source.records_are_events else CUT_FLAGS,
-            http=limits.records_http)],
+            http=limits.records_http, flush=limits.records_flush)],
         # Envoy-fed metering: a heartbeat record per request in flight (metering.py)
         access_log_options=HttpConnectionManagerHcmAccessLogOptions(
             access_log_flush_interval=limits.heartbeat) if limits.source.heartbeat else None,

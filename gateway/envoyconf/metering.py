@@ -18,7 +18,7 @@ Why each piece (docs/envoy.md §6):
 * **OpenTelemetry access log over gRPC to the sidecar**, with a retry policy: measured,
   it lost no record over a 10 s sidecar outage where a logger without retries lost ~17 %
   over 2 s (at-least-once; the sidecar deduplicates on the request id). `common_config`
-  is the only place Envoy 1.40 honours buffering for gRPC: records are flushed every 50 ms.
+  is the only place Envoy 1.40 honours buffering for gRPC: records are flushed every 20 ms.
   Or (`gateway envoy-config --records-http`) **over OTLP/HTTP** to the sidecar's
   GATEWAY_RECORDS_HTTP_LISTEN: cheaper for the sidecar, but Envoy 1.40 never retries an
   HTTP export (measured: a 503, a reset or a timeout drops the batch), so a sidecar killed
@@ -83,7 +83,12 @@ LUA = "envoy.filters.http.lua"
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 OTEL_ACCESS_LOG = "envoy.access_loggers.open_telemetry"
 RECORD_LOG_NAME = "gateway.usage"
-FLUSH = timedelta(milliseconds=50)
+# Every FLUSH, the records so far go as one Export. 20 ms, not the earlier 50: smaller batches
+# hold the sidecar's loop for less (c=1 p99 ~0.6 ms lower) and free concurrency slots
+# sooner (13/22 ms p50/p99 after the end, not 27/53), at more Exports a second (sidecar CPU a
+# request +3-12 % at c=32, +26-40 % at 50 req/s; docs/benchmarks.md, "2026-12-06: a shorter
+# records flush"). The benches vary it: --records-flush-ms.
+FLUSH = timedelta(milliseconds=20)
 # Envoy sends a batch when it holds this many bytes of records, or every FLUSH, whichever
 # comes first. Its default (16 KiB, ~20 records) sent a batch every ~15 ms at 1,400 req/s,
 # and each batch costs the sidecar a gRPC call, a group commit and a Redis round trip
@@ -151,18 +156,20 @@ def json_to_metadata() -> JsonToMetadata:
         rules=rules, allow_content_types_regex=RegexMatcher(regex=r"^application/json\b.*")))
 
 
-def record_log(only_flags: Iterable[str] = (), http: bool = False) -> AccessLog:
+def record_log(only_flags: Iterable[str] = (), http: bool = False,
+               flush: timedelta = FLUSH) -> AccessLog:
     """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s, or
     (`http`) over OTLP/HTTP, never retried.
 
     `only_flags`: send a record only for requests with one of these response flags. The
     ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
-    DC: the client), which ext_proc itself cannot see."""
+    DC: the client), which ext_proc itself cannot see. `flush`: how often Envoy sends a
+    batch (FLUSH; the benches vary it: bench_latency/bench_capacity --records-flush-ms)."""
     only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
         flags=sorted(only_flags))) if only_flags else None
     if http:
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
-                         typed_config=Any.pack(_otel_http_config()))
+                         typed_config=Any.pack(_otel_http_config(flush)))
     retry = RetryPolicy(
         retry_back_off=BackoffStrategy(base_interval=timedelta(milliseconds=250),
                                        max_interval=timedelta(seconds=2)),
@@ -174,26 +181,26 @@ def record_log(only_flags: Iterable[str] = (), http: bool = False) -> AccessLog:
     with warnings.catch_warnings():  # common_config is deprecated, but the only place
         warnings.simplefilter("ignore", DeprecationWarning)  # 1.40 honours gRPC's buffering
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
-                         typed_config=Any.pack(_otel_config(grpc)))
+                         typed_config=Any.pack(_otel_config(grpc, flush)))
 
 
-def _otel_config(grpc: GrpcService) -> OpenTelemetryAccessLogConfig:
+def _otel_config(grpc: GrpcService, flush: timedelta) -> OpenTelemetryAccessLogConfig:
     return OpenTelemetryAccessLogConfig(
         common_config=CommonGrpcAccessLogConfig(
             log_name=RECORD_LOG_NAME, transport_api_version=ApiVersion.V3, grpc_service=grpc,
-            buffer_flush_interval=FLUSH, buffer_size_bytes=BUFFER_BYTES),
+            buffer_flush_interval=flush, buffer_size_bytes=BUFFER_BYTES),
         disable_builtin_labels=True,
         attributes=_attributes(),
     )
 
 
-def _otel_http_config() -> OpenTelemetryAccessLogConfig:
+def _otel_http_config(flush: timedelta) -> OpenTelemetryAccessLogConfig:
     """The same records over OTLP/HTTP: the top-level buffering fields are honoured here."""
     uri = HttpUri(uri=f"http://{RECORDS_HTTP_CLUSTER}{RECORDS_HTTP_PATH}",
                   cluster=RECORDS_HTTP_CLUSTER, timeout=RECORDS_HTTP_TIMEOUT)
     return OpenTelemetryAccessLogConfig(
         http_service=HttpService(http_uri=uri), log_name=RECORD_LOG_NAME,
-        buffer_flush_interval=FLUSH, buffer_size_bytes=BUFFER_BYTES,
+        buffer_flush_interval=flush, buffer_size_bytes=BUFFER_BYTES,
         disable_builtin_labels=True, attributes=_attributes())
 
 
