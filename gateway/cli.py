@@ -15,6 +15,7 @@ from typing import Any
 
 from gateway.addresses import AddressError, split_hostport
 from gateway.cli_tools import add_tools, store_flags
+from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
 
 _settings = cli_settings
@@ -61,7 +62,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
                                        engine=args.engine, admin=args.admin, otlp=args.otlp,
                                        authz_http=door, records_http=args.records_http),
                             metering=args.metering, heartbeat_s=args.record_heartbeat_s,
-                            keep_request_ids=args.keep_request_ids))
+                            keep_request_ids=args.keep_request_ids,
+                            records_flush_s=args.records_flush_ms / 1000))
     return 0
 
 
@@ -82,6 +84,17 @@ def cmd_dev(args: argparse.Namespace) -> int:
         return 2
     return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp,
                      metering=args.metering, drain_s=args.drain_s)
+
+
+def _flush_ms(text: str) -> float:
+    """--records-flush-ms: a positive number of milliseconds."""
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = 0.0
+    if not ms > 0 or ms == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of milliseconds: {text!r}")
+    return ms
 
 
 def _metering_flag(p: argparse.ArgumentParser) -> None:
@@ -173,6 +186,12 @@ def parser() -> argparse.ArgumentParser:
                         "GATEWAY_RECORDS_HTTP_LISTEN there: cheaper than gRPC, but Envoy "
                         "never retries them, so a sidecar crash loses a batch in flight "
                         "(default: gRPC to --sidecar, retried)")
+    p.add_argument("--records-flush-ms", dest="records_flush_ms", type=_flush_ms,
+                   default=RECORDS_FLUSH_MS, metavar="MS",
+                   help="Envoy sends its records every MS milliseconds: shorter frees "
+                        "concurrency slots sooner and shortens the sidecar's tail, longer "
+                        "costs it less CPU a request; keep it under "
+                        "GATEWAY_CONCURRENCY_GRACE_MS (default: %(default)g)")
     p.add_argument("--keep-request-ids", dest="keep_request_ids", action="store_true",
                    help="keep a client's own x-request-id (behind a trusted front proxy): "
                         "a live duplicate is refused with 409 (default: Envoy's own ids)")

@@ -102,3 +102,7 @@ RECORD_ATTRIBUTES = {
     REC_USAGE: f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%",
     REC_COUNTED: f"%DYNAMIC_METADATA({STREAM_NAMESPACE})%",
 }
+# How often Envoy sends the records it holds, by default (`gateway envoy-config
+# --records-flush-ms`): a finished request's concurrency slot is freed up to this late,
+# which GATEWAY_CONCURRENCY_GRACE_MS covers. Why 20: gateway/envoyconf/metering.py.
+RECORDS_FLUSH_MS = 20

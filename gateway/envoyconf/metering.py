@@ -38,7 +38,12 @@ from gateway.envoy_contract import CACHED_TOKENS as CACHED
 from gateway.envoy_contract import COMPLETION_TOKENS as COMPLETION
 from gateway.envoy_contract import PROMPT_TOKENS as PROMPT
 from gateway.envoy_contract import REASONING_TOKENS as REASONING
-from gateway.envoy_contract import RECORD_ATTRIBUTES, SERVED_MODEL, USAGE_NAMESPACE
+from gateway.envoy_contract import (
+    RECORD_ATTRIBUTES,
+    RECORDS_FLUSH_MS,
+    SERVED_MODEL,
+    USAGE_NAMESPACE,
+)
 from gateway.envoy_contract import TOTAL_TOKENS as TOTAL
 from gateway.envoyconf import lua as envoy_lua
 from gateway.envoyconf.filters import SIDECAR_CLUSTER
@@ -87,8 +92,8 @@ RECORD_LOG_NAME = "gateway.usage"
 # hold the sidecar's loop for less (c=1 p99 ~0.6 ms lower) and free concurrency slots
 # sooner (13/22 ms p50/p99 after the end, not 27/53), at more Exports a second (sidecar CPU a
 # request +3-12 % at c=32, +26-40 % at 50 req/s; docs/benchmarks.md, "2026-12-06: a shorter
-# records flush"). The benches vary it: --records-flush-ms.
-FLUSH = timedelta(milliseconds=20)
+# records flush"). `gateway envoy-config --records-flush-ms` and the benches vary it.
+FLUSH = timedelta(milliseconds=RECORDS_FLUSH_MS)
 # Envoy sends a batch when it holds this many bytes of records, or every FLUSH, whichever
 # comes first. Its default (16 KiB, ~20 records) sent a batch every ~15 ms at 1,400 req/s,
 # and each batch costs the sidecar a gRPC call, a group commit and a Redis round trip

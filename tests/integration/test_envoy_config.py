@@ -114,6 +114,27 @@ def test_envoy_config_cli_default_is_the_reference_and_grpc_check_is_a_flag(
     assert AUTHZ_HTTP_CLUSTER not in cluster_addresses(config)
 
 
+def flush_intervals(config: dict[str, Any]) -> list[str]:
+    """Every access logger's buffer_flush_interval in a rendered bootstrap."""
+    return [log["typed_config"]["common_config"]["buffer_flush_interval"]
+            for hcm in hcms(config) for log in hcm.get("access_log", [])
+            if "common_config" in log.get("typed_config", {})]
+
+
+def test_envoy_config_records_flush_ms_sets_the_access_loggers_flush(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["envoy-config"]) == 0
+    assert flush_intervals(yaml.safe_load(capsys.readouterr().out)) == ["0.020s"]
+    assert cli.main(["envoy-config", "--records-flush-ms", "50"]) == 0
+    assert flush_intervals(yaml.safe_load(capsys.readouterr().out)) == ["0.050s"]
+    for bad in ("0", "-5", "abc", "inf"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["envoy-config", "--records-flush-ms", bad])
+        assert exited.value.code == 2
+        assert "--records-flush-ms: not a positive number of milliseconds" in \
+            capsys.readouterr().err
+
+
 def test_committed_envoy_yaml_is_render_output() -> None:
     committed = (REPO / "envoy" / "envoy.yaml").read_text()
     assert committed == render(metering="envoy"), \
