@@ -18,7 +18,7 @@ settled after, as under a real policy; `--no-limits` measures a key with none (n
 admission: the Check answers from the policy alone).
 
 `--records-flush-ms MS`: the spoke's Envoy sends its records every MS (default: FLUSH in
-gateway/envoyconf/metering.py, 20 ms); a `--baseline` keeps its own (`--baseline HEAD
+gateway/envoyconf/metering.py, 50 ms); a `--baseline` keeps its own (`--baseline HEAD
 --records-flush-ms 10` is an A/B of the flush alone).
 
 `--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
@@ -31,7 +31,7 @@ round): c closed-loop clients (aiohttp on uvloop, in this process) send `per_wor
 requests each. Per phase: requests/s = answers / wall time; latency p50 (median of the
 rounds' p50s) and p99 (pooled); added = minus plain's. CPU per request of each process
 (schedstat, every live thread, read 0.3 s after the phase's last answer so the records
-Envoy flushes every 20 ms and the Kafka sends count in their phase).
+Envoy flushes every 50 ms and the Kafka sends count in their phase).
 
 Checks (exit 1 if any fails): every request answers 200 with a usage object; every metered
 request's x-request-id is on its spoke's topic llm.usage.v1 exactly once, outcome

@@ -18,7 +18,7 @@ rate instead (the same load on every Envoy: its batching per wake-up depends on 
 Each round runs ref, v1, ref, v2, ..., ref (the variants reversed every other round), and a
 variant is compared with the mean of the ref phases either side of it, so drift cancels.
 CPU per request: schedstat of the Envoy (every thread) over the phase and 0.3 s after (the
-records flush every 20 ms), less its idle rate; the sidecar's the same way. Reported: the
+records flush every 50 ms), less its idle rate; the sidecar's the same way. Reported: the
 median over rounds of the µs saved against ref, and against ref_b in the same round.
 
 Many variants break a contract (no record, no Check, no json_to_metadata): they price an

@@ -480,7 +480,7 @@ def main() -> int:
                 watch = {"envoy": procs.get(name), "sidecar": sidecar["sidecar"]}
                 before = {k: tree_sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
-                # the records Envoy flushes every FLUSH (20 ms), and their settle
+                # the records Envoy flushes every FLUSH (50 ms), and their settle
                 time.sleep(max(0.06, flush_s + 0.01))
                 for k, b in before.items():
                     a = tree_sched_ns(watch[k].pid)  # type: ignore[union-attr]

@@ -35,7 +35,7 @@ phases, each through the three paths in turn (A B C, then C B A next round, ...)
   over rounds, gives per_chunk = (cpu64/req - cpu4/req) / 60 and fixed = cpu4/req -
   4 * per_chunk (for the sidecar: Check, record, event). The 4-chunk streams start their
   first chunk 60 ms later (x-mock-ttft-ms 80), so both last ~83 ms and come at the same
-  rate: what the sidecar batches (Redis admissions, the records Envoy flushes every 20 ms,
+  rate: what the sidecar batches (Redis admissions, the records Envoy flushes every 50 ms,
   Kafka sends) costs the same per request in both, and the split measures chunks, not a
   rate effect (with equal TTFTs the 4-chunk requests came ~5x as often, which the split
   counted as per-chunk cost). TTFT = first content event - request sent, from c8x64:
@@ -46,7 +46,7 @@ phases, each through the three paths in turn (A B C, then C B A next round, ...)
   pace = each stream's mean gap between content events, averaged over streams; both also
   relative to plain.
 CPU is read 0.3 s after a phase's last answer, so the envoy source's records (flushed every
-20 ms) and both sidecars' Kafka sends count in their phase. Background CPU when idle (timers,
+50 ms) and both sidecars' Kafka sends count in their phase. Background CPU when idle (timers,
 policy re-checks) is measured once after the warm-up (JSON `idle_us_per_s`): the table keeps
 it, the notes under it show the split with it subtracted.
 

@@ -12,7 +12,7 @@ thread was put on a CPU), per request. Python threads all show as `python`: the 
 the event loop, then the spool's disk thread and the default executor; `event_engine`
 threads are gRPC's. µs per wake-up is each thread's CPU over its wake-ups: when it is the
 same at every rate, the cost per request is the wake-ups per request, and those are what
-batching (Envoy's records every 20 ms, group commits, settles) amortises.
+batching (Envoy's records every 50 ms, group commits, settles) amortises.
 
 Placement as bench_latency's: Envoy and the sidecar on CPU 0; the client, engine, Redis
 and Tansu on CPU 1.

@@ -5,7 +5,7 @@
 #     cuts an HTTP/1.1 stream in flight within a second);
 #  2. let the requests in flight finish, up to DRAIN_S seconds (default 30);
 #  3. wait a second more, so the access logger sends the records of the last requests
-#     (buffered 20 ms) to the sidecar, which outlives Envoy.
+#     (buffered 50 ms) to the sidecar, which outlives Envoy.
 # Streams still running after DRAIN_S are cut by Envoy's exit: their records may be lost,
 # and the orphan sweep of any sidecar of the spoke bills each from its last heartbeat
 # (docs/request-flow.md "Every admission ends"). Needs only bash (/dev/tcp): Envoy's image has no curl.

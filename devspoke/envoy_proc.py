@@ -76,7 +76,7 @@ def envoy_service(
 class EnvoyService(Service):
     """Envoy, stopped the way a deployment should stop it: drained first.
 
-    Its per-request records (Envoy-fed metering) are buffered for up to 20 ms, and a
+    Its per-request records (Envoy-fed metering) are buffered for up to 50 ms, and a
     plain SIGTERM exits without sending them: measured, half the requests completed in
     the last moments lost their record. So `stop` first waits (up to `drain_timeout`)
     for the requests in flight to finish, gives the access logger a flush, and only then
@@ -97,7 +97,7 @@ class EnvoyService(Service):
 
     def _drain(self) -> None:
         self.wait_idle(self.drain_timeout)
-        time.sleep(0.2)  # past the access logger's 20 ms flush
+        time.sleep(0.2)  # past the access logger's 50 ms flush
 
     def in_flight(self) -> int:
         """Requests Envoy is serving now (downstream_rq_active, less the admin's own: the

@@ -182,7 +182,7 @@ class Spoke:
                 print(f"  cutting the streams still running after {bound:g}s", flush=True)
             self.services["engine"].stop()
             envoy.wait_idle(5.0)
-        # Envoy's records of the last requests (20 ms buffers), then their events' delivery.
+        # Envoy's records of the last requests (50 ms buffers), then their events' delivery.
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             held = self.metric("gateway_admissions_open"), self.metric(

@@ -104,5 +104,5 @@ RECORD_ATTRIBUTES = {
 }
 # How often Envoy sends the records it holds, by default (`gateway envoy-config
 # --records-flush-ms`): a finished request's concurrency slot is freed up to this late,
-# which GATEWAY_CONCURRENCY_GRACE_MS covers. Why 20: gateway/envoyconf/metering.py.
-RECORDS_FLUSH_MS = 20
+# which GATEWAY_CONCURRENCY_GRACE_MS covers. Why 50: gateway/envoyconf/metering.py.
+RECORDS_FLUSH_MS = 50

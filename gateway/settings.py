@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     # config (`gateway envoy-config --metering`).
     metering: Metering = DEFAULT_METERING
     # A concurrency denial waits up to this for ends on their way, then retries (default:
-    # 100 ms with Envoy-fed metering, whose records arrive up to ~20 ms after the end; else 0).
+    # 100 ms with Envoy-fed metering, whose records arrive ~50 ms after the end; else 0).
     concurrency_grace_ms: float | None = None
     # Admitting ahead (docs/admit-ahead.md): how long a ticket admitted for the next request
     # of a key and model is kept. 0: off, every admission waits for Redis. Redis mode only.

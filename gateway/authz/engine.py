@@ -41,7 +41,7 @@ class AdmissionSettings:
     reserve_cap: int = 32768  # on the completion side only (BodyFacts.reserve)
     continuous_models: tuple[str, ...] = ()  # globs: models whose engine reports continuous usage
     # A concurrency denial waits up to this for ends still on their way (Envoy-fed metering
-    # learns of an end ~10-20 ms after the client did), then retries: no spurious 429.
+    # learns of an end ~50 ms after the client did), then retries: no spurious 429.
     concurrency_grace_s: float = 0.0
 
 

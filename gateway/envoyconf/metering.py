@@ -18,7 +18,7 @@ Why each piece (docs/envoy.md §6):
 * **OpenTelemetry access log over gRPC to the sidecar**, with a retry policy: measured,
   it lost no record over a 10 s sidecar outage where a logger without retries lost ~17 %
   over 2 s (at-least-once; the sidecar deduplicates on the request id). `common_config`
-  is the only place Envoy 1.40 honours buffering for gRPC: records are flushed every 20 ms.
+  is the only place Envoy 1.40 honours buffering for gRPC: records are flushed every 50 ms.
   Or (`gateway envoy-config --records-http`) **over OTLP/HTTP** to the sidecar's
   GATEWAY_RECORDS_HTTP_LISTEN: cheaper for the sidecar, but Envoy 1.40 never retries an
   HTTP export (measured: a 503, a reset or a timeout drops the batch), so a sidecar killed
@@ -88,11 +88,13 @@ LUA = "envoy.filters.http.lua"
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
 OTEL_ACCESS_LOG = "envoy.access_loggers.open_telemetry"
 RECORD_LOG_NAME = "gateway.usage"
-# Every FLUSH, the records so far go as one Export. 20 ms, not the earlier 50: smaller batches
-# hold the sidecar's loop for less (c=1 p99 ~0.6 ms lower) and free concurrency slots
-# sooner (13/22 ms p50/p99 after the end, not 27/53), at more Exports a second (sidecar CPU a
-# request +3-12 % at c=32, +26-40 % at 50 req/s; docs/benchmarks.md, "2026-12-06: a shorter
-# records flush"). `gateway envoy-config --records-flush-ms` and the benches vary it.
+# Every FLUSH, the records so far go as one Export. 20 ms instead was measured (docs/
+# benchmarks.md, "2026-12-06: a shorter records flush"): the c=1 p99 ~0.6 ms lower and
+# concurrency slots freed in 13/22 ms p50/p99 after the end instead of 27/53, but the
+# sidecar's CPU a request +3-12 % at c=32 and +26-40 % at 50 req/s, and Envoy's CPU a
+# stream chunk 1.9-2.0x plain's instead of 1.6x (the sidecar reads the batches on Envoy's
+# core, in the middle of its streams): so 50 by default, and `gateway envoy-config
+# --records-flush-ms` for an operator who wants the other side (the benches vary it too).
 FLUSH = timedelta(milliseconds=RECORDS_FLUSH_MS)
 # Envoy sends a batch when it holds this many bytes of records, or every FLUSH, whichever
 # comes first. Its default (16 KiB, ~20 records) sent a batch every ~15 ms at 1,400 req/s,

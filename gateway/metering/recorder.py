@@ -25,7 +25,7 @@ from gateway.sinks.spool import Spool
 from gateway.usage_event import UsageEvent, event_json, rfc3339
 
 # How long a stream ext_proc saw end early waits for Envoy's word on why (its access-log
-# record, flushed every 20 ms), and how many such words are kept for streams not ended yet.
+# record, flushed every 50 ms), and how many such words are kept for streams not ended yet.
 CUT_WAIT_S = 1.0
 TOLD_MAX = 10_000
 SWEEP_BATCH = 100  # orphans claimed per store call

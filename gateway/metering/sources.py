@@ -17,7 +17,7 @@ class MeteringSource:
 
     name: str  # the setting's value: GATEWAY_METERING, --metering
     # The sidecar. Defaults of GATEWAY_CONCURRENCY_GRACE_MS and GATEWAY_ORPHAN_GRACE_MS: a
-    # request's end reaches the sidecar after the client saw it (its record: up to ~20 ms), and its
+    # request's end reaches the sidecar after the client saw it (its record: ~50 ms), and its
     # record may come long after its lease (Envoy retries a batch for ~36 s).
     concurrency_grace_s: float
     orphan_grace_s: float

@@ -1,6 +1,6 @@
 """Envoy's per-request records (GATEWAY_METERING=envoy): OTLP logs → usage events.
 
-Envoy's OpenTelemetry access logger sends `LogsService/Export` batches (every 20 ms) over
+Envoy's OpenTelemetry access logger sends `LogsService/Export` batches (every 50 ms) over
 gRPC and retries a batch the sidecar did not acknowledge. So an Export is answered only
 once its events are durable in the spool: a sidecar killed before that loses nothing, Envoy
 sends the batch again after the restart. That makes delivery at-least-once; a request id
@@ -30,7 +30,7 @@ from gateway.log import log
 from gateway.metering import billing, record
 from gateway.metering.recorder import Recorder
 
-# A batch holds 20 ms of requests (~12 at c=1, ~60 µs each on a slow core: ~0.7 ms of
+# A batch holds 50 ms of requests (~30-50 at c=1, ~60 µs each on a slow core: ~2-3 ms of
 # the event loop in one go). While at most SLICE_UP_TO Checks wait on the store (light
 # load), the loop is let through after each SLICE_S of it: a Check that arrives meanwhile
 # waits for one slice, not for the whole batch (the c=1 p99, docs/benchmarks.md). Under

@@ -125,7 +125,7 @@ def test_a_concurrency_limit_holds_across_the_door_and_the_records(
             after.append(next_rid)
         return code == 200
 
-    # The end travels Envoy → records (flushed every 20 ms) → Redis; a Check within the
+    # The end travels Envoy → records (flushed every 50 ms) → Redis; a Check within the
     # door's concurrency grace waits for it: at most a few tries.
     assert _until(admitted, 3) < 2
     denied = {refused_rid for _, refused_rid in refused}

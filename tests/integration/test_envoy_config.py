@@ -124,9 +124,9 @@ def flush_intervals(config: dict[str, Any]) -> list[str]:
 def test_envoy_config_records_flush_ms_sets_the_access_loggers_flush(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["envoy-config"]) == 0
-    assert flush_intervals(yaml.safe_load(capsys.readouterr().out)) == ["0.020s"]
-    assert cli.main(["envoy-config", "--records-flush-ms", "50"]) == 0
     assert flush_intervals(yaml.safe_load(capsys.readouterr().out)) == ["0.050s"]
+    assert cli.main(["envoy-config", "--records-flush-ms", "20"]) == 0
+    assert flush_intervals(yaml.safe_load(capsys.readouterr().out)) == ["0.020s"]
     for bad in ("0", "-5", "abc", "inf"):
         with pytest.raises(SystemExit) as exited:
             cli.main(["envoy-config", "--records-flush-ms", bad])

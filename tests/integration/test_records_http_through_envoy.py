@@ -77,7 +77,7 @@ def collector(request: pytest.FixtureRequest) -> Iterator[Collector]:
 def test_each_batch_is_sent_once_whatever_the_answer(tmp_path: Path,
                                                      collector: Collector) -> None:
     """Nothing listens at the sidecar's Check door, so Envoy answers each request itself
-    (503); each still has its record, in a batch of its own (spaced past the 20 ms flush)."""
+    (503); each still has its record, in a batch of its own (spaced past the 50 ms flush)."""
     listen, admin = free_port(), free_port()
     ports = EnvoyPorts(listen=f"{LOOPBACK}:{listen}", sidecar=f"{LOOPBACK}:{free_port()}",
                        engine=f"{LOOPBACK}:{free_port()}", admin=f"{LOOPBACK}:{admin}",

@@ -530,7 +530,7 @@ async def test_abandon_voids_the_admission_in_the_ledger() -> None:
 
 async def test_a_concurrency_denial_waits_for_ends_on_their_way() -> None:
     """The slot's previous holder ended, but its release is still on its way (Envoy's
-    record comes up to ~20 ms after the client saw the end): wait for it, not a 429."""
+    record comes ~50 ms after the client saw the end): wait for it, not a 429."""
     pol = policy(key_limits="{concurrency: 1}")
     lim = CountingLimiter()
     ledger = Ledger(lim, FakeClock(NOW), lease_ttl=30, watches=True)
