@@ -2,7 +2,7 @@
 and throughput of each, against an Envoy with no gateway at all.
 
     .venv/bin/python benchmarks/bench_sources.py [--quick] [--grpc-check] [--no-limits]
-        [--admit-ahead-ms 250] [--redis-with-gateway] [--door-times]
+        [--admit-ahead-ms 250] [--records-flush-ms 50] [--redis-with-gateway] [--door-times]
         [--out benchmarks/results/sources.json]
 
 Three paths (four with --grpc-check), measured in one run against one workload:
@@ -22,8 +22,9 @@ tokens per minute), so every metered request is admitted through all three tiers
 and settled after, as under a real policy; `--no-limits` measures a key with none (no Redis
 admission: the Check answers from the policy alone; what this bench measured before
 2026-12-06). `--admit-ahead-ms MS` sets GATEWAY_ADMIT_AHEAD_MS on every spoke's sidecar
-(docs/admit-ahead.md). The JSON records both (`admission`, `spoke_admit_ahead_ms`), and the
-header line prints them.
+(docs/admit-ahead.md). `--records-flush-ms MS`: every spoke's Envoy sends its records every
+MS (`gateway envoy-config --records-flush-ms`). The JSON records each (`admission`,
+`spoke_admit_ahead_ms`, `spoke_records_flush_ms`), and the header line prints them.
 
 Workload: streaming chat completions (`stream: true`, no stream_options), the engine paced by
 x-mock-ttft-ms 20 and x-mock-tokens-per-s 1000 (content chunks 1 ms apart; see c8x4), max_tokens =
@@ -109,6 +110,7 @@ from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from devspoke.usage_topic import read_topic
+from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.policy import secrets
 from gateway.settings import Metering
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
@@ -178,7 +180,8 @@ class Bench:
                            else {})
             spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
                           metering=metering, authz_http=door, sidecar_env=env,
-                          engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S)
+                          engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S,
+                          records_flush_s=self.args.records_flush_ms / 1e3)
             self.spokes[source] = spoke.start()
             serve_one_key(spoke, self.secret, limited=not self.args.no_limits)
         ext_proc = self.spokes[EXT_PROC]
@@ -619,6 +622,9 @@ def main() -> int:
                              "Redis (default: limits too high to trip on all three tiers)")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="every spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md)")
+    parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
+                        help="how often every spoke's Envoy sends its records "
+                             "(default: %(default)g, `gateway envoy-config`'s)")
     parser.add_argument("--redis-with-gateway", action="store_true",
                         help="pin both spokes' Redis to CPU 0 with the Envoys and sidecars "
                              "(default: CPU 1, with the client, the engines and Tansu)")
@@ -646,7 +652,8 @@ def main() -> int:
         bench.start()
         print(f"up: {', '.join(f'{p} {bench.url(p)}' for p in bench.paths)}; "
               f"pinned={bench.pinned}; {args.rounds} rounds; admission: {admission}; "
-              f"admit-ahead {args.admit_ahead_ms:g} ms; {redis_at}", flush=True)
+              f"admit-ahead {args.admit_ahead_ms:g} ms; records flushed every "
+              f"{args.records_flush_ms:g} ms; {redis_at}", flush=True)
         uvloop.run(bench.measure())
         for source, spoke in bench.spokes.items():
             checks[source] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[source],
@@ -664,7 +671,8 @@ def main() -> int:
             shutil.rmtree(bench.workdir, ignore_errors=True)
 
     rows = bench.summary()
-    print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms; {redis_at}\n"
+    print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms; records flushed "
+          f"every {args.records_flush_ms:g} ms; {redis_at}\n"
           + render_table(rows))
     print("\n".join(target_lines(rows)))
     if door:
@@ -676,6 +684,7 @@ def main() -> int:
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": time.time() - started, "checks_passed": ok,
         "admission": admission, "spoke_admit_ahead_ms": args.admit_ahead_ms,
+        "spoke_records_flush_ms": args.records_flush_ms,
         "redis_cpu": redis_cpu,
         "workload": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S,
                      "phases": {k: {"concurrency": int(c), "chunks": n}

@@ -98,6 +98,7 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
     assert [r["path"] for r in doc["rows"]] == ["plain", "ext_proc", "envoy"]
     assert doc["admission"].startswith("three tiers"), doc["admission"]  # limited by default
     assert doc["redis_cpu"] in (1, None), doc["redis_cpu"]  # with the engine (None: not pinned)
+    assert doc["spoke_records_flush_ms"] == 50  # envoy-config's default flush
     assert all(r["ok"] == r["requests_total"] > 0 for r in doc["rows"]), doc["rows"]
 
 
