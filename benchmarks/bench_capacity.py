@@ -17,8 +17,8 @@ tokens per minute), so every request is admitted through all three tiers in Redi
 settled after, as under a real policy; `--no-limits` measures a key with none (no Redis
 admission: the Check answers from the policy alone).
 
-`--records-flush-ms MS`: the spoke's Envoy sends its records every MS (default: FLUSH in
-gateway/envoyconf/metering.py, 50 ms); a `--baseline` keeps its own (`--baseline HEAD
+`--records-flush-ms MS`: the spoke's Envoy sends its records every MS (default: `gateway
+envoy-config`'s, 50 ms); a `--baseline` keeps its own (`--baseline HEAD
 --records-flush-ms 10` is an A/B of the flush alone).
 
 `--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
@@ -105,8 +105,8 @@ from streaming import pct, serve_one_key
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from devspoke.usage_topic import read_topic
+from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.envoyconf.bootstrap import EnvoyPorts
-from gateway.envoyconf.metering import FLUSH
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
@@ -632,9 +632,9 @@ def main() -> int:
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
-    parser.add_argument("--records-flush-ms", type=float, default=FLUSH.total_seconds() * 1e3,
+    parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
                         help="how often the spoke's Envoy sends its records (default: "
-                             "%(default)g, metering.py's FLUSH; a --baseline keeps its own)")
+                             "%(default)g, `gateway envoy-config`'s; a --baseline keeps its own)")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md); with "
                              "--baseline HEAD, the same code without it beside it")

@@ -41,7 +41,7 @@ Placement (2+ CPUs, unless --no-pin): the Envoys, the sidecar and the floor serv
 `--redis-with-gateway`: Redis on 0). `--drop` removes filters from the spoke's chain (by a
 part of their names; `records`: its OpenTelemetry access log, so no records, settles,
 spool or Kafka). `--records-flush-ms`: how often the spoke's Envoy (and the `doors` spoke's)
-sends its records (default: gateway/envoyconf/metering.py's FLUSH); to compare settings,
+sends its records (default: `gateway envoy-config`'s, 50 ms); to compare settings,
 alternate whole runs (docs/benchmarks.md, "2026-12-06: a shorter records flush").
 """
 
@@ -67,8 +67,8 @@ from common import DOOR_CPU, envoy_stats, pin, pin_sidecar, tree_sched_ns
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
+from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
-from gateway.envoyconf.metering import FLUSH
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
 
@@ -86,7 +86,7 @@ GATEWAY_CPU, OTHER_CPU = 0, 1
 RID = "0b6a9a48-cd1b-4bb4-9a1c-6d1d9a1f0e11"  # replaced by a fresh one in each door request
 
 
-def spoke_config(drop: list[str], flush_s: float = FLUSH.total_seconds()) -> Any:
+def spoke_config(drop: list[str], flush_s: float = RECORDS_FLUSH_MS / 1e3) -> Any:
     def config(ports: EnvoyPorts, metering: Any) -> str:
         doc = yaml.safe_load(render(ports, metering=metering, records_flush_s=flush_s))
         hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
@@ -371,9 +371,9 @@ def main() -> int:
                          "default), the sidecar's and Envoy's core, or the other one")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
-    ap.add_argument("--records-flush-ms", type=float, default=FLUSH.total_seconds() * 1e3,
+    ap.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
                     help="how often the spoke's Envoy sends its records (default: %(default)g, "
-                         "gateway/envoyconf/metering.py's FLUSH)")
+                         "`gateway envoy-config`'s)")
     args = ap.parse_args()
     flush_s = args.records_flush_ms / 1e3
     print(f"bench_latency: {args.rounds} rounds of {args.requests}; records flushed every "
@@ -480,7 +480,7 @@ def main() -> int:
                 watch = {"envoy": procs.get(name), "sidecar": sidecar["sidecar"]}
                 before = {k: tree_sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
-                # the records Envoy flushes every FLUSH (50 ms), and their settle
+                # the records Envoy flushes every --records-flush-ms, and their settle
                 time.sleep(max(0.06, flush_s + 0.01))
                 for k, b in before.items():
                     a = tree_sched_ns(watch[k].pid)  # type: ignore[union-attr]

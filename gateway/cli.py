@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import sys
 from collections.abc import Coroutine
@@ -91,8 +92,8 @@ def _flush_ms(text: str) -> float:
     try:
         ms = float(text)
     except ValueError:
-        ms = 0.0
-    if not ms > 0 or ms == float("inf"):
+        ms = math.nan
+    if not 0 < ms < math.inf:
         raise argparse.ArgumentTypeError(f"not a positive number of milliseconds: {text!r}")
     return ms
 

@@ -171,7 +171,7 @@ def record_log(only_flags: Iterable[str] = (), http: bool = False,
     `only_flags`: send a record only for requests with one of these response flags. The
     ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
     DC: the client), which ext_proc itself cannot see. `flush`: how often Envoy sends a
-    batch (FLUSH; the benches vary it: bench_latency/bench_capacity --records-flush-ms)."""
+    batch (FLUSH unless `gateway envoy-config --records-flush-ms` says otherwise)."""
     only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
         flags=sorted(only_flags))) if only_flags else None
     if http:
