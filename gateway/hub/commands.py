@@ -4,6 +4,8 @@ follower of the hub (DESIGN §10)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -162,6 +164,15 @@ def cmd_hub_allocate(args: argparse.Namespace) -> int:
     configure(s.log_level)
     if args.interval_s <= 0:
         raise SystemExit(f"--interval-s must be > 0, not {args.interval_s}")
-    uvloop.run(Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
-                         usage_topic=s.usage_topic).run())
+    allocator = Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
+                          usage_topic=s.usage_topic)
+
+    async def run() -> None:
+        # Ctrl-C or SIGTERM stops it between polls (as `policy sync`), with no traceback.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await allocator.run(stop)
+    uvloop.run(run())
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -186,6 +187,28 @@ def test_policy_sync_and_the_allocator_outlive_a_broker_that_is_down(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_hub_allocate_stops_quietly_on_ctrl_c(tansu: Service, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) ends the long-running allocator with exit 0 and no traceback, as it
+    ends `policy sync`: it used to die in a KeyboardInterrupt traceback."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]),
+           "GATEWAY_KAFKA_BOOTSTRAP": tansu.address, "GATEWAY_KAFKA_IDEMPOTENCE": "false"}
+    env.pop("GATEWAY_HUB_BOOTSTRAP", None)
+    log = tmp_path / "allocate.log"
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "hub", "allocate",
+                             "--interval-s", "1"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=log.open("wb"))
+    try:
+        _wait(lambda: "quota_allocator_resumed" in log.read_text(), "the allocator's start")
+        time.sleep(0.5)  # into its polling loop
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(15) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in log.read_text(), log.read_text()[-2000:]
 
 
 def _wait(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

@@ -54,3 +54,15 @@ def test_every_relative_link_and_anchor_resolves(doc: Path) -> None:
         elif anchor and dest.suffix == ".md" and anchor not in slugs(dest):
             broken.append(f"{target}: no such heading")
     assert not broken, broken
+
+
+def test_the_readmes_policy_example_is_a_valid_policy() -> None:
+    """The README's Policy document validates as printed (it once carried an elided
+    `sha256: "9f86d0818…"`, which `policy apply` refuses), so a reader can paste it."""
+    from gateway.policy.loader import parse_doc
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Policy\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```yaml\n(.*?)^```", section, re.S | re.M)
+    assert block, "no yaml block under ## Policy"
+    doc = parse_doc(block.group(1), "README.md ## Policy")
+    assert doc.keys and doc.models and doc.teams
