@@ -260,6 +260,41 @@ async def test_a_publish_that_lost_its_number_to_another_publishes_again_as_the_
     assert feed.latest(records)["*"] == feed.encode(first + 2, _data("mine"))
 
 
+RACED_PUBLISH = """
+import sys
+from gateway.hub import feed, publish
+from gateway.hub.topics import produce
+rivals = []
+
+async def racing(bootstrap, topic, key, value, *, idempotence=True):
+    if not rivals:  # another hub's record of the same number lands just before ours
+        rivals.append(feed.parse_value(value).revision)
+        await produce(bootstrap, topic, "*", feed.encode(rivals[0], {"models": {"rival": {}}}),
+                      idempotence=False)
+    await produce(bootstrap, topic, key, value, idempotence=idempotence)
+
+publish.produce = racing
+from gateway.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_hub_publish_prints_only_its_line_on_stdout_and_its_warnings_on_stderr(
+        feed_kafka: Service, tmp_path: Path) -> None:
+    """DESIGN §10: `hub publish` prints `published revision N for spoke ID`, which tools
+    read. Its warnings (here a lost race: publish_raced) go to stderr, as every other
+    command's logs do; unconfigured, structlog printed them on stdout, before that line."""
+    doc = tmp_path / "p.json"
+    doc.write_bytes(_doc("m"))
+    run = subprocess.run(
+        [sys.executable, "-c", RACED_PUBLISH, "hub", "publish", str(doc), "--bootstrap",
+         feed_kafka.address], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "GATEWAY_KAFKA_IDEMPOTENCE": "false"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "published revision 2 for spoke *\n"  # 1 went to the rival
+    assert "publish_raced" in run.stderr
+
+
 def test_hub_publish_with_kafka_away_says_so_and_exits_1(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
