@@ -110,7 +110,10 @@ def _consumer(bootstrap: str) -> AIOKafkaConsumer:
 
 
 def _decoded(msgs: dict[TopicPartition, list[Any]]) -> list[Record]:
-    return [(m.key.decode() if m.key else "", m.value) for batch in msgs.values() for m in batch]
+    """(key, value) of each record. A key that is not UTF-8 (no spoke id is) is decoded with
+    replacement, as the quota topic's are: no spoke follows it, and it stops no reader."""
+    return [(m.key.decode(errors="replace") if m.key else "", m.value)
+            for batch in msgs.values() for m in batch]
 
 
 async def _metadata(c: AIOKafkaConsumer) -> Any:

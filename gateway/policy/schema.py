@@ -78,7 +78,7 @@ class Limits(_Strict):
 class GlobalLimits(_Strict):
     """One quota for all spokes together (DESIGN §10): the hub's allocator divides it into
     per-spoke allowances; a spoke that holds none enforces the fallback share
-    (`gateway.hub.allocation.FALLBACK_SHARE`)."""
+    (`gateway.limits.maths.GLOBAL_FALLBACK_SHARE`)."""
 
     tokens_per_day: Count | None = None
     tokens_per_month: Count | None = None

@@ -283,6 +283,41 @@ async def test_a_publish_that_lost_its_number_to_another_publishes_again_as_the_
     assert feed.latest(records)["*"] == feed.encode(first + 2, _data("mine"))
 
 
+RACED_PUBLISH = """
+import sys
+from gateway.hub import feed, publish
+from gateway.hub.topics import produce
+rivals = []
+
+async def racing(bootstrap, topic, key, value, *, idempotence=True):
+    if not rivals:  # another hub's record of the same number lands just before ours
+        rivals.append(feed.parse_value(value).revision)
+        await produce(bootstrap, topic, "*", feed.encode(rivals[0], {"models": {"rival": {}}}),
+                      idempotence=False)
+    await produce(bootstrap, topic, key, value, idempotence=idempotence)
+
+publish.produce = racing
+from gateway.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_hub_publish_prints_only_its_line_on_stdout_and_its_warnings_on_stderr(
+        feed_kafka: Service, tmp_path: Path) -> None:
+    """DESIGN §10: `hub publish` prints `published revision N for spoke ID`, which tools
+    read. Its warnings (here a lost race: publish_raced) go to stderr, as every other
+    command's logs do; unconfigured, structlog printed them on stdout, before that line."""
+    doc = tmp_path / "p.json"
+    doc.write_bytes(_doc("m"))
+    run = subprocess.run(
+        [sys.executable, "-c", RACED_PUBLISH, "hub", "publish", str(doc), "--bootstrap",
+         feed_kafka.address], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "GATEWAY_KAFKA_IDEMPOTENCE": "false"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "published revision 2 for spoke *\n"  # 1 went to the rival
+    assert "publish_raced" in run.stderr
+
+
 def test_hub_publish_with_kafka_away_says_so_and_exits_1(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
@@ -326,6 +361,50 @@ async def test_a_status_topic_that_cannot_be_read_leaves_the_feeds_own_number(
 
     monkeypatch.setattr("gateway.hub.publish.read_all", status_unreadable)
     assert await publish(bs, _doc("n"), "p.yaml", idempotence=False) == first + 1
+
+
+def test_a_feed_key_that_is_not_utf8_stops_no_reader(
+        feed_kafka: Service, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A record whose key is not UTF-8 (no spoke id is; a foreign tool's, or a bit flipped):
+    its key raised UnicodeDecodeError in every reader of the feed, so each later `hub
+    publish` exited 2 ("nothing published") and `hub status` 1, and every syncer's follower
+    crashed and began again forever, never taking the valid revisions beside it."""
+    from aiokafka import AIOKafkaProducer
+    bs = feed_kafka.address
+
+    async def setup() -> int:
+        first = await publish(bs, _doc("m"), "p.yaml", idempotence=False)
+        p = AIOKafkaProducer(bootstrap_servers=bs, enable_idempotence=False)
+        await p.start()
+        try:
+            await p.send_and_wait(POLICY_TOPIC, key=b"\xff\xfe",
+                                  value=feed.encode(first + 1, _data("foreign")))
+        finally:
+            await p.stop()
+        return first
+
+    async def follow() -> dict[str, bytes]:
+        follower = Follower(bs, POLICY_TOPIC, probe_s=0.5)
+        seen: list[Record] = []
+        batches = follower.batches()
+        try:
+            await until(batches, lambda: follower.up and follower.caught_up, seen)
+        finally:
+            await batches.aclose()
+        return feed.latest(seen)
+
+    first = asyncio.run(setup())
+    monkeypatch.setenv("GATEWAY_KAFKA_IDEMPOTENCE", "false")  # Tansu: no idempotent producer
+    doc = tmp_path / "p.json"
+    doc.write_bytes(_doc("n"))
+    assert main(["hub", "publish", str(doc), "--bootstrap", bs]) == 0
+    # the foreign record's revision counts in the one sequence over the topic
+    assert capsys.readouterr().out == f"published revision {first + 2} for spoke *\n"
+    assert main(["hub", "status", "-o", "json", "--bootstrap", bs]) == 0
+    capsys.readouterr()
+    current = asyncio.run(follow())
+    assert feed.entry_for(current, "east") == ("*", feed.encode(first + 2, _data("n")))
 
 
 def test_hub_unpublish_removes_a_spokes_own_entry_and_never_stars(
