@@ -89,7 +89,7 @@ def table(view: dict[str, Any], interval: float) -> str:
         behind, above = lagging(sp), ahead(sp)
         marks = ([f"LAGGING ({len(behind)} behind)"] if behind else []) + (
             [f"AHEAD OF THE FEED ({len(above)}: publish again)"] if above else [])
-        mark = ", ".join(marks) or "in step"
+        mark = ", ".join(marks) or ("in step" if sp["instances"] else "NO INSTANCE REPORTS")
         if sp["feed_revision"] is None:
             mark = "no feed entry"
         out.append(f"spoke {sp['spoke']}: feed revision {sp['feed_revision'] or '-'}, {mark}")

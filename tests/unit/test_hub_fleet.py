@@ -56,6 +56,16 @@ def test_lagging_names_the_instances_behind_the_feed() -> None:
     assert "spoke b: feed revision 6, in step" in text
 
 
+def test_a_spoke_nobody_reports_for_is_not_in_step() -> None:
+    """A feed entry for a spoke with no instance on the status topic (never started, or a
+    typo in `--spoke`) is nobody serving it: the table says so rather than `in step`."""
+    view = fleet.fleet(dict([report("a", "x", 7)]), {"a": feed.encode(7, {}),
+                                                     "eu-1": feed.encode(8, {})}, NOW)
+    text = fleet.table(view, interval=10)
+    assert "spoke a: feed revision 7, in step" in text
+    assert "spoke eu-1: feed revision 8, NO INSTANCE REPORTS" in text
+
+
 def test_an_instance_above_the_feed_is_not_in_step() -> None:
     """A spoke holding revision 9 while the feed says 7 (a local apply, or the topic lost its
     entry) serves a document the hub does not have, and will not take 7: the table says so."""
