@@ -217,7 +217,7 @@ async def create_key(
     if limits:
         entry["limits"] = {k: v for k, v in limits.items() if v is not None}
     if expires_in:
-        entry["expires_at"] = (datetime.now(UTC) + parse_duration(expires_in)).isoformat()
+        entry["expires_at"] = expiry(expires_in).isoformat()
     keys[key_id] = entry
     new = await backend.write(_validated(data), rev)
     return NewKey(key_id, secret, new)
@@ -299,8 +299,10 @@ async def update_key(backend: Backend, key_id: str, *, limits: dict[str, Any] | 
 
 
 def expiry(expires_in: str | None, now: datetime | None = None) -> datetime:
-    """`--expires-in 30d` as the instant it names."""
-    return (now or datetime.now(UTC)) + parse_duration(expires_in or "")
+    """`--expires-in 30d` as the instant it names, rounded up to a whole second: never
+    sooner than asked, and printed without microseconds (`keys list`, the policy)."""
+    at = (now or datetime.now(UTC)) + parse_duration(expires_in or "")
+    return at.replace(microsecond=0) + timedelta(seconds=1) if at.microsecond else at
 
 
 def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]]:

@@ -93,7 +93,16 @@ async def test_create_key_with_id_and_expiry(backend: admin.FileBackend) -> None
     assert new.key_id == "ci_bot" and new.secret.startswith("sk-gw-ci_bot-")
     expires = (await backend.read())[1].keys["ci_bot"].expires_at
     assert expires is not None
-    assert before + timedelta(days=30) <= expires <= datetime.now(UTC) + timedelta(days=30)
+    after = datetime.now(UTC) + timedelta(days=30, seconds=1)
+    assert before + timedelta(days=30) <= expires <= after
+    assert expires.microsecond == 0  # whole seconds: `keys list`'s EXPIRES column holds it
+
+
+def test_expiry_rounds_up_to_a_whole_second() -> None:
+    now = datetime(2026, 12, 6, 20, 44, 58, 445770, tzinfo=UTC)
+    assert admin.expiry("30d", now) == datetime(2027, 1, 5, 20, 44, 59, tzinfo=UTC)
+    assert admin.expiry("1h", now.replace(microsecond=0)) == datetime(2026, 12, 6, 21, 44, 58,
+                                                                       tzinfo=UTC)
 
 
 async def test_create_key_twice_with_same_id_fails(backend: admin.FileBackend) -> None:
