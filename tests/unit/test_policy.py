@@ -6,6 +6,7 @@ import hashlib
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -169,6 +170,23 @@ def test_json_input_is_accepted_and_equals_the_yaml() -> None:
     data["keys"]["key_7Hq2"]["expires_at"] = "2027-01-01T00:00:00Z"
     from_json = parse_doc(json.dumps(data).encode())
     assert from_json == parse_doc(fixture("valid.yaml"))
+
+
+@pytest.mark.parametrize("dumps", [
+    lambda d: json.dumps(d, indent="\t"),  # tab-indented (Go's MarshalIndent, jq --tab)
+    lambda d: json.dumps(d, separators=(",", ":\t")),  # a tab between tokens
+    lambda d: json.dumps(d),  # ASCII only: a non-BMP character as a \\ud83d\\ude80 pair
+], ids=["tab-indent", "tab-between-tokens", "surrogate-pair-escape"])
+def test_any_valid_json_is_read_as_json(dumps: Any) -> None:
+    """YAML 1.1 (PyYAML) refuses tab whitespace and decodes an escaped surrogate pair as two
+    lone surrogates: valid JSON, which DESIGN §2 accepts, must not be read as YAML."""
+    data = {"models": {"qwen-🚀": {"limits": {"rps": 5}}},
+            "teams": {"t": {"models": ["qwen-*"]}},
+            "keys": {"k1": {"team": "t", "sha256": DIGEST,
+                            "expires_at": "2027-01-01T00:00:00Z"}}}
+    doc = parse_doc(dumps(data).encode())
+    assert list(doc.models) == ["qwen-🚀"] and doc.models["qwen-🚀"].limits.rps == 5
+    assert doc == parse_doc(json.dumps(data, ensure_ascii=False))
 
 
 def test_json_input_errors_name_the_path() -> None:
