@@ -143,6 +143,16 @@ def test_a_limit_the_store_cannot_count_exactly_is_invalid(limits: str, path: st
     assert doc.teams["t"].limits.tokens_per_day == 2**53 - 1
 
 
+@pytest.mark.parametrize("char", ["\x01", "\x1f", "\x7f", "\x85", "\x9f"])
+def test_a_name_with_a_control_character_is_refused(char: str) -> None:
+    """contracts.md §2.1: names have no control characters (C0, DEL and C1 alike)."""
+    data = {"models": {f"m{char}": {}}, "teams": {f"t{char}": {}}}
+    with pytest.raises(PolicyError) as info:
+        parse_doc(json.dumps(data))
+    assert sorted(problem_paths(info.value)) == [f"models.m{char}.[key]", f"teams.t{char}.[key]"]
+    assert list(parse_doc(json.dumps({"models": {"qwén-3~": {}}})).models) == ["qwén-3~"]
+
+
 def test_expires_at_without_timezone_is_rejected() -> None:
     text = f"""
 teams: {{t: {{}}}}
