@@ -17,12 +17,23 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(p) for p in loc) or "(document)"
 
 
-def parse_doc(text: str | bytes, source: str = "policy") -> PolicyDoc:
-    """Parse and validate; raise PolicyError listing every problem with its path."""
+def _read(text: str | bytes, source: str) -> Any:
+    """JSON as JSON, anything else as YAML. Not JSON through YAML: YAML 1.1 (PyYAML) refuses
+    valid JSON with tab whitespace (Go's MarshalIndent, `jq --tab`) and reads an escaped
+    surrogate pair (Python's json.dumps of a non-BMP character) as two lone surrogates."""
     try:
-        data: Any = yaml.safe_load(text)  # JSON is YAML, so one parser serves both
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return yaml.safe_load(text)
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. a timestamp of Feb 30
         raise PolicyError([f"(document): not valid YAML/JSON: {exc}"], source) from exc
+
+
+def parse_doc(text: str | bytes, source: str = "policy") -> PolicyDoc:
+    """Parse and validate; raise PolicyError listing every problem with its path."""
+    data = _read(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -29,8 +29,10 @@ from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.secrets import KEY_ID_PATTERN, KEY_ID_RULE
 from gateway.routes import canonical_path
 
-# No control characters: names become Redis keys and \x1f-separated script arguments.
-Name = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$")]
+# No control characters (C0, DEL, C1): names become Redis keys, \x1f-separated script
+# arguments and header values (x-gateway-team, x-gateway-model).
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128,
+                                        pattern=r"^[^\x00-\x1f\x7f-\x9f]+$")]
 def _key_id(value: str) -> str:
     if not re.fullmatch(KEY_ID_PATTERN, value):
         raise ValueError(f"key id {value[:80]!r} is not {KEY_ID_RULE}")

@@ -6,6 +6,7 @@ import hashlib
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -142,6 +143,16 @@ def test_a_limit_the_store_cannot_count_exactly_is_invalid(limits: str, path: st
     assert doc.teams["t"].limits.tokens_per_day == 2**53 - 1
 
 
+@pytest.mark.parametrize("char", ["\x01", "\x1f", "\x7f", "\x85", "\x9f"])
+def test_a_name_with_a_control_character_is_refused(char: str) -> None:
+    """contracts.md §2.1: names have no control characters (C0, DEL and C1 alike)."""
+    data = {"models": {f"m{char}": {}}, "teams": {f"t{char}": {}}}
+    with pytest.raises(PolicyError) as info:
+        parse_doc(json.dumps(data))
+    assert sorted(problem_paths(info.value)) == [f"models.m{char}.[key]", f"teams.t{char}.[key]"]
+    assert list(parse_doc(json.dumps({"models": {"qwén-3~": {}}})).models) == ["qwén-3~"]
+
+
 def test_expires_at_without_timezone_is_rejected() -> None:
     text = f"""
 teams: {{t: {{}}}}
@@ -169,6 +180,23 @@ def test_json_input_is_accepted_and_equals_the_yaml() -> None:
     data["keys"]["key_7Hq2"]["expires_at"] = "2027-01-01T00:00:00Z"
     from_json = parse_doc(json.dumps(data).encode())
     assert from_json == parse_doc(fixture("valid.yaml"))
+
+
+@pytest.mark.parametrize("dumps", [
+    lambda d: json.dumps(d, indent="\t"),  # tab-indented (Go's MarshalIndent, jq --tab)
+    lambda d: json.dumps(d, separators=(",", ":\t")),  # a tab between tokens
+    lambda d: json.dumps(d),  # ASCII only: a non-BMP character as a \\ud83d\\ude80 pair
+], ids=["tab-indent", "tab-between-tokens", "surrogate-pair-escape"])
+def test_any_valid_json_is_read_as_json(dumps: Any) -> None:
+    """YAML 1.1 (PyYAML) refuses tab whitespace and decodes an escaped surrogate pair as two
+    lone surrogates: valid JSON, which DESIGN §2 accepts, must not be read as YAML."""
+    data = {"models": {"qwen-🚀": {"limits": {"rps": 5}}},
+            "teams": {"t": {"models": ["qwen-*"]}},
+            "keys": {"k1": {"team": "t", "sha256": DIGEST,
+                            "expires_at": "2027-01-01T00:00:00Z"}}}
+    doc = parse_doc(dumps(data).encode())
+    assert list(doc.models) == ["qwen-🚀"] and doc.models["qwen-🚀"].limits.rps == 5
+    assert doc == parse_doc(json.dumps(data, ensure_ascii=False))
 
 
 def test_json_input_errors_name_the_path() -> None:
