@@ -103,15 +103,16 @@ def named_model(body: bytes) -> BodyFacts | None:
     return _facts(data, len(body))
 
 
+_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
 def _facts(data: dict[str, Any], size: int) -> BodyFacts:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BodyError("'model' is required and must be a non-empty string")
-    max_tokens = (
-        _int(data.get("max_completion_tokens"))
-        or _int(data.get("max_tokens"))
-        or _int(data.get("max_output_tokens"))
-    )
+    # The first cap the body gives, 0 included (a falsy `or` chain read 0 as no cap, and
+    # told a Messages body with max_tokens 0 that the field was missing).
+    max_tokens = next((n for n in map(_int, map(data.get, _CAPS)) if n is not None), None)
     prompt = estimate_prompt_tokens(data)
     opts = data.get("stream_options")
     if not isinstance(opts, dict):

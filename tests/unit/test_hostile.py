@@ -10,6 +10,7 @@ import os
 import time
 
 import orjson
+import pytest
 from envoy.service.auth.v3.external_auth_pb2 import CheckResponse
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
@@ -193,3 +194,18 @@ def test_ext_proc_stream_handles_messages_in_any_order(
             req.metadata_context.filter_metadata["envoy.filters.http.ext_authz"].CopyFrom(md)
         assert stream.handle(req) is not None
     assert stream.outcome() in ("completed", "client_cancelled", "upstream_error", "denied")
+
+
+@pytest.mark.parametrize("body, cap", [
+    (b'{"model":"m","max_tokens":0}', 0),
+    (b'{"model":"m","max_completion_tokens":0,"max_tokens":9}', 0),
+    (b'{"model":"m","max_completion_tokens":"x","max_tokens":9}', 9),
+    (b'{"model":"m","max_output_tokens":7}', 7),
+    (b'{"model":"m"}', None),
+])
+def test_the_first_cap_the_body_gives_counts_zero_included(body: bytes, cap: int | None) -> None:
+    """max_tokens 0 is a cap, not a missing one: a Messages body with it is not told
+    'max_tokens: Field required' (the engine answers what it thinks of 0)."""
+    assert parse_body(body).max_tokens == cap
+    if cap is not None:
+        assert parse_body(body, requires_max_tokens=True).max_tokens == cap
