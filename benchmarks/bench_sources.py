@@ -680,7 +680,8 @@ def main() -> int:
 
     rows = bench.summary()
     print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms; records flushed "
-          f"every {args.records_flush_ms:g} ms; {redis_at}\n"
+          f"every {args.records_flush_ms:g} ms; {args.envoy_workers} Envoy worker(s) each; "
+          f"{redis_at}\n"
           + render_table(rows))
     print("\n".join(target_lines(rows)))
     if door:
