@@ -21,6 +21,10 @@ admission: the Check answers from the policy alone).
 envoy-config`'s, 50 ms); a `--baseline` keeps its own (`--baseline HEAD
 --records-flush-ms 10` is an A/B of the flush alone).
 
+`--envoy-workers N`: every Envoy of the run (plain, the spoke's, a baseline's) runs N
+worker threads (`--concurrency N`; default 1, what every run before measured; an Envoy
+started as the README shows runs one per core).
+
 `--records-http`: the spoke's Envoy sends its records over OTLP/HTTP (`gateway envoy-config
 --records-http`); with `--baseline HEAD`, the same code's default gRPC records beside it.
 
@@ -95,6 +99,7 @@ from common import (
     markdown_table,
     pin,
     pin_sidecar,
+    positive_int,
     proc_cpu_s,
     runs,
     scan_log,
@@ -235,6 +240,7 @@ class Bench:
         self.spokes[SPOKE] = Spoke(workdir=self.workdir / SPOKE, listen_port=free_port(),
                                    metering="envoy", records_http=self.args.records_http,
                                    records_flush_s=self.args.records_flush_ms / 1e3,
+                                   envoy_workers=self.args.envoy_workers,
                                    sidecar_env=ahead).start()
         if self.args.baseline:
             self.spokes[BASELINE] = self.start_baseline().start()
@@ -243,7 +249,7 @@ class Bench:
         spoke = self.spokes[SPOKE]
         self.plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
                                    spoke["engine"].address, self.workdir / PLAIN,
-                                   "envoy-plain").start()
+                                   "envoy-plain", self.args.envoy_workers).start()
         if self.pinned:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
@@ -270,7 +276,7 @@ class Bench:
               f"{'HTTP door' if door_default else 'gRPC'})", flush=True)
         return Spoke(workdir=self.workdir / BASELINE, listen_port=free_port(),
                      sidecar_env=base.env, metering="envoy", authz_http=door_default,
-                     envoy_config=render)
+                     envoy_config=render, envoy_workers=self.args.envoy_workers)
 
     def stop(self) -> None:
         for svc in (self.plain, *self.spokes.values()):
@@ -635,6 +641,9 @@ def main() -> int:
     parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
                         help="how often the spoke's Envoy sends its records (default: "
                              "%(default)g, `gateway envoy-config`'s; a --baseline keeps its own)")
+    parser.add_argument("--envoy-workers", type=positive_int, default=1,
+                        help="worker threads of every Envoy of the run, plain and spokes' "
+                             "(Envoy's --concurrency; default: %(default)s)")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md); with "
                              "--baseline HEAD, the same code without it beside it")
@@ -680,7 +689,8 @@ def main() -> int:
     try:
         bench.start()
         print(f"up: {', '.join(bench.paths)}; pinned={bench.pinned}; {args.rounds} rounds; "
-              f"the spoke's records flushed every {args.records_flush_ms:g} ms", flush=True)
+              f"the spoke's records flushed every {args.records_flush_ms:g} ms; "
+              f"{args.envoy_workers} Envoy worker(s) each", flush=True)
         uvloop.run(bench.measure())
         for path, spoke in bench.spokes.items():
             checks[path] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[path],
@@ -730,7 +740,7 @@ def main() -> int:
         "duration_s": time.time() - started, "checks_passed": ok,
         "baseline": bench.base.describe if bench.base else None,
         "spoke_records": "http" if args.records_http else "grpc",
-        "spoke_records_flush_ms": args.records_flush_ms,
+        "spoke_records_flush_ms": args.records_flush_ms, "envoy_workers": args.envoy_workers,
         "spoke_admit_ahead_ms": args.admit_ahead_ms,
         "spoke_door_workers": args.door_workers, "door_cpu": args.door_cpu,
         "admission": "none (--no-limits)" if args.no_limits

@@ -4,6 +4,7 @@
         [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
         [--sidecar-apart] [--redis-with-gateway] [--admit-ahead-ms 250]
         [--door-workers 1 [--door-cpu free|same|other]] [--records-flush-ms 50]
+        [--envoy-workers 1]
 
 Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
 that answers at once, each over one keep-alive raw-socket connection:
@@ -43,6 +44,8 @@ part of their names; `records`: its OpenTelemetry access log, so no records, set
 spool or Kafka). `--records-flush-ms`: how often the spoke's Envoy (and the `doors` spoke's)
 sends its records (default: `gateway envoy-config`'s, 50 ms); to compare settings,
 alternate whole runs (docs/benchmarks.md, "2026-12-06: a shorter records flush").
+`--envoy-workers N`: every Envoy of the run (plain, the spokes', the floor's) runs N worker
+threads (`--concurrency N`; default 1, what every run before measured).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from typing import Any
 
 import orjson
 import yaml
-from common import DOOR_CPU, envoy_stats, pin, pin_sidecar, tree_sched_ns
+from common import DOOR_CPU, envoy_stats, pin, pin_sidecar, positive_int, tree_sched_ns
 
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
@@ -127,10 +130,11 @@ def floor_config(ports: EnvoyPorts, ok_port: int, keep: tuple[str, ...]) -> str:
 
 
 def floor_envoy(engine: str, ok_port: int, keep: tuple[str, ...], workdir: Path,
-                name: str) -> Service:
+                name: str, workers: int = 1) -> Service:
     port, admin = free_port(), free_port()
     ports = EnvoyPorts(listen=f"127.0.0.1:{port}", engine=engine, admin=f"127.0.0.1:{admin}")
-    svc = envoy_service(floor_config(ports, ok_port, keep), admin, port, workdir)
+    svc = envoy_service(floor_config(ports, ok_port, keep), admin, port, workdir,
+                        concurrency=workers)
     svc.name = name
     return svc
 
@@ -374,10 +378,14 @@ def main() -> int:
     ap.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
                     help="how often the spoke's Envoy sends its records (default: %(default)g, "
                          "`gateway envoy-config`'s)")
+    ap.add_argument("--envoy-workers", type=positive_int, default=1,
+                    help="worker threads of every Envoy of the run (Envoy's --concurrency; "
+                         "default: %(default)s)")
     args = ap.parse_args()
     flush_s = args.records_flush_ms / 1e3
     print(f"bench_latency: {args.rounds} rounds of {args.requests}; records flushed every "
-          f"{args.records_flush_ms:g} ms; drop {args.drop or 'nothing'}", flush=True)
+          f"{args.records_flush_ms:g} ms; {args.envoy_workers} Envoy worker(s) each; "
+          f"drop {args.drop or 'nothing'}", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-latency-"))
     secret, free_secret = secrets.new_secret("bench"), secrets.new_secret("free")
     door_times = workdir / "door-times"
@@ -389,7 +397,7 @@ def main() -> int:
     ahead = {"GATEWAY_ADMIT_AHEAD_MS": f"{args.admit_ahead_ms:g}"} if args.admit_ahead_ms else {}
     spoke = Spoke(workdir=workdir / "spoke", listen_port=free_port(), metering="envoy",
                   envoy_config=spoke_config([d for d in args.drop.split(",") if d], flush_s),
-                  sidecar_env=ahead).start()
+                  envoy_workers=args.envoy_workers, sidecar_env=ahead).start()
     plain: Service | None = None
     extra: dict[str, Service] = {}
     doors: Spoke | None = None
@@ -399,6 +407,7 @@ def main() -> int:
             doors = Spoke(workdir=workdir / "doors", listen_port=free_port(), metering="envoy",
                           envoy_config=spoke_config(
                               [d for d in args.drop.split(",") if d], flush_s),
+                          envoy_workers=args.envoy_workers,
                           sidecar_env={**ahead,
                                        "GATEWAY_DOOR_WORKERS": str(args.door_workers)}).start()
             serve_keys(doors, secret, free_secret, limited=not args.no_limits)
@@ -409,7 +418,8 @@ def main() -> int:
             r.config_set("slowlog-max-len", 100_000)
             r.slowlog_reset()
         plain = envoy_without(WITHOUT_GATEWAY, spoke["sidecar"].address,
-                              spoke["engine"].address, workdir / "plain", "envoy-plain").start()
+                              spoke["engine"].address, workdir / "plain", "envoy-plain",
+                              args.envoy_workers).start()
         if args.floor:
             door = spoke.authz_http_address
             assert door is not None
@@ -426,7 +436,8 @@ def main() -> int:
                                         ("floor_chain", "ok_answer",
                                          ("lua", "json_to_metadata"))):
                 extra[name] = floor_envoy(spoke["engine"].address, extra[ok_name].port, keep,
-                                          workdir / name, f"envoy-{name}").start()
+                                          workdir / name, f"envoy-{name}",
+                                          args.envoy_workers).start()
         if not args.no_pin and {GATEWAY_CPU, OTHER_CPU} <= os.sched_getaffinity(0):
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in {**spoke.services, "plain": plain, **extra}.items():

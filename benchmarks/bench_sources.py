@@ -2,7 +2,8 @@
 and throughput of each, against an Envoy with no gateway at all.
 
     .venv/bin/python benchmarks/bench_sources.py [--quick] [--grpc-check] [--no-limits]
-        [--admit-ahead-ms 250] [--records-flush-ms 50] [--redis-with-gateway] [--door-times]
+        [--admit-ahead-ms 250] [--records-flush-ms 50] [--envoy-workers 1]
+        [--redis-with-gateway] [--door-times]
         [--out benchmarks/results/sources.json]
 
 Three paths (four with --grpc-check), measured in one run against one workload:
@@ -23,8 +24,10 @@ and settled after, as under a real policy; `--no-limits` measures a key with non
 admission: the Check answers from the policy alone; what this bench measured before
 2026-12-06). `--admit-ahead-ms MS` sets GATEWAY_ADMIT_AHEAD_MS on every spoke's sidecar
 (docs/admit-ahead.md). `--records-flush-ms MS`: every spoke's Envoy sends its records every
-MS (`gateway envoy-config --records-flush-ms`). The JSON records each (`admission`,
-`spoke_admit_ahead_ms`, `spoke_records_flush_ms`), and the header line prints them.
+MS (`gateway envoy-config --records-flush-ms`). `--envoy-workers N`: every Envoy (plain and
+the spokes') runs N worker threads (`--concurrency N`; default 1). The JSON records each
+(`admission`, `spoke_admit_ahead_ms`, `spoke_records_flush_ms`, `envoy_workers`), and the
+header line prints them.
 
 Workload: streaming chat completions (`stream: true`, no stream_options), the engine paced by
 x-mock-ttft-ms 20 and x-mock-tokens-per-s 1000 (content chunks 1 ms apart; see c8x4), max_tokens =
@@ -104,7 +107,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from common import git_state, markdown_table, pin, proc_cpu_s, scan_log, sched_ns
+from common import git_state, markdown_table, pin, positive_int, proc_cpu_s, scan_log, sched_ns
 from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 
 from devspoke.procs import Service, free_port
@@ -181,13 +184,14 @@ class Bench:
             spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
                           metering=metering, authz_http=door, sidecar_env=env,
                           engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S,
-                          records_flush_s=self.args.records_flush_ms / 1e3)
+                          records_flush_s=self.args.records_flush_ms / 1e3,
+                          envoy_workers=self.args.envoy_workers)
             self.spokes[source] = spoke.start()
             serve_one_key(spoke, self.secret, limited=not self.args.no_limits)
         ext_proc = self.spokes[EXT_PROC]
         self.plain = envoy_without(WITHOUT_GATEWAY, ext_proc["sidecar"].address,
                                    ext_proc["engine"].address, self.workdir / PLAIN,
-                                   "envoy-plain").start()
+                                   "envoy-plain", self.args.envoy_workers).start()
         if self.pinned:
             os.sched_setaffinity(0, {OTHER_CPU})
             for name, svc in self.procs().items():
@@ -625,6 +629,9 @@ def main() -> int:
     parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
                         help="how often every spoke's Envoy sends its records "
                              "(default: %(default)g, `gateway envoy-config`'s)")
+    parser.add_argument("--envoy-workers", type=positive_int, default=1,
+                        help="worker threads of every Envoy, plain and spokes' (Envoy's "
+                             "--concurrency; default: %(default)s)")
     parser.add_argument("--redis-with-gateway", action="store_true",
                         help="pin both spokes' Redis to CPU 0 with the Envoys and sidecars "
                              "(default: CPU 1, with the client, the engines and Tansu)")
@@ -653,7 +660,8 @@ def main() -> int:
         print(f"up: {', '.join(f'{p} {bench.url(p)}' for p in bench.paths)}; "
               f"pinned={bench.pinned}; {args.rounds} rounds; admission: {admission}; "
               f"admit-ahead {args.admit_ahead_ms:g} ms; records flushed every "
-              f"{args.records_flush_ms:g} ms; {redis_at}", flush=True)
+              f"{args.records_flush_ms:g} ms; {args.envoy_workers} Envoy worker(s) each; "
+              f"{redis_at}", flush=True)
         uvloop.run(bench.measure())
         for source, spoke in bench.spokes.items():
             checks[source] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[source],
@@ -672,7 +680,8 @@ def main() -> int:
 
     rows = bench.summary()
     print(f"\nadmission: {admission}; admit-ahead {args.admit_ahead_ms:g} ms; records flushed "
-          f"every {args.records_flush_ms:g} ms; {redis_at}\n"
+          f"every {args.records_flush_ms:g} ms; {args.envoy_workers} Envoy worker(s) each; "
+          f"{redis_at}\n"
           + render_table(rows))
     print("\n".join(target_lines(rows)))
     if door:
@@ -684,7 +693,7 @@ def main() -> int:
         "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": time.time() - started, "checks_passed": ok,
         "admission": admission, "spoke_admit_ahead_ms": args.admit_ahead_ms,
-        "spoke_records_flush_ms": args.records_flush_ms,
+        "spoke_records_flush_ms": args.records_flush_ms, "envoy_workers": args.envoy_workers,
         "redis_cpu": redis_cpu,
         "workload": {"ttft_ms": TTFT_MS, "tokens_per_s": TOKENS_PER_S,
                      "phases": {k: {"concurrency": int(c), "chunks": n}

@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int of at least 1 (--envoy-workers)."""
+    n = int(text)
+    if n < 1:
+        raise ValueError(text)  # argparse: "invalid positive_int value"
+    return n
+
+
 def envoy_stats(admin_port: int, prefix: str, timeout: float = 5.0) -> dict[str, int]:
     """An Envoy's counters and gauges whose names start with `prefix`, the prefix cut off
     (its admin /stats; histograms left out)."""

@@ -106,6 +106,7 @@ class Spoke:
     keep_request_ids: bool = False  # Envoy keeps a client's own x-request-id
     # how often Envoy sends its records (None: gateway/envoyconf/metering.py's FLUSH)
     records_flush_s: float | None = None
+    envoy_workers: int = 1  # Envoy's --concurrency (its default would be one per core)
     # Redis as production runs it: a primary ("redis"), a replica ("redis-replica") and three
     # Sentinels ("sentinel-N"); the sidecar gets the redis+sentinel:// URL
     sentinel: bool = False
@@ -153,8 +154,8 @@ class Spoke:
                            authz_http=door, records_http=records)
         config = (render(ports, metering=self.metering, **extra) if self.envoy_config is None
                   else self.envoy_config(ports, self.metering))
-        envoy = envoy_service(config,
-                              int(ports.admin.rsplit(":", 1)[1]), self.listen_port, self.workdir)
+        envoy = envoy_service(config, int(ports.admin.rsplit(":", 1)[1]), self.listen_port,
+                              self.workdir, concurrency=self.envoy_workers)
         self.services = {**pre, "engine": engine, "sidecar": sidecar, "envoy": envoy}
         try:
             for svc in self.services.values():

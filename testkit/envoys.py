@@ -20,10 +20,10 @@ WITHOUT_EXT_PROC = (EXT_PROC,)  # the Check alone, no ext_proc stream
 
 
 def envoy_without(drop: tuple[str, ...], sidecar: str, engine: str, workdir: Path,
-                  name: str) -> Service:
+                  name: str, workers: int = 1) -> Service:
     """An Envoy (not started) on a free port, rendered as the ext_proc spoke's (the gRPC
-    Check) but without the `drop` filters, to the same sidecar and engine addresses. Its
-    port is `.port`."""
+    Check) but without the `drop` filters, to the same sidecar and engine addresses, with
+    `workers` worker threads (--concurrency). Its port is `.port`."""
     port, admin = free_port(), free_port()
     config = yaml.safe_load(render(EnvoyPorts(
         listen=f"{LOOPBACK}:{port}", sidecar=sidecar, engine=engine,
@@ -32,7 +32,8 @@ def envoy_without(drop: tuple[str, ...], sidecar: str, engine: str, workdir: Pat
     filters = hcm["typed_config"]["http_filters"]
     hcm["typed_config"]["http_filters"] = [f for f in filters if f["name"] not in drop]
     assert len(hcm["typed_config"]["http_filters"]) == len(filters) - len(drop)
-    svc = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port, workdir)
+    svc = envoy_service(yaml.safe_dump(config, sort_keys=False), admin, port, workdir,
+                        concurrency=workers)
     svc.name = name
     return svc
 

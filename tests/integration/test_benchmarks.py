@@ -99,6 +99,7 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
     assert doc["admission"].startswith("three tiers"), doc["admission"]  # limited by default
     assert doc["redis_cpu"] in (1, None), doc["redis_cpu"]  # with the engine (None: not pinned)
     assert doc["spoke_records_flush_ms"] == 50  # envoy-config's default flush
+    assert doc["envoy_workers"] == 1  # every Envoy on one worker, as measured so far
     assert all(r["ok"] == r["requests_total"] > 0 for r in doc["rows"]), doc["rows"]
 
 
@@ -107,6 +108,7 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
 def test_bench_capacity_quick(tmp_path: Path) -> None:
     doc = run("bench_capacity.py", tmp_path)  # exits 1 on errors or a failed read-back
     assert doc["checks_passed"] and doc["kafka_check"]["spoke"]["ok"]
+    assert doc["envoy_workers"] == 1  # every Envoy on one worker, as measured so far
     assert {(r["path"], r["workload"], r["concurrency"]) for r in doc["rows"]} == {
         (p, w, c) for p in ("plain", "spoke") for w in ("chat", "embeddings")
         for c in (1, 8, 32)}
@@ -175,6 +177,7 @@ def test_bench_latency_ladder(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
+    assert "; 1 Envoy worker(s) each;" in lines[0], lines[0]  # the default, in the header
     for path in ("plain", "spoke", "spoke_free", "door_allow", "door_free", "door_401",
                  "floor", "floor_answer", "floor_lua", "floor_chain"):
         assert any(line.startswith(f"{path} ") for line in lines), (path, proc.stdout)
