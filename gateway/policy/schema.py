@@ -16,10 +16,9 @@ from pydantic import (
     AfterValidator,
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    NonNegativeFloat,
-    PositiveInt,
     StringConstraints,
     model_validator,
 )
@@ -46,8 +45,19 @@ Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 # Limits are counted in Redis's Lua, whose numbers are doubles: exact up to 2**53. Above it a
 # limit would be rounded (and above 2**63 refused by the store itself, after validation).
 MAX_COUNT = 2**53 - 1
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False)]
+
+
+def _not_bool(value: object) -> object:
+    """pydantic reads true as 1, so YAML's `concurrency: yes` (true) was a limit of 1."""
+    if isinstance(value, bool):
+        raise ValueError(f"a number, not {str(value).lower()}")
+    return value
+
+
+_NUMBER = BeforeValidator(_not_bool)
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _NUMBER]
+Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER]
+PerMillion = Annotated[float, Field(ge=0), _NUMBER]
 
 
 class _Strict(BaseModel):
@@ -58,7 +68,7 @@ class Limits(_Strict):
     """Absent limit = unlimited at this tier. Tokens count prompt + completion."""
 
     rps: Rate | None = None
-    burst: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
+    burst: Annotated[int, Field(ge=1, le=MAX_COUNT), _NUMBER] | None = None
     concurrency: Count | None = None
     tokens_per_minute: Count | None = None
     tokens_per_day: Count | None = None
@@ -99,10 +109,10 @@ class Price(_Strict):
     the price table's currency. Cached input and cache creation default to `input`."""
 
     effective: AwareDatetime
-    input: NonNegativeFloat
-    cached_input: NonNegativeFloat | None = None
-    cache_creation: NonNegativeFloat | None = None
-    output: NonNegativeFloat
+    input: PerMillion
+    cached_input: PerMillion | None = None
+    cache_creation: PerMillion | None = None
+    output: PerMillion
 
 
 class ModelPolicy(_Strict):
@@ -160,7 +170,7 @@ class PassThroughPolicy(_Strict):
 
 
 class PolicyDoc(_Strict):
-    revision: PositiveInt | None = None
+    revision: Annotated[int, Field(ge=1), _NUMBER] | None = None
     models: dict[Name, ModelPolicy] = Field(default_factory=dict)
     teams: dict[Name, TeamPolicy] = Field(default_factory=dict)
     keys: dict[KeyId, KeyPolicy] = Field(default_factory=dict)

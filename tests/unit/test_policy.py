@@ -143,6 +143,24 @@ def test_a_limit_the_store_cannot_count_exactly_is_invalid(limits: str, path: st
     assert doc.teams["t"].limits.tokens_per_day == 2**53 - 1
 
 
+@pytest.mark.parametrize("text, path", [
+    ("teams: {t: {limits: {concurrency: yes}}}", "teams.t.limits.concurrency"),
+    ("teams: {t: {limits: {rps: true, burst: 2}}}", "teams.t.limits.rps"),
+    ("teams: {t: {limits: {rps: 2, burst: true}}}", "teams.t.limits.burst"),
+    ("teams: {t: {global_limits: {tokens_per_day: on}}}", "teams.t.global_limits.tokens_per_day"),
+    ("revision: true", "revision"),
+    ("models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: true, output: 1}]}}",
+     "models.m.prices.0.input"),
+])
+def test_a_boolean_is_not_a_number(text: str, path: str) -> None:
+    """YAML reads `yes`/`on`/`true` as a boolean, and pydantic would read that as 1: a
+    `concurrency: yes` would have been a limit of one request. It is refused instead."""
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    assert problem_paths(info.value) == [path]
+    assert "a number, not true" in str(info.value)
+
+
 @pytest.mark.parametrize("char", ["\x01", "\x1f", "\x7f", "\x85", "\x9f"])
 def test_a_name_with_a_control_character_is_refused(char: str) -> None:
     """contracts.md §2.1: names have no control characters (C0, DEL and C1 alike)."""
