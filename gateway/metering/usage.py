@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from gateway.endpoints import Reader, reader_of
@@ -18,7 +19,12 @@ def _fields(u: Usage) -> tuple[int, ...]:
 
 
 def _n(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+    """A count as JSON writes it: a non-negative number, `12.0` too (JSON has one number
+    type; Envoy's filters read it so: json_to_metadata as a double, the Lua filter by its
+    digits), its fraction dropped; anything else 0."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if v >= 0 else 0
+    return int(v) if isinstance(v, float) and 0 <= v < math.inf else 0
 
 
 def _detail(obj: Any, section: str, field: str) -> int:

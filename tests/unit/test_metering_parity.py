@@ -246,6 +246,17 @@ CASES = [
         "object": "list", "model": MODEL, "data": [],
         "usage": {"prompt_tokens": 6, "total_tokens": 6}})], "completed", "reported",
          content_type=JSON),
+    Case("chat, counts written as floats (12.0)", CHAT,
+         [chat("a", u=None), data({"id": "c1", "object": "chat.completion.chunk",
+                                   "model": MODEL, "choices": [], "usage": {
+                                       "prompt_tokens": 12.0, "completion_tokens": 3.0,
+                                       "total_tokens": 15.0,
+                                       "prompt_tokens_details": {"cached_tokens": 4.0}}}),
+          DONE], "completed", "reported", hide=(True, False)),
+    Case("embeddings, counts written as floats", EMBEDDINGS, [orjson.dumps({
+        "object": "list", "model": MODEL, "data": [],
+        "usage": {"prompt_tokens": 6.0, "total_tokens": 6.0}})], "completed", "reported",
+         content_type=JSON),
     Case("a 400 JSON error", CHAT, [orjson.dumps({
         "object": "error", "message": "bad", "type": "BadRequestError", "code": 400})],
          "completed", "reported", content_type=JSON, status=400),
@@ -411,3 +422,7 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (16, 7, 10)
     assert bill("a whole JSON answer the client left half-way").usage.prompt_tokens == \
         PROMPT_ESTIMATE
+    u = bill("chat, counts written as floats (12.0)").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
+        12, 3, 15, 4)
+    assert bill("embeddings, counts written as floats").usage.prompt_tokens == 6
