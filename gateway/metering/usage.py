@@ -27,6 +27,12 @@ def _n(v: Any) -> int:
     return int(v) if isinstance(v, float) and 0 <= v < math.inf else 0
 
 
+def _given(v: Any) -> bool:
+    """A count is there: a non-negative number (null, a string or -1 is not; as the Lua filter
+    reads an event, which publishes only a count written with digits)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+
+
 def _detail(obj: Any, section: str, field: str) -> int:
     d = obj.get(section) if isinstance(obj, dict) else None
     return _n(d.get(field)) if isinstance(d, dict) else 0
@@ -86,8 +92,9 @@ class MessagesStream:
     """An Anthropic stream's usage, which comes in pieces: `message_start` carries the input
     side (its output_tokens is only the count so far), each `message_delta` the cumulative
     output_tokens and, from newer engines, the input side again. A field a later event
-    carries replaces the earlier value; a field it leaves out keeps it (merging the
-    message_delta over message_start wholesale loses the cache counts: a peer's bug)."""
+    carries replaces the earlier value; a field it leaves out, or sends as null, keeps it
+    (merging the message_delta over message_start wholesale loses the cache counts: a
+    peer's bug)."""
 
     __slots__ = ("fields", "final")
 
@@ -102,12 +109,12 @@ class MessagesStream:
     def delta(self, u: Any) -> None:
         if isinstance(u, dict):
             self._merge(u, MESSAGES_FIELDS)
-            self.final = self.final or "output_tokens" in u
+            self.final = self.final or _given(u.get("output_tokens"))
 
     def _merge(self, u: Any, names: tuple[str, ...]) -> None:
         if isinstance(u, dict):
-            for name in names:
-                if name in u:
+            for name in names:  # a null (the API's "not given") keeps what came before
+                if _given(u.get(name)):
                     self.fields[name] = _n(u[name])
 
     def usage(self) -> Usage | None:

@@ -222,6 +222,19 @@ CASES = [
          cancelled="delivered"),
     Case("messages, an error event mid-stream", MESSAGES,
          [*messages_stream(2, end=False), ANTHROPIC_ERROR], "upstream_error", "estimated"),
+    Case("messages, message_delta's input side null", MESSAGES,
+         [*messages_stream(2, end=False),
+          named("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                  "usage": {"input_tokens": None,
+                                            "cache_creation_input_tokens": None,
+                                            "cache_read_input_tokens": None,
+                                            "output_tokens": 12}}),
+          named("message_stop", {"type": "message_stop"})], "completed", "reported"),
+    Case("messages, message_delta's output null, then cut", MESSAGES,
+         [*messages_stream(2, end=False),
+          named("message_delta", {"type": "message_delta", "delta": {"stop_reason": None},
+                                  "usage": {"output_tokens": None}})],
+         "upstream_error", "estimated", flags="UPE"),
     Case("chat, whole JSON", CHAT, [orjson.dumps({
         "id": "c1", "object": "chat.completion", "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
@@ -422,6 +435,9 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (16, 7, 10)
     assert bill("a whole JSON answer the client left half-way").usage.prompt_tokens == \
         PROMPT_ESTIMATE
+    u = bill("messages, message_delta's input side null").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_creation_tokens) \
+        == (10, 12, 2, 3)  # message_start's input side stands
     u = bill("chat, counts written as floats (12.0)").usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
         12, 3, 15, 4)
