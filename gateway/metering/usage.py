@@ -40,8 +40,8 @@ def _detail(obj: Any, section: str, field: str) -> int:
 
 def _usage(u: Any, prompt: str, completion: str, prompt_details: str,
            completion_details: str) -> Usage | None:
-    if not isinstance(u, dict):
-        return None
+    if not isinstance(u, dict) or not (_given(u.get(prompt)) or _given(u.get(completion))):
+        return None  # no count at all ({}, nulls): not reported, as for Envoy's record
     p, c = _n(u.get(prompt)), _n(u.get(completion))
     return Usage(
         prompt_tokens=p,
@@ -72,7 +72,8 @@ MESSAGES_FIELDS = (*MESSAGES_INPUT, "output_tokens")
 
 def from_messages(u: Any) -> Usage | None:
     """Anthropic Messages API `usage` (a whole answer's, or a stream's merged pieces)."""
-    if not isinstance(u, dict):
+    if not isinstance(u, dict) or not (_given(u.get("input_tokens"))
+                                       or _given(u.get("output_tokens"))):
         return None
     return anthropic(_n(u.get("input_tokens")), _n(u.get("output_tokens")),
                      _n(u.get("cache_read_input_tokens")),

@@ -235,6 +235,14 @@ CASES = [
           named("message_delta", {"type": "message_delta", "delta": {"stop_reason": None},
                                   "usage": {"output_tokens": None}})],
          "upstream_error", "estimated", flags="UPE"),
+    Case("chat, a usage object without counts", CHAT,
+         [chat("abcd", u=None), data({"id": "c1", "object": "chat.completion.chunk",
+                                      "model": MODEL, "choices": [], "usage": {
+                                          "prompt_tokens": None, "completion_tokens": None}}),
+          DONE], "completed", "estimated", hide=(True, False)),
+    Case("responses, whole JSON, an empty usage object", RESPONSES, [orjson.dumps({
+        "id": "r1", "object": "response", "model": MODEL, "output": [], "usage": {}})],
+         "completed", "estimated", content_type=JSON),
     Case("chat, whole JSON", CHAT, [orjson.dumps({
         "id": "c1", "object": "chat.completion", "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
