@@ -393,7 +393,8 @@ def timeless(f: ResponseFacts) -> ResponseFacts:
     return replace(f, ttft_ms=0.0, generation_ms=None if f.generation_ms is None else 900.0)
 
 
-@pytest.mark.parametrize("size", [None, 7], ids=["by-event", "7-byte-chunks"])
+@pytest.mark.parametrize("size", [None, 7, 3],
+                         ids=["by-event", "7-byte-chunks", "3-byte-chunks"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_both_sources_give_the_same_facts_and_bill(case: Case, size: int | None) -> None:
     chunks = pieces(case, size)
