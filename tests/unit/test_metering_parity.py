@@ -278,6 +278,16 @@ CASES = [
         "object": "list", "model": MODEL, "data": [],
         "usage": {"prompt_tokens": 6.0, "total_tokens": 6.0}})], "completed", "reported",
          content_type=JSON),
+    Case("chat, a count past 64 bits", CHAT,
+         [chat("a", u=None), data({"id": "c1", "object": "chat.completion.chunk",
+                                   "model": MODEL, "choices": [], "usage": {
+                                       "prompt_tokens": 10**19, "completion_tokens": 3,
+                                       "total_tokens": 10**19 + 3}}),
+          DONE], "completed", "reported", hide=(True, False)),
+    Case("embeddings, a count past 64 bits", EMBEDDINGS, [orjson.dumps({
+        "object": "list", "model": MODEL, "data": [],
+        "usage": {"prompt_tokens": 10**19, "total_tokens": 10**19}})], "completed",
+         "reported", content_type=JSON),
     Case("a 400 JSON error", CHAT, [orjson.dumps({
         "object": "error", "message": "bad", "type": "BadRequestError", "code": 400})],
          "completed", "reported", content_type=JSON, status=400),
@@ -451,3 +461,7 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
         12, 3, 15, 4)
     assert bill("embeddings, counts written as floats").usage.prompt_tokens == 6
+    # no engine's count, and past the event's int64 (its consumer would refuse the event)
+    u = bill("chat, a count past 64 bits").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (0, 3, 3)
+    assert bill("embeddings, a count past 64 bits").usage.total_tokens == 0
