@@ -18,6 +18,12 @@ from gateway.metering.meter import Meter
 SSE_STARTS = (b"data:", b"event:", b":", b"id:", b"retry:")
 
 
+def _undecided(head: bytes) -> bool:
+    """The first bytes are too few to tell: the start of a field name ("dat", "event"),
+    not yet a whole one (Envoy splits an upstream read anywhere)."""
+    return not head.startswith(SSE_STARTS) and any(s.startswith(head) for s in SSE_STARTS)
+
+
 class Exchange:
     """The request's facts, its meter, and how far its response got."""
 
@@ -27,6 +33,7 @@ class Exchange:
         self.meter = Meter(endpoint="", stream=False)
         self.ended = False  # end_of_stream seen on the response
         self.sniffed = False  # the response's kind (SSE or not) is known
+        self._early = b""  # first bytes held back until they say which kind
 
     def learn(self, facts: RequestFacts) -> None:
         self.facts = facts
@@ -42,13 +49,13 @@ class Exchange:
         self.meter.injected = sp.injected
         return sp.apply(body)
 
-    def response_start(self, status: int | None, first: bytes) -> None:
+    def response_start(self, status: int | None, first: bytes, end: bool = False) -> None:
         """The response's first body bytes, with the status when Envoy sent it along (response
         headers are skipped: SSE is recognised by its first bytes)."""
         if status is not None:
             self.meter.status = status
         head = first[:64].lstrip()[:6]
-        if head:  # an empty first chunk says nothing yet
+        if head and (end or not _undecided(head)):  # an empty first chunk says nothing yet
             self.sniffed = True
             sse = head.startswith(SSE_STARTS)
             self.meter.response_headers(self.meter.status, "text/event-stream" if sse else "")
@@ -61,7 +68,11 @@ class Exchange:
     def response_body(self, chunk: bytes, end: bool, status: int | None = None) -> bytes:
         """The bytes to send on for this chunk (changed only to hide what was injected)."""
         if not self.sniffed:
-            self.response_start(status, chunk)
+            chunk, self._early = self._early + chunk, b""
+            self.response_start(status, chunk, end)
+            if not self.sniffed and chunk.strip():  # "dat": held until the next bytes
+                self._early = chunk
+                return b""
         out = self.meter.chunk(chunk, end)
         self.ended = self.ended or end
         return chunk if out is None else out

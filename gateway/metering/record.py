@@ -22,7 +22,7 @@ from gateway.endpoints import Reader, reader_of
 from gateway.metering import handoff
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
-from gateway.metering.usage import anthropic
+from gateway.metering.usage import anthropic, count
 from gateway.usage_event import Usage
 
 
@@ -59,8 +59,7 @@ def _num(text: str | None) -> float | None:
     return v if math.isfinite(v) and v >= 0 else None
 
 
-def _int(v: Any) -> int:
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 else 0
+_int = count  # the metadata's numbers (doubles) read as ext_proc reads the engine's JSON
 
 
 def flags_of(attrs: dict[str, str]) -> frozenset[str]:

@@ -17,24 +17,41 @@ def _fields(u: Usage) -> tuple[int, ...]:
             u.reasoning_tokens, u.cache_creation_tokens)
 
 
-def _n(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+# The largest count believed. The event's counts are int64 (a consumer's proto parser
+# refuses the whole event past that, and stops there), and Envoy's filters carry numbers as
+# doubles, exact to 2**53: a count above is no engine's and reads as 0 in both sources.
+MAX_COUNT = 2**53
+
+
+def count(v: Any) -> int:
+    """A count as JSON writes it: a non-negative number, `12.0` too (JSON has one number
+    type; Envoy's filters read it so: json_to_metadata as a double, the Lua filter by its
+    digits), its fraction dropped; anything else, or past MAX_COUNT, 0."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if 0 <= v <= MAX_COUNT else 0
+    return int(v) if isinstance(v, float) and 0 <= v <= MAX_COUNT else 0
+
+
+def _given(v: Any) -> bool:
+    """A count is there: a non-negative number (null, a string or -1 is not; as the Lua filter
+    reads an event, which publishes only a count written with digits)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
 
 
 def _detail(obj: Any, section: str, field: str) -> int:
     d = obj.get(section) if isinstance(obj, dict) else None
-    return _n(d.get(field)) if isinstance(d, dict) else 0
+    return count(d.get(field)) if isinstance(d, dict) else 0
 
 
 def _usage(u: Any, prompt: str, completion: str, prompt_details: str,
            completion_details: str) -> Usage | None:
-    if not isinstance(u, dict):
-        return None
-    p, c = _n(u.get(prompt)), _n(u.get(completion))
+    if not isinstance(u, dict) or not (_given(u.get(prompt)) or _given(u.get(completion))):
+        return None  # no count at all ({}, nulls): not reported, as for Envoy's record
+    p, c = count(u.get(prompt)), count(u.get(completion))
     return Usage(
         prompt_tokens=p,
         completion_tokens=c,
-        total_tokens=_n(u.get("total_tokens")) or p + c,
+        total_tokens=count(u.get("total_tokens")) or p + c,
         cached_tokens=_detail(u, prompt_details, "cached_tokens"),
         reasoning_tokens=_detail(u, completion_details, "reasoning_tokens"),
     )
@@ -60,11 +77,12 @@ MESSAGES_FIELDS = (*MESSAGES_INPUT, "output_tokens")
 
 def from_messages(u: Any) -> Usage | None:
     """Anthropic Messages API `usage` (a whole answer's, or a stream's merged pieces)."""
-    if not isinstance(u, dict):
+    if not isinstance(u, dict) or not (_given(u.get("input_tokens"))
+                                       or _given(u.get("output_tokens"))):
         return None
-    return anthropic(_n(u.get("input_tokens")), _n(u.get("output_tokens")),
-                     _n(u.get("cache_read_input_tokens")),
-                     _n(u.get("cache_creation_input_tokens")))
+    return anthropic(count(u.get("input_tokens")), count(u.get("output_tokens")),
+                     count(u.get("cache_read_input_tokens")),
+                     count(u.get("cache_creation_input_tokens")))
 
 
 def anthropic(input_tokens: int, output_tokens: int, cache_read: int,
@@ -80,8 +98,9 @@ class MessagesStream:
     """An Anthropic stream's usage, which comes in pieces: `message_start` carries the input
     side (its output_tokens is only the count so far), each `message_delta` the cumulative
     output_tokens and, from newer engines, the input side again. A field a later event
-    carries replaces the earlier value; a field it leaves out keeps it (merging the
-    message_delta over message_start wholesale loses the cache counts: a peer's bug)."""
+    carries replaces the earlier value; a field it leaves out, or sends as null, keeps it
+    (merging the message_delta over message_start wholesale loses the cache counts: a
+    peer's bug)."""
 
     __slots__ = ("fields", "final")
 
@@ -96,13 +115,13 @@ class MessagesStream:
     def delta(self, u: Any) -> None:
         if isinstance(u, dict):
             self._merge(u, MESSAGES_FIELDS)
-            self.final = self.final or "output_tokens" in u
+            self.final = self.final or _given(u.get("output_tokens"))
 
     def _merge(self, u: Any, names: tuple[str, ...]) -> None:
         if isinstance(u, dict):
-            for name in names:
-                if name in u:
-                    self.fields[name] = _n(u[name])
+            for name in names:  # a null (the API's "not given") keeps what came before
+                if _given(u.get(name)):
+                    self.fields[name] = count(u[name])
 
     def usage(self) -> Usage | None:
         """The whole usage once the output count is the engine's; None before."""
@@ -140,7 +159,7 @@ class ChoicesStream:
         if choices:
             first = choices[0]
             index = first.get("index") if isinstance(first, dict) else None
-            self.by_choice[_n(index)] = u
+            self.by_choice[count(index)] = u
         else:
             self.only = u if self.only is None else plus(self.only, u)
         if self.only is not None:

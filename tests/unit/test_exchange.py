@@ -45,6 +45,21 @@ def test_a_stream_is_recognised_by_its_first_bytes_and_hides_what_was_injected()
     assert x.outcome() == "completed"
 
 
+def test_a_first_chunk_too_short_to_tell_waits_for_the_next() -> None:
+    """Envoy splits an upstream read anywhere: "dat" is neither JSON nor yet SSE."""
+    x = exchange()
+    body = (b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+            b"data: [DONE]\n\n")
+    out = [x.response_body(body[:3], False, 200), x.response_body(body[3:4], False)]
+    assert out == [b"", b""] and not x.sniffed
+    out.append(x.response_body(body[4:], True))
+    assert b"".join(out) == body  # the held bytes reach the client, in order
+    assert x.meter.sse and x.meter.status == 200 and x.meter.content_events == 1
+    assert x.meter.reported is not None and x.meter.reported.total_tokens == 4
+    assert x.outcome() == "completed"
+
+
 @pytest.mark.parametrize(("facts", "status", "ended", "outcome"), [
     ({"denied_status": 429}, 0, True, "denied"),
     ({"key_id": ""}, 413, True, "denied"),  # Envoy answered itself: nobody was admitted

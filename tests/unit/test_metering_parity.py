@@ -222,6 +222,27 @@ CASES = [
          cancelled="delivered"),
     Case("messages, an error event mid-stream", MESSAGES,
          [*messages_stream(2, end=False), ANTHROPIC_ERROR], "upstream_error", "estimated"),
+    Case("messages, message_delta's input side null", MESSAGES,
+         [*messages_stream(2, end=False),
+          named("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                                  "usage": {"input_tokens": None,
+                                            "cache_creation_input_tokens": None,
+                                            "cache_read_input_tokens": None,
+                                            "output_tokens": 12}}),
+          named("message_stop", {"type": "message_stop"})], "completed", "reported"),
+    Case("messages, message_delta's output null, then cut", MESSAGES,
+         [*messages_stream(2, end=False),
+          named("message_delta", {"type": "message_delta", "delta": {"stop_reason": None},
+                                  "usage": {"output_tokens": None}})],
+         "upstream_error", "estimated", flags="UPE"),
+    Case("chat, a usage object without counts", CHAT,
+         [chat("abcd", u=None), data({"id": "c1", "object": "chat.completion.chunk",
+                                      "model": MODEL, "choices": [], "usage": {
+                                          "prompt_tokens": None, "completion_tokens": None}}),
+          DONE], "completed", "estimated", hide=(True, False)),
+    Case("responses, whole JSON, an empty usage object", RESPONSES, [orjson.dumps({
+        "id": "r1", "object": "response", "model": MODEL, "output": [], "usage": {}})],
+         "completed", "estimated", content_type=JSON),
     Case("chat, whole JSON", CHAT, [orjson.dumps({
         "id": "c1", "object": "chat.completion", "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
@@ -246,6 +267,27 @@ CASES = [
         "object": "list", "model": MODEL, "data": [],
         "usage": {"prompt_tokens": 6, "total_tokens": 6}})], "completed", "reported",
          content_type=JSON),
+    Case("chat, counts written as floats (12.0)", CHAT,
+         [chat("a", u=None), data({"id": "c1", "object": "chat.completion.chunk",
+                                   "model": MODEL, "choices": [], "usage": {
+                                       "prompt_tokens": 12.0, "completion_tokens": 3.0,
+                                       "total_tokens": 15.0,
+                                       "prompt_tokens_details": {"cached_tokens": 4.0}}}),
+          DONE], "completed", "reported", hide=(True, False)),
+    Case("embeddings, counts written as floats", EMBEDDINGS, [orjson.dumps({
+        "object": "list", "model": MODEL, "data": [],
+        "usage": {"prompt_tokens": 6.0, "total_tokens": 6.0}})], "completed", "reported",
+         content_type=JSON),
+    Case("chat, a count past 64 bits", CHAT,
+         [chat("a", u=None), data({"id": "c1", "object": "chat.completion.chunk",
+                                   "model": MODEL, "choices": [], "usage": {
+                                       "prompt_tokens": 10**19, "completion_tokens": 3,
+                                       "total_tokens": 10**19 + 3}}),
+          DONE], "completed", "reported", hide=(True, False)),
+    Case("embeddings, a count past 64 bits", EMBEDDINGS, [orjson.dumps({
+        "object": "list", "model": MODEL, "data": [],
+        "usage": {"prompt_tokens": 10**19, "total_tokens": 10**19}})], "completed",
+         "reported", content_type=JSON),
     Case("a 400 JSON error", CHAT, [orjson.dumps({
         "object": "error", "message": "bad", "type": "BadRequestError", "code": 400})],
          "completed", "reported", content_type=JSON, status=400),
@@ -361,7 +403,8 @@ def timeless(f: ResponseFacts) -> ResponseFacts:
     return replace(f, ttft_ms=0.0, generation_ms=None if f.generation_ms is None else 900.0)
 
 
-@pytest.mark.parametrize("size", [None, 7], ids=["by-event", "7-byte-chunks"])
+@pytest.mark.parametrize("size", [None, 7, 3],
+                         ids=["by-event", "7-byte-chunks", "3-byte-chunks"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_both_sources_give_the_same_facts_and_bill(case: Case, size: int | None) -> None:
     chunks = pieces(case, size)
@@ -411,3 +454,14 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (16, 7, 10)
     assert bill("a whole JSON answer the client left half-way").usage.prompt_tokens == \
         PROMPT_ESTIMATE
+    u = bill("messages, message_delta's input side null").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_creation_tokens) \
+        == (10, 12, 2, 3)  # message_start's input side stands
+    u = bill("chat, counts written as floats (12.0)").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens) == (
+        12, 3, 15, 4)
+    assert bill("embeddings, counts written as floats").usage.prompt_tokens == 6
+    # no engine's count, and past the event's int64 (its consumer would refuse the event)
+    u = bill("chat, a count past 64 bits").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (0, 3, 3)
+    assert bill("embeddings, a count past 64 bits").usage.total_tokens == 0
