@@ -54,11 +54,15 @@ def cmd_usage_report(args: argparse.Namespace) -> int:
     try:
         since = report.day_bound(args.since, "--since")
         until = report.day_bound(args.until, "--until")
-        rep = report.report(UsageDb(args.db), args.by, since, until, args.per or "")
+        db = UsageDb(args.db)
+        rep = report.report(db, args.by, since, until, args.per or "")
     except report.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report.render(rep, args.output))
+    if unreadable := db.rejected(limit=0)[0]:
+        print(f"warning: {unreadable} unreadable record(s) not billed: see `gateway usage "
+              f"reconcile`", file=sys.stderr)
     return 0
 
 
@@ -93,7 +97,8 @@ def cmd_usage_reconcile(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     db = UsageDb(args.db)
-    if not db.has_events():
+    unreadable, first = db.rejected(limit=SHOW_REJECTED)
+    if not db.has_events() and not unreadable:
         print(f"error: {args.db} holds no usage events: fill it with `gateway usage consume "
               f"--db {args.db}` first", file=sys.stderr)
         return 2
@@ -111,4 +116,12 @@ def cmd_usage_reconcile(args: argparse.Namespace) -> int:
         text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in holes) or "none"
         print(f"{inst:32} {len(got):>7} {max(got, default=0):>8} {dups.get(inst, 0):>10} "
               f"{spooled_from[1]:>8}  {text}")
-    return 1 if bad else 0
+    if unreadable:  # on the topic, never billed: someone must look at each
+        print(f"\nUNREADABLE: {unreadable} record(s) quarantined in rejected_records, not "
+              f"billed (first {len(first)}):")
+        for r in first:
+            print(f"  {r.topic} partition {r.partition} offset {r.offset}: {r.error}")
+    return 1 if bad or unreadable else 0
+
+
+SHOW_REJECTED = 5  # reconcile lists the first few; the table holds them all, values too

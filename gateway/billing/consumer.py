@@ -1,16 +1,21 @@
 """`gateway usage consume`: read the usage topic into the billing database (manual offset
-commits)."""
+commits). A record it cannot read is quarantined with the batch, never a reason to stop:
+one bad record would otherwise hold every later event back from billing, on every restart."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
-from gateway.billing.db import UsageDb
+from gateway._proto.gateway.usage.v1 import usage_pb2
+from gateway.billing.db import Rejected, UsageDb, unfit
 from gateway.log import log
 from gateway.sinks.usage_proto import from_json
+
+_ERROR_CHARS = 500  # of a parser's message kept (some quote the value)
+_PREFIX_BYTES = 64  # of an unreadable value logged: enough to recognise, never a whole one
 
 
 def usage_consumer(bootstrap: str, topic: str, group: str | None,
@@ -34,27 +39,58 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     from_the_start = _FromTheStartWhileEmpty(db)
     consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
     await consumer.start()
-    total = dups = 0
+    total = dups = rejects = 0
     try:
         while stop_when is None or not stop_when(total):
             batches = await consumer.getmany(timeout_ms=500, max_records=1000)
-            events = [from_json(m.value) for msgs in batches.values() for m in msgs
-                      if m.value is not None]
-            if not events:
+            records = [m for msgs in batches.values() for m in msgs]
+            if not records:
                 if until_caught_up and await caught_up(consumer):
                     break
                 continue
-            got = db.ingest(events)  # dedup marks + aggregates: one transaction ...
+            events: list[usage_pb2.UsageEvent] = []
+            rejected: list[Rejected] = []
+            for m in records:
+                read = read_record(m)
+                if isinstance(read, Rejected):
+                    rejected.append(read)
+                else:
+                    events.append(read)
+            # dedup marks + aggregates + quarantine: one transaction ...
+            got = db.ingest(events, rejected)
             await consumer.commit()  # ... then the offsets
             total += got.new
             dups += got.duplicates
+            rejects += got.rejected
             log.info("usage_ingested", new=got.new, duplicates=got.duplicates,
-                     total_new=total, total_duplicates=dups, behind=await _lag(consumer))
+                     rejected=got.rejected, total_new=total, total_duplicates=dups,
+                     total_rejected=rejects, behind=await _lag(consumer))
     finally:
         await consumer.stop()
         db.close()
-    log.info("usage_consume_stopped", total_new=total, total_duplicates=dups)
+    log.info("usage_consume_stopped", total_new=total, total_duplicates=dups,
+             total_rejected=rejects)
     return total
+
+
+def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejected:
+    """The record's event, or why it has none (logged: the operator must hear of it)."""
+    value = m.value
+    if value is None:
+        error = "no value (a tombstone)"
+    else:
+        try:
+            event = from_json(value)
+        except Exception as exc:  # any: not JSON, not UTF-8, nested too deep, ...
+            error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+        else:
+            error = unfit(event)
+            if not error:
+                return event
+    log.error("usage_record_unreadable", topic=m.topic, partition=m.partition,
+              offset=m.offset, error=error, size=len(value or b""),
+              prefix=(value or b"")[:_PREFIX_BYTES])
+    return Rejected(m.topic, m.partition, m.offset, error, value or b"")
 
 
 class _FromTheStartWhileEmpty(ConsumerRebalanceListener):

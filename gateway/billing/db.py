@@ -2,12 +2,16 @@
 
 SQLite (default, stdlib) or PostgreSQL (psycopg). The consumer commits Kafka offsets only
 after this transaction, so a crash in between re-delivers events that the dedup marks then
-drop: at-least-once delivery, exactly-once totals.
+drop: at-least-once delivery, exactly-once totals. A record the consumer cannot read is
+quarantined in the same transaction (`rejected_records`, keyed by its topic position), so
+it neither stalls the consumer nor vanishes.
 """
 
 from __future__ import annotations
 
+import math
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +37,12 @@ SCHEMA = [
     # the second with the event would show a gap that is not one.
     """CREATE TABLE IF NOT EXISTS seen_seqs (
         instance_id TEXT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (instance_id, seq))""",
+    # Records `usage consume` could not read, by their place in the topic (re-delivered: one
+    # row). The value is kept whole, as hex text: the same on SQLite and PostgreSQL.
+    """CREATE TABLE IF NOT EXISTS rejected_records (
+        topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL, kafka_offset BIGINT NOT NULL,
+        error TEXT NOT NULL, value_hex TEXT NOT NULL,
+        PRIMARY KEY (topic, kafka_partition, kafka_offset))""",
 ]
 
 # Columns added since the first version: an older database gets them (zeros, "") on open.
@@ -55,12 +65,43 @@ _TOTAL = """INSERT INTO usage_totals VALUES ({p},{p},{p},{p},1,{p},{p},{p})
 _DUP = """INSERT INTO ingest_stats VALUES ({p}, 1) ON CONFLICT (instance_id)
           DO UPDATE SET duplicates = ingest_stats.duplicates + 1"""
 _SEEN = "INSERT INTO seen_seqs VALUES ({p},{p}) ON CONFLICT (instance_id, seq) DO NOTHING"
+_REJECT = ("INSERT INTO rejected_records VALUES ({p},{p},{p},{p},{p}) "
+           "ON CONFLICT (topic, kafka_partition, kafka_offset) DO NOTHING")
+_INT64_MAX = 2**63 - 1
 
 
 @dataclass
 class Ingested:
     new: int
     duplicates: int
+    rejected: int = 0  # records quarantined by this call (not those already quarantined)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A record of the topic that is no usage event this database can take."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: str
+    value: bytes
+
+
+def unfit(e: usage_pb2.UsageEvent) -> str:
+    """Why `ingest` cannot take an event that parsed ("" if it can): what it keys, bills to
+    a day or stores in a NOT NULL column must be there, and fit."""
+    if not e.event_id:
+        return "no event_id (the dedup key)"
+    if not e.instance_id:
+        return "no instance_id (the gap check's key)"
+    if not 1 <= e.seq <= _INT64_MAX:
+        return f"seq {e.seq} outside 1..2**63-1"
+    if not e.ended_at:
+        return "no ended_at (the day it is billed to)"
+    if not math.isfinite(e.cost):
+        return f"cost {e.cost} is not a number"  # NaN is NULL to SQLite
+    return ""
 
 
 class UsageDb:
@@ -103,9 +144,11 @@ class UsageDb:
             return
         self.conn.commit()
 
-    def ingest(self, events: list[usage_pb2.UsageEvent]) -> Ingested:
-        """One transaction: dedup marks + aggregates for the whole batch."""
-        new = dup = 0
+    def ingest(self, events: list[usage_pb2.UsageEvent],
+               rejected: Sequence[Rejected] = ()) -> Ingested:
+        """One transaction: dedup marks + aggregates for the whole batch, and the batch's
+        unreadable records quarantined (each once, however often it is delivered)."""
+        new = dup = quarantined = 0
         sqlite = isinstance(self.conn, sqlite3.Connection)
         if sqlite:
             self.conn.execute("BEGIN IMMEDIATE")
@@ -125,6 +168,10 @@ class UsageDb:
                 else:
                     dup += 1
                     self._exec(_DUP, (e.instance_id,))
+            for r in rejected:
+                cur = self._exec(_REJECT, (r.topic, r.partition, r.offset, r.error,
+                                           r.value.hex()))
+                quarantined += cur.rowcount == 1
         except BaseException:
             self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
             raise
@@ -132,7 +179,7 @@ class UsageDb:
             self.conn.execute("COMMIT")
         else:
             self.conn.commit()
-        return Ingested(new, dup)
+        return Ingested(new, dup, quarantined)
 
     def has_events(self) -> bool:
         """Whether `usage consume` ever filled this database (an empty report is suspect)."""
@@ -164,6 +211,18 @@ class UsageDb:
         span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",
                           tuple(args)).fetchone()
         return [tuple(r) for r in rows], span[0] or "", span[1] or ""
+
+    def rejected(self, limit: int | None = None) -> tuple[int, list[Rejected]]:
+        """How many records are quarantined, and the first `limit` (all if None) by topic
+        position."""
+        (count,) = self._exec("SELECT COUNT(*) FROM rejected_records").fetchone()
+        sql = ("SELECT topic, kafka_partition, kafka_offset, error, value_hex FROM "
+               "rejected_records ORDER BY topic, kafka_partition, kafka_offset")
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        rows = self._exec(sql).fetchall()
+        return int(count), [Rejected(t, int(p), int(o), err, bytes.fromhex(v))
+                            for t, p, o, err, v in rows]
 
     def seqs(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ import pytest
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.billing import report
-from gateway.billing.db import UsageDb, gaps
+from gateway.billing.db import Rejected, UsageDb, gaps, unfit
 
 PG = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -239,3 +239,58 @@ models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2},
     db.ingest(events)  # redelivered: no change
     (day,) = report.report(db, "team,model", per="day").rows
     assert (day.group, day.completed, day.cost) == (("2026-12-01", "t", "m"), 4, 66.0)
+
+
+def bad(offset: int, value: bytes = b"\xff not json", error: str = "ParseError: x"
+        ) -> Rejected:
+    return Rejected("llm.usage.v1", 0, offset, error, value)
+
+
+def test_unreadable_records_are_quarantined_once_with_their_batch(db: UsageDb) -> None:
+    got = db.ingest([ev(1), ev(2)], [bad(1), bad(3, b"")])
+    assert (got.new, got.duplicates, got.rejected) == (2, 0, 2)
+    got = db.ingest([ev(2)], [bad(1), bad(4, b"\x00\x01" * 1000)])  # re-delivered, and one new
+    assert (got.new, got.duplicates, got.rejected) == (0, 1, 1)
+    count, rows = db.rejected()
+    assert count == 3
+    assert [(r.offset, r.value) for r in rows] == [
+        (1, b"\xff not json"), (3, b""), (4, b"\x00\x01" * 1000)]  # whole, bytes as they were
+    assert db.rejected(limit=1) == (3, rows[:1])
+    with pytest.raises(AttributeError):  # the batch fails: its quarantine goes with it
+        db.ingest([ev(5), None], [bad(9)])  # type: ignore[list-item]
+    assert db.rejected()[0] == 3
+    assert totals(db) == [("t", 2, 22)]
+
+
+def test_what_ingest_cannot_take_is_unfit() -> None:
+    assert unfit(ev(1)) == ""
+    no_id, no_inst, no_end, nan = ev(1), ev(1), ev(1), ev(1)
+    no_id.event_id = ""
+    no_inst.instance_id = ""
+    no_end.ended_at = ""
+    nan.cost = float("nan")
+    assert "event_id" in unfit(no_id)
+    assert "instance_id" in unfit(no_inst)
+    assert "ended_at" in unfit(no_end)
+    assert "cost" in unfit(nan)
+    assert "seq" in unfit(ev(0)) and "seq" in unfit(ev(2**63))  # 0: none; 2**63: no BIGINT
+    assert unfit(ev(2**63 - 1)) == ""
+
+
+def test_reconcile_lists_quarantined_records_and_exits_1(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+    url = f"sqlite:///{tmp_path / 'u.db'}"
+    spools = ["--spool-dir", str(tmp_path)]
+    UsageDb(url).ingest([], [bad(7, error="no event_id (the dedup key)")])  # nothing else
+    assert main(["usage", "reconcile", "--db", url, *spools]) == 1  # not 2: it read something
+    out = capsys.readouterr().out
+    assert "UNREADABLE: 1 record(s)" in out
+    assert "llm.usage.v1 partition 0 offset 7: no event_id" in out
+    UsageDb(url).ingest([ev(1)])
+    assert main(["usage", "reconcile", "--db", url, *spools]) == 1  # no gap, still one
+    clean = f"sqlite:///{tmp_path / 'clean.db'}"
+    UsageDb(clean).ingest([ev(1)])
+    capsys.readouterr()
+    assert main(["usage", "reconcile", "--db", clean, *spools]) == 0
+    assert "UNREADABLE" not in capsys.readouterr().out
