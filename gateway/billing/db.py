@@ -13,6 +13,7 @@ import math
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
@@ -88,6 +89,14 @@ class Rejected:
     value: bytes
 
 
+def _utc(text: str) -> bool:
+    try:
+        at = datetime.fromisoformat(text.upper())  # RFC 3339 allows "t" and "z"
+    except ValueError:
+        return False
+    return at.utcoffset() == timedelta(0)
+
+
 def unfit(e: usage_pb2.UsageEvent) -> str:
     """Why `ingest` cannot take an event that parsed ("" if it can): what it keys, bills to
     a day or stores in a NOT NULL column must be there, and fit."""
@@ -99,6 +108,12 @@ def unfit(e: usage_pb2.UsageEvent) -> str:
         return f"seq {e.seq} outside 1..2**63-1"
     if not e.ended_at:
         return "no ended_at (the day it is billed to)"
+    if not _utc(e.ended_at):  # its first 10 characters are the day it is billed to
+        return f"ended_at {e.ended_at[:40]!r} is not an RFC 3339 time in UTC"
+    u = e.usage
+    if min(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens,
+           u.reasoning_tokens, u.cache_creation_tokens) < 0:
+        return "a negative token count"  # it would take tokens off the totals
     if not math.isfinite(e.cost):
         return f"cost {e.cost} is not a number"  # NaN is NULL to SQLite
     return ""

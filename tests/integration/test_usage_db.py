@@ -274,6 +274,17 @@ def test_what_ingest_cannot_take_is_unfit() -> None:
     assert "ended_at" in unfit(no_end)
     assert "cost" in unfit(nan)
     assert "seq" in unfit(ev(0)) and "seq" in unfit(ev(2**63))  # 0: none; 2**63: no BIGINT
+    for text in ("yesterday", "2026-12-06", "2026-12-06T21:00:00", "2026-12-06T21:00:00-05:00"):
+        other = ev(1)
+        other.ended_at = text  # no day in UTC to bill it to (the first 10 characters are)
+        assert "ended_at" in unfit(other), text
+    for text in ("2026-12-06T21:00:00.123Z", "2026-12-06t21:00:00z", "2026-12-06T21:00:00+00:00"):
+        other = ev(1)
+        other.ended_at = text
+        assert unfit(other) == "", text
+    negative = ev(1)
+    negative.usage.completion_tokens = -5  # would take tokens off the team's totals
+    assert "negative" in unfit(negative)
     assert unfit(ev(2**63 - 1)) == ""
 
 
