@@ -24,6 +24,10 @@ STREAMS_ACTIVE = Gauge(
 SETTLE_ERRORS = Counter("gateway_settle_errors_total", "Settlements the store refused")
 READY = Gauge("gateway_ready", "1 when this worker has a policy", multiprocess_mode="livemin")
 SINK_ERRORS = Counter("gateway_usage_sink_errors_total", "Failed deliveries to Kafka/JSONL")
+SPOOL_WRITE_ERRORS = Counter("gateway_usage_spool_write_errors_total",
+                             "Group commits the spool could not write (kept in memory, retried)")
+SPOOL_UNREADABLE = Counter("gateway_usage_spool_unreadable_total",
+                           "Spooled lines that are not an event (sent on as they are)")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
 EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])
 SPOOL_DEPTH = Gauge("gateway_usage_spool_depth", "Events not yet delivered",

@@ -46,6 +46,27 @@ def record(line: bytes) -> Record:
     return event_id, line, headers
 
 
+def _records(spool: Spool, lines: list[tuple[int, bytes]]) -> list[Record]:
+    """The batch's records. A line that is not an event (a byte flipped on disk) is sent as
+    it is, keyed by instance:seq, and logged: the consumer quarantines it and `usage
+    reconcile` lists it. Neither dropped nor a reason to retry the batch forever."""
+    try:
+        return [record(line) for _, line in lines]
+    except (ValueError, AttributeError):  # JSONDecodeError is a ValueError
+        pass
+    out = []
+    for seq, line in lines:
+        try:
+            out.append(record(line))
+        except (ValueError, AttributeError) as exc:
+            metrics.SPOOL_UNREADABLE.inc()
+            log.error("spool_line_unreadable", instance=spool.instance_id, seq=seq,
+                      bytes=len(line), error=repr(exc))
+            out.append((f"{spool.instance_id}:{seq}".encode(), line,
+                        [("content-type", b"application/octet-stream")]))
+    return out
+
+
 class Shipper:
     def __init__(self, spool: Spool, producer: Producer, batch: int = 1000,
                  linger: float = 0.1, persist_every: float = 0.2) -> None:
@@ -97,7 +118,7 @@ class Shipper:
                 await asyncio.sleep(self.linger)
                 continue
             try:
-                await self.producer.send_batch([record(line) for _, line in lines])
+                await self.producer.send_batch(_records(self.spool, lines))
             except Exception as exc:  # SinkUnavailable, or anything: retry, never drop
                 metrics.SINK_ERRORS.inc()
                 log.error("usage_delivery_failed", spool_depth=self.spool.depth,

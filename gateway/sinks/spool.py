@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import orjson
-
+from gateway import metrics
 from gateway.errors import SpoolLocked
+from gateway.log import log
 from gateway.sinks.disk_thread import DiskThread
 
 T = TypeVar("T")
@@ -110,9 +110,18 @@ class Spool:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
 
-    def _recover(self) -> None:
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            self.delivered = int((self.dir / "delivered").read_text() or 0)
+    def _recover(self, repair: bool = True) -> None:
+        """Seq and marks from the files. A line's seq is its position (its segment's first
+        seq plus its index), as `_read_files` reads it: a complete line is kept even when it
+        cannot be parsed (the shipper sends it on, loudly), only a torn last line is cut
+        (with `repair`: a reader without the lock must not cut a live writer's file)."""
+        mark = self.dir / "delivered"
+        try:
+            self.delivered = int(mark.read_text() or 0)
+        except FileNotFoundError:
+            pass
+        except ValueError as exc:  # from the first segment on, below
+            log.warning("spool_mark_unreadable", path=str(mark), error=repr(exc))
         self._segments = sorted(int(p.stem) for p in self.dir.glob("*.log"))
         last = self.delivered
         if self._segments:
@@ -120,20 +129,21 @@ class Spool:
             data = path.read_bytes()
             good = data[: data.rfind(b"\n") + 1]  # a torn last line (crash mid-write) is cut
             lines = good.splitlines()
-            while lines:
-                try:
-                    last = max(last, int(orjson.loads(lines[-1])["seq"]))
-                    break
-                except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                    good = good[: len(good) - len(lines.pop()) - 1]
-            if len(good) != len(data):
+            if repair and len(good) != len(data):
+                log.warning("spool_torn_line_cut", path=str(path), offset=len(good),
+                            bytes=len(data) - len(good))
                 with open(path, "r+b") as f:
                     f.truncate(len(good))
             self._write_size = len(good)
             self.tail = lines[-TAIL_MAX:]
             self.tail_written_at = path.stat().st_mtime
-            if not lines and self._segments[-1] > last:
-                last = self._segments[-1] - 1
+            last = self._segments[-1] + len(lines) - 1
+            first = self._segments[0] - 1  # below the files: delivered, else dropped
+            if not first <= self.delivered <= last:
+                if self.delivered > last:  # a mark past what is on disk cannot be true
+                    log.warning("spool_mark_past_end", path=str(mark), mark=self.delivered,
+                                last_seq=last, resend_from=first + 1)
+                self.delivered = first  # at-least-once: what the files hold is sent again
         self.last_seq = self.durable_seq = self._queued_seq = last
         self._persisted = self.delivered
         if self._segments and last > self.delivered:
@@ -162,6 +172,7 @@ class Spool:
         came as one group) are committed at once: the wait would only add a timer's
         wake-up and `linger` to the batch's answer."""
         loop = asyncio.get_running_loop()
+        retry = 0.1
         while True:
             await self._wake_writer.wait()
             if not self._waiters:
@@ -171,7 +182,14 @@ class Spool:
                 timer.cancel()
                 self._lingering = None
             self._wake_writer.clear()
-            await self.commit()
+            try:
+                await self.commit()
+            except OSError:  # logged; the same group is written again, never dropped
+                self._wake_writer.set()
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, 5.0)
+            else:
+                retry = 0.1
 
     async def commit(self) -> None:
         """Write and fsync everything queued, as one group."""
@@ -181,7 +199,15 @@ class Spool:
         batch, last, self._queue = self._queue, self._queued_seq, []
         callbacks, self._callbacks = self._callbacks, []
         first = last - len(batch) + 1
-        await self.on_disk_thread(lambda: self._write(first, batch))
+        try:
+            await self.on_disk_thread(lambda: self._write(first, batch))
+        except OSError as exc:  # disk full, read-only, EIO: the group waits in memory
+            self._queue[:0] = batch
+            self._callbacks[:0] = callbacks
+            metrics.SPOOL_WRITE_ERRORS.inc()
+            log.error("spool_write_failed", dir=str(self.dir), error=repr(exc),
+                      events_in_memory=len(self._queue))
+            raise
         self._keep_recent(first, batch)
         self.durable_seq = last
         self.durable.set()
@@ -237,9 +263,15 @@ class Spool:
         data = b"".join(lines)
         fd = self._segment_fd(self._segments[-1])
         try:
-            os.write(fd, data)
+            written = os.write(fd, data)
+            while written < len(data):  # a short write (the disk filling up): the rest
+                written += os.write(fd, data[written:])
             os.fsync(fd)
         except OSError:
+            # No part of the group stays: the next one (this group again) must not be glued
+            # onto a torn line.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self._write_size)
             self._close_segment()  # reopened by the next group commit
             raise
         self._write_size += len(data)

@@ -52,6 +52,6 @@ def spooled(root: Path) -> dict[str, tuple[int, int]]:
     for d in sorted(root.iterdir()) if root.exists() else []:
         if d.is_dir():
             probe = Spool(root, d.name)
-            probe._recover()  # no lock: a live instance may own it; we only read the marks
+            probe._recover(repair=False)  # no lock: a live instance may own it; only read
             out[d.name] = (probe.delivered + 1, probe.depth)
     return out
