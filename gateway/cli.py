@@ -17,6 +17,7 @@ from typing import Any
 from gateway.addresses import AddressError, split_hostport
 from gateway.cli_tools import add_tools, store_flags
 from gateway.envoy_contract import RECORDS_FLUSH_MS
+from gateway.errors import SpoolLocked, SpoolUnusable
 from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
 
 _settings = cli_settings
@@ -209,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     except AddressError as exc:  # a listen address or an upstream that is not host:port
         print(f"error: {exc} (its flag or setting)", file=sys.stderr)
         return 2
+    except (SpoolLocked, SpoolUnusable) as exc:  # serve: where its events would wait
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except _redis_error() as exc:  # the spoke's Redis away, refusing, or no primary known
         print(f"error: redis: {exc} (is GATEWAY_REDIS_URL / --redis-url right, and Redis up?)",
               file=sys.stderr)

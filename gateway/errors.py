@@ -14,6 +14,7 @@ stdlib's meaning for callers that catch that).
      ├── ApplyRefused       [ValueError] `policy apply`, `hub publish` would do harm unasked
      ├── SinkUnavailable    not delivered to Kafka/JSONL: try again later
      ├── SpoolLocked        the spool directory belongs to a live instance
+     ├── SpoolUnusable      the spool directory cannot be made or locked (a path, permissions)
      └── ReportError        [ValueError] a usage report that cannot be answered
 
 The limiter turns RedisLost into StoreInDoubt, and RedisGone/RedisReplyError into
@@ -80,6 +81,10 @@ class SinkUnavailable(GatewayError):
 
 
 class SpoolLocked(GatewayError):
+    pass
+
+
+class SpoolUnusable(GatewayError):
     pass
 
 

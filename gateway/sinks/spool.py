@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gateway import metrics
-from gateway.errors import SpoolLocked
+from gateway.errors import SpoolLocked, SpoolUnusable
 from gateway.log import log
 from gateway.sinks.disk_thread import DiskThread
 
@@ -88,8 +88,12 @@ class Spool:
     # -- opening and recovery ---------------------------------------------------------
 
     def open(self) -> Spool:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # no events can be kept: say where, not a traceback
+            raise SpoolUnusable(f"spool directory {self.dir}: {exc.strerror or exc} "
+                                "(GATEWAY_SPOOL_DIR)") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -95,6 +95,24 @@ def test_embedded_mode_serves_health_metrics_and_reloads(tmp_path: Path) -> None
     assert SECRET not in svc.log_path.read_text()
 
 
+def test_a_spool_directory_it_cannot_make_is_one_clear_line(tmp_path: Path) -> None:
+    """Where events would wait cannot be made (a path through a file, a read-only mount):
+    `serve` exits 1 naming the directory and its setting, not with a traceback."""
+    import subprocess
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy())
+    (tmp_path / "a-file").write_text("")
+    spool = tmp_path / "a-file" / "spool"
+    env = {**os.environ, "GATEWAY_POLICY_FILE": str(policy), "GATEWAY_SPOOL_DIR": str(spool),
+           "GATEWAY_LISTEN": f"127.0.0.1:{free_port()}", "GATEWAY_AUTHZ_HTTP_LISTEN": "",
+           "GATEWAY_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}
+    proc = subprocess.run([sys.executable, "-m", "gateway", "serve"], env=env, timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: spool directory {spool}/" in proc.stderr
+    assert "GATEWAY_SPOOL_DIR" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_serve_without_a_policy_refuses_and_says_why(tmp_path: Path, redis_url: str) -> None:
     """An operator who starts `serve` before `policy apply` sees every request refused (fail
     closed) and is told why in the log and on /readyz, then served once a policy is held."""
