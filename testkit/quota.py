@@ -19,10 +19,24 @@ from typing import Any
 
 import openai
 import orjson
+from openai.types.chat import ChatCompletionUserMessageParam
 
 from devspoke.procs import free_port
 from devspoke.stack import Spoke
+from gateway.authz.request import estimate_prompt_tokens
 from gateway.hub.quota_topic import POLICY_TOPIC
+
+PROMPT: list[ChatCompletionUserMessageParam] = [  # what `drive` sends
+    {"role": "user", "content": "hello there"}]
+PROMPT_TOKENS = 2  # what the mock engine counts for it
+
+
+def past_reservation(max_tokens: int) -> int:
+    """What one `drive` request can use past its reservation, (actual - reserved)+: the
+    overshoot bound's in-flight term per request (README "One quota across spokes"). The
+    mock engine answers with exactly `max_tokens`, so the prompt estimate decides."""
+    reserved = estimate_prompt_tokens({"messages": PROMPT}) + max_tokens
+    return max(0, PROMPT_TOKENS + max_tokens - reserved)
 
 
 class Proc:
@@ -134,8 +148,7 @@ def drive(spoke: Spoke, key: str, *, concurrency: int, max_tokens: int,
                 return
             try:
                 r = client.chat.completions.create(
-                    model="mock-model", max_tokens=max_tokens,
-                    messages=[{"role": "user", "content": "hello there"}])
+                    model="mock-model", max_tokens=max_tokens, messages=PROMPT)
             except openai.RateLimitError as exc:
                 with out.lock:
                     out.denied += 1

@@ -145,8 +145,10 @@ class QuotaLedger:
     def use(self, spoke: str, cell: Cell, quota: int, now: float | None = None) -> SpokeUse:
         applied = self._applied.get(spoke, (0, {}))[1].get(cell)
         used = max(self._used.get((spoke, cell), 0), applied[1] if applied else 0)
-        # Until it reports an allowance for this cell it may be on the fallback share.
-        held = applied[0] if applied else maths.fallback_allowance(quota)
+        # Until it reports an allowance for this cell it may be on the fallback share: of
+        # the quota in the feed entry it serves (its own, else '*'), not the smallest.
+        held = applied[0] if applied else maths.fallback_allowance(
+            self._served_quota(spoke, cell, quota))
         held = max(held, self._pending.get(spoke, {}).get(cell, 0))
         samples = self._samples.get((spoke, cell))
         demand = max(0, used - samples[0][1]) if samples else 0
@@ -154,6 +156,12 @@ class QuotaLedger:
         # stays on the fallback share, and what it is not given stays with the others.
         cap = None if spoke in self._following else max(used, held)
         return SpokeUse(used, held, demand, cap)
+
+    def _served_quota(self, spoke: str, cell: Cell, quota: int) -> int:
+        """The quota in the feed entry `spoke` serves (its own where it has one, else '*'),
+        `quota` where that entry names none."""
+        entry = self._feed.get(spoke, self._feed.get("*")) or {}
+        return entry.get((cell[0], cell[1]), quota)
 
     def _sample(self, spoke: str, cell: Cell, now: float, used: int) -> None:
         samples = self._samples[spoke, cell]

@@ -2,8 +2,8 @@
 sidecar, Envoy each) reporting usage to one Tansu, the hub's allocator and one allowance
 follower per spoke, as processes. A team's global daily quota follows its use from one
 spoke to the other, and the two together stay within it plus what requests in flight use
-past their reservations (docs/hub-and-spokes.md "One quota across spokes", where these
-numbers go)."""
+past their reservations: nothing here, every reservation covers its request
+(docs/hub-and-spokes.md "One quota across spokes", where these numbers go)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ pytestmark = pytest.mark.slow
 QUOTA = 3000  # tokens per day, for each team, all spokes together
 MAX_TOKENS = 20  # the mock engine answers "hello there" (2 tokens) with 20: 22 a request
 CONCURRENCY = 3  # per spoke: requests in flight at once
-IN_FLIGHT = 2 * CONCURRENCY * (MAX_TOKENS + 2)  # the most they can use past the quota
+# The bound's in-flight term (README): what the requests in flight can use past their
+# reservations, (actual - reserved)+ each. Here every reservation (prompt estimate plus
+# max_tokens) covers the 22 tokens a request uses, so the bound is the quota itself.
+PAST = CONCURRENCY * hub.past_reservation(MAX_TOKENS)  # per spoke
+BOUND = QUOTA + 2 * PAST
+SHORT = 2 * CONCURRENCY * (MAX_TOKENS + 2)  # under-use: up to the requests in flight
 INTERVAL_S = 1.0  # the allocator's
 DENIED_FOR = 4.0  # a load stops once every answer for this long was a 429
 
@@ -63,7 +68,7 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     # No allocator yet: east holds no allowance, so it enforces the fallback share.
     first = load(east, "kg", denied_for=1.5)()
     assert first.codes == {"insufficient_quota"}
-    assert 0 < first.served_tokens <= maths.fallback_allowance(QUOTA) + IN_FLIGHT // 2
+    assert 0 < first.served_tokens <= maths.fallback_allowance(QUOTA) + PAST
 
     alloc = hub.allocator(fleet.kafka.address, fleet.workdir, INTERVAL_S).start()
     fleet.procs.append(alloc)
@@ -75,8 +80,8 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     total = e.served_tokens + w.served_tokens
     print(f"\nteam b, both spokes from the start: east {e.served_tokens} + west "
           f"{w.served_tokens} = {total} tokens of a {QUOTA} quota: overshoot "
-          f"{total - QUOTA:+d} ({(total - QUOTA) / QUOTA:+.1%}); bound {IN_FLIGHT}")
-    assert QUOTA - IN_FLIGHT <= total <= QUOTA + IN_FLIGHT
+          f"{total - QUOTA:+d} ({(total - QUOTA) / QUOTA:+.1%}); bound {BOUND}")
+    assert QUOTA - SHORT <= total <= BOUND
     assert min(e.served_tokens, w.served_tokens) > 0.2 * QUOTA
 
     # Driven through east while west idles: west's unused share moves to east.
@@ -90,8 +95,8 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     e, w = together(load(east, "kg"), load(west, "kg"))
     total = east_total + e.served_tokens + w.served_tokens
     print(f"team g, both spokes: {total} tokens served of a {QUOTA} quota: overshoot "
-          f"{total - QUOTA:+d} ({(total - QUOTA) / QUOTA:+.1%}); bound {IN_FLIGHT}")
-    assert total <= QUOTA + IN_FLIGHT
+          f"{total - QUOTA:+d} ({(total - QUOTA) / QUOTA:+.1%}); bound {BOUND}")
+    assert total <= BOUND
 
     # Team h: east uses half of it, long enough for the allocator to give east most of the
     # rest; then the allocator stops, and each spoke keeps enforcing what it holds.
@@ -105,8 +110,8 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     print(f"team h, allocator stopped: east {h_east}+{e.served_tokens} of its "
           f"{held['east']}, west {w.served_tokens} of its {held['west']}")
     assert e.served_tokens > 0 and e.codes == {"insufficient_quota"}
-    assert h_east + e.served_tokens <= held["east"] + IN_FLIGHT // 2  # what each holds
-    assert w.served_tokens <= held["west"] + IN_FLIGHT // 2
+    assert h_east + e.served_tokens <= held["east"] + PAST  # what each holds
+    assert w.served_tokens <= held["west"] + PAST
     assert {n: allowance(s, "h") for n, s in spokes.items()} == held  # nobody changed them
 
     # Restarted, it resumes from the topics and hands out nothing twice.
@@ -118,7 +123,7 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     h_total = h_east + e.served_tokens + w.served_tokens + e2.served_tokens + w2.served_tokens
     print(f"team h after the allocator's restart: {h_total} tokens served of {QUOTA} "
           f"(overshoot {h_total - QUOTA:+d})")
-    assert h_total <= QUOTA + IN_FLIGHT
+    assert h_total <= BOUND
     resumed = next(orjson.loads(line) for line in alloc.log()[before:].splitlines()
                    if "quota_allocator_resumed" in line)
     assert resumed["generation"] > 0 and resumed["spokes"] == ["east", "west"]

@@ -140,3 +140,40 @@ def test_a_lost_quota_topic_resumes_above_what_the_spokes_hold() -> None:
         applied(ledger, s, m)
     ledger.on_applied("a", {"generation": 0, "applied": [], "holds": out["a"]["generation"]})
     assert ledger.next_round(NOW) == {}  # a follower's restart alone resends nothing
+
+
+
+def test_a_spoke_on_its_fallback_share_is_counted_at_the_share_it_enforces() -> None:
+    """A spoke serves its own feed entry where it has one, else '*'s (DESIGN §10), and its
+    fallback share is 10 % of the quota in that entry: the allocator divides the smallest
+    quota, but counts what each spoke may really admit until it applies an allowance."""
+    ledger = two_spokes()  # '*': 1000 a day
+    ledger.on_policy("*", {"revision": 4, "policy": {
+        "teams": {"g": {"models": ["*"], "global_limits": {"tokens_per_day": 600}}}}})
+    ledger.on_policy("north", TEAM_ONLY)  # north's own entry: 1000 a day
+    ledger.on_usage(usage("north", "e9", 50))  # known from its usage alone: no follower
+    assert ledger.quotas()[("team:g", "day")] == 600
+    assert ledger.use("north", CELL, 600).held == maths.fallback_allowance(1000)  # its own
+    assert ledger.use("a", CELL, 600).held == maths.fallback_allowance(600)
+    out = ledger.next_round(NOW)
+    # north admits up to its 100 for good: a and b are not given that too.
+    assert day_allowance(out["a"]) + day_allowance(out["b"]) + 100 <= 600
+
+
+def test_a_quota_lowered_mid_period_hands_out_nothing_until_the_allowances_fit() -> None:
+    """docs/hub-and-spokes.md: until the spokes apply their lower allowances they may serve
+    their old ones; the allocator raises nobody meanwhile, and then the new quota holds."""
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s], used=100)  # 500 each of 1000, 100 used each
+    ledger.on_policy("*", {"revision": 4, "policy": {
+        "teams": {"g": {"models": ["*"], "global_limits": {"tokens_per_day": 400}}}}})
+    lowered = ledger.next_round(NOW)
+    assert all(100 <= day_allowance(lowered[s]) < 500 for s in "ab")
+    assert [ledger.use(s, CELL, 400).held for s in "ab"] == [500, 500]  # still in force
+    applied(ledger, "a", lowered["a"], used=100)
+    assert ledger.next_round(NOW) == {}  # b may still admit up to 500: a is not raised
+    applied(ledger, "b", lowered["b"], used=100)
+    ledger.next_round(NOW)
+    assert sum(ledger.use(s, CELL, 400).held for s in "ab") <= 400
