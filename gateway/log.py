@@ -20,7 +20,10 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def configure(level: str = "info") -> None:
+def configure(level: str = "info", cache: bool = True) -> None:
+    """JSON lines on stderr. `cache=False` for a one-shot command: a logger cached on first
+    use keeps this configuration for the process's life (the services want that; a command
+    run in-process, as the tests run them, must leave the configuration replaceable)."""
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -32,5 +35,5 @@ def configure(level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )

@@ -40,7 +40,7 @@ def cmd_usage_tail(args: argparse.Namespace) -> int:
 def cmd_usage_consume(args: argparse.Namespace) -> int:
     from gateway.billing.consumer import consume
     from gateway.log import configure
-    configure("info")
+    configure("info", cache=False)  # low volume; run in-process by the tests too
     bootstrap, topic = _bootstrap(args)
     stop = (lambda n: n >= args.count) if args.count else None
     with contextlib.suppress(KeyboardInterrupt):

@@ -51,7 +51,7 @@ def cmd_hub_publish(args: argparse.Namespace) -> int:
     from gateway.hub.publish import publish
     from gateway.log import configure
     s, bootstrap = _hub_bootstrap(args)
-    configure(s.log_level)  # its warnings to stderr: stdout is the one line tools read
+    configure(s.log_level, cache=False)  # warnings to stderr: stdout is the line tools read
     try:
         text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
         revision = run_value(publish(bootstrap, text, args.file, args.target_spoke,
