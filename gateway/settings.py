@@ -24,10 +24,17 @@ REFERENCE_LISTEN = "127.0.0.1:9001"
 REFERENCE_AUTHZ_HTTP = "127.0.0.1:9002"
 
 
+# A duration or a size that must be more than nothing (0 would spin a loop or refuse all).
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+Count = Annotated[int, Field(ge=0)]
+
+
 class Settings(BaseSettings):
     # hide_input_in_errors: a refused URL may carry a password
+    # allow_inf_nan: no setting is a NaN or an infinity (a NaN lease TTL was taken as is)
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore",
-                                      hide_input_in_errors=True)
+                                      hide_input_in_errors=True, allow_inf_nan=False)
 
     listen: str = REFERENCE_LISTEN
     # ext_authz's HTTP door, the reference config's Check (`gateway envoy-config`): the same
@@ -61,33 +68,35 @@ class Settings(BaseSettings):
     metering: Metering = DEFAULT_METERING
     # A concurrency denial waits up to this for ends on their way, then retries (default:
     # 100 ms with Envoy-fed metering, whose records arrive ~50 ms after the end; else 0).
-    concurrency_grace_ms: float | None = None
+    concurrency_grace_ms: NonNegative | None = None
     # Admitting ahead (docs/admit-ahead.md): how long a ticket admitted for the next request
     # of a key and model is kept. 0: off, every admission waits for Redis. Redis mode only.
     admit_ahead_ms: Annotated[float, Field(ge=0)] = 0.0
 
     # Admission
-    redis_deadline_ms: float = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
-    lease_ttl_s: float = 30.0  # concurrency leases; streams renew at a third of it
+    redis_deadline_ms: Positive = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
+    lease_ttl_s: Positive = 30.0  # concurrency leases; streams renew at a third of it
     # Envoy-fed metering: Envoy's heartbeat record of a request in flight comes this often
     # (`gateway envoy-config --record-heartbeat-s`: the two must agree). An admission Envoy
     # says nothing of for three heartbeats is given up: freed and billed by the orphan sweep.
-    record_heartbeat_s: float = 10.0
-    orphan_grace_ms: float | None = None  # default: 45 s with Envoy-fed metering, else 0
+    record_heartbeat_s: Positive = 10.0
+    orphan_grace_ms: NonNegative | None = None  # default: 45 s with Envoy-fed metering, else 0
     # An admission's first lease: its ext_proc stream must begin (and renew it) within this,
     # else the slot frees itself (the client left between the Check and ext_proc).
-    lease_start_ttl_s: float = 5.0
+    lease_start_ttl_s: Positive = 5.0
     # No admission is renewed for longer than this (6 h: far past any real generation):
     # one whose stream or heartbeats never stop is then given up, its lease runs out, and
     # the orphan sweep frees its slots and bills its last checkpoint.
     admission_max_lifetime_s: float = Field(default=21600.0, gt=0)
-    default_completion_tokens: int = 1024
-    reserve_cap_tokens: int = 32768  # caps max_tokens in a reservation; the prompt counts whole
+    default_completion_tokens: Count = 1024
+    # caps max_tokens in a reservation; the prompt counts whole
+    reserve_cap_tokens: Count = 32768
     # Degraded states are loud: an error log (once a minute) when the oldest undelivered
     # usage event is older than this, or the limiter store stops answering.
-    spool_alert_s: float = 60.0
-    policy_recheck_s: float = 5.0  # periodic re-check so a missed announcement heals
-    max_message_bytes: int = 64 * 1024 * 1024  # gRPC: a CheckRequest carries the whole body
+    spool_alert_s: Positive = 60.0
+    policy_recheck_s: Positive = 5.0  # periodic re-check so a missed announcement heals
+    # gRPC: a CheckRequest carries the whole body
+    max_message_bytes: Annotated[int, Field(gt=0)] = 64 * 1024 * 1024
 
     # Hub and spokes (DESIGN §10): the hub's Kafka, when not the usage Kafka's
     hub_bootstrap: str | None = None
@@ -165,10 +174,12 @@ class Settings(BaseSettings):
 
 
 def cli_settings(args: object) -> Settings:
-    """A command's settings (env, then its flags); exit 2 with pydantic's words (which
-    setting, what is wrong) for a bad one."""
+    """A command's settings (env, then its flags); a bad one exits (status 1) with one line
+    naming each by its env name (a flag's setting has the same name) and what is wrong."""
     from pydantic import ValidationError
     try:
         return Settings.from_args(args)
     except ValidationError as exc:
-        raise SystemExit(f"gateway: bad settings: {exc}") from None
+        raise SystemExit("gateway: bad settings: " + "; ".join(
+            f"GATEWAY_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+            for e in exc.errors())) from None

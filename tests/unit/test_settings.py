@@ -22,6 +22,25 @@ def test_a_value_the_hub_contract_cannot_carry_is_refused(field: str, value: obj
     assert field in str(err.value) and says in str(err.value)
 
 
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("lease_ttl_s", float("nan"), "finite number"),
+    ("redis_deadline_ms", float("inf"), "finite number"),
+    ("redis_deadline_ms", 0, "greater than 0"),
+    ("policy_recheck_s", 0, "greater than 0"),
+    ("record_heartbeat_s", -1, "greater than 0"),
+    ("orphan_grace_ms", -5, "greater than or equal to 0"),
+    ("reserve_cap_tokens", -1, "greater than or equal to 0"),
+    ("max_message_bytes", 0, "greater than 0"),
+])
+def test_a_duration_or_size_that_cannot_work_is_refused(field: str, value: object,
+                                                        says: str) -> None:
+    """A NaN lease TTL, a zero deadline (every Check a 503) or a zero re-check period (a busy
+    loop) was taken as given: each is refused at start, named."""
+    with pytest.raises(ValidationError) as err:
+        Settings(**{field: value})
+    assert field in str(err.value) and says in str(err.value)
+
+
 def test_the_defaults_and_ordinary_names_are_taken() -> None:
     s = Settings(spoke="eu-west-1", instance_id="host-7")
     assert (s.spoke, s.instance_id, s.status_interval_s) == ("eu-west-1", "host-7", 10.0)
@@ -40,9 +59,11 @@ def test_no_worker_at_all_or_a_negative_count_is_refused(field: str, value: int,
 
 
 @pytest.mark.parametrize(("env", "argv", "says"), [
-    ({"GATEWAY_DOOR_WORKERS": "-1"}, [], "door_workers"),
-    ({}, ["--door-workers", "-1"], "door_workers"),
-    ({"GATEWAY_WORKERS": "0"}, [], "workers"),
+    ({"GATEWAY_DOOR_WORKERS": "-1"}, [], "GATEWAY_DOOR_WORKERS: Input should be greater"),
+    ({}, ["--door-workers", "-1"], "GATEWAY_DOOR_WORKERS: Input should be greater"),
+    ({"GATEWAY_WORKERS": "0"}, [], "GATEWAY_WORKERS: Input should be greater"),
+    ({"GATEWAY_LEASE_TTL_S": "nan"}, [], "GATEWAY_LEASE_TTL_S: Input should be a finite"),
+    ({"GATEWAY_REDIS_DEADLINE_MS": "0"}, [], "GATEWAY_REDIS_DEADLINE_MS: Input should be greater"),
     # embedded: no GATEWAY_REDIS_URL
     ({"GATEWAY_DOOR_WORKERS": "1"}, [], "GATEWAY_DOOR_WORKERS needs Redis"),
     ({}, ["--door-workers", "2"], "GATEWAY_DOOR_WORKERS needs Redis"),
