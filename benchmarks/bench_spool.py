@@ -18,7 +18,7 @@ Two variants, each with its own spool, alternating over the rounds (quick 1, ful
   all N are queued almost at once, so its lags are queueing behind the backlog.
 
 Reported: events/s (wall, and per CPU-second of this process: `time.process_time`, all its
-threads, i.e. the fsync thread too), fsyncs (calls of `Spool._write`, which is what
+threads, i.e. the fsync thread too), fsyncs (calls of `Segments.append`, which is what
 `commit()` does when its queue is not empty) and their mean batch, producer batches,
 put -> durable and put -> delivered lag, and the cost of building one event. At the end the
 topic is read back from the beginning and every event_id must be there, exactly once.
@@ -173,7 +173,7 @@ class Probe:
     """Counters wrapped around one spool and its producer."""
 
     commits: int = 0  # commit() calls (some find the queue empty)
-    fsync_batches: list[int] = field(default_factory=list)  # lines per _write (one fsync)
+    fsync_batches: list[int] = field(default_factory=list)  # lines per append (one fsync)
     produce_batches: list[int] = field(default_factory=list)
     durable_at: list[tuple[int, float]] = field(default_factory=list)  # (durable_seq, t)
     delivered_at: list[tuple[int, float]] = field(default_factory=list)
@@ -182,7 +182,7 @@ class Probe:
 
 def instrument(spool: Spool, producer: KafkaProducer, n: int) -> Probe:
     probe = Probe()
-    commit, write, mark = spool.commit, spool._write, spool.mark_delivered
+    commit, append, mark = spool.commit, spool.files.append, spool.mark_delivered
     send = producer.send_batch
 
     # *args/**kw: these wrap the gateway's methods, whose signatures may grow
@@ -191,9 +191,9 @@ def instrument(spool: Spool, producer: KafkaProducer, n: int) -> Probe:
         await commit(*args, **kw)
         probe.durable_at.append((spool.durable_seq, time.perf_counter()))
 
-    def counted_write(first: int, lines: list[bytes], *args: Any, **kw: Any) -> None:
-        probe.fsync_batches.append(len(lines))  # list.append is atomic: called in a thread
-        write(first, lines, *args, **kw)
+    def counted_append(first: int, data: bytes, *args: Any, **kw: Any) -> None:
+        probe.fsync_batches.append(data.count(b"\n"))  # list.append is atomic: in a thread
+        append(first, data, *args, **kw)
 
     def counted_mark(seq: int, *args: Any, **kw: Any) -> None:
         mark(seq, *args, **kw)
@@ -206,7 +206,7 @@ def instrument(spool: Spool, producer: KafkaProducer, n: int) -> Probe:
         await send(records, *args, **kw)
 
     spool.commit = counted_commit  # type: ignore[method-assign]
-    spool._write = counted_write  # type: ignore[method-assign]
+    spool.files.append = counted_append  # type: ignore[method-assign]
     spool.mark_delivered = counted_mark  # type: ignore[method-assign]
     producer.send_batch = counted_send  # type: ignore[method-assign]
     return probe

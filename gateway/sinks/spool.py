@@ -16,7 +16,6 @@ from the files when it fell behind by more than RECENT_MAX (the sink away, a res
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import itertools
 import os
@@ -30,6 +29,7 @@ from gateway import metrics
 from gateway.errors import SpoolLocked, SpoolUnusable
 from gateway.log import log
 from gateway.sinks.disk_thread import DiskThread
+from gateway.sinks.segments import Segments
 
 T = TypeVar("T")
 
@@ -47,15 +47,11 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-def _seg_name(first_seq: int) -> str:
-    return f"{first_seq:020d}.log"
-
-
 class Spool:
     def __init__(self, root: Path, instance_id: str, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.dir = root / instance_id
         self.instance_id = instance_id
-        self.segment_bytes = segment_bytes
+        self.files = Segments(self.dir, segment_bytes)
         self.last_seq = 0  # assigned
         self.durable_seq = 0  # written and fsynced
         self.delivered = 0  # acknowledged by the sink
@@ -71,13 +67,6 @@ class Spool:
         self._recovered = (0, 0.0)  # (last seq recovered undelivered, its segment's mtime)
         self._wake_writer = asyncio.Event()
         self.durable = asyncio.Event()  # set when durable_seq moves
-        self._segments: list[int] = []  # first seq of each segment, ascending
-        self._write_size = 0
-        # The last segment stays open for appends: a group commit is then one write and one
-        # fsync, not also an open and a close (its path's lookup) each time.
-        self._write_fd: int | None = None
-        self._write_fd_seg = 0
-        self._cursor: tuple[int, int, int] | None = None  # (segment first seq, offset, seq)
         self._recent: deque[tuple[int, bytes]] = deque()  # durable lines, see RECENT_MAX
         self.tail: list[bytes] = []  # see TAIL_MAX; its reader empties it
         self.tail_written_at = 0.0  # when its segment was last written (wall clock)
@@ -107,7 +96,7 @@ class Spool:
         if self._disk is not None:
             self._disk.stop()  # after the calls queued before, which it still runs
             self._disk = None
-        self._close_segment()
+        self.files.close()
         if self._lock_fd is not None and self.delivered:
             self.persist_delivered()
         if self._lock_fd is not None:
@@ -115,10 +104,8 @@ class Spool:
             self._lock_fd = None
 
     def _recover(self, repair: bool = True) -> None:
-        """Seq and marks from the files. A line's seq is its position (its segment's first
-        seq plus its index), as `_read_files` reads it: a complete line is kept even when it
-        cannot be parsed (the shipper sends it on, loudly), only a torn last line is cut
-        (with `repair`: a reader without the lock must not cut a live writer's file)."""
+        """Seq and marks from the files. A complete line is kept even when it cannot be
+        parsed (the shipper sends it on, loudly); only a torn last line is cut (`repair`)."""
         mark = self.dir / "delivered"
         try:
             self.delivered = int(mark.read_text() or 0)
@@ -126,32 +113,23 @@ class Spool:
             pass
         except ValueError as exc:  # from the first segment on, below
             log.warning("spool_mark_unreadable", path=str(mark), error=repr(exc))
-        self._segments = sorted(int(p.stem) for p in self.dir.glob("*.log"))
         last = self.delivered
-        if self._segments:
-            path = self.dir / _seg_name(self._segments[-1])
-            data = path.read_bytes()
-            good = data[: data.rfind(b"\n") + 1]  # a torn last line (crash mid-write) is cut
-            lines = good.splitlines()
-            if repair and len(good) != len(data):
-                log.warning("spool_torn_line_cut", path=str(path), offset=len(good),
-                            bytes=len(data) - len(good))
-                with open(path, "r+b") as f:
-                    f.truncate(len(good))
-            self._write_size = len(good)
+        found = self.files.recover(repair)
+        if found is not None:
+            lines, self.tail_written_at = found
             self.tail = lines[-TAIL_MAX:]
-            self.tail_written_at = path.stat().st_mtime
-            last = self._segments[-1] + len(lines) - 1
-            first = self._segments[0] - 1  # below the files: delivered, else dropped
+            firsts = self.files.firsts
+            last = firsts[-1] + len(lines) - 1
+            first = firsts[0] - 1  # below the files: delivered, else dropped
             if not first <= self.delivered <= last:
                 if self.delivered > last:  # a mark past what is on disk cannot be true
                     log.warning("spool_mark_past_end", path=str(mark), mark=self.delivered,
                                 last_seq=last, resend_from=first + 1)
                 self.delivered = first  # at-least-once: what the files hold is sent again
+            if last > self.delivered:
+                self._recovered = (last, self.files.path(firsts[0]).stat().st_mtime)
         self.last_seq = self.durable_seq = self._queued_seq = last
         self._persisted = self.delivered
-        if self._segments and last > self.delivered:
-            self._recovered = (last, (self.dir / _seg_name(self._segments[0])).stat().st_mtime)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -204,7 +182,7 @@ class Spool:
         callbacks, self._callbacks = self._callbacks, []
         first = last - len(batch) + 1
         try:
-            await self.on_disk_thread(lambda: self._write(first, batch))
+            await self.on_disk_thread(lambda: self.files.append(first, b"".join(batch)))
         except OSError as exc:  # disk full, read-only, EIO: the group waits in memory
             self._queue[:0] = batch
             self._callbacks[:0] = callbacks
@@ -260,41 +238,6 @@ class Spool:
             _resolve(self._lingering)  # commit now, not after the linger
         await fut
 
-    def _write(self, first: int, lines: list[bytes]) -> None:
-        if not self._segments or self._write_size >= self.segment_bytes:
-            self._segments.append(first)
-            self._write_size = 0
-        data = b"".join(lines)
-        fd = self._segment_fd(self._segments[-1])
-        try:
-            written = os.write(fd, data)
-            while written < len(data):  # a short write (the disk filling up): the rest
-                written += os.write(fd, data[written:])
-            os.fsync(fd)
-        except OSError:
-            # No part of the group stays: the next one (this group again) must not be glued
-            # onto a torn line.
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, self._write_size)
-            self._close_segment()  # reopened by the next group commit
-            raise
-        self._write_size += len(data)
-
-    def _segment_fd(self, seg: int) -> int:
-        """The open append fd of segment `seg` (the last one), opening it on a change."""
-        if self._write_fd is None or self._write_fd_seg != seg:
-            self._close_segment()
-            self._write_fd = os.open(self.dir / _seg_name(seg),
-                                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            self._write_fd_seg = seg
-        return self._write_fd
-
-    def _close_segment(self) -> None:
-        if self._write_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._write_fd)
-            self._write_fd = None
-
     # -- reading back and delivery marks -----------------------------------------------
 
     @property
@@ -321,27 +264,7 @@ class Spool:
         return await asyncio.to_thread(self._read_files, limit)
 
     def _read_files(self, limit: int) -> list[tuple[int, bytes]]:
-        out: list[tuple[int, bytes]] = []
-        seg, offset, seq = self._seek(self.delivered + 1)
-        while len(out) < limit and seq <= self.durable_seq:
-            with open(self.dir / _seg_name(seg), "rb") as f:
-                f.seek(offset)
-                data = f.read(1 << 20)
-            progressed = False
-            for line in data.splitlines(keepends=True):
-                if not line.endswith(b"\n") or seq > self.durable_seq or len(out) >= limit:
-                    break
-                out.append((seq, line[:-1]))
-                offset += len(line)
-                seq += 1
-                progressed = True
-            if not progressed:  # the end of this segment: the next one starts at `seq`
-                nxt = next((s for s in self._segments if s > seg), None)
-                if nxt != seq:
-                    break
-                seg, offset = nxt, 0
-        self._cursor = (seg, offset, seq)
-        return out
+        return self.files.read(self.delivered + 1, self.durable_seq, limit)
 
     @property
     def delivered_unpersisted(self) -> bool:
@@ -366,27 +289,7 @@ class Spool:
     def mark_written(self, delivered: int) -> None:
         """`delivered` is on disk: segments wholly at or below it can go (event loop)."""
         self._persisted = delivered
-        self._drop_delivered_segments(delivered)
-
-    def _drop_delivered_segments(self, seq: int) -> None:
-        # Segments wholly delivered (the next one starts at or below seq + 1) are removed.
-        while len(self._segments) > 1 and self._segments[1] <= seq + 1:
-            with contextlib.suppress(FileNotFoundError):
-                (self.dir / _seg_name(self._segments[0])).unlink()
-            self._segments.pop(0)
-
-    def _seek(self, want: int) -> tuple[int, int, int]:
-        if self._cursor and self._cursor[2] == want:
-            return self._cursor
-        seg = max(s for s in self._segments if s <= want)
-        offset, seq = 0, seg
-        with open(self.dir / _seg_name(seg), "rb") as f:
-            for line in f:
-                if seq == want:
-                    break
-                offset += len(line)
-                seq += 1
-        return seg, offset, seq
+        self.files.drop_through(delivered)
 
     def oldest_age(self, now: float) -> float:
         """Seconds the oldest undelivered event has waited (0 when none waits)."""

@@ -207,8 +207,8 @@ async def test_group_commits_append_through_one_open_segment(tmp_path: Path) -> 
     for _ in range(8):
         _put(sp, 2)
         await sp.commit()
-        assert _open_segments(tmp_path / "i") == [f"{sp._segments[-1]:020d}.log"]
-    assert len(sp._segments) > 1  # rotated at least once
+        assert _open_segments(tmp_path / "i") == [f"{sp.files.firsts[-1]:020d}.log"]
+    assert len(sp.files.firsts) > 1  # rotated at least once
     assert _seqs(sp.read_batch(100)) == list(range(1, 17))
     sp.close()
     assert _open_segments(tmp_path / "i") == []
@@ -273,7 +273,7 @@ async def test_a_mark_written_off_the_loop_drops_only_segments_below_it(tmp_path
     sp.mark_delivered(18, persist=False)  # delivered on while the mark was being written
     sp.mark_written(6)
     assert sp.delivered_unpersisted
-    sp._close_segment()
+    sp.files.close()
     assert sp._lock_fd is not None
     os.close(sp._lock_fd)  # a crash: nothing more reaches the disk
     again = Spool(tmp_path, "i").open()

@@ -89,7 +89,7 @@ async def test_a_missing_garbage_or_impossible_mark_sends_what_the_files_hold(
         _put(sp, 3)
         await sp.commit()
     sp.mark_delivered(9)
-    first = sp._segments[0]
+    first = sp.files.firsts[0]
     assert first > 1
     sp.close()
     path = tmp_path / "i" / "delivered"
