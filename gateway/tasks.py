@@ -10,6 +10,7 @@ that does not exit). So: cancel again until every task has ended.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,3 +26,13 @@ async def cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=RETRY_S)
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (Ctrl-C): a long-running command ends its work
+    between steps, with no KeyboardInterrupt traceback. Call it in the running loop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -4,8 +4,6 @@ follower of the hub (DESIGN §10)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +14,7 @@ import orjson
 from gateway.errors import PolicyError
 from gateway.policy_commands import run_value
 from gateway.settings import Settings, cli_settings
+from gateway.tasks import stop_on_signals
 
 
 def cmd_policy_sync(args: argparse.Namespace) -> int:
@@ -169,12 +168,7 @@ def cmd_hub_allocate(args: argparse.Namespace) -> int:
     allocator = Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
                           usage_topic=s.usage_topic)
 
-    async def run() -> None:
-        # Ctrl-C or SIGTERM stops it between polls (as `policy sync`), with no traceback.
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await allocator.run(stop)
+    async def run() -> None:  # Ctrl-C or SIGTERM stops it between polls, as `policy sync`
+        await allocator.run(stop_on_signals())
     uvloop.run(run())
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import signal
 import socket
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ from gateway.hub.topics import POLICY_TOPIC, Follower
 from gateway.log import log
 from gateway.policy.store import PolicyStore
 from gateway.settings import Settings
-from gateway.tasks import cancel_all
+from gateway.tasks import cancel_all, stop_on_signals
 
 if TYPE_CHECKING:
     from gateway.hub.allowances import FollowerState
@@ -202,10 +201,7 @@ async def run_sync(settings: Settings, syncer_id: str,
     log.info("hub_sync_started", spoke=settings.spoke, id=syncer_id, feed=bootstrap,
              last_good=syncer.last_good.revision, metrics=settings.sync_metrics_listen)
     tasks = [asyncio.create_task(fn()) for fn in [*syncer.tasks(), *extra]]
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     done = asyncio.create_task(stop.wait())
     finished, _ = await asyncio.wait([done, *tasks], return_when=asyncio.FIRST_COMPLETED)
     await cancel_all([done, *tasks])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -40,7 +39,7 @@ from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
 from gateway.sinks.spools import choose_instance, orphans
-from gateway.tasks import cancel_all
+from gateway.tasks import cancel_all, stop_on_signals
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 
@@ -315,11 +314,7 @@ async def run(settings: Settings, serve_http_endpoints: bool = True) -> None:
     app = App(settings, settings.instance_id)
     await app.start(serve_http_endpoints)
     tune_gc_after_startup()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await stop_on_signals().wait()
     log.info("stopping", instance=app.instance_id)
     with contextlib.suppress(Exception):
         await app.stop()

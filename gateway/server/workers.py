@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
-import signal
 import socket
 import tempfile
 from multiprocessing.synchronize import Event as MpEvent
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from gateway.log import configure, log
 from gateway.settings import Settings
+from gateway.tasks import stop_on_signals
 
 if TYPE_CHECKING:
     from gateway.server.app import Role
@@ -41,10 +41,7 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
         tune_gc_after_startup()
         if app.holder.policy is not None:
             ready.set()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+        stop = stop_on_signals()
         while not stop.is_set() and os.getppid() == parent:
             with_policy = app.holder.policy is not None
             (ready.set if with_policy else ready.clear)()
@@ -84,10 +81,7 @@ def run_workers(settings: Settings) -> None:
         host, port = split_hostport(settings.metrics_listen, "GATEWAY_METRICS_LISTEN")
         server = await serve_http(host, port, {
             "/metrics": metrics_handler, "/healthz": healthz, "/readyz": readyz})
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+        stop = stop_on_signals()
         while not stop.is_set():
             for name, (p, _) in list(procs.items()):
                 if not p.is_alive():
