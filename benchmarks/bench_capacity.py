@@ -94,12 +94,12 @@ from common import (
     Baseline,
     baseline_tree,
     descendants,
+    envoy_flags,
     git_state,
     machine_info,
     markdown_table,
     pin,
     pin_sidecar,
-    positive_int,
     proc_cpu_s,
     runs,
     scan_log,
@@ -110,7 +110,6 @@ from streaming import pct, serve_one_key
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from devspoke.usage_topic import read_topic
-from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.envoyconf.bootstrap import EnvoyPorts
 from gateway.policy import secrets
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
@@ -638,12 +637,7 @@ def main() -> int:
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
-    parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
-                        help="how often the spoke's Envoy sends its records (default: "
-                             "%(default)g, `gateway envoy-config`'s; a --baseline keeps its own)")
-    parser.add_argument("--envoy-workers", type=positive_int, default=1,
-                        help="worker threads of every Envoy of the run, plain and spokes' "
-                             "(Envoy's --concurrency; default: %(default)s)")
+    envoy_flags(parser, "; a --baseline keeps its own")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="the spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md); with "
                              "--baseline HEAD, the same code without it beside it")

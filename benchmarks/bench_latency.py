@@ -65,7 +65,7 @@ from typing import Any
 
 import orjson
 import yaml
-from common import DOOR_CPU, envoy_stats, pin, pin_sidecar, positive_int, tree_sched_ns
+from common import DOOR_CPU, envoy_flags, envoy_stats, pin, pin_sidecar, tree_sched_ns
 
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
@@ -375,12 +375,7 @@ def main() -> int:
                          "default), the sidecar's and Envoy's core, or the other one")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
-    ap.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
-                    help="how often the spoke's Envoy sends its records (default: %(default)g, "
-                         "`gateway envoy-config`'s)")
-    ap.add_argument("--envoy-workers", type=positive_int, default=1,
-                    help="worker threads of every Envoy of the run (Envoy's --concurrency; "
-                         "default: %(default)s)")
+    envoy_flags(ap)
     args = ap.parse_args()
     flush_s = args.records_flush_ms / 1e3
     print(f"bench_latency: {args.rounds} rounds of {args.requests}; records flushed every "

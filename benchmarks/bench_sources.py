@@ -107,13 +107,12 @@ from typing import Any
 
 import aiohttp
 import orjson
-from common import git_state, markdown_table, pin, positive_int, proc_cpu_s, scan_log, sched_ns
+from common import envoy_flags, git_state, markdown_table, pin, proc_cpu_s, scan_log, sched_ns
 from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 
 from devspoke.procs import Service, free_port
 from devspoke.stack import Spoke
 from devspoke.usage_topic import read_topic
-from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.policy import secrets
 from gateway.settings import Metering
 from testkit.envoys import WITHOUT_GATEWAY, envoy_without
@@ -626,12 +625,7 @@ def main() -> int:
                              "Redis (default: limits too high to trip on all three tiers)")
     parser.add_argument("--admit-ahead-ms", type=float, default=0.0,
                         help="every spoke's GATEWAY_ADMIT_AHEAD_MS (docs/admit-ahead.md)")
-    parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
-                        help="how often every spoke's Envoy sends its records "
-                             "(default: %(default)g, `gateway envoy-config`'s)")
-    parser.add_argument("--envoy-workers", type=positive_int, default=1,
-                        help="worker threads of every Envoy, plain and spokes' (Envoy's "
-                             "--concurrency; default: %(default)s)")
+    envoy_flags(parser)
     parser.add_argument("--redis-with-gateway", action="store_true",
                         help="pin both spokes' Redis to CPU 0 with the Envoys and sidecars "
                              "(default: CPU 1, with the client, the engines and Tansu)")

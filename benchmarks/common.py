@@ -4,6 +4,7 @@ started, its tables."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -28,6 +29,18 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise ValueError(text)  # argparse: "invalid positive_int value"
     return n
+
+
+def envoy_flags(parser: argparse.ArgumentParser, flush_note: str = "") -> None:
+    """--records-flush-ms and --envoy-workers, as every bench that starts a spoke takes them
+    (the Envoy settings an operator can change: `gateway envoy-config`, Envoy's own flag)."""
+    from gateway.envoy_contract import RECORDS_FLUSH_MS
+    parser.add_argument("--records-flush-ms", type=float, default=float(RECORDS_FLUSH_MS),
+                        help="how often the spoke's Envoy sends its records (default: "
+                             f"%(default)g, `gateway envoy-config`'s{flush_note})")
+    parser.add_argument("--envoy-workers", type=positive_int, default=1,
+                        help="worker threads of every Envoy of the run, plain and spokes' "
+                             "(Envoy's --concurrency; default: %(default)s)")
 
 
 def envoy_stats(admin_port: int, prefix: str, timeout: float = 5.0) -> dict[str, int]:

@@ -112,7 +112,9 @@ def _facts(data: dict[str, Any], size: int) -> BodyFacts:
         raise BodyError("'model' is required and must be a non-empty string")
     # The first cap the body gives, 0 included (a falsy `or` chain read 0 as no cap, and
     # told a Messages body with max_tokens 0 that the field was missing).
-    max_tokens = next((n for n in map(_int, map(data.get, _CAPS)) if n is not None), None)
+    for cap in _CAPS:
+        if (max_tokens := _int(data.get(cap))) is not None:
+            break
     prompt = estimate_prompt_tokens(data)
     opts = data.get("stream_options")
     if not isinstance(opts, dict):

@@ -59,9 +59,6 @@ def _num(text: str | None) -> float | None:
     return v if math.isfinite(v) and v >= 0 else None
 
 
-_int = count  # the metadata's numbers (doubles) read as ext_proc reads the engine's JSON
-
-
 def flags_of(attrs: dict[str, str]) -> frozenset[str]:
     """%RESPONSE_FLAGS% as a set (empty when none: "-")."""
     text = attrs.get(c.REC_FLAGS) or "-"
@@ -106,7 +103,7 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
     reported = _json(attrs.get(c.REC_USAGE))
     usage, input_only = _usage(reported, messages)
     served = reported.get(c.SERVED_MODEL)
-    events, chars = _int(counted.get(c.CONTENT_EVENTS)), _int(counted.get(c.CONTENT_CHARS))
+    events, chars = count(counted.get(c.CONTENT_EVENTS)), count(counted.get(c.CONTENT_CHARS))
     ttft_us, gen_us = _num(attrs.get(c.REC_TTFT_US)), _num(attrs.get(c.REC_GEN_US))
     if gen_us is None and events and ttft_us is not None:  # cut: generating until its end
         total_ms = _num(attrs.get(c.REC_TOTAL_MS))
@@ -129,10 +126,10 @@ def _usage(reported: dict[str, Any], messages: bool) -> tuple[Usage | None, bool
     get = reported.get
     if c.PROMPT_TOKENS not in reported and c.COMPLETION_TOKENS not in reported:
         return None, False
-    prompt, completion = _int(get(c.PROMPT_TOKENS)), _int(get(c.COMPLETION_TOKENS))
+    prompt, completion = count(get(c.PROMPT_TOKENS)), count(get(c.COMPLETION_TOKENS))
     if messages:
-        return anthropic(prompt, completion, _int(get(c.CACHE_READ_INPUT_TOKENS)),
-                         _int(get(c.CACHE_CREATION_INPUT_TOKENS))), \
+        return anthropic(prompt, completion, count(get(c.CACHE_READ_INPUT_TOKENS)),
+                         count(get(c.CACHE_CREATION_INPUT_TOKENS))), \
             c.COMPLETION_TOKENS not in reported
-    return Usage(prompt, completion, _int(get(c.TOTAL_TOKENS)) or prompt + completion,
-                 _int(get(c.CACHED_TOKENS)), _int(get(c.REASONING_TOKENS))), False
+    return Usage(prompt, completion, count(get(c.TOTAL_TOKENS)) or prompt + completion,
+                 count(get(c.CACHED_TOKENS)), count(get(c.REASONING_TOKENS))), False
