@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     # Processes that serve only the HTTP door (GATEWAY_AUTHZ_HTTP_LISTEN, SO_REUSEPORT), so a
     # Check never waits behind a batch of Envoy's records on the records' event loop
     # (docs/operations.md, "Door workers"). 0: the door is served with everything else.
-    door_workers: Annotated[int, Field(ge=0)] = 0
+    door_workers: Count = 0
     kafka_idempotence: bool = True  # off against Tansu (docs/kafka-broker.md)
     usage_jsonl: Path = Path("usage.jsonl")  # embedded mode's sink
     # Models served by vLLM/SGLang: also ask for continuous usage, so a cut stream is exact.
@@ -71,7 +71,7 @@ class Settings(BaseSettings):
     concurrency_grace_ms: NonNegative | None = None
     # Admitting ahead (docs/admit-ahead.md): how long a ticket admitted for the next request
     # of a key and model is kept. 0: off, every admission waits for Redis. Redis mode only.
-    admit_ahead_ms: Annotated[float, Field(ge=0)] = 0.0
+    admit_ahead_ms: NonNegative = 0.0
 
     # Admission
     redis_deadline_ms: Positive = 250.0  # < Envoy's ext_authz timeout (500 ms in envoy/envoy.yaml)
@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     # No admission is renewed for longer than this (6 h: far past any real generation):
     # one whose stream or heartbeats never stop is then given up, its lease runs out, and
     # the orphan sweep frees its slots and bills its last checkpoint.
-    admission_max_lifetime_s: float = Field(default=21600.0, gt=0)
+    admission_max_lifetime_s: Positive = 21600.0
     default_completion_tokens: Count = 1024
     # caps max_tokens in a reservation; the prompt counts whole
     reserve_cap_tokens: Count = 32768
@@ -100,7 +100,7 @@ class Settings(BaseSettings):
 
     # Hub and spokes (DESIGN §10): the hub's Kafka, when not the usage Kafka's
     hub_bootstrap: str | None = None
-    status_interval_s: Annotated[float, Field(gt=0)] = 10.0  # heartbeat on llm.gateway.status.v1
+    status_interval_s: Positive = 10.0  # heartbeat on llm.gateway.status.v1
     # `policy sync`: the last good revision on disk (a wiped Redis comes back serving it)
     sync_state_dir: Path = Path(".gateway-sync")
     sync_metrics_listen: str = "127.0.0.1:9103"  # `policy sync`'s /metrics, /healthz

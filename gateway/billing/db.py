@@ -106,8 +106,6 @@ def unfit(e: usage_pb2.UsageEvent) -> str:
         return "no instance_id (the gap check's key)"
     if not 1 <= e.seq <= _INT64_MAX:
         return f"seq {e.seq} outside 1..2**63-1"
-    if not e.ended_at:
-        return "no ended_at (the day it is billed to)"
     if not _utc(e.ended_at):  # its first 10 characters are the day it is billed to
         return f"ended_at {e.ended_at[:40]!r} is not an RFC 3339 time in UTC"
     u = e.usage
