@@ -79,6 +79,13 @@ def free_port(host: str = LOOPBACK) -> int:
         return chosen
 
 
+def reserve(port: int) -> None:
+    """`free_port` never hands out `port`: a port this process was given to listen on (`gateway
+    dev --port`, picked by its caller) is not bound until Envoy starts, after the spoke's
+    other services took theirs, and one of them could otherwise take it first."""
+    _handed_out.add(port)
+
+
 def port_open(port: int, host: str = LOOPBACK, timeout: float = 0.2) -> bool:
     """Whether something accepts TCP connections on host:port."""
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from devspoke.envoy_proc import EnvoyService, envoy_service
-from devspoke.procs import Service, free_port, redis_service, tansu_service
+from devspoke.procs import Service, free_port, redis_service, reserve, tansu_service
 from devspoke.publish import publish
 from devspoke.sentinels import sentinel_set, sentinel_url
 from gateway.envoyconf.bootstrap import EnvoyPorts, render
@@ -113,6 +113,7 @@ class Spoke:
 
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        reserve(self.listen_port)  # Envoy binds it last
         self.metrics_port = free_port()
         pre: dict[str, Service] = (sentinel_set(self.workdir) if self.sentinel
                                    else {"redis": redis_service(free_port(), self.workdir)})
