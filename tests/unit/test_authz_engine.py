@@ -493,6 +493,32 @@ async def test_a_passthrough_body_naming_a_model_gets_the_model_checks() -> None
     assert isinstance(d, Allow) and d.context.caller.model == "" and d.context.reserved == 0
 
 
+@pytest.mark.parametrize("spell", [
+    lambda m: b"\xef\xbb\xbf" + orjson.dumps(chat(m)),  # a UTF-8 BOM
+    lambda m: json.dumps(chat(m)).encode("utf-16"),
+    lambda m: orjson.dumps(chat(m))[:-1] + b', "temperature": NaN}',
+    lambda m: orjson.dumps(chat(m))[:-1] + b', "x": "\\ud800"}',  # a lone surrogate escape
+])
+async def test_a_passthrough_body_the_engine_reads_as_json_gets_the_model_checks(
+        spell: Any) -> None:
+    # orjson refuses these bodies; the stdlib's json.loads, which FastAPI engines use,
+    # reads each as naming its model: not a way around the model checks
+    pol = load(policy().doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    gate = Gate(pol)
+    denied(await gate.check(spell("mistral"), path="/tokenize"), 403, "model_not_allowed")
+    denied(await gate.check(spell("nope"), path="/tokenize"), 404, "model_not_found")
+    d = await gate.check(spell("qwen3-coder"), path="/tokenize")
+    assert isinstance(d, Allow) and d.context.caller.model == "qwen3-coder"
+
+
+async def test_a_passthrough_model_that_is_a_lone_surrogate_is_400() -> None:
+    pol = load(policy().doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    d = await Gate(pol).check(b'{"model": "\\ud800"}', path="/tokenize")
+    denied(d, 400, "invalid_request_error")
+
+
 # --- the ledger: admissions it follows, the concurrency grace ------------------------------
 
 
