@@ -519,6 +519,26 @@ async def test_a_passthrough_model_that_is_a_lone_surrogate_is_400() -> None:
     denied(d, 400, "invalid_request_error")
 
 
+async def test_a_truncated_body_is_413_never_judged() -> None:
+    # an Envoy with allow_partial_message: true sends the start of a body past its buffer,
+    # flagged; cut, a pass-through body names no model and would skip the model checks
+    pol = load(policy(team_limits="{rps: 1}").doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    gate = Gate(pol)
+    cut = orjson.dumps(chat("mistral"))[:20]
+    partial = {"authorization": f"Bearer {SECRETS['alice']}", "x-envoy-auth-partial-body": "true"}
+    for path in ("/tokenize", "/v1/chat/completions"):
+        d = denied(await gate.check(cut, path=path, headers=partial), 413, "request_too_large")
+        assert d.key_id == "alice"
+        assert orjson.loads(answers.error_body(d, "r"))["error"]["type"] == "invalid_request_error"
+    d = denied(await gate.check(cut, path="/v1/messages", headers=partial), 413,
+               "request_too_large")
+    assert orjson.loads(answers.error_body(d, "r"))["error"]["type"] == "request_too_large"
+    assert gate.limiter.calls == 0
+    whole = {**partial, "x-envoy-auth-partial-body": "false"}
+    assert isinstance(await gate.check(chat(), headers=whole), Allow)
+
+
 # --- the ledger: admissions it follows, the concurrency grace ------------------------------
 
 
