@@ -59,6 +59,9 @@ MODEL_HEADER = "x-gateway-model"
 CONTEXT_HEADERS = (REQUEST_ID_HEADER, KEY_ID_HEADER, TEAM_HEADER, MODEL_HEADER)
 CONTEXT_PREFIX = "x-gateway-"
 CREDENTIALS = ("authorization", "x-api-key")
+# Envoy's own flag on a Check whose body it buffered: "true" when it sent only the start of
+# it (`with_request_body.allow_partial_message: true`; ours says false, a managed Envoy may not)
+PARTIAL_BODY_HEADER = "x-envoy-auth-partial-body"
 
 # ext_authz's HTTP door (gateway/server/check_http.py): which answer headers Envoy passes on.
 RATE_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")  # to the client, allowed or denied

@@ -36,6 +36,7 @@ ERROR_TYPES = {
     "invalid_request_error": "invalid_request_error",
     "unknown_url": "invalid_request_error",
     "duplicate_request_id": "invalid_request_error",
+    "request_too_large": "invalid_request_error",
     "rate_limit_exceeded": "requests",
     "insufficient_quota": "insufficient_quota",
     "service_unavailable": "server_error",
@@ -206,6 +207,15 @@ def unauthorized(message: str = "Invalid API key.") -> Deny:
 
 def bad_request(message: str) -> Deny:
     return Deny(400, "invalid_request_error", message, "invalid_request")
+
+
+def partial_body() -> Deny:
+    """Envoy sent only the start of the body (an `allow_partial_message: true` filter, not
+    ours): as Envoy's own 413 for a body past its buffer, never a judgement on a truncated
+    prompt (a cut JSON body names no model, which would pass the model checks by)."""
+    return Deny(413, "request_too_large",
+                "Request body too large: the gateway received only part of it.",
+                "request_too_large")
 
 
 def duplicate_request_id(request_id: str) -> Deny:

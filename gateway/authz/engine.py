@@ -17,6 +17,7 @@ from gateway.authz.decision import Allow, Callers, Context, Decision, Deny, Repl
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
+from gateway.envoy_contract import PARTIAL_BODY_HEADER
 from gateway.errors import BodyError, PathError, StoreInDoubt, StoreUnavailable
 from gateway.limits.ledger import Ledger
 from gateway.limits.types import (
@@ -95,6 +96,8 @@ class Authorizer:
             return answers.models_list(policy.models_for(key), key.key_id, key.team)
         if where.kind is Kind.MODEL:
             return _model_answer(policy, key, where.model)
+        if req.headers.get(PARTIAL_BODY_HEADER) == "true":  # truncated: it says nothing
+            return _who(answers.partial_body(), key)
         endpoint = ENDPOINTS.get(path) if where.kind is Kind.INFERENCE else None
         try:
             if endpoint is not None:

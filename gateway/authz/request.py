@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +98,27 @@ def named_model(body: bytes) -> BodyFacts | None:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
+        data = _lenient(body)
     if not isinstance(data, dict) or "model" not in data:
         return None
     return _facts(data, len(body))
+
+
+def _lenient(body: bytes) -> Any:
+    """The body as an engine behind FastAPI/Starlette reads it (the stdlib's json.loads),
+    when orjson, stricter, refused it: a UTF-8 BOM, UTF-16/32, NaN or Infinity, a lone
+    surrogate escape. Such a body names its model to the engine all the same, so it must
+    not pass as one that names none. None when the stdlib refuses it too."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(data, dict) and isinstance(model := data.get("model"), str):
+        try:
+            model.encode()
+        except UnicodeEncodeError:  # a lone surrogate: no answer could name it
+            raise BodyError("'model' is not valid UTF-8") from None
+    return data
 
 
 _CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")

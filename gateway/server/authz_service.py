@@ -14,14 +14,22 @@ SERVICE = "envoy.service.auth.v3.Authorization"
 
 
 def to_request(check: pb.CheckRequest) -> AuthzRequest:
+    """Ours sends `headers` and `raw_body` (pack_as_bytes); an Envoy set otherwise sends
+    `header_map` (encode_raw_headers: values in raw_value, one entry per line, joined here
+    as `headers` joins them) or `body` (a UTF-8 string), and is read the same."""
     http = check.attributes.request.http
     headers = dict(http.headers)
+    if not headers and http.header_map.headers:
+        for h in http.header_map.headers:
+            value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+            key = h.key.lower()
+            headers[key] = f"{headers[key]},{value}" if key in headers else value
     return AuthzRequest(
         request_id=headers.get("x-request-id", ""),
         method=http.method,
         path=http.path.partition("?")[0],
         headers=headers,
-        body=http.raw_body,
+        body=http.raw_body or http.body.encode(),
     )
 
 

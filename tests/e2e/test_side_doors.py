@@ -162,9 +162,38 @@ def test_a_passthrough_path_reaches_the_engine_but_a_model_in_its_body_is_checke
     assert raw(spoke, "POST", "/tokenize", keys["narrow"], b'{"prompt": "hi"}')[0] == 200
     assert raw(spoke, "POST", "/tokenize", keys["narrow"], body("mock-model"))[0] == 200
     assert raw(spoke, "POST", "/tokenize", keys["narrow"], body("mock-other"))[0] == 403
+    # JSON that orjson refuses and the engine's json.loads reads: a BOM, a NaN
+    assert raw(spoke, "POST", "/tokenize", keys["narrow"],
+               b"\xef\xbb\xbf" + body("mock-other"))[0] == 403
+    assert raw(spoke, "POST", "/tokenize", keys["narrow"],
+               body("mock-other")[:-1] + b',"temperature":NaN}')[0] == 403
     assert raw(spoke, "GET", "/tokenize", keys["narrow"], b"")[0] == 404  # POST only
     assert raw(spoke, "POST", "/tokenize", "sk-gw-nobody-x", b"{}")[0] == 401
     assert [s.get("model") for s in seen_by_asgi(spoke)] == [None, "mock-model"]
+
+
+def test_a_passthrough_request_carries_no_forged_context_and_no_key(
+        asgi_spoke: tuple[Spoke, dict[str, str]]) -> None:
+    # no model in its body: the gateway has no model to set, and the client's must not stay
+    spoke, keys = asgi_spoke
+    seen_by_asgi(spoke)
+    conn = http.client.HTTPConnection("127.0.0.1", spoke.listen_port, timeout=10)
+    try:
+        conn.request("POST", "/tokenize", body=b'{"prompt": "hi"}', headers={
+            "authorization": f"Bearer {keys['narrow']}", "x-api-key": keys["good"],
+            "x-gateway-model": "mock-other", "x-gateway-team": "evil",
+            "x-gateway-key-id": "admin", "x-gateway-extra": "1"})
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    [seen] = seen_by_asgi(spoke)
+    headers = seen["headers"]
+    names = [k for k, _ in headers]
+    assert "authorization" not in names and "x-api-key" not in names
+    gateway = {k: v for k, v in headers if k.startswith("x-gateway-")}
+    assert sorted(names.count(k) for k in gateway) == [1] * len(gateway), headers
+    assert gateway.get("x-gateway-team") == "t1" and gateway.get("x-gateway-key-id") == "narrow"
+    assert gateway.get("x-gateway-model", "") == "" and "x-gateway-extra" not in gateway
 
 
 def test_models_are_listed_for_the_keys_own_models(spoke: Spoke, keys: dict[str, str]) -> None:

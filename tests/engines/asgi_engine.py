@@ -31,7 +31,9 @@ class Record:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/__seen":
             SEEN.append({"method": scope["method"], "path": scope["path"],
-                         "raw_path": scope.get("raw_path", b"").decode("latin-1")})
+                         "raw_path": scope.get("raw_path", b"").decode("latin-1"),
+                         "headers": [[k.decode("latin-1"), v.decode("latin-1")]
+                                     for k, v in scope["headers"]]})
         await self.app(scope, receive, send)
 
 

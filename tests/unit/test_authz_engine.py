@@ -493,6 +493,52 @@ async def test_a_passthrough_body_naming_a_model_gets_the_model_checks() -> None
     assert isinstance(d, Allow) and d.context.caller.model == "" and d.context.reserved == 0
 
 
+@pytest.mark.parametrize("spell", [
+    lambda m: b"\xef\xbb\xbf" + orjson.dumps(chat(m)),  # a UTF-8 BOM
+    lambda m: json.dumps(chat(m)).encode("utf-16"),
+    lambda m: orjson.dumps(chat(m))[:-1] + b', "temperature": NaN}',
+    lambda m: orjson.dumps(chat(m))[:-1] + b', "x": "\\ud800"}',  # a lone surrogate escape
+])
+async def test_a_passthrough_body_the_engine_reads_as_json_gets_the_model_checks(
+        spell: Any) -> None:
+    # orjson refuses these bodies; the stdlib's json.loads, which FastAPI engines use,
+    # reads each as naming its model: not a way around the model checks
+    pol = load(policy().doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    gate = Gate(pol)
+    denied(await gate.check(spell("mistral"), path="/tokenize"), 403, "model_not_allowed")
+    denied(await gate.check(spell("nope"), path="/tokenize"), 404, "model_not_found")
+    d = await gate.check(spell("qwen3-coder"), path="/tokenize")
+    assert isinstance(d, Allow) and d.context.caller.model == "qwen3-coder"
+
+
+async def test_a_passthrough_model_that_is_a_lone_surrogate_is_400() -> None:
+    pol = load(policy().doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    d = await Gate(pol).check(b'{"model": "\\ud800"}', path="/tokenize")
+    denied(d, 400, "invalid_request_error")
+
+
+async def test_a_truncated_body_is_413_never_judged() -> None:
+    # an Envoy with allow_partial_message: true sends the start of a body past its buffer,
+    # flagged; cut, a pass-through body names no model and would skip the model checks
+    pol = load(policy(team_limits="{rps: 1}").doc.model_dump_json().replace(
+        '"passthrough":[]', '"passthrough":[{"path":"/tokenize","methods":["POST"]}]'), 1)
+    gate = Gate(pol)
+    cut = orjson.dumps(chat("mistral"))[:20]
+    partial = {"authorization": f"Bearer {SECRETS['alice']}", "x-envoy-auth-partial-body": "true"}
+    for path in ("/tokenize", "/v1/chat/completions"):
+        d = denied(await gate.check(cut, path=path, headers=partial), 413, "request_too_large")
+        assert d.key_id == "alice"
+        assert orjson.loads(answers.error_body(d, "r"))["error"]["type"] == "invalid_request_error"
+    d = denied(await gate.check(cut, path="/v1/messages", headers=partial), 413,
+               "request_too_large")
+    assert orjson.loads(answers.error_body(d, "r"))["error"]["type"] == "request_too_large"
+    assert gate.limiter.calls == 0
+    whole = {**partial, "x-envoy-auth-partial-body": "false"}
+    assert isinstance(await gate.check(chat(), headers=whole), Allow)
+
+
 # --- the ledger: admissions it follows, the concurrency grace ------------------------------
 
 

@@ -7,17 +7,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.auth.v3 import attribute_context_pb2 as actx
 from envoy.service.auth.v3 import external_auth_pb2 as pb
 
 from gateway import envoy_contract as contract
 from gateway.authz import answers
 from gateway.authz.check import Allowed, Check, LocalReply, answer
 from gateway.authz.decision import Allow, Caller, Callers, Context, Decision, Reply
-from gateway.authz.request import AuthzRequest
+from gateway.authz.request import AuthzRequest, api_key
 from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice
 from gateway.server import check_grpc, check_http
+from gateway.server.authz_service import to_request
 from gateway.server.extproc_service import _plain
 from testkit.check_requests import HeldAuthorizer
 
@@ -108,3 +111,25 @@ async def test_a_check_envoy_gives_up_on_undoes_its_admission() -> None:
     assert authorizer.abandoned == ["r1"]
     authorizer.release.set()
     assert isinstance(await check(REQ), Allowed) and authorizer.abandoned == ["r1"]
+
+
+def test_a_check_request_from_an_envoy_set_otherwise_reads_the_same() -> None:
+    # encode_raw_headers: true sends `header_map` (values in raw_value, one entry per line)
+    # and leaves `headers` empty; pack_as_bytes: false sends the body as the `body` string
+    def check(*lines: tuple[str, str], body: str = '{"model":"m"}') -> AuthzRequest:
+        http = actx.AttributeContext.HttpRequest(
+            method="POST", path="/v1/chat/completions?x=1", body=body,
+            header_map=base_pb2.HeaderMap(headers=[
+                base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in lines]))
+        return to_request(pb.CheckRequest(attributes=actx.AttributeContext(
+            request=actx.AttributeContext.Request(http=http))))
+
+    req = check(("authorization", "Bearer sk-1"), ("x-request-id", "r9"),
+                ("x-gateway-spoof", "admin"))
+    assert (req.request_id, req.path, req.body) == ("r9", "/v1/chat/completions",
+                                                     b'{"model":"m"}')
+    assert api_key(req.headers) == "sk-1"
+    assert "x-gateway-spoof" in answers.removed_headers(req.headers)
+    # a header sent twice is two entries: joined as Envoy's `headers` joins them, no key
+    assert api_key(check(("authorization", "Bearer sk-1"),
+                         ("authorization", "Bearer sk-2")).headers) is None
