@@ -35,7 +35,8 @@ class BodyFacts:
         """Tokens to reserve: the prompt estimate plus the completion bound. Only the
         completion side is capped: the prompt is sent whatever max_tokens says, so a huge
         prompt reserves (and must fit) all of itself."""
-        completion = min(self.max_tokens or default_completion, cap) if generates else 0
+        bound = default_completion if self.max_tokens is None else self.max_tokens  # 0 too
+        completion = min(bound, cap) if generates else 0
         return self.prompt_tokens + completion
 
 

@@ -234,7 +234,10 @@ for r = 1, n do
       if x.conc then
         local zk = 'gw:conc:' .. x.key
         redis.call('ZADD', zk, now + lease_ttl, rid)
-        redis.call('PEXPIRE', zk, lease_ttl * 2)
+        -- Never shorter than it is: a renewed lease in the set outlives this first one.
+        if redis.call('PTTL', zk) < lease_ttl * 2 then
+          redis.call('PEXPIRE', zk, lease_ttl * 2)
+        end
         leases[#leases + 1] = zk
       end
       for _, w in ipairs(x.windows) do

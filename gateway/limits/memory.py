@@ -99,6 +99,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
     # This spoke's allowances of global quotas ('tpd|tpmo:<tier>:<name>:<period id>')
     allowances: dict[str, int] = field(default_factory=dict)
     allowance_gen: int = 0
+    pruned_at: int = -1  # the minute the token windows were last pruned (_prune)
 
     async def admit(self, req: AdmitRequest) -> Verdict:
         return self.admit_now(req)
@@ -110,6 +111,8 @@ class MemoryLimiter(Limiter, AllowanceStore):
         if req.request_id in self.held:
             return DuplicateId()
         minute = maths.minute_index(now)
+        if minute > self.pruned_at:
+            self._prune(now, minute)
         rq, tk = Tightest(), Tightest()
         writes: list[tuple[TierLimit, float | None, list[str]]] = []
         no = _Refusal()
@@ -182,6 +185,21 @@ class MemoryLimiter(Limiter, AllowanceStore):
                                         maths.fallback_allowance(s.global_tokens_per_month))
             out.append((GTPMO, limit, g, 0.0, self.tokens.get(g, 0)))
         return out
+
+    def _prune(self, now: float, minute: int) -> None:
+        """Forget the token windows Redis would have let expire (admit.lua's TTLs: a minute's
+        after 2 minutes, a day's after 2 days, a month's after 40 days): a long-running
+        embedded gateway would otherwise keep every minute of every tier it ever counted."""
+        self.pruned_at = minute
+        day, month = maths.day_id(now - 2 * maths.DAY), maths.month_id(now - 40 * maths.DAY)
+        for k in list(self.tokens):
+            kind, period = k.partition(":")[0], k.rpartition(":")[2]
+            if kind == "tpm":
+                stale = int(period) < minute - 2
+            else:  # tpd, gtpd: a day id; tpmo, gtpmo: a month id (both sort as they run)
+                stale = period < (day if kind.endswith("d") else month)
+            if stale:
+                del self.tokens[k]
 
     @staticmethod
     def _period_end(kind: str, now: float) -> float:

@@ -115,3 +115,23 @@ async def test_a_denial_writes_nothing(lim: RedisLimiter, db: redis.Redis) -> No
     assert isinstance(await lim.admit(AdmitRequest("b", tight, 100, T0)), Refused)
     assert {k: (db.type(k), db.dump(k)) for k in db.keys("*")} == before
     assert all(db.pttl(k) <= ttl for k, ttl in ttls.items())  # none re-armed
+
+
+async def test_an_admission_never_shortens_the_life_of_a_renewed_lease(redis_url: str) -> None:
+    """A renewed stream's lease lasts the lease TTL; a later admission, whose own first
+    lease is the shorter start TTL, must not cut the concurrency set's TTL to its own: the
+    set (every lease in it) would vanish before the stream's next renewal, and the slot the
+    stream still holds would be given to another request."""
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=60, start_ttl=0.2, deadline=SLACK)
+    try:
+        one = (TierLimit("key", "k", LimitSpec(concurrency=2)),)
+        assert isinstance(await lim.admit(AdmitRequest("long", one, 0, T0)), Admitted)
+        assert await lim.renew(["long"], T0) == []  # leased until T0 + 60 s
+        assert isinstance(await lim.admit(AdmitRequest("short", one, 0, T0)), Admitted)
+        await lim.settle("short", 0)
+        await asyncio.sleep(0.6)  # past the short one's set TTL (2 x 0.2 s), by Redis's clock
+        assert isinstance(await lim.admit(AdmitRequest("x", one, 0, T0 + 1)), Admitted)
+        v = await lim.admit(AdmitRequest("y", one, 0, T0 + 1))
+        assert isinstance(v, Refused) and v.limit == "concurrency"  # "long" and "x" hold both
+    finally:
+        await lim.close()

@@ -150,6 +150,19 @@ async def test_reservation_is_recorded_in_context() -> None:
     assert 500 < d.context.reserved < 600  # max_tokens + a small prompt estimate
 
 
+async def test_a_max_tokens_of_zero_reserves_no_completion() -> None:
+    """0 is the body's cap like any other (parse_body reads it so): the reservation is the
+    prompt alone, not the default completion, so a small token limit admits it."""
+    gate = Gate(policy(key_limits="{tokens_per_minute: 100}"))
+    one = await gate.check(chat(max_tokens=1))
+    assert isinstance(one, Allow)
+    prompt = one.context.reserved - 1
+    for body in (chat(max_tokens=0), chat(max_completion_tokens=0, max_tokens=9)):
+        d = await gate.check(body)
+        assert isinstance(d, Allow), d
+        assert d.context.reserved == prompt
+
+
 async def test_key_expiring_later_is_valid() -> None:
     gate = Gate(policy())
     assert isinstance(await gate.check(chat(), who="soon"), Allow)
