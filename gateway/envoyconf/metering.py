@@ -96,7 +96,9 @@ with quiet_imports():
         MatcherOnMatch,
     )
     from envoy_data_plane.xds.type.matcher.v3 import RegexMatcher as XdsRegexMatcher
-    from envoy_data_plane.xds.type.matcher.v3 import RegexMatcherGoogleRe2 as XdsRegexMatcherGoogleRe2
+    from envoy_data_plane.xds.type.matcher.v3 import (
+        RegexMatcherGoogleRe2 as XdsRegexMatcherGoogleRe2,
+    )
     from envoy_data_plane.xds.type.matcher.v3 import StringMatcher as XdsStringMatcher
 
 LUA = "envoy.filters.http.lua"
