@@ -19,7 +19,8 @@
 -- the response content-length.
 -- COUNTING, every text/event-stream response: completed events carrying a non-empty
 -- "content" / "reasoning_content" / "text" string (chat, completions), or Responses-API
--- "type":"response.output_text.delta" events with a non-empty "delta", published as
+-- "type":"response.output_text.delta" (or reasoning_text / reasoning_summary_text) events with
+-- a non-empty "delta", published as
 -- llm.stream:content_events and llm.stream:content_chars (bytes of those strings as written,
 -- escapes included: an estimate for streams cut before their usage arrives). Set to 0 when
 -- the stream starts and after every chunk that changed them, so the access log has them
@@ -82,6 +83,12 @@ local TEXT_KEYS = {
   '"partial_json"', -- Anthropic's input_json_delta (tool use)
 }
 local DELTA_KEY = { '"delta"' }
+-- The Responses-API event types (with both quotes) whose "delta" is generated text: the
+-- answer's, and the reasoning's (vLLM's reasoning_text, OpenAI's summary).
+local RESPONSES_DELTAS = {
+  '"response.output_text.delta"', '"response.reasoning_text.delta"',
+  '"response.reasoning_summary_text.delta"',
+}
 -- The engine's own end marker: a client that hangs up right after it still got everything
 -- (the sidecar then records `completed`, not `client_cancelled`).
 local DONE = "^%s*data:%s*%[DONE%]"
@@ -389,10 +396,13 @@ end
 -- Content bytes one complete event carries (0: not a content event).
 local function content_bytes(ev)
   if find(ev, '"response.', 1, true) and has_type(ev, '"response.') then
-    -- Responses API: only text deltas count; the *.done and response.completed events repeat
-    -- the whole text under "text" and must not count it again.
-    if has_type(ev, '"response.output_text.delta"') then
-      return string_bytes(ev, DELTA_KEY)
+    -- Responses API: only text deltas count (the answer's and the reasoning's); the *.done
+    -- and response.completed events repeat the whole text under "text" and must not count it
+    -- again.
+    for i = 1, #RESPONSES_DELTAS do
+      if has_type(ev, RESPONSES_DELTAS[i]) then
+        return string_bytes(ev, DELTA_KEY)
+      end
     end
     return 0
   end
