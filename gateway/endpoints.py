@@ -36,16 +36,21 @@ class Endpoint:
     billed: bool = True  # False: admitted and rate-limited as a request, no tokens at all
     injects_usage: bool = False  # a stream reports usage only if asked (stream_options)
     requires_max_tokens: bool = False  # the API itself requires it (Anthropic)
+    # The body fields that bound what the engine generates, as this API reads them (the first
+    # one given): another API's field in the body bounds nothing, and reserves nothing.
+    caps: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
 
 
 ENDPOINTS: dict[str, Endpoint] = {e.path: e for e in (
     Endpoint("/v1/chat/completions", Api.OPENAI, Reader.CHAT, injects_usage=True),
-    Endpoint("/v1/completions", Api.OPENAI, Reader.CHAT, injects_usage=True),
-    Endpoint("/v1/embeddings", Api.OPENAI, Reader.CHAT, generates=False),
-    Endpoint("/v1/responses", Api.OPENAI, Reader.RESPONSES),
-    Endpoint("/v1/messages", Api.ANTHROPIC, Reader.MESSAGES, requires_max_tokens=True),
+    Endpoint("/v1/completions", Api.OPENAI, Reader.CHAT, injects_usage=True,
+             caps=("max_tokens",)),
+    Endpoint("/v1/embeddings", Api.OPENAI, Reader.CHAT, generates=False, caps=()),
+    Endpoint("/v1/responses", Api.OPENAI, Reader.RESPONSES, caps=("max_output_tokens",)),
+    Endpoint("/v1/messages", Api.ANTHROPIC, Reader.MESSAGES, requires_max_tokens=True,
+             caps=("max_tokens",)),
     Endpoint("/v1/messages/count_tokens", Api.ANTHROPIC, Reader.NONE, generates=False,
-             billed=False),
+             billed=False, caps=()),
 )}
 
 ANTHROPIC_PREFIX = "/v1/messages"

@@ -101,7 +101,7 @@ class Authorizer:
         endpoint = ENDPOINTS.get(path) if where.kind is Kind.INFERENCE else None
         try:
             if endpoint is not None:
-                facts = parse_body(req.body, endpoint.requires_max_tokens)
+                facts = parse_body(req.body, endpoint.requires_max_tokens, endpoint.caps)
             else:
                 facts = named_model(req.body) or BodyFacts(model=None, body_bytes=len(req.body))
         except BodyError as exc:

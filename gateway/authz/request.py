@@ -40,6 +40,11 @@ class BodyFacts:
         return self.prompt_tokens + completion
 
 
+# Every API's completion cap, for a body on a path no endpoint entry describes (a
+# pass-through): the first given.
+CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+
+
 def api_key(headers: dict[str, str]) -> str | None:
     """`Authorization: Bearer <key>` (scheme case-insensitive) or `x-api-key: <key>`.
 
@@ -69,11 +74,14 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def parse_body(body: bytes, requires_max_tokens: bool = False) -> BodyFacts:
+def parse_body(body: bytes, requires_max_tokens: bool = False,
+               caps: tuple[str, ...] = CAPS) -> BodyFacts:
     """Read what admission needs from an inference body; raise BodyError if it is not usable.
 
     `requires_max_tokens`: the API itself rejects a body without it (Anthropic's Messages),
     so the gateway says so before the engine does, and the reservation is then exact.
+    `caps`: the fields that bound the completion on this endpoint, the first given wins
+    (gateway/endpoints.py).
     """
     if not body:
         raise BodyError("request body is empty; expected a JSON object with a 'model'")
@@ -83,7 +91,7 @@ def parse_body(body: bytes, requires_max_tokens: bool = False) -> BodyFacts:
         raise BodyError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BodyError("request body must be a JSON object")
-    facts = _facts(data, len(body))
+    facts = _facts(data, len(body), caps)
     if requires_max_tokens and facts.max_tokens is None:
         raise BodyError("max_tokens: Field required (a non-negative integer)")
     return facts
@@ -122,16 +130,14 @@ def _lenient(body: bytes) -> Any:
     return data
 
 
-_CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
-
-
-def _facts(data: dict[str, Any], size: int) -> BodyFacts:
+def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS) -> BodyFacts:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BodyError("'model' is required and must be a non-empty string")
     # The first cap the body gives, 0 included (a falsy `or` chain read 0 as no cap, and
     # told a Messages body with max_tokens 0 that the field was missing).
-    for cap in _CAPS:
+    max_tokens = None
+    for cap in caps:
         if (max_tokens := _int(data.get(cap))) is not None:
             break
     prompt = estimate_prompt_tokens(data)

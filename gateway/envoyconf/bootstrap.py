@@ -318,7 +318,8 @@ def _metering_filters(limits: _Limits) -> list[HttpFilter]:
         filters += [
             HttpFilter(name=envoy_metering.LUA, typed_config=Any.pack(envoy_metering.lua())),
             HttpFilter(name=envoy_metering.JSON_TO_METADATA,
-                       typed_config=Any.pack(envoy_metering.json_to_metadata())),
+                       typed_config=Any.pack(
+                           envoy_metering.json_to_metadata_filter(_buffer_limit(limits)))),
         ]
     return filters
 

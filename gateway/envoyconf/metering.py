@@ -64,6 +64,7 @@ with quiet_imports():
         HttpService,
         HttpUri,
         RetryPolicy,
+        TypedExtensionConfig,
     )
     from envoy_data_plane.envoy.extensions.access_loggers.grpc.v3 import (
         CommonGrpcAccessLogConfig,
@@ -71,6 +72,8 @@ with quiet_imports():
     from envoy_data_plane.envoy.extensions.access_loggers.open_telemetry.v3 import (
         OpenTelemetryAccessLogConfig,
     )
+    from envoy_data_plane.envoy.extensions.common.matching.v3 import ExtensionWithMatcher
+    from envoy_data_plane.envoy.extensions.filters.common.matcher.action.v3 import SkipFilter
     from envoy_data_plane.envoy.extensions.filters.http.json_to_metadata.v3 import (
         JsonToMetadata,
         JsonToMetadataKeyValuePair,
@@ -80,9 +83,23 @@ with quiet_imports():
         JsonToMetadataValueType,
     )
     from envoy_data_plane.envoy.extensions.filters.http.lua.v3 import Lua
-    from envoy_data_plane.envoy.type.matcher.v3 import RegexMatcher
+    from envoy_data_plane.envoy.type.matcher.v3 import HttpResponseHeaderMatchInput, RegexMatcher
     from envoy_data_plane.google.protobuf import Any
     from envoy_data_plane.opentelemetry.proto.common.v1 import AnyValue, KeyValue, KeyValueList
+    from envoy_data_plane.xds.core.v3 import TypedExtensionConfig as XdsTypedExtensionConfig
+    from envoy_data_plane.xds.type.matcher.v3 import (
+        Matcher,
+        MatcherMatcherList,
+        MatcherMatcherListFieldMatcher,
+        MatcherMatcherListPredicate,
+        MatcherMatcherListPredicateSinglePredicate,
+        MatcherOnMatch,
+    )
+    from envoy_data_plane.xds.type.matcher.v3 import RegexMatcher as XdsRegexMatcher
+    from envoy_data_plane.xds.type.matcher.v3 import (
+        RegexMatcherGoogleRe2 as XdsRegexMatcherGoogleRe2,
+    )
+    from envoy_data_plane.xds.type.matcher.v3 import StringMatcher as XdsStringMatcher
 
 LUA = "envoy.filters.http.lua"
 JSON_TO_METADATA = "envoy.filters.http.json_to_metadata"
@@ -161,6 +178,43 @@ def json_to_metadata() -> JsonToMetadata:
     rules = [_rule(*r) for r in (*USAGE_RULES, *MODEL_RULES)]
     return JsonToMetadata(response_rules=JsonToMetadataMatchRules(
         rules=rules, allow_content_types_regex=RegexMatcher(regex=r"^application/json\b.*")))
+
+
+def json_to_metadata_filter(max_bytes: int) -> ExtensionWithMatcher:
+    """json_to_metadata, skipped for an answer whose content-length says it is larger than
+    `max_bytes` (the stream's buffer limit). The filter buffers the whole body to read it, and
+    Envoy answers 500 for a body past the buffer limit, after the engine did the work: a
+    12 MB embeddings answer (a few hundred inputs of a large model) never reached its
+    client. Skipped, it passes untouched and its usage is estimated, as ext_proc does
+    for a body it does not parse (gateway/metering/meter.py MAX_JSON_BODY). An answer
+    without a content-length (chunked) is still read whole."""
+    too_large = MatcherMatcherListPredicate(
+        single_predicate=MatcherMatcherListPredicateSinglePredicate(
+            input=XdsTypedExtensionConfig(
+                name="content-length",
+                typed_config=Any.pack(HttpResponseHeaderMatchInput(header_name="content-length"))),
+            value_match=XdsStringMatcher(
+                safe_regex=XdsRegexMatcher(google_re2=XdsRegexMatcherGoogleRe2(),
+                                           regex=above_regex(max_bytes)))))
+    skip = MatcherOnMatch(action=XdsTypedExtensionConfig(
+        name="skip", typed_config=Any.pack(SkipFilter())))
+    return ExtensionWithMatcher(
+        xds_matcher=Matcher(matcher_list=MatcherMatcherList(matchers=[
+            MatcherMatcherListFieldMatcher(predicate=too_large, on_match=skip)])),
+        extension_config=TypedExtensionConfig(name=JSON_TO_METADATA,
+                                              typed_config=Any.pack(json_to_metadata())))
+
+
+def above_regex(limit: int) -> str:
+    """An RE2 regex matching exactly the decimal numbers greater than `limit` (leading zeros
+    allowed), for a header no numeric matcher reads."""
+    digits = str(limit)
+    n = len(digits)
+    longer = f"[1-9][0-9]{{{n},}}"  # more digits
+    same = [digits[:i] + ("9" if d == "8" else f"[{int(d) + 1}-9]")
+            + (f"[0-9]{{{n - i - 1}}}" if i < n - 1 else "")
+            for i, d in enumerate(digits) if d != "9"]  # as many: larger at the first digit
+    return f"^0*(?:{'|'.join([longer, *same])})$"
 
 
 def record_log(only_flags: Iterable[str] = (), http: bool = False,

@@ -29,6 +29,11 @@ __all__ = ["Injected", "Meter"]
 MAX_JSON_BODY = 16 << 20  # a non-stream body larger than this is not parsed for usage
 
 
+# The Responses API's events that stream generated text: the answer, and the reasoning
+# (vLLM's reasoning_text, OpenAI's summary), as chat's content and reasoning_content.
+RESPONSES_DELTAS = frozenset(("response.output_text.delta", "response.reasoning_text.delta",
+                              "response.reasoning_summary_text.delta"))
+
 # What engines move from the finish chunk onto the usage chunk they were asked for.
 MOVED_TO_USAGE = ("system_fingerprint", "timings")
 
@@ -177,7 +182,7 @@ class Meter:
             return obj
         if reader is Reader.RESPONSES:
             kind = obj.get("type", "")
-            if kind == "response.output_text.delta":
+            if kind in RESPONSES_DELTAS:
                 self._token(_written(obj.get("delta")))
             elif kind in ("response.completed", "response.incomplete", "response.failed"):
                 self._usage(obj)

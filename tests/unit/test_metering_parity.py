@@ -214,6 +214,27 @@ CASES = [
          "upstream_error", "estimated"),
     Case("responses, failed", RESPONSES, responses_stream(["Hi"], "response.failed"),
          "completed", "reported"),
+    Case("responses, a 'usage' property in the echoed schema and tools", RESPONSES,
+         [*responses_stream(["Hi"], None), named("response.completed", {
+             "type": "response.completed", "response": {
+                 "id": "r1", "model": MODEL, "status": "completed",
+                 "text": {"format": {"type": "json_schema", "name": "bill", "schema": {
+                     "type": "object", "properties": {"usage": {
+                         "type": "object", "properties": {"prompt_tokens": {
+                             "type": "integer", "minimum": 0}}}}}}},
+                 "tools": [{"type": "function", "name": "meter", "parameters": {
+                     "type": "object", "properties": {"usage": {"type": "string"}}}}],
+                 "usage": {"input_tokens": 9, "output_tokens": 6, "total_tokens": 15},
+                 "metadata": {"usage": "a client's own"}}})],
+         "completed", "reported"),
+    Case("responses, reasoning, then cut by the engine", RESPONSES,
+         [*responses_stream([], None),
+          *(named(kind, {"type": kind, "item_id": "rs1", "output_index": 0, "delta": d})
+            for kind, d in [("response.reasoning_text.delta", "Let me"),
+                            ("response.reasoning_text.delta", " think"),
+                            ("response.reasoning_summary_text.delta", "Thinking"),
+                            ("response.output_text.delta", "Hi")])],
+         "upstream_error", "estimated", flags="UPE"),
     Case("messages, whole", MESSAGES, messages_stream(4), "completed", "reported"),
     Case("messages, cut by the engine after message_start", MESSAGES,
          messages_stream(3, end=False), "upstream_error", "estimated", flags="UPE"),
@@ -452,6 +473,12 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     assert b.tpot_ms == 900.0 / 5
     u = bill("messages, whole JSON with cache counts").usage
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (16, 7, 10)
+    u = bill("responses, a 'usage' property in the echoed schema and tools").usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (9, 6, 15)
+    # what streamed was generated: the reasoning (as chat's reasoning_content), then the
+    # text; 22 bytes / 4 > 4 events
+    u = bill("responses, reasoning, then cut by the engine").usage
+    assert (u.prompt_tokens, u.completion_tokens) == (PROMPT_ESTIMATE, 6)
     assert bill("a whole JSON answer the client left half-way").usage.prompt_tokens == \
         PROMPT_ESTIMATE
     u = bill("messages, message_delta's input side null").usage

@@ -19,7 +19,8 @@
 -- the response content-length.
 -- COUNTING, every text/event-stream response: completed events carrying a non-empty
 -- "content" / "reasoning_content" / "text" string (chat, completions), or Responses-API
--- "type":"response.output_text.delta" events with a non-empty "delta", published as
+-- "type":"response.output_text.delta" (or reasoning_text / reasoning_summary_text) events with
+-- a non-empty "delta", published as
 -- llm.stream:content_events and llm.stream:content_chars (bytes of those strings as written,
 -- escapes included: an estimate for streams cut before their usage arrives). Set to 0 when
 -- the stream starts and after every chunk that changed them, so the access log has them
@@ -44,7 +45,7 @@
 local find, sub, gsub, byte, lower = string.find, string.sub, string.gsub, string.byte, string.lower
 local concat = table.concat
 local floor, huge = math.floor, math.huge
-local tonumber, tostring, type, pcall, select = tonumber, tostring, type, pcall, select
+local tonumber, tostring, type, pcall = tonumber, tostring, type, pcall
 
 -- The names shared with the sidecar (namespaces, metadata keys): gateway/envoy_contract.py,
 -- written here as locals when gateway/envoyconf/lua renders this file.
@@ -82,6 +83,12 @@ local TEXT_KEYS = {
   '"partial_json"', -- Anthropic's input_json_delta (tool use)
 }
 local DELTA_KEY = { '"delta"' }
+-- The Responses-API event types (with both quotes) whose "delta" is generated text: the
+-- answer's, and the reasoning's (vLLM's reasoning_text, OpenAI's summary).
+local RESPONSES_DELTAS = {
+  '"response.output_text.delta"', '"response.reasoning_text.delta"',
+  '"response.reasoning_summary_text.delta"',
+}
 -- The engine's own end marker: a client that hangs up right after it still got everything
 -- (the sidecar then records `completed`, not `client_cancelled`).
 local DONE = "^%s*data:%s*%[DONE%]"
@@ -323,30 +330,8 @@ local function number_of(obj, quoted)
   return nil
 end
 
--- { key = number } from the event's usage object, or nil when it has none ("usage": null).
-local function usage_of(ev)
-  local s = find(ev, '"usage"', 1, true)
-  if s == nil then
-    return nil
-  end
-  local v = value_at(ev, s + 6)
-  local obj
-  if v ~= nil and byte(ev, v) == 123 then
-    local e = object_end(ev, v)
-    if e ~= nil then
-      obj = sub(ev, v, e)
-    end
-  elseif v ~= nil and byte(ev, v) == 110 and find(ev, '"usage"', v, true) == nil then
-    return nil -- "usage": null, the usual case, with no other usage member after it
-  end
-  if obj == nil then
-    obj = select(3, find(ev, '"usage"%s*:%s*(%b{})', s + 7)) -- a later one (rare)
-    if obj == nil then
-      return nil
-    end
-  end
-  local starting = find(ev, '"message_start"', 1, true) ~= nil and
-    has_type(ev, '"message_start"')
+-- { key = number }: the counts the usage object `obj` carries, or nil when it carries none.
+local function counts_of(obj, starting)
   local out, any = {}, false
   for i = 1, #USAGE_KEYS do
     local key = USAGE_KEYS[i][1]
@@ -360,6 +345,34 @@ local function usage_of(ev)
   end
   if any then
     return out
+  end
+  return nil
+end
+
+-- { key = number } from the event's usage object, or nil when it has none ("usage": null).
+-- The first "usage" object that carries a count: a Responses-API event echoes the request's
+-- structured-output schema and tools before its own usage, and a property named "usage" in
+-- them is an object too (its keys' values are objects, never counts). Each later "usage" key
+-- is looked at in turn (rare: most events have one, or none).
+local function usage_of(ev)
+  local s = find(ev, '"usage"', 1, true)
+  local starting
+  while s ~= nil do
+    local v = value_at(ev, s + 6)
+    if v ~= nil and byte(ev, v) == 123 then
+      local e = object_end(ev, v)
+      if e ~= nil then
+        if starting == nil then
+          starting = find(ev, '"message_start"', 1, true) ~= nil and
+            has_type(ev, '"message_start"')
+        end
+        local out = counts_of(sub(ev, v, e), starting)
+        if out ~= nil then
+          return out
+        end
+      end
+    end
+    s = find(ev, '"usage"', s + 7, true) -- "usage": null, the usual case: nothing after it
   end
   return nil
 end
@@ -389,10 +402,13 @@ end
 -- Content bytes one complete event carries (0: not a content event).
 local function content_bytes(ev)
   if find(ev, '"response.', 1, true) and has_type(ev, '"response.') then
-    -- Responses API: only text deltas count; the *.done and response.completed events repeat
-    -- the whole text under "text" and must not count it again.
-    if has_type(ev, '"response.output_text.delta"') then
-      return string_bytes(ev, DELTA_KEY)
+    -- Responses API: only text deltas count (the answer's and the reasoning's); the *.done
+    -- and response.completed events repeat the whole text under "text" and must not count it
+    -- again.
+    for i = 1, #RESPONSES_DELTAS do
+      if has_type(ev, RESPONSES_DELTAS[i]) then
+        return string_bytes(ev, DELTA_KEY)
+      end
     end
     return 0
   end
