@@ -29,6 +29,11 @@ sidecar are explained in gateway/envoyconf/filters.py):
   spelling (tests/e2e/test_side_doors.py). Unescaping rather than rejecting `%2F` keeps
   model ids with a slash (`GET /v1/models/org%2Fname`, as SDKs send them) working. The
   sidecar canonicalizes again (gateway/routes.py) for Envoys without these settings.
+* **Headers with underscores dropped** (`headers_with_underscores_action: DROP_HEADER`,
+  Envoy's edge-proxy advice; the default passes them): a WSGI/CGI server reads
+  `x_gateway_team` as `x-gateway-team` (both are `HTTP_X_GATEWAY_TEAM`), so a forged
+  context the sidecar strips under one spelling would reach a service behind under the
+  other. No OpenAI or Anthropic header has one.
 * **Route `timeout: 0s`** (default 15 s): long generations stream for minutes.
   `stream_idle_timeout` (5 min) still cuts a stream that goes silent.
 * **Clusters** (HTTP/2 for the sidecar's gRPC, raised circuit breakers): explained in
@@ -100,6 +105,8 @@ with quiet_imports():
     from envoy_data_plane.envoy.config.core.v3 import (
         GrpcService,
         GrpcServiceEnvoyGrpc,
+        HttpProtocolOptions,
+        HttpProtocolOptionsHeadersWithUnderscoresAction,
         SubstitutionFormatString,
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
@@ -304,6 +311,9 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         path_with_escaped_slashes_action=(
             HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
         local_reply_config=local_replies(limits.max_request_bytes, limits.authz_http),
+        common_http_protocol_options=HttpProtocolOptions(
+            headers_with_underscores_action=(
+                HttpProtocolOptionsHeadersWithUnderscoresAction.DROP_HEADER)),
     )
 
 
