@@ -27,6 +27,14 @@ class Reader(Enum):
     NONE = "none"  # nothing to bill (count_tokens)
 
 
+# The body fields that say how many sequences the engine generates (every one up to the
+# completion cap), with the most the API accepts: OpenAI's `n` (1-128, chat and completions)
+# and the completions API's `best_of` (up to 20: the engine generates best_of candidates,
+# bills them all and returns the best n; vLLM's V0 engine honours it, V1 refuses it).
+N = ("n", 128)
+BEST_OF = ("best_of", 20)
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     path: str
@@ -39,12 +47,18 @@ class Endpoint:
     # The body fields that bound what the engine generates, as this API reads them (the first
     # one given): another API's field in the body bounds nothing, and reserves nothing.
     caps: tuple[str, ...] = ("max_completion_tokens", "max_tokens")
+    # The body fields that say how many sequences the engine generates, each up to the cap,
+    # with the most the API accepts (gateway/authz/request.py `sequences`): the completion
+    # side of the reservation is multiplied by the largest. None: one sequence.
+    fanout: tuple[tuple[str, int], ...] = ()
+    list_prompts: bool = False  # a list `prompt` is several prompts, each gets them all
 
 
 ENDPOINTS: dict[str, Endpoint] = {e.path: e for e in (
-    Endpoint("/v1/chat/completions", Api.OPENAI, Reader.CHAT, injects_usage=True),
+    Endpoint("/v1/chat/completions", Api.OPENAI, Reader.CHAT, injects_usage=True,
+             fanout=(N,)),
     Endpoint("/v1/completions", Api.OPENAI, Reader.CHAT, injects_usage=True,
-             caps=("max_tokens",)),
+             caps=("max_tokens",), fanout=(N, BEST_OF), list_prompts=True),
     Endpoint("/v1/embeddings", Api.OPENAI, Reader.CHAT, generates=False, caps=()),
     Endpoint("/v1/responses", Api.OPENAI, Reader.RESPONSES, caps=("max_output_tokens",)),
     Endpoint("/v1/messages", Api.ANTHROPIC, Reader.MESSAGES, requires_max_tokens=True,

@@ -89,7 +89,8 @@ class Settings(BaseSettings):
     # the orphan sweep frees its slots and bills its last checkpoint.
     admission_max_lifetime_s: Positive = 21600.0
     default_completion_tokens: Count = 1024
-    # caps max_tokens in a reservation; the prompt counts whole
+    # caps the completion side of a reservation (max_tokens times the sequences asked for:
+    # n, best_of, list prompts), all sequences together; the prompt counts whole
     reserve_cap_tokens: Count = 32768
     # Degraded states are loud: an error log (once a minute) when the oldest undelivered
     # usage event is older than this, or the limiter store stops answering.

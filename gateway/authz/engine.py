@@ -39,7 +39,7 @@ from gateway.routes import Kind, canonical_path, route
 @dataclass(frozen=True)
 class AdmissionSettings:
     default_completion_tokens: int = 1024  # reserved when the request names no max_tokens
-    reserve_cap: int = 32768  # on the completion side only (BodyFacts.reserve)
+    reserve_cap: int = 32768  # on the whole completion side, all sequences (BodyFacts.reserve)
     continuous_models: tuple[str, ...] = ()  # globs: models whose engine reports continuous usage
     # A concurrency denial waits up to this for ends still on their way (Envoy-fed metering
     # learns of an end ~50 ms after the client did), then retries: no spurious 429.
@@ -101,7 +101,8 @@ class Authorizer:
         endpoint = ENDPOINTS.get(path) if where.kind is Kind.INFERENCE else None
         try:
             if endpoint is not None:
-                facts = parse_body(req.body, endpoint.requires_max_tokens, endpoint.caps)
+                facts = parse_body(req.body, endpoint.requires_max_tokens, endpoint.caps,
+                                   endpoint.fanout, endpoint.list_prompts)
             else:
                 facts = named_model(req.body) or BodyFacts(model=None, body_bytes=len(req.body))
         except BodyError as exc:

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from gateway.endpoints import BEST_OF, N
 from gateway.errors import BodyError
 
 
@@ -30,19 +31,35 @@ class BodyFacts:
     stream_options: bool = False  # the client sent a stream_options object
     include_usage: bool = False  # ... asking for the usage chunk
     continuous_usage: bool = False  # ... asking for vLLM's continuous usage stats
+    sequences: int = 1  # completions the engine generates, each up to max_tokens (sequences())
 
     def reserve(self, default_completion: int, cap: int, generates: bool = True) -> int:
-        """Tokens to reserve: the prompt estimate plus the completion bound. Only the
-        completion side is capped: the prompt is sent whatever max_tokens says, so a huge
-        prompt reserves (and must fit) all of itself."""
+        """Tokens to reserve: the prompt estimate plus the completion bound, which is the
+        per-sequence bound (max_tokens, else the default) times the sequences the engine
+        generates (`n`, `best_of`, a list of prompts: see `sequences`).
+
+        `cap` (GATEWAY_RESERVE_CAP_TOKENS) bounds that whole completion side, not each
+        sequence: it is documented as the cap on the completion side of one reservation,
+        i.e. the most one request holds of a budget while in flight, and it is what keeps a
+        request that merely asks for a large bound from being refused as impossible under a
+        limit larger than prompt + cap. Per sequence, one body could hold 128 x 20 x
+        (prompts) times it. Up to the cap, a burst of n > 1 requests is reserved for all
+        it can generate; past it, the overshoot is what a single max_tokens above the cap
+        already allows, until settlement replaces the reservation with the billed count.
+
+        Only the completion side is capped: the prompt is sent whatever max_tokens says, so
+        a huge prompt reserves (and must fit) all of itself."""
+        if not generates:
+            return self.prompt_tokens
         bound = default_completion if self.max_tokens is None else self.max_tokens  # 0 too
-        completion = min(bound, cap) if generates else 0
-        return self.prompt_tokens + completion
+        return self.prompt_tokens + min(bound * self.sequences, cap)
 
 
 # Every API's completion cap, for a body on a path no endpoint entry describes (a
 # pass-through): the first given.
 CAPS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# ... and every field that multiplies it (gateway/endpoints.py): `n` and `best_of`.
+FANOUT = (N, BEST_OF)
 
 
 def api_key(headers: dict[str, str]) -> str | None:
@@ -75,13 +92,15 @@ def _int(v: Any) -> int | None:
 
 
 def parse_body(body: bytes, requires_max_tokens: bool = False,
-               caps: tuple[str, ...] = CAPS) -> BodyFacts:
+               caps: tuple[str, ...] = CAPS, fanout: tuple[tuple[str, int], ...] = (),
+               list_prompts: bool = False) -> BodyFacts:
     """Read what admission needs from an inference body; raise BodyError if it is not usable.
 
     `requires_max_tokens`: the API itself rejects a body without it (Anthropic's Messages),
     so the gateway says so before the engine does, and the reservation is then exact.
     `caps`: the fields that bound the completion on this endpoint, the first given wins
-    (gateway/endpoints.py).
+    (gateway/endpoints.py). `fanout` and `list_prompts`: how many sequences the engine
+    generates (`sequences`).
     """
     if not body:
         raise BodyError("request body is empty; expected a JSON object with a 'model'")
@@ -91,7 +110,7 @@ def parse_body(body: bytes, requires_max_tokens: bool = False,
         raise BodyError(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise BodyError("request body must be a JSON object")
-    facts = _facts(data, len(body), caps)
+    facts = _facts(data, len(body), caps, fanout, list_prompts)
     if requires_max_tokens and facts.max_tokens is None:
         raise BodyError("max_tokens: Field required (a non-negative integer)")
     return facts
@@ -110,7 +129,7 @@ def named_model(body: bytes) -> BodyFacts | None:
         data = _lenient(body)
     if not isinstance(data, dict) or "model" not in data:
         return None
-    return _facts(data, len(body))
+    return _facts(data, len(body), CAPS, FANOUT, True)
 
 
 def _lenient(body: bytes) -> Any:
@@ -130,7 +149,8 @@ def _lenient(body: bytes) -> Any:
     return data
 
 
-def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS) -> BodyFacts:
+def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS,
+           fanout: tuple[tuple[str, int], ...] = (), list_prompts: bool = False) -> BodyFacts:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise BodyError("'model' is required and must be a non-empty string")
@@ -141,15 +161,39 @@ def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS) -> Bod
         if (max_tokens := _int(data.get(cap))) is not None:
             break
     prompt = estimate_prompt_tokens(data)
+    seqs = sequences(data, fanout, list_prompts) if fanout or list_prompts else 1
     opts = data.get("stream_options")
     if not isinstance(opts, dict):
-        return BodyFacts(model, data.get("stream") is True, max_tokens, size, prompt)
+        return BodyFacts(model, data.get("stream") is True, max_tokens, size, prompt,
+                         sequences=seqs)
     return BodyFacts(
         model, data.get("stream") is True, max_tokens, size, prompt,
         stream_options=True,
         include_usage=opts.get("include_usage") is True,
         continuous_usage=opts.get("continuous_usage_stats") is True,
+        sequences=seqs,
     )
+
+
+def sequences(data: dict[str, Any], fanout: tuple[tuple[str, int], ...],
+              list_prompts: bool) -> int:
+    """How many sequences the engine generates for this body: the largest of the `fanout`
+    fields (chat: `n`; completions: `n` and `best_of`, best_of >= n), times the prompts of
+    a completions `prompt` that is a list of strings or of token arrays (each prompt gets
+    them all; a flat list of token ids is one prompt). Read leniently, as the estimate is:
+    only a positive integer counts (anything else reads as 1, and the engine refuses the
+    body or uses its default of 1), and none above what the API accepts. A few dict
+    lookups: this runs on every request."""
+    most = 1
+    for field, api_max in fanout:
+        v = data.get(field)
+        if type(v) is int and v > most:  # not bool, not float
+            most = v if v <= api_max else api_max
+    if list_prompts:
+        p = data.get("prompt")
+        if type(p) is list and p and isinstance(p[0], (str, list)):
+            most *= len(p)
+    return most
 
 
 PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "system")
