@@ -160,12 +160,15 @@ class Authorizer:
 
     async def _admit(self, req: AdmitRequest) -> Verdict:
         """Admit; a concurrency denial waits (within the grace) for releases on their way
-        and tries again. A denial commits nothing, so a retry is a fresh admission."""
+        and tries again. A denial commits nothing, so a retry is a fresh admission. The
+        grace counts from the first call, so a Check takes at most the grace plus one store
+        deadline (a slow first answer is not tried again): inside Envoy's timeout."""
+        started = time.monotonic()
         verdict = await self._limiter.admit(req)
         grace = self._settings.concurrency_grace_s
         if not grace or not _no_slot(verdict):
             return verdict
-        give_up = time.monotonic() + grace
+        give_up = started + grace
         while _no_slot(verdict) and (left := give_up - time.monotonic()) > 0:
             await self._ledger.outbox.next_flush(left)
             verdict = await self._limiter.admit(replace(req, now=self._clock.now()))
