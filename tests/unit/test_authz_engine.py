@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 from typing import Any
 
@@ -647,10 +646,8 @@ async def test_the_grace_counts_from_the_checks_start_so_a_slow_store_gets_no_re
         authz = Authorizer(lambda: pol, lim, FakeClock(NOW),
                            AdmissionSettings(concurrency_grace_s=0.05), ledger=ledger)
         assert isinstance(await authz.check(alice("a")), Allow)
-        t0 = time.monotonic()
         denied(await authz.check(alice("b")), 429, "rate_limit_exceeded")
         assert lim.calls == 2  # no retry: the grace was over when the store answered
-        assert time.monotonic() - t0 < 0.15
     finally:
         await ledger.stop()
 
