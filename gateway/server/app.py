@@ -75,6 +75,7 @@ class App:
     spool_oldest_s: float = 0.0
     store_up: bool = False
     reporter: StatusReporter | None = None  # to the hub, when it has a Kafka
+    recorder: Recorder | None = None  # the usage events (not in a door process)
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
         s = self.settings
@@ -111,7 +112,8 @@ class App:
             ledger = self.ledger
             self.limiter.follows = lambda request_id: ledger.stage(request_id) is not None
         door_only = self.role == "door"
-        recorder = None if door_only else self._start_usage_pipeline(self.ledger)
+        recorder = self.recorder = (None if door_only
+                                    else self._start_usage_pipeline(self.ledger))
         if door_only:  # no spool to watch; whether Redis answers still goes to the hub
             self.tasks.append(asyncio.create_task(self._watch([])))
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
@@ -280,6 +282,8 @@ class App:
             self.records_http.close()
         if self.server:
             await self.server.stop(grace)
+        if self.recorder:  # streams the stop cut: their events, before the last commit
+            self.recorder.end_waits()
         if self.spool:
             await self.spool.commit()  # events reach the disk, and queue their settlements,
         if self.ledger:
