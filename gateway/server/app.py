@@ -216,8 +216,9 @@ class App:
         return policy.price(model, at) if policy is not None else None
 
     async def _watch(self, spools: list[Spool]) -> None:
-        """Depth and age of what waits for Kafka, and whether Redis answers, every second;
-        an error log once a minute while either is degraded, one line when it clears."""
+        """Depth and age of what waits for Kafka, whether Redis answers and the gRPC health,
+        every second; an error log once a minute while either is degraded, one line when
+        it clears."""
         threshold = self.settings.spool_alert_s
         loud = {"spool": 0.0, "store": 0.0}  # when each last logged an error (0: healthy)
         while True:
@@ -235,6 +236,7 @@ class App:
                 self.reporter.poke()  # the hub hears of a store going down at once
             self.store_up = up
             metrics.STORE_UP.set(1 if up else 0)
+            await self._set_health()  # grpc.health.v1 follows the policy, /readyz polled or not
             _alert(loud, "store", not up, now, "limiter_store_unreachable",
                    "limiter_store_recovered")
             await asyncio.sleep(1.0)
