@@ -111,6 +111,14 @@ class Recorder:
         timer = asyncio.get_running_loop().call_later(wait_s, emit, frozenset())
         self._waiting[rid] = (emit, timer)
 
+    def end_waits(self) -> None:
+        """Emit now every cut stream still waiting for Envoy's word: the sidecar is stopping,
+        and an event emitted after its spool's last commit would be lost (left to the orphan
+        sweep a lease later, without what had streamed). No word: client_cancelled."""
+        for emit, timer in list(self._waiting.values()):
+            timer.cancel()
+            emit(frozenset())
+
     def told(self, request_id: str, flags: frozenset[str]) -> None:
         """Envoy's record of how a stream ended, for a stream ext_proc saw end early."""
         waiting = self._waiting.pop(request_id, None)

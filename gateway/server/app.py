@@ -75,6 +75,7 @@ class App:
     spool_oldest_s: float = 0.0
     store_up: bool = False
     reporter: StatusReporter | None = None  # to the hub, when it has a Kafka
+    recorder: Recorder | None = None  # the usage events (not in a door process)
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
         s = self.settings
@@ -111,7 +112,8 @@ class App:
             ledger = self.ledger
             self.limiter.follows = lambda request_id: ledger.stage(request_id) is not None
         door_only = self.role == "door"
-        recorder = None if door_only else self._start_usage_pipeline(self.ledger)
+        recorder = self.recorder = (None if door_only
+                                    else self._start_usage_pipeline(self.ledger))
         if door_only:  # no spool to watch; whether Redis answers still goes to the hub
             self.tasks.append(asyncio.create_task(self._watch([])))
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
@@ -214,8 +216,9 @@ class App:
         return policy.price(model, at) if policy is not None else None
 
     async def _watch(self, spools: list[Spool]) -> None:
-        """Depth and age of what waits for Kafka, and whether Redis answers, every second;
-        an error log once a minute while either is degraded, one line when it clears."""
+        """Depth and age of what waits for Kafka, whether Redis answers and the gRPC health,
+        every second; an error log once a minute while either is degraded, one line when
+        it clears."""
         threshold = self.settings.spool_alert_s
         loud = {"spool": 0.0, "store": 0.0}  # when each last logged an error (0: healthy)
         while True:
@@ -233,6 +236,7 @@ class App:
                 self.reporter.poke()  # the hub hears of a store going down at once
             self.store_up = up
             metrics.STORE_UP.set(1 if up else 0)
+            await self._set_health()  # grpc.health.v1 follows the policy, /readyz polled or not
             _alert(loud, "store", not up, now, "limiter_store_unreachable",
                    "limiter_store_recovered")
             await asyncio.sleep(1.0)
@@ -280,6 +284,8 @@ class App:
             self.records_http.close()
         if self.server:
             await self.server.stop(grace)
+        if self.recorder:  # streams the stop cut: their events, before the last commit
+            self.recorder.end_waits()
         if self.spool:
             await self.spool.commit()  # events reach the disk, and queue their settlements,
         if self.ledger:

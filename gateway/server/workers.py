@@ -3,8 +3,9 @@ GATEWAY_DOOR_WORKERS, that many more serving only the HTTP door (`<id>-d<i>`), t
 then everything but the door (app.Role).
 
 The parent only supervises: it restarts a worker that dies and serves /metrics (merged
-across workers with prometheus' multiprocess mode), /healthz and /readyz. A worker whose
-parent is gone (killed with SIGKILL) stops within a second: nobody would restart it.
+across workers with prometheus' multiprocess mode), /healthz and /readyz (every worker alive,
+holding a policy, its limiter store answering). A worker whose parent is gone (killed with
+SIGKILL) stops within a second: nobody would restart it.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
         app = App(settings, f"{base}-{name}", role)  # stable: a restart keeps its spool
         await app.start(serve_http_endpoints=False)
         tune_gc_after_startup()
-        if app.holder.policy is not None:
-            ready.set()
         stop = stop_on_signals()
         while not stop.is_set() and os.getppid() == parent:
-            with_policy = app.holder.policy is not None
-            (ready.set if with_policy else ready.clear)()
+            # Ready as `App.readyz` is: a policy held and the limiter store answering (as the
+            # watch loop last saw it, every second); else every admission fails closed.
+            ok = app.holder.policy is not None and app.store_up
+            (ready.set if ok else ready.clear)()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
         await app.stop()
