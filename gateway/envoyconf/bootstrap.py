@@ -108,6 +108,7 @@ with quiet_imports():
         HttpProtocolOptions,
         HttpProtocolOptionsHeadersWithUnderscoresAction,
         SubstitutionFormatString,
+        TypedExtensionConfig,
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
     from envoy_data_plane.envoy.config.route.v3 import (
@@ -132,6 +133,9 @@ with quiet_imports():
         HttpConnectionManagerTracing,
         HttpFilter,
     )
+    from envoy_data_plane.envoy.extensions.formatter.req_without_query.v3 import (
+        ReqWithoutQuery,
+    )
     from envoy_data_plane.google.protobuf import Any, Struct
 
 HEADER = (
@@ -147,7 +151,7 @@ ACCESS_LOG_FORMAT = {
     "start_time": "%START_TIME%",
     "request_id": "%REQ(X-REQUEST-ID)%",
     "method": "%REQ(:METHOD)%",
-    "path": "%REQ(:PATH)%",
+    "path": "%REQ_WITHOUT_QUERY(:PATH)%",  # a query string may carry a secret
     "status": "%RESPONSE_CODE%",
     "flags": "%RESPONSE_FLAGS%",
     "details": "%RESPONSE_CODE_DETAILS%",
@@ -350,7 +354,10 @@ def _stdout_access_log(source: MeteringSource) -> AccessLog:
     fmt = dict(ACCESS_LOG_FORMAT)
     if source.lua_filters:
         fmt["usage"] = f"%DYNAMIC_METADATA({USAGE_NAMESPACE})%"
-    log_format = SubstitutionFormatString(json_format=Struct.from_dict(fmt))
+    log_format = SubstitutionFormatString(
+        json_format=Struct.from_dict(fmt),
+        formatters=[TypedExtensionConfig(  # %REQ_WITHOUT_QUERY%: the path, no query string
+            name="envoy.formatter.req_without_query", typed_config=Any.pack(ReqWithoutQuery()))])
     return AccessLog(
         name="envoy.access_loggers.stdout",
         # one line per request, not one per heartbeat of a long stream

@@ -244,6 +244,18 @@ def test_access_log_says_how_long_the_gateway_held_a_request(
                             denied.headers["x-request-id"]).get("to_engine_us") is None
 
 
+def test_the_access_log_never_holds_a_query_string(spoke: Spoke) -> None:
+    """A client that puts its key in the URL (`?api_key=`, as some SDKs allow) is refused,
+    and Envoy's access log names the path without the query: no secret in the logs."""
+    secret = "sk-gw-querykey-" + "q" * 43
+    r = httpx.post(f"{spoke.base_url}/chat/completions?api_key={secret}",
+                   json={"model": "mock-model", "messages": []})
+    assert r.status_code == 401
+    entry = access_log_entry(spoke["envoy"].log_path, "request_id", r.headers["x-request-id"])
+    assert entry["path"] == "/v1/chat/completions"
+    assert secret not in spoke["envoy"].log_path.read_text()
+
+
 # --- issue 21: every answer in the API's shape; headers that are true ---------------------------
 
 
