@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
+from collections.abc import Iterator
+
+from gateway.errors import ListenError
 
 
 class AddressError(ValueError):
@@ -16,6 +21,20 @@ def split_hostport(hostport: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise AddressError(f"{what}: {hostport!r} is not host:port")
     return host, int(port_text)
+
+
+@contextlib.contextmanager
+def binding(address: str, setting: str) -> Iterator[None]:
+    """Bind inside: a failure is one ListenError naming the address and its setting, not a
+    traceback ('cannot listen on 127.0.0.1:9102 (GATEWAY_METRICS_LISTEN): Address already in
+    use'). gRPC says only RuntimeError('Failed to bind ...'); asyncio an OSError."""
+    try:
+        yield
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno is not None else str(exc)
+        raise ListenError(f"cannot listen on {address} ({setting}): {reason}") from None
+    except RuntimeError as exc:
+        raise ListenError(f"cannot listen on {address} ({setting}): {exc}") from None
 
 
 def is_ip(host: str) -> bool:

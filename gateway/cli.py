@@ -17,7 +17,7 @@ from typing import Any
 from gateway.addresses import AddressError, split_hostport
 from gateway.cli_tools import add_tools, store_flags
 from gateway.envoy_contract import RECORDS_FLUSH_MS
-from gateway.errors import SpoolLocked, SpoolUnusable
+from gateway.errors import ListenError, SpoolLocked, SpoolUnusable
 from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
 
 _settings = cli_settings
@@ -48,8 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit("GATEWAY_DOOR_WORKERS needs the HTTP door "
                              "(GATEWAY_AUTHZ_HTTP_LISTEN is empty)")
         from gateway.server.workers import run_workers
-        run_workers(s)
-        return 0
+        return run_workers(s)
     import uvloop
 
     from gateway.server.app import run
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except AddressError as exc:  # a listen address or an upstream that is not host:port
         print(f"error: {exc} (its flag or setting)", file=sys.stderr)
         return 2
-    except (SpoolLocked, SpoolUnusable) as exc:  # serve: where its events would wait
+    except (SpoolLocked, SpoolUnusable, ListenError) as exc:  # serve: its spool, its ports
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except _redis_error() as exc:  # the spoke's Redis away, refusing, or no primary known

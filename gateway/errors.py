@@ -88,5 +88,9 @@ class SpoolUnusable(GatewayError):
     pass
 
 
+class ListenError(GatewayError):
+    """A listen address this process cannot bind (taken, not this host's): names its setting."""
+
+
 class ReportError(GatewayError, ValueError):
     """A request for a report that cannot be answered (a bad date, an empty database)."""

@@ -13,10 +13,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway import metrics, redis_clients
-from gateway.addresses import split_hostport
+from gateway.addresses import binding, split_hostport
 from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
+from gateway.errors import ListenError
 from gateway.hub.status import Status, StatusReporter, now_text
 from gateway.limits.ahead import AheadLimiter
 from gateway.limits.ledger import Ledger
@@ -78,6 +79,14 @@ class App:
     recorder: Recorder | None = None  # the usage events (not in a door process)
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
+        try:
+            await self._start(serve_http_endpoints)
+        except ListenError:  # stop what began before the taken address: no noise at exit
+            with contextlib.suppress(Exception):
+                await self.stop(0)
+            raise
+
+    async def _start(self, serve_http_endpoints: bool) -> None:
         s = self.settings
         clock = SystemClock()
         self.instance_id = choose_instance(s.spool_dir, self.instance_id)
@@ -151,20 +160,24 @@ class App:
             records.register(self.server)
             self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-            self.server.add_insecure_port(s.listen)
+            with binding(s.listen, "GATEWAY_LISTEN"):
+                self.server.add_insecure_port(s.listen)
             await self.server.start()
         if serves_door:
             host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
-            self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
+            with binding(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN"):
+                self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
         if s.records_http_listen and records is not None:
             host, port = split_hostport(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN")
-            self.records_http = await records_http.serve(records, host, port,
-                                                         s.max_message_bytes)
+            with binding(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN"):
+                self.records_http = await records_http.serve(records, host, port,
+                                                             s.max_message_bytes)
         await self._set_health()
         if serve_http_endpoints:
             host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")
-            self.http = await serve_http(host, port, {
-                "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
+            with binding(s.metrics_listen, "GATEWAY_METRICS_LISTEN"):
+                self.http = await serve_http(host, port, {
+                    "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
         log.info("serving", role=self.role,
                  listen=s.listen if self.server else None,
                  authz_http=s.authz_http_listen if serves_door else None,

@@ -15,16 +15,20 @@ import contextlib
 import multiprocessing as mp
 import os
 import socket
+import sys
 import tempfile
 from multiprocessing.synchronize import Event as MpEvent
 from typing import TYPE_CHECKING
 
+from gateway.errors import ListenError
 from gateway.log import configure, log
 from gateway.settings import Settings
 from gateway.tasks import stop_on_signals
 
 if TYPE_CHECKING:
     from gateway.server.app import Role
+
+CANNOT_LISTEN = 3  # a worker's exit code: its address is taken, so restarting it is futile
 
 
 def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: int) -> None:
@@ -38,7 +42,11 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
     async def main() -> None:
         base = settings.instance_id or socket.gethostname()
         app = App(settings, f"{base}-{name}", role)  # stable: a restart keeps its spool
-        await app.start(serve_http_endpoints=False)
+        try:
+            await app.start(serve_http_endpoints=False)
+        except ListenError as exc:  # a restart would fail the same: the supervisor stops
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(CANNOT_LISTEN)
         tune_gc_after_startup()
         stop = stop_on_signals()
         while not stop.is_set() and os.getppid() == parent:
@@ -53,7 +61,7 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
     uvloop.run(main())
 
 
-def run_workers(settings: Settings) -> None:
+def run_workers(settings: Settings) -> int:
     os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="gateway-prom-"))
     ctx = mp.get_context("spawn")
     roles = workers_of(settings)
@@ -66,13 +74,10 @@ def run_workers(settings: Settings) -> None:
         p.start()
         procs[name] = (p, ready)
 
-    for name in roles:
-        spawn(name)
-
-    async def supervise() -> None:
+    async def supervise() -> int:
         from prometheus_client import multiprocess
 
-        from gateway.addresses import split_hostport
+        from gateway.addresses import binding, split_hostport
         from gateway.ops_http import healthz, metrics_handler, serve_http
 
         async def readyz() -> tuple[int, str, bytes]:
@@ -80,12 +85,19 @@ def run_workers(settings: Settings) -> None:
             return (200 if ok else 503), "text/plain", b"ready\n" if ok else b"not ready\n"
 
         host, port = split_hostport(settings.metrics_listen, "GATEWAY_METRICS_LISTEN")
-        server = await serve_http(host, port, {
-            "/metrics": metrics_handler, "/healthz": healthz, "/readyz": readyz})
+        with binding(settings.metrics_listen, "GATEWAY_METRICS_LISTEN"):  # before any worker
+            server = await serve_http(host, port, {
+                "/metrics": metrics_handler, "/healthz": healthz, "/readyz": readyz})
+        for name in roles:
+            spawn(name)
         stop = stop_on_signals()
+        code = 0
         while not stop.is_set():
             for name, (p, _) in list(procs.items()):
-                if not p.is_alive():
+                if p.exitcode == CANNOT_LISTEN:  # it said why on stderr
+                    code = 1
+                    stop.set()
+                elif not p.is_alive():
                     log.error("worker_died", worker=name, exitcode=p.exitcode)
                     # Its live gauges (spool depth, ready) would otherwise stay summed
                     # into /metrics beside its successor's.
@@ -98,8 +110,9 @@ def run_workers(settings: Settings) -> None:
             p.terminate()
         for p, _ in procs.values():
             p.join(5)
+        return code
 
-    asyncio.run(supervise())
+    return asyncio.run(supervise())
 
 
 def workers_of(settings: Settings) -> dict[str, Role]:

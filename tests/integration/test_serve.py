@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 import yaml
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -111,6 +112,33 @@ def test_a_spool_directory_it_cannot_make_is_one_clear_line(tmp_path: Path) -> N
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"error: spool directory {spool}/" in proc.stderr
     assert "GATEWAY_SPOOL_DIR" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("workers", "taken"), [
+    (1, "GATEWAY_METRICS_LISTEN"), (1, "GATEWAY_AUTHZ_HTTP_LISTEN"), (1, "GATEWAY_LISTEN"),
+    (2, "GATEWAY_METRICS_LISTEN"), (2, "GATEWAY_AUTHZ_HTTP_LISTEN")])
+def test_a_taken_port_is_one_clear_line_naming_its_setting(
+        tmp_path: Path, redis_url: str, workers: int, taken: str) -> None:
+    """Another process holds one of the addresses: `serve` exits 1 naming the address and
+    its setting, alone or with workers (whose supervisor stops rather than restarting a
+    worker that would fail the same, for ever), not with a traceback."""
+    import socket
+    import subprocess
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy())
+    env = {**os.environ, "GATEWAY_REDIS_URL": redis_url, "GATEWAY_WORKERS": str(workers),
+           "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
+           **{k: f"127.0.0.1:{free_port()}" for k in (
+               "GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN", "GATEWAY_METRICS_LISTEN")}}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        env[taken] = f"127.0.0.1:{holder.getsockname()[1]}"
+        proc = subprocess.run([sys.executable, "-m", "gateway", "serve"], env=env, timeout=60,
+                              capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: cannot listen on {env[taken]} ({taken}): " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
 
 
 def test_serve_without_a_policy_refuses_and_says_why(tmp_path: Path, redis_url: str) -> None:
