@@ -2,7 +2,10 @@
 sidecar (SIGSTOP: the connection is open, nothing replies) gets each request a 503 at
 Envoy's ext_authz timeout, and none reaches the engine. Peers: envoy #32476 (fail-closed
 not applied to gRPC ext_authz on a timeout), envoyproxy/ratelimit #462 (fail-open with
-stalls), wasm-shim #372 (the connection dropped instead of an answer)."""
+stalls), wasm-shim #372 (the connection dropped instead of an answer). The 503 is in the
+API's JSON shape, as the sidecar's own: Envoy alone answers it with no body. The Envoy
+metering source (the default) only: the ext_proc source keeps Envoy's bare 503
+(gateway/envoyconf/filters.py `local_replies`); its timeout is test_faults.py's."""
 
 from __future__ import annotations
 
@@ -48,12 +51,28 @@ def test_a_frozen_sidecar_is_a_503_at_the_timeout_and_nothing_reaches_the_engine
     spoke["sidecar"].pause()
     try:
         answers = [_post(spoke, keys["fault"]) for _ in range(3)]
+        messages = httpx.post(f"{spoke.base_url}/messages", timeout=10,
+                              headers={"x-api-key": keys["fault"]},
+                              json={"model": "mock-model", "max_tokens": 1,
+                                    "messages": [{"role": "user", "content": "hi"}]})
     finally:
         spoke["sidecar"].resume()
     assert [code for code, _, _ in answers] == [503] * 3  # an answer, never an allow
     assert max(took for _, took, _ in answers) < 1.5  # Envoy's 0.5 s ext_authz timeout
     assert _engine_requests(spoke) == before
+    for _, _, r in answers:  # in the API's shape (Envoy alone sends no body), retry-after 1
+        assert r.json()["error"]["code"] == "service_unavailable", r.text
+        assert r.json()["request_id"] == r.headers["x-request-id"]
+        assert r.headers["retry-after"] == "1"
+    assert (messages.status_code, messages.json()["error"]["type"]) == (503, "overloaded_error")
     deadline = time.monotonic() + 10
     while _post(spoke, keys["fault"])[0] != 200:  # and it serves again once thawed
         assert time.monotonic() < deadline, "not serving after the sidecar resumed"
         time.sleep(0.1)
+    # The sidecar's own 503 (its Redis hung past the deadline) keeps the sidecar's words.
+    spoke["redis"].pause()
+    try:
+        code, _, own = _post(spoke, keys["fault"])
+    finally:
+        spoke["redis"].resume()
+    assert code == 503 and "Rate limiter unavailable" in own.json()["error"]["message"]
