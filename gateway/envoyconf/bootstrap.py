@@ -314,7 +314,8 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         merge_slashes=True,
         path_with_escaped_slashes_action=(
             HttpConnectionManagerPathWithEscapedSlashesAction.UNESCAPE_AND_FORWARD),
-        local_reply_config=local_replies(limits.max_request_bytes, limits.authz_http),
+        local_reply_config=local_replies(limits.max_request_bytes, limits.authz_http,
+                                         not limits.source.ext_proc_filter),
         common_http_protocol_options=HttpProtocolOptions(
             headers_with_underscores_action=(
                 HttpProtocolOptionsHeadersWithUnderscoresAction.DROP_HEADER)),

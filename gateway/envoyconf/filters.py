@@ -73,6 +73,7 @@ with quiet_imports():
         AndFilter,
         ComparisonFilter,
         ComparisonFilterOp,
+        ExtensionFilter,
         HeaderFilter,
         ResponseFlagFilter,
         StatusCodeFilter,
@@ -81,11 +82,16 @@ with quiet_imports():
         ApiVersion,
         GrpcService,
         GrpcServiceEnvoyGrpc,
+        HeaderValue,
+        HeaderValueOption,
         HttpUri,
         RuntimeUInt32,
         SubstitutionFormatString,
     )
     from envoy_data_plane.envoy.config.route.v3 import HeaderMatcher
+    from envoy_data_plane.envoy.extensions.access_loggers.filters.cel.v3 import (
+        ExpressionFilter,
+    )
     from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import (
         AuthorizationResponse,
         BufferSettings,
@@ -106,7 +112,7 @@ with quiet_imports():
     )
     from envoy_data_plane.envoy.type.matcher.v3 import ListStringMatcher, StringMatcher
     from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
-    from envoy_data_plane.google.protobuf import Struct
+    from envoy_data_plane.google.protobuf import Any, Struct
 
 EXT_AUTHZ = "envoy.filters.http.ext_authz"
 EXT_PROC = "envoy.filters.http.ext_proc"
@@ -153,12 +159,48 @@ def _http_door(timeout: timedelta) -> HttpService:
             dynamic_metadata_from_headers=_matchers(METADATA_KEYS)))
 
 
-def local_replies(max_request_bytes: int, authz_http: bool) -> LocalReplyConfig:
+def local_replies(max_request_bytes: int, authz_http: bool,
+                  authz_error_body: bool = True) -> LocalReplyConfig:
     """Envoy's own answers in the API's shape: a body over the limit gets a JSON 413
     (Anthropic's on the Messages API, OpenAI's elsewhere) instead of Envoy's plain text;
-    and, with the HTTP door, its stand-in statuses turned back (`http_door_replies`)."""
+    with the HTTP door, its stand-in statuses turned back (`http_door_replies`); and, unless
+    `authz_error_body` is false, a failed Check's 503 gets a JSON body
+    (`authz_error_replies`). False with the ext_proc filter: a local reply's body streams
+    through ext_proc, which in full-duplex mode has no timeout, so a frozen sidecar would
+    hold that 503 until it thawed (Envoy's bare 503 skips ext_proc's body stream)."""
     door = http_door_replies() if authz_http else []
-    return LocalReplyConfig(mappers=[*door, *too_large_replies(max_request_bytes)])
+    failed = authz_error_replies() if authz_error_body else []
+    return LocalReplyConfig(mappers=[*door, *failed, *too_large_replies(max_request_bytes)])
+
+
+# Envoy's response code details when ext_authz fails (the sidecar down, slower than the
+# timeout, or its door answering a 5xx), as against a denial's `ext_authz_denied`.
+AUTHZ_ERROR_DETAILS = "ext_authz_error"
+
+
+def authz_error_replies() -> list[ResponseMapper]:
+    """ext_authz failing: Envoy answers its `status_on_error` (503) with no body at all, which
+    the SDKs read as a bare status. Given the API's JSON instead (by route, as the sidecar's
+    own 503 in gateway/authz/answers.py `unavailable`) and its `retry-after: 1`. Told from
+    the sidecar's own 503 denial by Envoy's response code details (a CEL filter)."""
+    message = "The gateway could not check this request in time; try again."
+    failed = AccessLogFilter(extension_filter=ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel", typed_config=Any.pack(
+            ExpressionFilter(expression=f"response.code_details == '{AUTHZ_ERROR_DETAILS}'"))))
+    on_messages = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
+        name=":path", string_match=StringMatcher(prefix=ANTHROPIC_PREFIX))))
+    anthropic: dict[str, object] = {"type": "error", "error": {
+        "type": "overloaded_error", "message": message}, "request_id": "%REQ(X-REQUEST-ID)%"}
+    openai: dict[str, object] = {"error": {
+        "message": message, "type": "server_error", "param": None,
+        "code": "service_unavailable"}, "request_id": "%REQ(X-REQUEST-ID)%"}
+    retry = [HeaderValueOption(header=HeaderValue(key="retry-after", value="1"))]
+    return [
+        ResponseMapper(filter=AccessLogFilter(and_filter=AndFilter(filters=[
+            failed, on_messages])), body_format_override=_json(anthropic),
+            headers_to_add=retry),
+        ResponseMapper(filter=failed, body_format_override=_json(openai), headers_to_add=retry),
+    ]
 
 
 def too_large_replies(max_request_bytes: int) -> list[ResponseMapper]:

@@ -128,3 +128,37 @@ def test_keys_show_reads_what_is_used_and_left_from_the_limiters_counters(
     assert ["key", key_id, "tokens_per_day", str(DAY), str(billed), str(DAY - billed)] in \
         [row[:6] for row in rows]
     assert main(["keys", "show", "no_such_key", "--redis-url", spoke.redis_url]) == 2
+
+
+def test_a_streams_usage_counts_against_its_token_limit_and_remaining_falls_by_it(
+        spoke: Spoke, priced: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Streams whose client never asked for usage are charged what the engine reported, in
+    the limiter's windows, and the next answer's remaining tokens fall by exactly that (peers:
+    LiteLLM #41610, streaming TPM never enforced; ai-gateway #1754, remaining never falls)."""
+    key_id, secret = priced
+    chat = client(spoke, secret).chat.completions.with_raw_response
+    r = redis.Redis.from_url(spoke.redis_url)
+    rids, remaining = [], []
+    for _ in range(3):  # the same body each time: the same reservation
+        raw = chat.create(model="mock-model", messages=MSG, max_tokens=7, stream=True)
+        chunks = list(raw.parse())
+        assert all(c.usage is None for c in chunks)  # the client did not ask for usage
+        rids.append(_rid(raw))
+        remaining.append(int(raw.headers["x-ratelimit-remaining-tokens"]))
+        deadline = time.monotonic() + 10  # settled: its reservation replaced by its count
+        while r.exists(f"gw:req:{rids[-1]}"):
+            assert time.monotonic() < deadline, "the admission was not settled"
+            time.sleep(0.02)
+    by_id = {e["event_id"]: e for e in read_events(spoke.kafka_bootstrap, set(rids))}
+    billed = [int(by_id[rid]["usage"]["total_tokens"]) for rid in rids]
+    assert all(by_id[rid]["usage_source"] == "reported" for rid in rids)
+    assert all(b > 0 for b in billed)
+    reserved = DAY - remaining[0]  # a fresh key: the first answer's remaining less its own
+    assert reserved != billed[0]  # so what follows tells the bill from the reservation
+    # each answer's remaining counts the stream before it at its billed size
+    assert remaining[0] - remaining[1] == billed[0]
+    assert remaining[1] - remaining[2] == billed[1]
+    assert main(["keys", "show", key_id, "--redis-url", spoke.redis_url, "-o", "json"]) == 0
+    [key] = [t for t in orjson.loads(capsys.readouterr().out)["tiers"] if t["tier"] == "key"]
+    day = {w["limit"]: w for w in key["windows"]}["tokens_per_day"]
+    assert day["used"] == sum(billed)  # the day's window holds the three streams' counts

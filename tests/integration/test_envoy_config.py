@@ -219,6 +219,33 @@ def test_client_cannot_choose_x_request_id(tmp_path: Path) -> None:
     assert chosen not in envoy.log_path.read_text()
 
 
+@pytest.mark.parametrize("door", DOORS)
+def test_a_check_that_fails_is_a_json_503_in_the_routes_shape(tmp_path: Path,
+                                                               door: str) -> None:
+    """The sidecar down (nothing listens): Envoy's fail-closed 503 carries the API's JSON,
+    by route, and retry-after, not Envoy's empty body. The ext_proc source keeps the empty
+    one (a body would wait on ext_proc: gateway/envoyconf/filters.py `local_replies`)."""
+    ports = random_ports(door)
+    admin, listen = port_of(ports.admin), port_of(ports.listen)
+    with envoy_service(render(ports), admin, listen, tmp_path):
+        for path, shape in (("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")):
+            request = urllib.request.Request(f"http://{ports.listen}{path}",
+                                             data=b'{"model": "m"}')
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(request, timeout=10)
+            assert answer.value.code == 503
+            assert answer.value.headers["retry-after"] == "1"
+            body = yaml.safe_load(answer.value.read())
+            assert body["request_id"] == answer.value.headers["x-request-id"]
+            if shape == "openai":
+                assert body["error"]["code"] == "service_unavailable"
+            else:
+                assert (body["type"], body["error"]["type"]) == ("error", "overloaded_error")
+    config = yaml.safe_load(render(random_ports(door), metering="ext_proc"))
+    for hcm in hcms(config):
+        assert "ext_authz_error" not in str(hcm.get("local_reply_config"))
+
+
 def denied_through_envoy(ports: EnvoyPorts, tmp_path: Path) -> int:
     """One request with a key, a cookie, a forged x-gateway-* and other headers through an
     Envoy rendered for `ports`, whose Check denies it: the status the client got."""

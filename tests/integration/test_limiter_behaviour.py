@@ -175,6 +175,22 @@ async def test_token_denial_takes_no_lease_and_no_rps(h: Harness) -> None:
     assert isinstance(await h.admit(t), Admitted)
 
 
+async def test_concurrency_denial_spends_no_rps(h: Harness) -> None:
+    """A request refused for concurrency is not counted as a request (LiteLLM #39309: there
+    a parallel-request rejection still consumes the key's RPM)."""
+    k = key("k1", rps=1, burst=2, concurrency=1)
+    assert isinstance(await h.admit(k, rid="a"), Admitted)  # one of the 2 burst cells
+    for rid in ("b", "c", "d"):
+        denied = await h.admit(k, rid=rid)
+        assert isinstance(denied, Refused) and denied.limit == "concurrency"
+    await h.settle("a", None)
+    # the clock has not moved: the second burst cell is still there, untouched by the denials
+    assert isinstance(await h.admit(k, rid="e"), Admitted)
+    await h.settle("e", None)
+    denied = await h.admit(k, rid="f")
+    assert isinstance(denied, Refused) and denied.limit == "rps"
+
+
 async def test_no_tiers_allows_and_owes_nothing(h: Harness) -> None:
     v = await h.admit()
     assert isinstance(v, Admitted) and not v.owes_settlement

@@ -18,7 +18,14 @@ import yaml
 from envoy.service.auth.v3 import external_auth_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from devspoke.procs import Service, exited, free_port, listening_children, port_open
+from devspoke.procs import (
+    Service,
+    exited,
+    free_port,
+    listening_children,
+    port_open,
+    redis_service,
+)
 from gateway.policy import secrets
 from testkit.check_requests import check_request
 
@@ -157,6 +164,29 @@ def test_serve_without_a_policy_refuses_and_says_why(tmp_path: Path, redis_url: 
         _until(lambda: _check_code(svc.port, SECRET) == 200, 10)
     finally:
         svc.stop()
+
+
+def test_serve_whose_redis_never_answers_refuses_everything(tmp_path: Path) -> None:
+    """A sidecar that cannot reach its Redis from the start does not serve unlimited (Higress
+    #4067: the limiter never connects and every request passes): every Check is refused,
+    /readyz says not ready, and it serves once the Redis it was given comes up."""
+    from gateway.cli import main
+    rport = free_port()
+    url = f"redis://127.0.0.1:{rport}/0"
+    svc, mport = _sidecar(tmp_path, {"GATEWAY_REDIS_URL": url})
+    redis = None
+    try:
+        assert httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 503
+        assert [_check_code(svc.port, SECRET) for _ in range(3)] == [503] * 3
+        redis = redis_service(rport, tmp_path).start()
+        (tmp_path / "p.yaml").write_text(_policy())
+        assert main(["policy", "apply", str(tmp_path / "p.yaml"), "--redis-url", url]) == 0
+        _until(lambda: _check_code(svc.port, SECRET) == 200, 15)
+        assert httpx.get(f"http://127.0.0.1:{mport}/readyz").status_code == 200
+    finally:
+        svc.stop()
+        if redis is not None:
+            redis.stop()
 
 
 def test_two_workers_share_one_port(tmp_path: Path, redis_url: str) -> None:

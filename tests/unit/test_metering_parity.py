@@ -256,6 +256,11 @@ CASES = [
           named("message_delta", {"type": "message_delta", "delta": {"stop_reason": None},
                                   "usage": {"output_tokens": None}})],
          "upstream_error", "estimated", flags="UPE"),
+    Case("chat, the engine reports zero tokens", CHAT,
+         [*WHOLE_CHAT, usage_only(usage(0, 0)), DONE], "completed", "reported",
+         hide=(True, False)),
+    Case("chat, cut by the client before its first token", CHAT, WHOLE_CHAT[:1],
+         "client_cancelled", "estimated", hide=(True, False), flags="DC"),
     Case("chat, a usage object without counts", CHAT,
          [chat("abcd", u=None), data({"id": "c1", "object": "chat.completion.chunk",
                                       "model": MODEL, "choices": [], "usage": {
@@ -492,3 +497,12 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     u = bill("chat, a count past 64 bits").usage
     assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (0, 3, 3)
     assert bill("embeddings, a count past 64 bits").usage.total_tokens == 0
+    # An engine's explicit 0 (e.g. an answer from its own cache) is its count: the content
+    # that streamed is not estimated over it (a peer's complaint: LiteLLM #37992).
+    b = bill("chat, the engine reports zero tokens")
+    assert (b.usage.prompt_tokens, b.usage.completion_tokens, b.usage.total_tokens) == (0, 0, 0)
+    # A client gone before the first token: the prompt (the engine read it), no completion,
+    # never the reservation's max_tokens (sub2api #4408 bills such a request in full).
+    b = bill("chat, cut by the client before its first token")
+    assert (b.usage.prompt_tokens, b.usage.completion_tokens) == (PROMPT_ESTIMATE, 0)
+    assert b.cancellation.delivered_completion_tokens == 0
