@@ -58,7 +58,7 @@ def test_a_frozen_sidecar_is_a_503_at_the_timeout_and_nothing_reaches_the_engine
     finally:
         spoke["sidecar"].resume()
     assert [code for code, _, _ in answers] == [503] * 3  # an answer, never an allow
-    assert max(took for _, took, _ in answers) < 1.5  # Envoy's 0.5 s ext_authz timeout
+    assert max(took for _, took, _ in answers) < 5  # at the timeout, not the thaw
     assert _engine_requests(spoke) == before
     for _, _, r in answers:  # in the API's shape (Envoy alone sends no body), retry-after 1
         assert r.json()["error"]["code"] == "service_unavailable", r.text
