@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from gateway.addresses import AddressError, split_hostport
-from gateway.cli_tools import add_tools, store_flags
+from gateway.cli_tools import add_tools, positive_seconds, store_flags
 from gateway.envoy_contract import RECORDS_FLUSH_MS
-from gateway.errors import ListenError, SpoolLocked, SpoolUnusable
+from gateway.errors import ListenError, PolicyError, SpoolLocked, SpoolUnusable
 from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
 
 _settings = cli_settings
@@ -178,7 +178,8 @@ def parser() -> argparse.ArgumentParser:
                    help="Envoy's admin interface, loopback only (default: %(default)s)")
     p.add_argument("--otlp", default=None, metavar="HOST:PORT",
                    help="an OTLP/gRPC collector for Envoy's traces (default: no tracing)")
-    p.add_argument("--record-heartbeat-s", dest="record_heartbeat_s", type=float, default=10.0,
+    p.add_argument("--record-heartbeat-s", dest="record_heartbeat_s", type=positive_seconds,
+                   default=10.0,
                    help="Envoy-fed metering: a record of each request in flight this often, "
                         "the sidecar's proof it lives (= its GATEWAY_RECORD_HEARTBEAT_S; "
                         "default: %(default)s)")
@@ -205,7 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, not at exit: a reader gone (`| head`) is seen below
+        return code
+    except BrokenPipeError:  # `| head` has what it wanted: stop quietly, as head(1)'s writer
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C in a short command: stopped, no traceback
+        return 130
+    except PolicyError as exc:  # the stored policy (embedded mode's file) does not read
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except AddressError as exc:  # a listen address or an upstream that is not host:port
         print(f"error: {exc} (its flag or setting)", file=sys.stderr)
         return 2

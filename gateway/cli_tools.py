@@ -7,6 +7,7 @@ Commands and flags: docs/contracts.md §3."""
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from gateway.billing.commands import (
@@ -34,8 +35,20 @@ from gateway.policy_commands import (
     cmd_policy_apply,
     cmd_policy_show,
     cmd_policy_status,
+    finite_number,
     limit_value,
 )
+
+
+def positive_seconds(text: str) -> float:
+    """A flag's number of seconds: above 0 and finite (nan passed `<= 0` checks)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
 
 
 def store_flags(p: argparse.ArgumentParser) -> None:
@@ -136,7 +149,7 @@ def add_tools(sub: Any) -> None:
                    help="1-64 letters, digits or '_' (default: key_ + 8 random hex)")
     p.add_argument("--models", default=None, help="comma-separated globs; narrows the team's")
     p.add_argument("--expires-in", dest="expires_in", default=None, help="e.g. 30d")
-    p.add_argument("--rps", type=float, default=None,
+    p.add_argument("--rps", type=finite_number, default=None,
                    help="requests per second (default: no key-tier limit)")
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight (default: no key-tier limit)")
@@ -245,7 +258,7 @@ def add_tools(sub: Any) -> None:
 
     p = hub.add_parser("allocate", help="the reference allocator (long-running): divides "
                                         "each global quota into per-spoke allowances")
-    p.add_argument("--interval-s", dest="interval_s", type=float, default=5.0,
+    p.add_argument("--interval-s", dest="interval_s", type=positive_seconds, default=5.0,
                    help="seconds between allocations (default: %(default)s); a spoke's "
                         "report that frees a share is acted on at once")
     p.add_argument("--bootstrap", default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,10 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
     except (admin.ApplyRefused, OSError) as exc:
         print(f"nothing published: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # e.g. a revision conflict or Redis down: say it, exit non-zero
+    except Exception as exc:  # e.g. a revision conflict: say it, exit non-zero
+        from redis.exceptions import RedisError
+        if isinstance(exc, RedisError):
+            raise  # Redis down: `gateway.cli.main` says so, naming GATEWAY_REDIS_URL
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"changes against revision {done.base}:")
@@ -175,8 +179,22 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _a_secret(key_id: str) -> bool:
+    """A secret given where a key id goes: said without echoing it (a terminal's scrollback,
+    a CI log), with the key id it carries."""
+    from gateway.policy import secrets
+    if not key_id.startswith(secrets.PREFIX):
+        return False
+    carried = key_id.removeprefix(secrets.PREFIX).split("-", 1)[0]
+    print(f"error: that is a key's secret, not its key id: give the key id ({carried!r} by "
+          "its prefix); `gateway keys list` lists them", file=sys.stderr)
+    return True
+
+
 def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
     from gateway.policy import admin
+    if _a_secret(args.key_id):
+        return 2
     try:
         done = run_value(edit(_backend(_settings(args)), args.key_id))
     except KeyError:
@@ -199,6 +217,8 @@ def cmd_keys_show(args: argparse.Namespace) -> int:
     from gateway import keys_show
     from gateway.policy.model import Policy
     s = _settings(args)
+    if _a_secret(args.key_id):
+        return 2
     rev, doc = run_value(_backend(s).read())
     if args.key_id not in doc.keys:
         print(f"error: no key {args.key_id}", file=sys.stderr)
@@ -245,7 +265,22 @@ def limit_value(text: str) -> float | None:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or `none`") from None
+    if not math.isfinite(value):  # nan, inf: published as null, i.e. no limit at all
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (`none` removes "
+                                         "the limit)")
     return int(value) if value.is_integer() else value
+
+
+def finite_number(text: str) -> float:
+    """A limit flag of `keys create`: a finite number (nan and inf would be published as
+    null, i.e. no limit, said nowhere); its range is the policy's to check."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def cmd_keys_update(args: argparse.Namespace) -> int:

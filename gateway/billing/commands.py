@@ -6,10 +6,40 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway.settings import Settings
+
+if TYPE_CHECKING:
+    from gateway.billing.db import UsageDb
+
+
+def open_db(url: str, *, create: bool) -> UsageDb:
+    """The billing database of --db, or ValueError naming the flag and what is wrong: a URL
+    that is neither sqlite:///FILE nor postgresql:// (it was taken as a file name), a
+    database that cannot be opened, or (`create` False: report, reconcile) a SQLite file
+    that does not exist (it was created empty)."""
+    if not url.startswith(("sqlite://", "postgresql://", "postgres://")):
+        raise ValueError(f"--db {url}: not sqlite:///FILE or postgresql://...")
+    path = url.removeprefix("sqlite:///").removeprefix("sqlite://") or "usage.db"
+    if not create and url.startswith("sqlite") and not Path(path).is_file():
+        raise ValueError(f"--db {url}: no such database file: fill it with `gateway usage "
+                         f"consume --db {url}` first")
+    from gateway.billing.db import UsageDb
+    try:
+        return UsageDb(url)
+    except Exception as exc:  # sqlite3.Error, psycopg.Error: the server or file, named
+        shown = re.sub(r"//[^@/]*@", "//", url)  # no user or password
+        raise ValueError(f"--db {shown}: cannot open: {str(exc).splitlines()[0]}") from None
+
+
+def _kafka_error(bootstrap: str, exc: Exception) -> int:
+    print(f"error: kafka {bootstrap}: {exc} (is GATEWAY_KAFKA_BOOTSTRAP / --kafka right, and "
+          "Kafka up?)", file=sys.stderr)
+    return 1
 
 
 def _bootstrap(args: argparse.Namespace) -> tuple[str, str]:
@@ -20,6 +50,8 @@ def _bootstrap(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def cmd_usage_tail(args: argparse.Namespace) -> int:
+    from aiokafka.errors import KafkaError
+
     from gateway.billing.tail import tail
     bootstrap, topic = _bootstrap(args)
     if args.limit is not None and args.limit < 0:
@@ -32,31 +64,47 @@ def cmd_usage_tail(args: argparse.Namespace) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(tail(bootstrap, topic, write, args.limit, args.follow, args.pretty))
+    except KafkaError as exc:
+        return _kafka_error(bootstrap, exc)
     except BrokenPipeError:  # `| head` has what it wanted: stop quietly, as tail(1) does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
     return 0
 
 
 def cmd_usage_consume(args: argparse.Namespace) -> int:
+    from aiokafka.errors import KafkaError
+
     from gateway.billing.consumer import consume
     from gateway.log import configure
     configure("info", cache=False)  # low volume; run in-process by the tests too
     bootstrap, topic = _bootstrap(args)
+    if args.count < 0:
+        print(f"error: --count {args.count}: give a count of 0 (no limit) or more",
+              file=sys.stderr)
+        return 2
+    try:
+        open_db(args.db, create=True).close()  # a bad --db: said before Kafka is asked
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stop = (lambda n: n >= args.count) if args.count else None
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(consume(bootstrap, topic, args.db, args.group, stop, args.until_caught_up))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(consume(bootstrap, topic, args.db, args.group, stop,
+                                args.until_caught_up))
+    except KafkaError as exc:
+        return _kafka_error(bootstrap, exc)
     return 0
 
 
 def cmd_usage_report(args: argparse.Namespace) -> int:
     from gateway.billing import report
-    from gateway.billing.db import UsageDb
     try:
         since = report.day_bound(args.since, "--since")
         until = report.day_bound(args.until, "--until")
-        db = UsageDb(args.db)
+        db = open_db(args.db, create=False)
         rep = report.report(db, args.by, since, until, args.per or "")
-    except report.ReportError as exc:
+    except ValueError as exc:  # ReportError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(report.render(rep, args.output))
@@ -88,15 +136,15 @@ def spool_dir(flag: str | None, env: str | None, default: Path) -> Path:
 
 
 def cmd_usage_reconcile(args: argparse.Namespace) -> int:
-    from gateway.billing.db import UsageDb, gaps
+    from gateway.billing.db import gaps
     from gateway.sinks.spools import spooled
     try:
         root = spool_dir(args.spool_dir, os.environ.get("GATEWAY_SPOOL_DIR"),
                          Settings.model_fields["spool_dir"].default)
+        db = open_db(args.db, create=False)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    db = UsageDb(args.db)
     unreadable, first = db.rejected(limit=SHOW_REJECTED)
     if not db.has_events() and not unreadable:
         print(f"error: {args.db} holds no usage events: fill it with `gateway usage consume "

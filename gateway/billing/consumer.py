@@ -4,6 +4,7 @@ one bad record would otherwise hold every later event back from billing, on ever
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -30,6 +31,17 @@ def usage_consumer(bootstrap: str, topic: str, group: str | None,
     return consumer
 
 
+async def started(consumer: AIOKafkaConsumer) -> None:
+    """`consumer.start()`; when it fails (no broker answers), the consumer is stopped before
+    the error goes on, so no 'Unclosed AIOKafkaConsumer' follows the error line."""
+    try:
+        await consumer.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+        raise
+
+
 async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway-billing",
                   stop_when: Callable[[int], bool] | None = None,
                   until_caught_up: bool = False) -> int:
@@ -38,7 +50,11 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     db = UsageDb(db_url)
     from_the_start = _FromTheStartWhileEmpty(db)
     consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
-    await consumer.start()
+    try:
+        await started(consumer)
+    except BaseException:
+        db.close()
+        raise
     total = dups = rejects = 0
     try:
         while stop_when is None or not stop_when(total):

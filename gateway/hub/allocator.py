@@ -72,7 +72,11 @@ class Allocator:
 
     async def _run(self, stop: asyncio.Event) -> None:
         c = qt.consumer(self.bootstrap, self.usage_topic, qt.POLICY_TOPIC, qt.QUOTA_TOPIC)
-        await c.start()
+        try:
+            await c.start()
+        except BaseException:  # Kafka away: closed here, not left to the GC ('Unclosed
+            await stop_consumer(c)  # AIOKafkaConsumer' at each retry of the outage)
+            raise
         pub = qt.QuotaPublisher(self.bootstrap, self.idempotence)
         try:
             await qt.read_until_caught_up(c, self.fold)

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gateway.errors import ApplyRefused
+from gateway.errors import ApplyRefused, PolicyError
 from gateway.policy import secrets
 from gateway.policy.loader import dump_yaml, parse_doc, to_data
 from gateway.policy.schema import PolicyDoc, utc_text
@@ -40,7 +40,11 @@ class FileBackend:
     async def read(self) -> tuple[int, PolicyDoc]:
         if not self.path.exists():
             return 0, PolicyDoc()
-        doc = parse_doc(self.path.read_bytes(), str(self.path))
+        try:
+            text = self.path.read_bytes()
+        except OSError as exc:  # a directory, unreadable: the path and why, not a traceback
+            raise PolicyError([f"cannot read: {exc.strerror}"], str(self.path)) from None
+        doc = parse_doc(text, str(self.path))
         return doc.revision or 0, doc
 
     async def write(self, doc: PolicyDoc, expect: int | None) -> int:

@@ -156,7 +156,12 @@ class FilePolicySync:
             return
         self._stamp = stamp
         try:
-            doc = loader.parse_doc(self.path.read_bytes(), str(self.path))
+            text = self.path.read_bytes()
+        except OSError as exc:  # e.g. a directory: said, as a file that is not there is
+            log.error("policy_file_unreadable", path=str(self.path), error=str(exc))
+            return
+        try:
+            doc = loader.parse_doc(text, str(self.path))
         except PolicyError as err:
             # NACKed as the revision it would have been (the hub's status reports it); the
             # one held keeps serving, and the next good edit takes that number
