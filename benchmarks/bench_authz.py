@@ -27,6 +27,7 @@ import argparse
 import base64
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -87,12 +88,12 @@ class Mode:
     warmup_s: float  # gRPC warm-up per run
     duration_s: float  # gRPC measured phase per run (bounded by max_calls too)
     max_calls: int
-    http_warmup_s: int  # wrk takes whole seconds
-    http_duration_s: int
+    http_warmup_s: float  # wrk takes whole seconds: it runs the next whole second up
+    http_duration_s: float
 
 
 QUICK = Mode("quick", rounds=1, warmup_s=0.25, duration_s=0.5, max_calls=20_000,
-             http_warmup_s=1, http_duration_s=1)
+             http_warmup_s=0.25, http_duration_s=0.5)
 FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
             http_warmup_s=1, http_duration_s=4)
 
@@ -487,10 +488,11 @@ class Bench:
         """Warm-up, then the measured run; with `probe`, count Lua calls and leaked leases."""
         mode = self.mode
         if self.http_client == "wrk":
-            run_wrk(script, port, conc, mode.http_warmup_s, self.load_cpus, {})
+            run_wrk(script, port, conc, math.ceil(mode.http_warmup_s), self.load_cpus, {})
             leases0 = probe.live_leases() if probe else 0
             lua0 = probe.lua_calls() if probe else 0
-            result = run_wrk(script, port, conc, mode.http_duration_s, self.load_cpus, pids)
+            result = run_wrk(script, port, conc, math.ceil(mode.http_duration_s), self.load_cpus,
+                             pids)
             requests = result["calls"]
         else:
             assert self.loadgen is not None
