@@ -328,7 +328,8 @@ class Bench:
             wall = time.perf_counter() - t0
         finally:
             gc.enable()
-        await asyncio.sleep(SETTLE_S)
+        if rnd >= 0 or not self.args.quick:  # --quick: the warm-up settles once, at its end
+            await asyncio.sleep(SETTLE_S)
         after, woke_after = self.cpu(), self.wakeups()
         for a in answers:
             if a.request_id and a.status == 200:
@@ -356,6 +357,8 @@ class Bench:
             for path in self.paths:  # warm-up: connections, Kafka producers, caches
                 for workload in WORKLOADS:
                     await self.phase(session, -1, path, workload, 8, 3)
+            if self.args.quick:
+                await asyncio.sleep(SETTLE_S)
             before, t0 = self.cpu(), time.perf_counter()
             await asyncio.sleep(self.args.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
@@ -633,7 +636,7 @@ def main() -> int:
     parser.add_argument("--rates", default=",".join(map(str, RATES)),
                         help="the sweep's req/s, comma-separated (default: %(default)s)")
     parser.add_argument("--rate-s", type=float, default=None,
-                        help="seconds at each rate (quick 1, full 6)")
+                        help="seconds at each rate (quick 0.5, full 6)")
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
@@ -665,14 +668,14 @@ def main() -> int:
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.rates = [int(r) for r in args.rates.split(",")]
-    args.rate_s = args.rate_s or (1.0 if args.quick else 6.0)
+    args.rate_s = args.rate_s or (0.5 if args.quick else 6.0)
     if not set(args.concurrency) <= set(CONCURRENCY):
         parser.error(f"--concurrency: each one of {CONCURRENCY}")
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.requests_c1 = args.requests_c1 or (20 if args.quick else 200)
     args.requests_c8 = args.requests_c8 or (40 if args.quick else 800)
     args.requests_c32 = args.requests_c32 or (64 if args.quick else 1600)
-    args.idle_s = 1.0 if args.quick else 3.0
+    args.idle_s = 0.5 if args.quick else 3.0
 
     import uvloop
 
