@@ -88,10 +88,10 @@ def main() -> int:
     ap.add_argument("--rates", default="50,500", help="requests a second, comma-separated")
     ap.add_argument("--seconds", type=float, default=12.0, help="per rate")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true", help="smoke test: 2 s a rate")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 s a rate")
     a = ap.parse_args()
     if a.quick:
-        a.seconds = 2.0
+        a.seconds = 1.0
     rates = [float(x) for x in a.rates.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="bench-wakeups-"))
     secret, free_secret = secrets.new_secret("bench"), secrets.new_secret("free")
