@@ -193,7 +193,8 @@ def test_bench_envoy_cost_small(tmp_path: Path) -> None:
     request answered, both Envoys priced."""
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(BENCH / "bench_envoy_cost.py"), "--variants",
-                           "no_file_log", "--rounds", "1", "--requests", "64", "--out", str(out)],
+                           "no_file_log", "--rounds", "1", "--requests", "64", "--idle-s", "0.5",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
