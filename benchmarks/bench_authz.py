@@ -92,8 +92,8 @@ class Mode:
     http_duration_s: float
 
 
-QUICK = Mode("quick", rounds=1, warmup_s=0.25, duration_s=0.5, max_calls=20_000,
-             http_warmup_s=0.25, http_duration_s=0.5)
+QUICK = Mode("quick", rounds=1, warmup_s=0.1, duration_s=0.3, max_calls=20_000,
+             http_warmup_s=0.1, http_duration_s=0.3)
 FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
             http_warmup_s=1, http_duration_s=4)
 
