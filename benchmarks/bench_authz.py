@@ -330,7 +330,6 @@ class Bench:
         for i in range(3):
             watchers[f"sentinel-{i}"] = self.procs.start(sentinel_service(
                 free_port(), self.workdir, SERVICE, redis.address), self.load_cpus)
-        wait_sentinels(watchers)
         # no ext_proc here to free leases
         doc = policy_doc(self.secret, key_concurrency=None, global_secret=self.global_secret)
         publish(redis_url, doc, "bench")
@@ -365,6 +364,9 @@ class Bench:
             svc.name = f"sidecar-{backend}"
             self.procs.start(svc, self.server_cpus)
             sidecars[backend] = (svc, metrics_port)
+        # The Sentinels meet (hello messages every 2 s) while the sidecars start: the sentinel
+        # sidecar needs only the primary, which every Sentinel is configured with.
+        wait_sentinels(watchers)
         for _, metrics_port in sidecars.values():
             wait_ready(f"http://{LOOP}:{metrics_port}")
         floor_port = free_port()
