@@ -324,12 +324,13 @@ class Bench:
 
     async def run_phase(self, sessions: dict[str, aiohttp.ClientSession], rnd: int, path: str,
                         conc: str, per_worker: int, wl: Workload, record: bool = True,
-                        fixed: bool = False) -> None:
+                        fixed: bool = False, settle: bool = True) -> None:
         before, t0 = self.cpu(), time.perf_counter()
         samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
                                     per_worker, self.args.phase_timeout)
         wall = time.perf_counter() - t0
-        await asyncio.sleep(0.2)  # let the sidecar's shipper send this phase's events
+        if settle:
+            await asyncio.sleep(0.2)  # let the sidecar's shipper send this phase's events
         after = self.cpu()
         for s in samples:
             p = s.problem(wl.max_tokens)
@@ -356,8 +357,12 @@ class Bench:
                 for conc in a.concurrency:
                     for api in self.apis(conc):
                         if path in self.paths_for(api):
+                            # --quick: the warm-up settles once, at its end
                             await self.run_phase(sessions, -1, path, conc, 1,
-                                                 self.workload(api), record=False)
+                                                 self.workload(api), record=False,
+                                                 settle=not a.quick)
+            if a.quick:
+                await asyncio.sleep(0.2)
             for rnd in range(a.rounds):
                 for conc in a.concurrency:
                     for api in self.apis(conc):
