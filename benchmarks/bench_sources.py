@@ -618,7 +618,7 @@ def main() -> int:
     parser.add_argument("--per-worker-c8", type=int, default=None,
                         help="requests per client per path per round at c=8 (quick 3, full 20)")
     parser.add_argument("--per-worker-c32", type=int, default=None,
-                        help="requests per client per path per round at c=32 (quick 2, full 8)")
+                        help="requests per client per path per round at c=32 (quick 1, full 8)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--grpc-check", action="store_true",
                         help=f"also the envoy source with ext_authz's gRPC Check instead of "
@@ -639,7 +639,7 @@ def main() -> int:
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 8)
     args.per_worker_c8 = args.per_worker_c8 or (3 if args.quick else 20)
-    args.per_worker_c32 = args.per_worker_c32 or (2 if args.quick else 8)
+    args.per_worker_c32 = args.per_worker_c32 or (1 if args.quick else 8)
     args.idle_s = 0.5 if args.quick else 3.0
     admission = ("none (--no-limits)" if args.no_limits
                  else "three tiers, limits too high to trip")
