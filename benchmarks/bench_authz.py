@@ -27,6 +27,7 @@ import argparse
 import base64
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -87,12 +88,12 @@ class Mode:
     warmup_s: float  # gRPC warm-up per run
     duration_s: float  # gRPC measured phase per run (bounded by max_calls too)
     max_calls: int
-    http_warmup_s: int  # wrk takes whole seconds
-    http_duration_s: int
+    http_warmup_s: float  # wrk takes whole seconds: it runs the next whole second up
+    http_duration_s: float
 
 
-QUICK = Mode("quick", rounds=1, warmup_s=0.25, duration_s=0.5, max_calls=20_000,
-             http_warmup_s=1, http_duration_s=1)
+QUICK = Mode("quick", rounds=1, warmup_s=0.1, duration_s=0.3, max_calls=20_000,
+             http_warmup_s=0.1, http_duration_s=0.3)
 FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
             http_warmup_s=1, http_duration_s=4)
 
@@ -329,7 +330,6 @@ class Bench:
         for i in range(3):
             watchers[f"sentinel-{i}"] = self.procs.start(sentinel_service(
                 free_port(), self.workdir, SERVICE, redis.address), self.load_cpus)
-        wait_sentinels(watchers)
         # no ext_proc here to free leases
         doc = policy_doc(self.secret, key_concurrency=None, global_secret=self.global_secret)
         publish(redis_url, doc, "bench")
@@ -364,6 +364,9 @@ class Bench:
             svc.name = f"sidecar-{backend}"
             self.procs.start(svc, self.server_cpus)
             sidecars[backend] = (svc, metrics_port)
+        # The Sentinels meet (hello messages every 2 s) while the sidecars start: the sentinel
+        # sidecar needs only the primary, which every Sentinel is configured with.
+        wait_sentinels(watchers)
         for _, metrics_port in sidecars.values():
             wait_ready(f"http://{LOOP}:{metrics_port}")
         floor_port = free_port()
@@ -487,10 +490,11 @@ class Bench:
         """Warm-up, then the measured run; with `probe`, count Lua calls and leaked leases."""
         mode = self.mode
         if self.http_client == "wrk":
-            run_wrk(script, port, conc, mode.http_warmup_s, self.load_cpus, {})
+            run_wrk(script, port, conc, math.ceil(mode.http_warmup_s), self.load_cpus, {})
             leases0 = probe.live_leases() if probe else 0
             lua0 = probe.lua_calls() if probe else 0
-            result = run_wrk(script, port, conc, mode.http_duration_s, self.load_cpus, pids)
+            result = run_wrk(script, port, conc, math.ceil(mode.http_duration_s), self.load_cpus,
+                             pids)
             requests = result["calls"]
         else:
             assert self.loadgen is not None

@@ -328,7 +328,8 @@ class Bench:
             wall = time.perf_counter() - t0
         finally:
             gc.enable()
-        await asyncio.sleep(SETTLE_S)
+        if rnd >= 0 or not self.args.quick:  # --quick: the warm-up settles once, at its end
+            await asyncio.sleep(SETTLE_S)
         after, woke_after = self.cpu(), self.wakeups()
         for a in answers:
             if a.request_id and a.status == 200:
@@ -356,6 +357,8 @@ class Bench:
             for path in self.paths:  # warm-up: connections, Kafka producers, caches
                 for workload in WORKLOADS:
                     await self.phase(session, -1, path, workload, 8, 3)
+            if self.args.quick:
+                await asyncio.sleep(SETTLE_S)
             before, t0 = self.cpu(), time.perf_counter()
             await asyncio.sleep(self.args.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
@@ -363,6 +366,8 @@ class Bench:
             spy = self.start_py_spy()
             try:
                 await (self.sweep_rounds(session) if self.args.sweep else self.rounds(session))
+                if self.args.and_sweep:
+                    await self.sweep_rounds(session)
             finally:
                 if spy is not None:
                     spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
@@ -400,7 +405,7 @@ class Bench:
             print(f"  round {rnd} ({' '.join(order)}), sidecar µs/req: " + "; ".join(
                 f"{p.path} {p.rate}/s "
                 f"{p.cpu_s.get(f'{p.path}.sidecar', 0) / len(p.answers) * 1e6:.0f}"
-                for p in self.phases if p.round == rnd), flush=True)
+                for p in self.phases if p.round == rnd and p.rate), flush=True)
 
     def sweep_rows(self) -> list[dict[str, Any]]:
         """Per path and rate: CPU per request of each process, and each process's against
@@ -630,10 +635,13 @@ def main() -> int:
                              "%(default)s)")
     parser.add_argument("--sweep", action="store_true",
                         help="the rate sweep (open loop, chat) instead of the closed-loop phases")
+    parser.add_argument("--and-sweep", dest="and_sweep", action="store_true",
+                        help="the closed-loop phases, then the rate sweep, on the same spokes "
+                             "(the smoke test's one start for both)")
     parser.add_argument("--rates", default=",".join(map(str, RATES)),
                         help="the sweep's req/s, comma-separated (default: %(default)s)")
     parser.add_argument("--rate-s", type=float, default=None,
-                        help="seconds at each rate (quick 1, full 6)")
+                        help="seconds at each rate (quick 0.5, full 6)")
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
@@ -665,14 +673,14 @@ def main() -> int:
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.rates = [int(r) for r in args.rates.split(",")]
-    args.rate_s = args.rate_s or (1.0 if args.quick else 6.0)
+    args.rate_s = args.rate_s or (0.5 if args.quick else 6.0)
     if not set(args.concurrency) <= set(CONCURRENCY):
         parser.error(f"--concurrency: each one of {CONCURRENCY}")
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.requests_c1 = args.requests_c1 or (20 if args.quick else 200)
     args.requests_c8 = args.requests_c8 or (40 if args.quick else 800)
     args.requests_c32 = args.requests_c32 or (64 if args.quick else 1600)
-    args.idle_s = 1.0 if args.quick else 3.0
+    args.idle_s = 0.5 if args.quick else 3.0
 
     import uvloop
 
@@ -699,9 +707,11 @@ def main() -> int:
 
     if args.py_spy:
         print("\n".join(hottest(Path(args.py_spy_out))))
-    rows, sweep = bench.summary(), bench.sweep_rows() if args.sweep else []
+    swept = args.sweep or args.and_sweep
+    rows, sweep = bench.summary(), bench.sweep_rows() if swept else []
     values = targets(rows, sweep)
-    print("\n" + (render_sweep(sweep) if args.sweep else render_table(rows)))
+    print("\n" + "\n\n".join([*([render_table(rows)] if not args.sweep else []),
+                               *([render_sweep(sweep)] if swept else [])]))
     print("CPU per request: schedstat of each process over the phase and 0.3 s after it, "
           "idle CPU included (idle µs/s: " + ", ".join(
               f"{k} {v:,.0f}" for k, v in sorted(bench.idle.items())
@@ -740,7 +750,7 @@ def main() -> int:
         "admission": "none (--no-limits)" if args.no_limits
         else "three tiers, limits too high to trip",
         "workload": {"max_tokens": MAX_TOKENS, "concurrency": args.concurrency,
-                     "sweep": {"rates": args.rates, "seconds": args.rate_s} if args.sweep
+                     "sweep": {"rates": args.rates, "seconds": args.rate_s} if swept
                      else None,
                      "requests": {"c1": args.requests_c1, "c8": args.requests_c8,
                                   "c32": args.requests_c32}},

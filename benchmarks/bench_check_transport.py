@@ -232,7 +232,7 @@ class Bench:
             for name in names:  # warm-up
                 await self.phase(session, name, "c32", 64)
             before, t0 = self.cpu(), time.perf_counter()
-            await asyncio.sleep(IDLE_S)
+            await asyncio.sleep(self.args.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
             self.idle = {k: (after[k] - v) / wall for k, v in before.items()}
             for conc in self.args.levels:
@@ -318,8 +318,12 @@ def main() -> int:
                              "(default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="an open-loop phase's length (default: %(default)s)")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S,
+                        help="seconds of idle CPU measured after the warm-up (default: "
+                             "%(default)s; --quick 0.5)")
     parser.add_argument("--quick", action="store_true",
-                        help="2 rounds of 128 (c>1) and 32 (c=1) requests: the harness runs")
+                        help="2 rounds of 128 (c>1) and 32 (c=1) requests, idle over 0.5 s: "
+                             "the harness runs")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results" / "check_transport.json"))
     args = parser.parse_args()
@@ -331,6 +335,7 @@ def main() -> int:
         parser.error(f"bad levels: {bad}")
     if args.quick:
         args.rounds, args.requests, args.requests_c1, args.seconds = 2, 128, 32, 0.2
+        args.idle_s = 0.5
 
     import uvloop
 

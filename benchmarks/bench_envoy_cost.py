@@ -372,7 +372,7 @@ class Bench:
             for name in names:  # warm-up: connections, caches
                 await self.phase(session, -1, name)
             before, t0 = self.cpu(), time.perf_counter()
-            await asyncio.sleep(IDLE_S)
+            await asyncio.sleep(self.args.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
             self.idle = {k: (after[k] - v) / wall for k, v in before.items() if k in names}
             variants = [n for n in names if n != REF]
@@ -446,6 +446,9 @@ def main() -> int:
                              "Envoy: its batching per wake-up depends on the rate)")
     parser.add_argument("--seconds", type=float, default=2.0,
                         help="with --rate: seconds a phase (default: %(default)s)")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S,
+                        help="seconds of idle CPU measured after the warm-up (default: "
+                             "%(default)s)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--out", default=str(HERE / "results" / "envoy_cost.json"))
     args = parser.parse_args()

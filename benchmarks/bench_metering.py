@@ -16,8 +16,8 @@ Two paths to one mock engine, measured in one run:
   table adds current/baseline ratios ("ratio m/b"). A baseline without the Messages API
   (no "/v1/messages" in its gateway/endpoints.py) runs the chat phases only.
 
-Workload: streaming chat completions (`api` chat), max_tokens 64, the engine paced per
-request by x-mock-ttft-ms (50) and x-mock-tokens-per-s (200), closed loop, in three scenarios:
+Workload: streaming chat completions (`api` chat), max_tokens 64 (--quick 24), the engine paced
+per request by x-mock-ttft-ms (50) and x-mock-tokens-per-s (200), closed loop, in three scenarios:
 `1` (one client), `16` (16 clients that start together, so requests arrive in waves of 16:
 the worst case for a single-threaded sidecar) and `16s` (16 clients whose starts are spread
 over one request's duration, so arrivals are spread out). The same through Anthropic's
@@ -324,12 +324,13 @@ class Bench:
 
     async def run_phase(self, sessions: dict[str, aiohttp.ClientSession], rnd: int, path: str,
                         conc: str, per_worker: int, wl: Workload, record: bool = True,
-                        fixed: bool = False) -> None:
+                        fixed: bool = False, settle: bool = True) -> None:
         before, t0 = self.cpu(), time.perf_counter()
         samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
                                     per_worker, self.args.phase_timeout)
         wall = time.perf_counter() - t0
-        await asyncio.sleep(0.2)  # let the sidecar's shipper send this phase's events
+        if settle:
+            await asyncio.sleep(0.2)  # let the sidecar's shipper send this phase's events
         after = self.cpu()
         for s in samples:
             p = s.problem(wl.max_tokens)
@@ -356,8 +357,12 @@ class Bench:
                 for conc in a.concurrency:
                     for api in self.apis(conc):
                         if path in self.paths_for(api):
+                            # --quick: the warm-up settles once, at its end
                             await self.run_phase(sessions, -1, path, conc, 1,
-                                                 self.workload(api), record=False)
+                                                 self.workload(api), record=False,
+                                                 settle=not a.quick)
+            if a.quick:
+                await asyncio.sleep(0.2)
             for rnd in range(a.rounds):
                 for conc in a.concurrency:
                     for api in self.apis(conc):
@@ -563,9 +568,9 @@ def main() -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "metering.json"))
     parser.add_argument("--rounds", type=int, default=None, help="quick 1, full 6")
     parser.add_argument("--requests-c1", type=int, default=None,
-                        help="requests per path per round at c=1 (quick 8, full 20)")
+                        help="requests per path per round at c=1 (quick 6, full 20)")
     parser.add_argument("--waves", type=int, default=None,
-                        help="requests per client per path per round at c=16 (quick 3, full 6)")
+                        help="requests per client per path per round at c=16 (quick 2, full 6)")
     parser.add_argument("--concurrency", nargs="+", default=["1", "16", "16s"],
                         help="clients per scenario; a trailing s staggers their starts")
     parser.add_argument("--messages-concurrency", nargs="*", default=["16"],
@@ -573,7 +578,7 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REV",
                         help="a third path: a whole spoke whose sidecar and Envoy config are "
                              "git revision REV's, in the same rounds (ratios m/b)")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="quick 24, full 64")
     parser.add_argument("--tokens-per-s", type=float, default=200.0)
     parser.add_argument("--ttft-ms", type=float, default=50.0)
     parser.add_argument("--phase-timeout", type=float, default=60.0)
@@ -583,8 +588,9 @@ def main() -> int:
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 6)
-    args.requests_c1 = args.requests_c1 or (8 if args.quick else 20)
-    args.waves = args.waves or (3 if args.quick else 6)
+    args.requests_c1 = args.requests_c1 or (6 if args.quick else 20)
+    args.waves = args.waves or (2 if args.quick else 6)
+    args.max_tokens = args.max_tokens or (24 if args.quick else 64)
 
     import uvloop
 

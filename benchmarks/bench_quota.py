@@ -135,12 +135,17 @@ def main() -> int:
     ap.add_argument("--admission-only", dest="admission_only", action="store_true",
                     help="only the admission cost of a global limit (no spokes)")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke test: one round of each, a 1,000-token quota")
+                    help="smoke test: one round of each, a 500-token quota, 1,000 "
+                         "admissions per variant, a round ends after 2 s of 429s")
     args = ap.parse_args()
+    # A round ends once every answer for `denied_for` s was a 429: past the allocator's next
+    # interval (1 s) and its allowance reaching the follower.
+    denied_for, admission_n = 3.0, 3000
     if args.quick:
-        args.rounds, args.admission_rounds, args.quota = 1, 1, 1000
+        args.rounds, args.admission_rounds, args.quota = 1, 1, 500
+        denied_for, admission_n = 2.0, 1000
     workdir = Path(tempfile.mkdtemp(prefix="bench-quota-"))
-    cost = admission_cost(workdir, args.before, rounds=args.admission_rounds)
+    cost = admission_cost(workdir, args.before, rounds=args.admission_rounds, n=admission_n)
     if args.admission_only:
         return 0
     teams = [f"r{i}" for i in range(args.rounds)] + ["alone"]
@@ -159,7 +164,7 @@ def main() -> int:
 
         def load(spoke: Spoke, team: str) -> hub.Drive:
             return hub.drive(spoke, f.keys[f"k{team}"], concurrency=args.concurrency,
-                             max_tokens=MAX_TOKENS, until_denied_for=3.0)
+                             max_tokens=MAX_TOKENS, until_denied_for=denied_for)
 
         for team in teams[:-1]:
             e, w = hub.together(lambda t=team: load(east, t), lambda t=team: load(west, t))

@@ -315,7 +315,8 @@ class Bench:
         samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
                                        per_worker, PHASE_TIMEOUT_S)
         wall = time.perf_counter() - t0
-        await asyncio.sleep(SETTLE_S)
+        if rnd >= 0 or not self.args.quick:  # --quick: the warm-up settles once, at its end
+            await asyncio.sleep(SETTLE_S)
         after, span = self.cpu(), time.perf_counter() - t0
         for s in samples:
             if s.request_id:  # an answer other than 200 is not metered: its id is kept apart
@@ -337,6 +338,8 @@ class Bench:
             for path in self.paths:  # warm-up: connections, gRPC streams, Kafka producers, Lua
                 for kind in PHASES:
                     await self.phase(sessions, -1, path, kind, 1)
+            if a.quick:
+                await asyncio.sleep(SETTLE_S)
             before, t0 = self.cpu(), time.perf_counter()
             await asyncio.sleep(a.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
@@ -615,7 +618,7 @@ def main() -> int:
     parser.add_argument("--per-worker-c8", type=int, default=None,
                         help="requests per client per path per round at c=8 (quick 3, full 20)")
     parser.add_argument("--per-worker-c32", type=int, default=None,
-                        help="requests per client per path per round at c=32 (quick 2, full 8)")
+                        help="requests per client per path per round at c=32 (quick 1, full 8)")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--grpc-check", action="store_true",
                         help=f"also the envoy source with ext_authz's gRPC Check instead of "
@@ -636,8 +639,8 @@ def main() -> int:
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 8)
     args.per_worker_c8 = args.per_worker_c8 or (3 if args.quick else 20)
-    args.per_worker_c32 = args.per_worker_c32 or (2 if args.quick else 8)
-    args.idle_s = 1.0 if args.quick else 3.0
+    args.per_worker_c32 = args.per_worker_c32 or (1 if args.quick else 8)
+    args.idle_s = 0.5 if args.quick else 3.0
     admission = ("none (--no-limits)" if args.no_limits
                  else "three tiers, limits too high to trip")
 

@@ -459,7 +459,7 @@ async def bench(args: argparse.Namespace, bootstrap: str, root: Path) -> dict[st
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="N=20k, under a minute")
+    parser.add_argument("--quick", action="store_true", help="N=10k, under a minute")
     parser.add_argument("-n", type=int, default=None, help="events per variant")
     parser.add_argument("--out", default=str(HERE / "results" / "spool.json"))
     parser.add_argument("--dir", default=None, help="parent of the temporary spool/work dir")
@@ -472,7 +472,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=None, help="per variant, seconds")
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
-    args.n = args.n or (20_000 if args.quick else 100_000)
+    args.n = args.n or (10_000 if args.quick else 100_000)
     args.timeout = args.timeout or (25.0 if args.quick else 90.0)
     args.rounds = args.rounds or (1 if args.quick else 3)
 

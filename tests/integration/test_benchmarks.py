@@ -103,10 +103,18 @@ def test_bench_sources_quick(tmp_path: Path) -> None:
     assert all(r["ok"] == r["requests_total"] > 0 for r in doc["rows"]), doc["rows"]
 
 
+@pytest.fixture(scope="module")
+def capacity(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One start of the capacity bench for both of its tests: the closed-loop phases, then
+    the rate sweep on the same spokes (exits 1 on errors or a failed read-back)."""
+    return run("bench_capacity.py", tmp_path_factory.mktemp("capacity"), "--and-sweep",
+               "--rates", "50,200")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_bench_capacity_quick(tmp_path: Path) -> None:
-    doc = run("bench_capacity.py", tmp_path)  # exits 1 on errors or a failed read-back
+def test_bench_capacity_quick(capacity: dict[str, Any]) -> None:
+    doc = capacity
     assert doc["checks_passed"] and doc["kafka_check"]["spoke"]["ok"]
     assert doc["envoy_workers"] == 1  # every Envoy on one worker, as measured so far
     assert {(r["path"], r["workload"], r["concurrency"]) for r in doc["rows"]} == {
@@ -115,8 +123,9 @@ def test_bench_capacity_quick(tmp_path: Path) -> None:
     assert all(r["ok"] == r["requests"] > 0 for r in doc["rows"]), doc["rows"]
 
 
-def test_bench_capacity_sweep_quick(tmp_path: Path) -> None:
-    doc = run("bench_capacity.py", tmp_path, "--sweep", "--rates", "50,200")
+@pytest.mark.timeout(420)
+def test_bench_capacity_sweep_quick(capacity: dict[str, Any]) -> None:
+    doc = capacity
     assert doc["checks_passed"] and doc["kafka_check"]["spoke"]["ok"]
     assert [(r["path"], r["rate"]) for r in doc["sweep"]] == [
         ("plain", 50), ("plain", 200), ("spoke", 50), ("spoke", 200)]
@@ -193,7 +202,8 @@ def test_bench_envoy_cost_small(tmp_path: Path) -> None:
     request answered, both Envoys priced."""
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(BENCH / "bench_envoy_cost.py"), "--variants",
-                           "no_file_log", "--rounds", "1", "--requests", "64", "--out", str(out)],
+                           "no_file_log", "--rounds", "1", "--requests", "64", "--idle-s", "0.5",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
