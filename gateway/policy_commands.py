@@ -64,9 +64,26 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(args: argparse.Namespace) -> tuple[int, Any]:
+    """The stored policy, for a command that only reads it. None stored yet is an empty
+    policy at revision 0, said on stderr: a mistyped --policy-file or a Redis nothing was
+    applied to must not pass for a policy with no keys."""
+    from gateway.policy.admin import FileBackend
+    backend = _backend(_settings(args))
+    rev, doc = run_value(backend.read())
+    if isinstance(backend, FileBackend):  # a hand-written file may carry no revision
+        where = f"{backend.path} does not exist" if not backend.path.exists() else None
+    else:
+        where = "none stored in Redis" if rev == 0 else None
+    if where:
+        print(f"note: no policy yet ({where}): `gateway policy apply FILE` makes one",
+              file=sys.stderr)
+    return rev, doc
+
+
 def cmd_policy_show(args: argparse.Namespace) -> int:
     from gateway.policy.loader import dump_json, dump_yaml
-    rev, doc = run_value(_backend(_settings(args)).read())
+    rev, doc = _read(args)
     if args.output == "json":
         sys.stdout.buffer.write(dump_json(doc, rev) + b"\n")
     else:
@@ -168,7 +185,7 @@ def cmd_keys_mint(args: argparse.Namespace) -> int:
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
     from gateway.policy import admin
-    _, doc = run_value(_backend(_settings(args)).read())
+    _, doc = _read(args)
     rows = admin.key_rows(doc)
     if args.output == "json":
         print(orjson.dumps(rows).decode())

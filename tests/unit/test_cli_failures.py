@@ -216,3 +216,21 @@ async def test_the_allocator_retrying_an_absent_kafka_leaves_no_consumer_open(
     gc.collect()
     await asyncio.sleep(0)
     assert "Unclosed AIOKafkaConsumer" not in caplog.text
+
+
+def test_reading_a_policy_that_is_not_there_says_so(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`keys list` / `policy show` on a mistyped --policy-file printed an empty policy and
+    nothing else, as if it held no keys: now a note on stderr names the missing file (the
+    output, exit 0, is unchanged: the embedded mode's missing file is revision 0). A file
+    written by hand, with no revision in it, gets no note."""
+    missing = tmp_path / "polcy.yaml"
+    for argv in (["keys", "list"], ["policy", "show", "-o", "json"]):
+        assert main([*argv, "--policy-file", str(missing)]) == 0
+        err = capsys.readouterr().err
+        assert f"note: no policy yet ({missing} does not exist)" in err, err
+    by_hand = tmp_path / "policy.yaml"
+    by_hand.write_bytes(VALID)
+    assert parse_doc(VALID, "valid").revision is None
+    assert main(["keys", "list", "--policy-file", str(by_hand)]) == 0
+    assert capsys.readouterr().err == ""
