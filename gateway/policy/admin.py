@@ -284,7 +284,9 @@ async def update_key(backend: Backend, key_id: str, *, limits: dict[str, Any] | 
             else:
                 lim[name] = value
         if "burst" in lim and "rps" not in lim:
-            lim.pop("burst")  # a burst without its rate means nothing (and does not validate)
+            if (limits or {}).get("burst") is not None:  # asked for: say why it cannot be
+                raise ValueError("a burst needs an rps limit on the key: give --rps too")
+            lim.pop("burst")  # its rate removed: a burst alone means nothing (nor validates)
         if lim:
             entry["limits"] = lim
         else:

@@ -179,7 +179,14 @@ async def test_update_key_is_validated_as_apply_is(backend: admin.FileBackend) -
         await admin.update_key(backend, "key_7Hq2", limits={"rsp": 1})
     with pytest.raises(KeyError):
         await admin.update_key(backend, "key_nope", limits={"rps": 1})
+    # a burst asked for where there is no rate: said, not dropped ("nothing changed")
+    with pytest.raises(ValueError, match="a burst needs an rps limit"):
+        await admin.update_key(backend, "key_7Hq2", limits={"rps": None, "burst": 3})
     assert backend.path.read_bytes() == before
+    # the rate removed, its burst goes with it
+    await admin.update_key(backend, "key_7Hq2", limits={"rps": 5, "burst": 3})
+    await admin.update_key(backend, "key_7Hq2", limits={"rps": None})
+    assert (await backend.read())[1].keys["key_7Hq2"].limits.burst is None
 
 
 async def test_create_key_naming_an_unknown_model_is_refused(backend: admin.FileBackend) -> None:
