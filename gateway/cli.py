@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import sys
 from collections.abc import Coroutine
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.addresses import AddressError, split_hostport
-from gateway.cli_tools import add_tools, positive_seconds, store_flags
+from gateway.cli_tools import add_tools, positive, positive_seconds, store_flags
 from gateway.envoy_contract import RECORDS_FLUSH_MS
 from gateway.errors import ListenError, PolicyError, SpoolLocked, SpoolUnusable
 from gateway.settings import REFERENCE_AUTHZ_HTTP, REFERENCE_LISTEN, cli_settings
@@ -85,17 +84,6 @@ def cmd_dev(args: argparse.Namespace) -> int:
         return 2
     return run_spoke(port=args.port, workdir=Path(args.workdir), otlp=args.otlp,
                      metering=args.metering, drain_s=args.drain_s)
-
-
-def _flush_ms(text: str) -> float:
-    """--records-flush-ms: a positive number of milliseconds."""
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = math.nan
-    if not 0 < ms < math.inf:
-        raise argparse.ArgumentTypeError(f"not a positive number of milliseconds: {text!r}")
-    return ms
 
 
 def _metering_flag(p: argparse.ArgumentParser) -> None:
@@ -188,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
                         "GATEWAY_RECORDS_HTTP_LISTEN there: cheaper than gRPC, but Envoy "
                         "never retries them, so a sidecar crash loses a batch in flight "
                         "(default: gRPC to --sidecar, retried)")
-    p.add_argument("--records-flush-ms", dest="records_flush_ms", type=_flush_ms,
+    p.add_argument("--records-flush-ms", dest="records_flush_ms", type=positive("milliseconds"),
                    default=RECORDS_FLUSH_MS, metavar="MS",
                    help="Envoy sends its records every MS milliseconds: shorter frees "
                         "concurrency slots sooner and shortens the sidecar's tail, longer "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import Any
 
 from gateway.billing.commands import (
@@ -35,20 +36,36 @@ from gateway.policy_commands import (
     cmd_policy_apply,
     cmd_policy_show,
     cmd_policy_status,
-    finite_number,
     limit_value,
 )
 
 
-def positive_seconds(text: str) -> float:
-    """A flag's number of seconds: above 0 and finite (nan passed `<= 0` checks)."""
+def _float(text: str) -> float:
+    """A flag's number; nan for text that is none, which every range check below refuses."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+        return math.nan
+
+
+def finite_number(text: str) -> float:
+    """A limit flag of `keys create`: a finite number (nan and inf would be published as
+    null, i.e. no limit, said nowhere); its range is the policy's to check."""
+    if not math.isfinite(value := _float(text)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def positive(unit: str) -> Callable[[str], float]:
+    """A flag's amount of `unit`: above 0 and finite (nan passed `<= 0` checks)."""
+    def parse(text: str) -> float:
+        if not 0 < (value := _float(text)) < math.inf:
+            raise argparse.ArgumentTypeError(f"not a positive number of {unit}: {text!r}")
+        return value
+    return parse
+
+
+positive_seconds = positive("seconds")
 
 
 def store_flags(p: argparse.ArgumentParser) -> None:

@@ -288,18 +288,6 @@ def limit_value(text: str) -> float | None:
     return int(value) if value.is_integer() else value
 
 
-def finite_number(text: str) -> float:
-    """A limit flag of `keys create`: a finite number (nan and inf would be published as
-    null, i.e. no limit, said nowhere); its range is the policy's to check."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
 def cmd_keys_update(args: argparse.Namespace) -> int:
     from gateway.policy import admin
     limits = {name: getattr(args, name) for name in admin.LIMIT_FIELDS
