@@ -183,45 +183,43 @@ def authz_error_replies() -> list[ResponseMapper]:
     the SDKs read as a bare status. Given the API's JSON instead (by route, as the sidecar's
     own 503 in gateway/authz/answers.py `unavailable`) and its `retry-after: 1`. Told from
     the sidecar's own 503 denial by Envoy's response code details (a CEL filter)."""
-    message = "The gateway could not check this request in time; try again."
     failed = AccessLogFilter(extension_filter=ExtensionFilter(
         name="envoy.access_loggers.extension_filters.cel", typed_config=Any.pack(
             ExpressionFilter(expression=f"response.code_details == '{AUTHZ_ERROR_DETAILS}'"))))
-    on_messages = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
-        name=":path", string_match=StringMatcher(prefix=ANTHROPIC_PREFIX))))
-    anthropic: dict[str, object] = {"type": "error", "error": {
-        "type": "overloaded_error", "message": message}, "request_id": "%REQ(X-REQUEST-ID)%"}
-    openai: dict[str, object] = {"error": {
-        "message": message, "type": "server_error", "param": None,
-        "code": "service_unavailable"}, "request_id": "%REQ(X-REQUEST-ID)%"}
-    retry = [HeaderValueOption(header=HeaderValue(key="retry-after", value="1"))]
-    return [
-        ResponseMapper(filter=AccessLogFilter(and_filter=AndFilter(filters=[
-            failed, on_messages])), body_format_override=_json(anthropic),
-            headers_to_add=retry),
-        ResponseMapper(filter=failed, body_format_override=_json(openai), headers_to_add=retry),
-    ]
+    return _by_api(failed, "The gateway could not check this request in time; try again.",
+                   anthropic_type="overloaded_error", openai_type="server_error",
+                   code="service_unavailable",
+                   headers=(HeaderValueOption(header=HeaderValue(key="retry-after", value="1")),))
 
 
 def too_large_replies(max_request_bytes: int) -> list[ResponseMapper]:
     """A 413 Envoy answers itself (the body outgrew ext_authz's buffer): its JSON by route,
     as gateway/authz/answers.py shapes every other answer, naming the limit."""
-    message = (f"Request body too large: the limit is {max_request_bytes} bytes "
-               f"({max_request_bytes / (1 << 20):g} MiB).")
     status = AccessLogFilter(status_code_filter=StatusCodeFilter(comparison=ComparisonFilter(
         op=ComparisonFilterOp.EQ, value=RuntimeUInt32(
             default_value=413, runtime_key="gateway.too_large_status"))))
+    return _by_api(status, f"Request body too large: the limit is {max_request_bytes} bytes "
+                           f"({max_request_bytes / (1 << 20):g} MiB).",
+                   anthropic_type="request_too_large", openai_type="invalid_request_error",
+                   code="request_too_large")
+
+
+def _by_api(when: AccessLogFilter, message: str, *, anthropic_type: str, openai_type: str,
+            code: str, headers: tuple[HeaderValueOption, ...] = ()) -> list[ResponseMapper]:
+    """Envoy's own reply `when` it matches, with a JSON body in the route's API shape:
+    Anthropic's error on the Messages API, OpenAI's elsewhere (as gateway/authz/answers.py)."""
     on_messages = AccessLogFilter(header_filter=HeaderFilter(header=HeaderMatcher(
         name=":path", string_match=StringMatcher(prefix=ANTHROPIC_PREFIX))))
     anthropic: dict[str, object] = {"type": "error", "error": {
-        "type": "request_too_large", "message": message}, "request_id": "%REQ(X-REQUEST-ID)%"}
+        "type": anthropic_type, "message": message}, "request_id": "%REQ(X-REQUEST-ID)%"}
     openai: dict[str, object] = {"error": {
-        "message": message, "type": "invalid_request_error", "param": None,
-        "code": "request_too_large"}, "request_id": "%REQ(X-REQUEST-ID)%"}
+        "message": message, "type": openai_type, "param": None, "code": code},
+        "request_id": "%REQ(X-REQUEST-ID)%"}
     return [
-        ResponseMapper(filter=AccessLogFilter(and_filter=AndFilter(filters=[
-            status, on_messages])), body_format_override=_json(anthropic)),
-        ResponseMapper(filter=status, body_format_override=_json(openai)),
+        ResponseMapper(filter=AccessLogFilter(and_filter=AndFilter(filters=[when, on_messages])),
+                       body_format_override=_json(anthropic), headers_to_add=list(headers)),
+        ResponseMapper(filter=when, body_format_override=_json(openai),
+                       headers_to_add=list(headers)),
     ]
 
 
