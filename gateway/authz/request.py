@@ -161,7 +161,7 @@ def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS,
         if (max_tokens := _int(data.get(cap))) is not None:
             break
     prompt = estimate_prompt_tokens(data)
-    seqs = sequences(data, fanout, list_prompts) if fanout or list_prompts else 1
+    seqs = sequences(data, fanout, list_prompts)
     opts = data.get("stream_options")
     if not isinstance(opts, dict):
         return BodyFacts(model, data.get("stream") is True, max_tokens, size, prompt,

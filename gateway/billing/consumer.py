@@ -4,7 +4,6 @@ one bad record would otherwise hold every later event back from billing, on ever
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -12,6 +11,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.billing.db import Rejected, UsageDb, unfit
+from gateway.hub.topics import start_consumer
 from gateway.log import log
 from gateway.sinks.usage_proto import from_json
 
@@ -31,17 +31,6 @@ def usage_consumer(bootstrap: str, topic: str, group: str | None,
     return consumer
 
 
-async def started(consumer: AIOKafkaConsumer) -> None:
-    """`consumer.start()`; when it fails (no broker answers), the consumer is stopped before
-    the error goes on, so no 'Unclosed AIOKafkaConsumer' follows the error line."""
-    try:
-        await consumer.start()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await consumer.stop()
-        raise
-
-
 async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway-billing",
                   stop_when: Callable[[int], bool] | None = None,
                   until_caught_up: bool = False) -> int:
@@ -51,7 +40,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     from_the_start = _FromTheStartWhileEmpty(db)
     consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
     try:
-        await started(consumer)
+        await start_consumer(consumer)
     except BaseException:
         db.close()
         raise

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable
 import orjson
 from aiokafka import AIOKafkaConsumer
 
-from gateway.billing.consumer import caught_up, started, usage_consumer
+from gateway.billing.consumer import caught_up, usage_consumer
+from gateway.hub.topics import start_consumer
 
 
 def time_key(raw: bytes) -> tuple[str, str, int]:
@@ -44,7 +45,7 @@ async def tail(bootstrap: str, topic: str, write: Callable[[str], None], last: i
     then keep printing new ones, each batch in time order, until interrupted. Returns how
     many were printed."""
     consumer = usage_consumer(bootstrap, topic, None)
-    await started(consumer)
+    await start_consumer(consumer)
     printed = 0
     try:
         seen: list[bytes] = []

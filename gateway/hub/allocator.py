@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.hub import quota_topic as qt
 from gateway.hub.quota_ledger import QuotaLedger
-from gateway.hub.topics import stop_consumer
+from gateway.hub.topics import start_consumer, stop_consumer
 from gateway.log import log
 
 
@@ -72,11 +72,7 @@ class Allocator:
 
     async def _run(self, stop: asyncio.Event) -> None:
         c = qt.consumer(self.bootstrap, self.usage_topic, qt.POLICY_TOPIC, qt.QUOTA_TOPIC)
-        try:
-            await c.start()
-        except BaseException:  # Kafka away: closed here, not left to the GC ('Unclosed
-            await stop_consumer(c)  # AIOKafkaConsumer' at each retry of the outage)
-            raise
+        await start_consumer(c)
         pub = qt.QuotaPublisher(self.bootstrap, self.idempotence)
         try:
             await qt.read_until_caught_up(c, self.fold)

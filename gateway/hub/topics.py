@@ -84,6 +84,18 @@ async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,
         await p.stop()
 
 
+async def start_consumer(c: AIOKafkaConsumer) -> None:
+    """`c.start()`; when it fails (no broker answers), the consumer is stopped before the
+    error goes on, so no 'Unclosed AIOKafkaConsumer' follows the error line (or each retry
+    of an outage)."""
+    try:
+        await c.start()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await stop_consumer(c)
+        raise
+
+
 async def stop_consumer(c: AIOKafkaConsumer) -> None:
     """`c.stop()`, also when the broker refused its last fetch. aiokafka's fetcher then sits
     out its retry backoff; `stop()` cancels that fetch and awaits it, and the CancelledError
