@@ -24,12 +24,14 @@ def split_hostport(hostport: str, what: str = "address") -> tuple[str, int]:
 
 
 @contextlib.contextmanager
-def binding(address: str, setting: str) -> Iterator[None]:
-    """Bind inside: a failure is one ListenError naming the address and its setting, not a
-    traceback ('cannot listen on 127.0.0.1:9102 (GATEWAY_METRICS_LISTEN): Address already in
-    use'). gRPC says only RuntimeError('Failed to bind ...'); asyncio an OSError."""
+def binding(address: str, setting: str) -> Iterator[tuple[str, int]]:
+    """The address's (host, port), to bind inside: a failure is one ListenError naming the
+    address and its setting, not a traceback ('cannot listen on 127.0.0.1:9102
+    (GATEWAY_METRICS_LISTEN): Address already in use'). gRPC says only
+    RuntimeError('Failed to bind ...'); asyncio an OSError."""
+    hostport = split_hostport(address, setting)  # an AddressError goes on as it is
     try:
-        yield
+        yield hostport
     except OSError as exc:
         reason = os.strerror(exc.errno) if exc.errno is not None else str(exc)
         raise ListenError(f"cannot listen on {address} ({setting}): {reason}") from None

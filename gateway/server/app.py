@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway import metrics, redis_clients
-from gateway.addresses import binding, split_hostport
+from gateway.addresses import binding
 from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
@@ -164,18 +164,15 @@ class App:
                 self.server.add_insecure_port(s.listen)
             await self.server.start()
         if serves_door:
-            host, port = split_hostport(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN")
-            with binding(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN"):
+            with binding(s.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN") as (host, port):
                 self.authz_http = await authz_http.serve(check, host, port, s.max_message_bytes)
         if s.records_http_listen and records is not None:
-            host, port = split_hostport(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN")
-            with binding(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN"):
+            with binding(s.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN") as (host, port):
                 self.records_http = await records_http.serve(records, host, port,
                                                              s.max_message_bytes)
         await self._set_health()
         if serve_http_endpoints:
-            host, port = split_hostport(s.metrics_listen, "GATEWAY_METRICS_LISTEN")
-            with binding(s.metrics_listen, "GATEWAY_METRICS_LISTEN"):
+            with binding(s.metrics_listen, "GATEWAY_METRICS_LISTEN") as (host, port):
                 self.http = await serve_http(host, port, {
                     "/metrics": metrics_handler, "/healthz": healthz, "/readyz": self.readyz})
         log.info("serving", role=self.role,

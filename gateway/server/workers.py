@@ -77,15 +77,15 @@ def run_workers(settings: Settings) -> int:
     async def supervise() -> int:
         from prometheus_client import multiprocess
 
-        from gateway.addresses import binding, split_hostport
+        from gateway.addresses import binding
         from gateway.ops_http import healthz, metrics_handler, serve_http
 
         async def readyz() -> tuple[int, str, bytes]:
             ok = all(p.is_alive() and r.is_set() for p, r in procs.values())
             return (200 if ok else 503), "text/plain", b"ready\n" if ok else b"not ready\n"
 
-        host, port = split_hostport(settings.metrics_listen, "GATEWAY_METRICS_LISTEN")
-        with binding(settings.metrics_listen, "GATEWAY_METRICS_LISTEN"):  # before any worker
+        # before any worker: a taken port is said once, and no worker starts for nothing
+        with binding(settings.metrics_listen, "GATEWAY_METRICS_LISTEN") as (host, port):
             server = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": readyz})
         for name in roles:
