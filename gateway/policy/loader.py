@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import orjson
@@ -37,7 +38,7 @@ def _read(text: str | bytes, source: str) -> Any:
         try:
             node = loader.get_single_node()
             if node is not None:
-                _yaml_twice(node, source)
+                _yaml_checks(node, source)
             return loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -87,9 +88,28 @@ def _json_twice(text: str | bytes, source: str) -> None:
     raise PolicyError(problems, source)
 
 
-def _yaml_twice(root: yaml.Node, source: str) -> None:
-    """A key given twice in one YAML mapping, by its path and lines. Keys brought in by a
-    merge (`<<: *anchor`) may be overridden: that is what a merge means."""
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")  # PyYAML's (YAML 1.1) octal: 010 is 8
+
+
+def _yaml_meaning(node: yaml.ScalarNode) -> str:
+    """What a YAML 1.1 number means that its writer likely did not: "" when nothing."""
+    if node.tag == _INT and _OCTAL.fullmatch(node.value):
+        n = yaml.safe_load(node.value)
+        return (f"{node.value} is octal in YAML 1.1, i.e. {n}: write {n}, or the number "
+                "without its leading 0")
+    if node.tag in (_INT, _FLOAT) and ":" in node.value:
+        n = yaml.safe_load(node.value)
+        return f"{node.value} is a base 60 number in YAML 1.1, i.e. {n}: write {n}"
+    return ""
+
+
+def _yaml_checks(root: yaml.Node, source: str) -> None:
+    """What YAML would read without a word as other than written, by path and line: a key
+    given twice in one mapping (the last kept), and YAML 1.1's octal (`010` is 8) and base
+    60 (`1:30` is 90) numbers. Keys brought in by a merge (`<<: *anchor`) may be
+    overridden: that is what a merge means."""
     problems: list[str] = []
     done: set[int] = set()  # an alias is its anchor's node: walked once (and never in a loop)
 
@@ -97,7 +117,10 @@ def _yaml_twice(root: yaml.Node, source: str) -> None:
         if id(node) in done:
             return
         done.add(id(node))
-        if isinstance(node, yaml.MappingNode):
+        if isinstance(node, yaml.ScalarNode):
+            if meaning := _yaml_meaning(node):
+                problems.append(f"{_path(path)}: {meaning} (line {node.start_mark.line + 1})")
+        elif isinstance(node, yaml.MappingNode):
             seen: dict[tuple[str, str], int] = {}
             for key, value in node.value:
                 if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
@@ -111,6 +134,7 @@ def _yaml_twice(root: yaml.Node, source: str) -> None:
                     problems.append(f"{_path(path)}: key {key.value!r} given twice (lines "
                                     f"{first} and {line}): the first would be dropped "
                                     "without a word")
+                walk(key, (*path, str(key.value), "[key]"))
                 walk(value, (*path, str(key.value)))
         elif isinstance(node, yaml.SequenceNode):
             for i, item in enumerate(node.value):
