@@ -218,12 +218,18 @@ def partial_body() -> Deny:
                 "request_too_large")
 
 
+# The OpenAI and Anthropic SDKs retry a 409 (a lock timeout, to them) with the same headers:
+# the same id, refused again, or once the other request ended admitted under its event id,
+# which billing drops as a duplicate. `x-should-retry: false` they obey.
+_NO_RETRY = {"x-should-retry": "false"}
+
+
 def duplicate_request_id(request_id: str) -> Deny:
     """Another request with this x-request-id is in flight (an Envoy that keeps client ids):
     one id, one admission, one usage event. No event of its own: the id is the other's."""
     return Deny(409, "duplicate_request_id",
                 f"A request with x-request-id {request_id[:80]!r} is already in flight; "
-                "send each request with its own id.", DUPLICATE_ID)
+                "send each request with its own id.", DUPLICATE_ID, headers=dict(_NO_RETRY))
 
 
 def voided_request_id(request_id: str) -> Deny:
@@ -231,7 +237,7 @@ def voided_request_id(request_id: str) -> Deny:
     waiting for its store, and answered 503): the id is not admitted again for minutes."""
     return Deny(409, "duplicate_request_id",
                 f"A request with x-request-id {request_id[:80]!r} was given up moments ago; "
-                "send each request with its own id.", DUPLICATE_ID)
+                "send each request with its own id.", DUPLICATE_ID, headers=dict(_NO_RETRY))
 
 
 def model_not_found(model: str) -> Deny:

@@ -121,8 +121,11 @@ SECTIONS = ("models", "teams", "keys", "passthrough", "billing")
 
 def diff(old: PolicyDoc, new: PolicyDoc) -> Diff:
     def named(doc: PolicyDoc, section: str) -> dict[str, Any]:
-        if section == "passthrough":
-            return {p.path: p.model_dump() for p in doc.passthrough}
+        if section == "passthrough":  # a path listed twice allows either entry's methods
+            methods: dict[str, set[str]] = {}
+            for p in doc.passthrough:
+                methods.setdefault(p.path, set()).update(p.methods)
+            return {path: sorted(m) for path, m in methods.items()}
         if section == "billing":  # the platform's rules, one line each: ~ billing.cancelled
             return {k: v for k, v in doc.billing.model_dump().items() if v is not None}
         return {k: v.model_dump() for k, v in getattr(doc, section).items()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import orjson
@@ -20,15 +22,127 @@ def _path(loc: tuple[int | str, ...]) -> str:
 def _read(text: str | bytes, source: str) -> Any:
     """JSON as JSON, anything else as YAML. Not JSON through YAML: YAML 1.1 (PyYAML) refuses
     valid JSON with tab whitespace (Go's MarshalIndent, `jq --tab`) and reads an escaped
-    surrogate pair (Python's json.dumps of a non-BMP character) as two lone surrogates."""
+    surrogate pair (Python's json.dumps of a non-BMP character) as two lone surrogates.
+    A key given twice in one mapping is refused in both: each would keep the last silently
+    (a second `limits:` dropping the first's rps; a section appended at the end replacing
+    the whole first one)."""
     try:
-        return orjson.loads(text)
+        data = orjson.loads(text)
     except orjson.JSONDecodeError:
         pass
+    else:
+        _json_twice(text, source)
+        return data
     try:
-        return yaml.safe_load(text)
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _yaml_checks(node, source)
+            return loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. a timestamp of Feb 30
         raise PolicyError([f"(document): not valid YAML/JSON: {exc}"], source) from exc
+
+
+class _Twice(Exception):
+    pass
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Twice
+    return out
+
+
+class _Object(list[tuple[str, Any]]):
+    """A JSON object as its pairs, in order, a key given twice included."""
+
+
+def _json_twice(text: str | bytes, source: str) -> None:
+    """orjson keeps the last of a key given twice: a pass of the standard library's parser
+    finds them (and, only when there are some, a second one their paths)."""
+    try:
+        json.loads(text, object_pairs_hook=_unique)
+        return
+    except _Twice:
+        pass
+    problems: list[str] = []
+
+    def walk(value: Any, path: tuple[str, ...]) -> None:
+        if isinstance(value, _Object):
+            seen: set[str] = set()
+            for key, item in value:
+                if key in seen:
+                    problems.append(f"{_path(path)}: key {key!r} given twice: the first "
+                                    "would be dropped without a word")
+                seen.add(key)
+                walk(item, (*path, key))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, (*path, str(i)))
+
+    walk(json.loads(text, object_pairs_hook=_Object), ())
+    raise PolicyError(problems, source)
+
+
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")  # PyYAML's (YAML 1.1) octal: 010 is 8
+
+
+def _yaml_meaning(node: yaml.ScalarNode) -> str:
+    """What a YAML 1.1 number means that its writer likely did not: "" when nothing."""
+    if node.tag == _INT and _OCTAL.fullmatch(node.value):
+        n = yaml.safe_load(node.value)
+        return (f"{node.value} is octal in YAML 1.1, i.e. {n}: write {n}, or the number "
+                "without its leading 0")
+    if node.tag in (_INT, _FLOAT) and ":" in node.value:
+        n = yaml.safe_load(node.value)
+        return f"{node.value} is a base 60 number in YAML 1.1, i.e. {n}: write {n}"
+    return ""
+
+
+def _yaml_checks(root: yaml.Node, source: str) -> None:
+    """What YAML would read without a word as other than written, by path and line: a key
+    given twice in one mapping (the last kept), and YAML 1.1's octal (`010` is 8) and base
+    60 (`1:30` is 90) numbers. Keys brought in by a merge (`<<: *anchor`) may be
+    overridden: that is what a merge means."""
+    problems: list[str] = []
+    done: set[int] = set()  # an alias is its anchor's node: walked once (and never in a loop)
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if id(node) in done:
+            return
+        done.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if meaning := _yaml_meaning(node):
+                problems.append(f"{_path(path)}: {meaning} (line {node.start_mark.line + 1})")
+        elif isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    walk(value, path)
+                    continue
+                line = key.start_mark.line + 1
+                first = seen.get((key.tag, key.value))
+                if first is None:
+                    seen[key.tag, key.value] = line
+                else:
+                    problems.append(f"{_path(path)}: key {key.value!r} given twice (lines "
+                                    f"{first} and {line}): the first would be dropped "
+                                    "without a word")
+                walk(key, (*path, str(key.value), "[key]"))
+                walk(value, (*path, str(key.value)))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, (*path, str(i)))
+
+    walk(root, ())
+    if problems:
+        raise PolicyError(problems, source)
 
 
 def parse_doc(text: str | bytes, source: str = "policy") -> PolicyDoc:

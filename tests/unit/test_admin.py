@@ -397,6 +397,18 @@ def test_diff_names_billing_rule_changes() -> None:
     assert admin.diff(new, new).empty
 
 
+def test_diff_of_a_pass_through_path_listed_twice_is_what_requests_get() -> None:
+    """The routes allow a path listed twice by either entry's methods: the diff said "no
+    change" when a second entry opened GET on a POST-only path (the first one's dropped)."""
+    old = admin._validated({"passthrough": [{"path": "/tokenize", "methods": ["POST"]}]})
+    new = admin._validated({"passthrough": [{"path": "/tokenize", "methods": ["GET"]},
+                                            {"path": "/tokenize", "methods": ["POST"]}]})
+    assert admin.diff(old, new).lines() == ["  ~ passthrough./tokenize"]
+    same = admin._validated({"passthrough": [{"path": "/tokenize", "methods": ["POST"]},
+                                             {"path": "/tokenize", "methods": ["POST"]}]})
+    assert admin.diff(old, same).empty
+
+
 def test_the_key_commands_say_what_they_did(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     from gateway.cli import main

@@ -400,6 +400,17 @@ async def test_an_id_voided_moments_ago_is_refused_not_admitted() -> None:
     assert "given up" in d.message and gate.ledger.stage("req-1") is None
 
 
+@pytest.mark.parametrize("verdict", [DuplicateId(), Voided()], ids=["live", "voided"])
+async def test_a_duplicate_id_409_tells_the_sdks_not_to_retry(verdict: Verdict) -> None:
+    """The OpenAI and Anthropic SDKs retry a 409 (a lock timeout, to them) with the same
+    headers, so the same x-request-id: in vain while the other request runs (or for minutes
+    after a void), and once it ended, admitted under its event id, which billing then drops
+    as a duplicate."""
+    gate = Gate(policy(key_limits="{concurrency: 4}"), Answers(verdict))
+    d = denied(await gate.check(chat()), 409, "duplicate_request_id")
+    assert d.headers.get("x-should-retry") == "false"
+
+
 async def test_no_policy_denies_everything() -> None:
     gate = Gate(None)
     denied(await gate.check(chat()), 503, "service_unavailable")

@@ -424,3 +424,56 @@ keys: {{k: {{team: t, sha256: "{DIGEST}", global_limits: {{tokens_per_minute: 5}
         parse_doc(text)
     assert sorted(problem_paths(info.value)) == [
         "keys.k.global_limits.tokens_per_minute", "teams.t.global_limits.tokens_per_day"]
+
+
+# --- a key given twice: refused, not the last one silently kept ------------------------------
+
+
+@pytest.mark.parametrize(("text", "path", "key"), [
+    # an rps written twice: YAML (and JSON) keep the last, with no word said
+    ("models:\n  a:\n    limits: {rps: 1, rps: 100}\n", "models.a.limits", "rps"),
+    # a second `limits:` under one team dropped the first one's rps: the team unlimited
+    ("teams:\n  t:\n    limits: {rps: 10}\n    models: ['*']\n    limits: {concurrency: 5}\n",
+     "teams.t", "limits"),
+    # a section appended at the end replaced the whole first one
+    ("models:\n  a: {}\nteams:\n  t: {}\nmodels:\n  b: {}\n", "(document)", "models"),
+    ('{"models": {"a": {}, "a": {"limits": {"rps": 1}}}}', "models", "a"),
+    ('{"teams": {"t": {"limits": {"rps": 10}, "limits": {"concurrency": 5}}}}',
+     "teams.t", "limits"),
+])
+def test_a_key_given_twice_is_refused_naming_its_path(text: str, path: str, key: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    assert problem_paths(info.value) == [path], info.value.problems
+    assert f"{key!r} given twice" in info.value.problems[0]
+
+
+def test_merge_keys_may_override_what_they_merge() -> None:
+    """`<<: *anchor` then a key of the anchor's is an override, as YAML means it."""
+    doc = parse_doc("models:\n  a: {limits: &l {rps: 1, concurrency: 2}}\n"
+                    "  b: {limits: {<<: *l, rps: 5}}\n")
+    assert doc.models["b"].limits.rps == 5 and doc.models["b"].limits.concurrency == 2
+
+
+@pytest.mark.parametrize(("text", "path", "words"), [
+    # YAML 1.1 reads a leading 0 as octal: `concurrency: 010` was a limit of 8
+    ("teams: {t: {limits: {concurrency: 010}}}", "teams.t.limits.concurrency", "octal"),
+    ("teams: {t: {limits: {tokens_per_day: 0_100}}}", "teams.t.limits.tokens_per_day", "octal"),
+    # ... and a colon as base 60: `tokens_per_day: 1:30` was 90
+    ("teams: {t: {limits: {tokens_per_day: 1:30}}}", "teams.t.limits.tokens_per_day", "base 60"),
+    ("teams: {t: {limits: {rps: 1:30.5}}}", "teams.t.limits.rps", "base 60"),
+])
+def test_a_yaml_1_1_number_that_means_another_is_refused(text: str, path: str,
+                                                         words: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    assert problem_paths(info.value) == [path], info.value.problems
+    assert words in info.value.problems[0] and "line 1" in info.value.problems[0]
+
+
+def test_plain_and_explicit_numbers_still_read_as_written() -> None:
+    doc = parse_doc("teams: {t: {limits: {concurrency: 0, tokens_per_day: 50_000_000, "
+                    "tokens_per_minute: 0x10, rps: 0.5}}}")
+    assert doc.teams["t"].limits == Limits(concurrency=0, tokens_per_day=50_000_000,
+                                           tokens_per_minute=16, rps=0.5)
+    assert parse_doc('{"teams": {"t": {"limits": {"concurrency": 10}}}}')  # JSON has no octal
