@@ -69,7 +69,7 @@ async def _stream_choices(
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await mh.read_body(request)
     job = mh.new_job(request, body, "chatcmpl-", mt.chat_prompt_tokens(body))
-    if body.get("stream"):
+    if mt.flag(body, "stream"):
         return await _stream_choices(request, job, body, "chat.completion.chunk", mt.chat_choice)
     if not await mh.generate(request, job):
         return web.Response()
@@ -82,7 +82,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await mh.read_body(request)
     job = mh.new_job(request, body, "cmpl-", mt.completion_prompt_tokens(body))
-    if body.get("stream"):
+    if mt.flag(body, "stream"):
         return await _stream_choices(request, job, body, "text_completion", mt.text_choice)
     if not await mh.generate(request, job):
         return web.Response()
@@ -109,7 +109,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     body = await mh.read_body(request)
     job = mh.new_job(request, body, "resp_", mt.responses_prompt_tokens(body))
-    if body.get("stream"):
+    if mt.flag(body, "stream"):
         return await _stream_response(request, job)
     if not await mh.generate(request, job):
         return web.Response()

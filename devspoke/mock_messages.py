@@ -25,7 +25,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     made = mh.header_count(request, "x-mock-cache-creation-tokens") or 0
     split = mt.prompt_split(job.prompt, read, made)
     error_after = mh.header_count(request, "x-mock-error-after")
-    if body.get("stream"):
+    if mt.flag(body, "stream"):
         return await _stream_message(request, job, split, error_after)
     if error_after is not None:
         job = dataclasses.replace(job, n=min(job.n, error_after))

@@ -15,11 +15,28 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from devspoke.errors import RequestError
 
 EMBEDDING_DIM = 8
 FINGERPRINT = "fp_mock"
 HEADER_HISTORY = 50
+
+
+# vLLM's and SGLang's request flags (`stream: bool | None = False`, stream_options'), which
+# pydantic validates in lax mode: 1, 1.0, "true", "yes", "on", "t", "y" (any case) are true.
+_FLAG = TypeAdapter(bool | None)
+
+
+def flag(fields: Mapping[str, Any], name: str) -> bool:
+    """A request flag as vLLM reads it (null or absent: false); a value pydantic refuses
+    ("maybe", 2, []) is the engine's 400. Pydantic itself, not the gateway's lax_bool, so
+    the end-to-end tests hold the gateway to what such an engine does."""
+    try:
+        return bool(_FLAG.validate_python(fields.get(name)))
+    except ValidationError:
+        raise RequestError(f"{name}: Input should be a valid boolean") from None
 
 
 def words(text: str) -> int:
@@ -260,8 +277,8 @@ class StreamOpts:
     def of(cls, body: dict[str, Any]) -> StreamOpts:
         """vLLM honours continuous_usage_stats only alongside include_usage; so do we."""
         raw = body.get("stream_options") or {}
-        include = bool(raw.get("include_usage"))
-        return cls(include, include and bool(raw.get("continuous_usage_stats")))
+        include = flag(raw, "include_usage")
+        return cls(include, include and flag(raw, "continuous_usage_stats"))
 
     def usage_field(self, prompt: int, completion: int) -> dict[str, Any]:
         """OpenAI puts `usage: null` on every chunk once usage is asked for; vLLM's

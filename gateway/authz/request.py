@@ -149,6 +149,45 @@ def _lenient(body: bytes) -> Any:
     return data
 
 
+# The strings pydantic's lax `bool` reads (case-insensitively, nothing stripped): what vLLM
+# and SGLang, which validate requests with pydantic in lax mode, accept for a flag.
+_TRUE_WORDS = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE_WORDS = frozenset(("0", "off", "f", "false", "n", "no"))
+
+
+def lax_bool(v: Any) -> bool | None:
+    """A JSON value read as a flag the way pydantic v2 reads a `bool` in lax mode (what
+    vLLM and SGLang do with `stream`, `stream_options.include_usage`...): true and false;
+    the numbers 1 and 0 (1.0 and 0.0 too); and, whatever their case, the strings "1",
+    "on", "t", "true", "y", "yes" and "0", "off", "f", "false", "n", "no". None for what
+    pydantic refuses (a 400 from those engines): any other number or string (" true",
+    "1.0"), null, a list, an object. tests/unit/test_lax_bool.py holds it to pydantic's
+    own TypeAdapter(bool)."""
+    if v is True or v is False:
+        return v
+    t = type(v)
+    if t is str:
+        if len(v) <= 5 and v.isascii():  # only ASCII lower-cases into a word
+            w = v.lower()
+            if w in _TRUE_WORDS:
+                return True
+            if w in _FALSE_WORDS:
+                return False
+        return None
+    if t is int or t is float:
+        if v == 1:
+            return True
+        if v == 0:
+            return False
+    return None
+
+
+def _flag(v: Any) -> bool:
+    """A flag the engine reads as true (lax_bool); one it would refuse reads as false: the
+    body passes to the engine as it is, and the engine answers its 400 (see README)."""
+    return lax_bool(v) is True
+
+
 def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS,
            fanout: tuple[tuple[str, int], ...] = (), list_prompts: bool = False) -> BodyFacts:
     model = data.get("model")
@@ -162,15 +201,17 @@ def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS,
             break
     prompt = estimate_prompt_tokens(data)
     seqs = sequences(data, fanout, list_prompts)
+    # `stream` as the engine reads it: "stream": "true" streams on vLLM and SGLang, so it
+    # is reserved, injected and metered as a stream (the body itself is left as it is).
+    stream = _flag(data.get("stream"))
     opts = data.get("stream_options")
     if not isinstance(opts, dict):
-        return BodyFacts(model, data.get("stream") is True, max_tokens, size, prompt,
-                         sequences=seqs)
+        return BodyFacts(model, stream, max_tokens, size, prompt, sequences=seqs)
     return BodyFacts(
-        model, data.get("stream") is True, max_tokens, size, prompt,
+        model, stream, max_tokens, size, prompt,
         stream_options=True,
-        include_usage=opts.get("include_usage") is True,
-        continuous_usage=opts.get("continuous_usage_stats") is True,
+        include_usage=_flag(opts.get("include_usage")),
+        continuous_usage=_flag(opts.get("continuous_usage_stats")),
         sequences=seqs,
     )
 

@@ -99,6 +99,59 @@ def test_usage_chunk_only_for_clients_that_asked(spoke: Spoke, keys: dict[str, s
     assert all(ch.usage is None for ch in cont[:-1]) and cont[-1].usage.total_tokens > 0
 
 
+def test_a_stream_flag_vllm_reads_as_true_is_metered_as_a_stream(
+        spoke: Spoke, keys: dict[str, str]) -> None:
+    """`"stream": "true"` (or 1, "Yes"...) streams on vLLM and SGLang (pydantic's lax bool;
+    the mock engine reads it with pydantic too), so the gateway asks for the usage chunk,
+    hides it from a client that did not ask, and bills the engine's count: exactly as for
+    `"stream": true`. One the engine refuses ("maybe") is its 400, passed through."""
+    auth = {"authorization": f"Bearer {keys['good']}"}
+    sent: dict[str, tuple[Any, int]] = {}  # request id: (its stream value, its max_tokens)
+    for i, value in enumerate([True, "true", 1, "Yes", 1.0, "on"]):
+        for path, field in (("chat/completions", {"messages": MSG}),
+                            ("completions", {"prompt": "one two three"})):
+            r = httpx.post(f"{spoke.base_url}/{path}", headers=auth,
+                           json={"model": "mock-model", **field, "max_tokens": 3 + i % 3,
+                                 "stream": value})
+            sent[r.headers["x-request-id"]] = (value, 3 + i % 3)
+            assert r.status_code == 200, (path, value, r.text)
+            assert r.headers["content-type"].startswith("text/event-stream"), (path, value)
+            assert b'"usage"' not in r.content, (path, value)  # the injected chunk: hidden
+            assert r.content.rstrip().endswith(b"data: [DONE]")
+    for path, field in (("responses", {"input": "hi there", "max_output_tokens": 5}),
+                        ("messages", {"messages": MSG, "max_tokens": 5})):  # usage native
+        r = httpx.post(f"{spoke.base_url}/{path}", headers=auth,
+                       json={"model": "mock-model", **field, "stream": "True"})
+        assert r.headers["content-type"].startswith("text/event-stream"), (path, r.text)
+        sent[r.headers["x-request-id"]] = ("True", 5)
+    plain = httpx.post(f"{spoke.base_url}/chat/completions", headers=auth,
+                       json={"model": "mock-model", "messages": MSG, "max_tokens": 4,
+                             "stream": "false"})
+    assert plain.headers["content-type"].startswith("application/json")
+    refused = httpx.post(f"{spoke.base_url}/chat/completions", headers=auth,
+                         json={"model": "mock-model", "messages": MSG, "max_tokens": 4,
+                               "stream": "maybe"})
+    assert refused.status_code == 400, refused.text  # the engine's own answer
+    others = {plain.headers["x-request-id"]: plain, refused.headers["x-request-id"]: refused}
+    events = read_events(spoke.kafka_bootstrap, {*sent, *others})
+    by_id = {e["event_id"]: e for e in events}
+    assert len(events) == len(by_id) == len(sent) + 2, "exactly one event per request"
+    engine = httpx.get(f"{spoke.engine_url}/mock/stats").json()["usage_reported"]
+    assert sum(int(e["usage"]["completion_tokens"]) for e in events) == \
+        engine["completion_tokens"]
+    for rid, (value, max_tokens) in sent.items():
+        e = by_id[rid]
+        assert (e["stream"], e["outcome"], e["usage_source"]) == \
+            (True, "completed", "reported"), value
+        assert e["usage"]["completion_tokens"] == str(max_tokens), value
+    p = by_id[plain.headers["x-request-id"]]
+    assert (p["stream"], p["usage_source"], p["usage"]["completion_tokens"]) == \
+        (False, "reported", "4")
+    bad = by_id[refused.headers["x-request-id"]]
+    assert (bad["stream"], bad["status_code"], bad["usage"]["total_tokens"]) == \
+        (False, 400, "0")
+
+
 @pytest.mark.parametrize(("model", "source"), [("mock-model", "estimated"),
                                                ("mock-other", "reported")])
 def test_client_cancel_mid_stream(spoke: Spoke, keys: dict[str, str], model: str,

@@ -295,6 +295,35 @@ async def test_bad_bodies_are_400(client: httpx.AsyncClient, content: bytes, fra
     assert resp.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(("path", "fields"), [
+    (CHAT, {"messages": MESSAGES}), ("/v1/completions", {"prompt": "a b"}),
+    ("/v1/responses", {"input": "a b"}), ("/v1/messages", {"messages": MESSAGES})])
+async def test_stream_is_read_as_vllm_reads_it(client: httpx.AsyncClient, path: str,
+                                               fields: dict[str, Any]) -> None:
+    """pydantic's lax bool: "true", 1, "yes" stream; "false", 0, null do not; "maybe" is
+    a 400 (vLLM's `stream: bool | None`). Python's truthiness would stream "false"."""
+    body = {"model": "m", "max_tokens": 2, **fields}
+    for value in ("true", "TRUE", 1, 1.0, "yes", "on", "t", "1"):
+        r = await client.post(path, json=body | {"stream": value})
+        assert r.headers["content-type"].startswith("text/event-stream"), value
+    for value in ("false", "0", 0, 0.0, "no", "off", "F", None):
+        r = await client.post(path, json=body | {"stream": value})
+        assert r.headers["content-type"].startswith("application/json"), value
+    for value in ("maybe", 2, " true", [], {}):
+        r = await client.post(path, json=body | {"stream": value})
+        assert r.status_code == 400, value
+
+
+async def test_include_usage_is_read_as_vllm_reads_it(client: httpx.AsyncClient) -> None:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "stream": "true"}
+    events, _ = await sse(client, CHAT, body | {"stream_options": {"include_usage": "yes"}})
+    assert chunks(events)[-1]["usage"] == usage(5, 2)
+    events, _ = await sse(client, CHAT, body | {"stream_options": {"include_usage": "false"}})
+    assert all("usage" not in c for c in chunks(events))
+    bad = {"stream_options": {"include_usage": "maybe"}}
+    assert (await client.post(CHAT, json=body | bad)).status_code == 400
+
+
 async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, "frobnicate": {"x": 1}}
     assert (await client.post(CHAT, json=body)).status_code == 200
