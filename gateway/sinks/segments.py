@@ -128,6 +128,10 @@ class Segments:
         """Remove the segments wholly at or below `seq` (the next one starts at or below
         seq + 1); the last one always stays."""
         while len(self.firsts) > 1 and self.firsts[1] <= seq + 1:
-            with contextlib.suppress(FileNotFoundError):
-                self.path(self.firsts[0]).unlink()
+            try:
+                self.path(self.firsts[0]).unlink(missing_ok=True)
+            except OSError as exc:  # read-only: it stays (its events are delivered)
+                log.warning("spool_segment_not_removed", path=str(self.path(self.firsts[0])),
+                            error=repr(exc))
+                return  # tried again with the next mark
             self.firsts.pop(0)

@@ -98,7 +98,11 @@ class Spool:
             self._disk = None
         self.files.close()
         if self._lock_fd is not None and self.delivered:
-            self.persist_delivered()
+            try:
+                self.persist_delivered()
+            except OSError as exc:  # a restart re-sends what the older mark leaves out
+                log.error("spool_mark_write_failed", dir=str(self.dir),
+                          delivered=self.delivered, error=repr(exc))
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

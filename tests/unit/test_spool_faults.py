@@ -1,0 +1,115 @@
+"""The spool's delivery path when the filesystem fails under it: a full or read-only disk
+while the delivered mark is written or the files are read back, a spool directory removed
+while running, a dead instance's spool adopted and given back. The shipper must outlive
+every failure, loudly, and deliver once the disk is back."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway import metrics
+from gateway.log import configure
+from gateway.sinks.shipper import Shipper
+from gateway.sinks.spool import Spool
+
+
+def _put(sp: Spool, n: int) -> None:
+    for _ in range(n):
+        seq = sp.next_seq()
+        sp.put(seq, orjson.dumps({"seq": str(seq), "event_id": f"e{seq}"}))
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    async def send_batch(self, records: list[Any]) -> None:
+        self.got += [r[0] for r in records]
+
+    async def close(self) -> None:
+        pass
+
+
+async def _until(cond: Any, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def test_the_shipper_outlives_a_full_disk_under_its_delivered_mark(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ENOSPC (or EROFS) on the delivered mark's write: delivery goes on from memory, the
+    failure is logged and counted, and the mark is written once the disk has room."""
+    configure("info", cache=False)
+    sp = Spool(tmp_path, "i").open()
+    real = Spool.write_mark
+    full = [True]
+
+    def write_mark(self: Spool, delivered: int) -> None:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, delivered)
+
+    monkeypatch.setattr(Spool, "write_mark", write_mark)
+    sink = _Sink()
+    errors = metrics.SPOOL_WRITE_ERRORS._value.get()
+    writer = asyncio.create_task(sp.run_writer(linger=0.0))
+    shipper = asyncio.create_task(Shipper(sp, sink, linger=0.0, persist_every=0.02).run())
+    try:
+        _put(sp, 3)
+        await _until(lambda: len(sink.got) == 3)
+        await asyncio.sleep(0.1)  # several marks due, each failing
+        _put(sp, 2)
+        await _until(lambda: len(sink.got) == 5)
+        assert not shipper.done(), shipper.exception()
+        assert metrics.SPOOL_WRITE_ERRORS._value.get() > errors
+        assert "spool_mark_write_failed" in capsys.readouterr().err
+        full[0] = False  # space again: the mark reaches the disk
+        await _until(lambda: (tmp_path / "i" / "delivered").exists()
+                     and (tmp_path / "i" / "delivered").read_text() == "5")
+    finally:
+        writer.cancel()
+        shipper.cancel()
+        await asyncio.gather(writer, shipper, return_exceptions=True)
+        sp.close()
+
+
+async def test_the_shipper_outlives_a_failed_read_of_the_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The shipper behind (a restart): its read of the files fails (EIO), is logged, and
+    is tried again; the events are delivered once it succeeds."""
+    configure("info", cache=False)
+    sp = Spool(tmp_path, "i").open()
+    _put(sp, 4)
+    await sp.commit()
+    sp.close()
+    sp = Spool(tmp_path, "i").open()  # nothing in memory: the shipper reads the file
+    real = Spool._read_files
+    fails = [1]
+
+    def read_files(self: Spool, limit: int) -> list[tuple[int, bytes]]:
+        if fails:
+            fails.pop()
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, limit)
+
+    monkeypatch.setattr(Spool, "_read_files", read_files)
+    sink = _Sink()
+    shipper = asyncio.create_task(Shipper(sp, sink, linger=0.0).run())
+    try:
+        await _until(lambda: len(sink.got) == 4 or shipper.done())
+        assert not shipper.done(), shipper.exception()
+        assert sink.got == [b"e1", b"e2", b"e3", b"e4"]
+        assert "spool_read_failed" in capsys.readouterr().err
+    finally:
+        shipper.cancel()
+        await asyncio.gather(shipper, return_exceptions=True)
+        sp.close()
