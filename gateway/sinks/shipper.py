@@ -106,6 +106,8 @@ class Shipper:
         return self.spool.delivered_unpersisted
 
     async def run(self, until_empty: bool = False) -> None:
+        """Deliver for ever; with `until_empty` (an adopted spool) until it is empty, then
+        close it."""
         backoff = 0.1
         while True:
             try:
@@ -121,6 +123,11 @@ class Shipper:
                 if until_empty and self.spool.depth == 0:
                     self._persisted_at = 0.0  # due now
                     if not await self._persist_due(time.monotonic()):
+                        # An adopted spool, delivered: its lock is given back, or its owner
+                        # (the same pod name or worker, restarted) could never take it again.
+                        self.spool.close()
+                        log.info("adopted_spool_delivered", instance=self.spool.instance_id,
+                                 delivered=self.spool.delivered)
                         return
                     await asyncio.sleep(self.persist_every)  # the mark failed: again
                     continue

@@ -113,3 +113,25 @@ async def test_the_shipper_outlives_a_failed_read_of_the_files(
         shipper.cancel()
         await asyncio.gather(shipper, return_exceptions=True)
         sp.close()
+
+
+async def test_an_adopted_spool_is_given_back_once_delivered(tmp_path: Path) -> None:
+    """A starting instance drains a dead one's spool; then its owner (the same pod name or
+    worker, restarted) must be able to take it back, not find it locked until the adopter
+    stops."""
+    from gateway.errors import SpoolLocked
+    from gateway.sinks.spools import orphans
+
+    dead = Spool(tmp_path, "pod-a").open()
+    _put(dead, 3)
+    await dead.commit()
+    dead.close()  # its process died
+    [adopted] = orphans(tmp_path, "pod-b")
+    with pytest.raises(SpoolLocked):  # while it drains, it is the adopter's
+        Spool(tmp_path, "pod-a").open()
+    sink = _Sink()
+    await asyncio.wait_for(Shipper(adopted, sink).run(until_empty=True), 5)
+    assert sink.got == [b"e1", b"e2", b"e3"]
+    back = Spool(tmp_path, "pod-a").open()  # its owner, restarted
+    assert (back.delivered, back.last_seq) == (3, 3)
+    back.close()
