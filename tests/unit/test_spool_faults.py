@@ -135,3 +135,38 @@ async def test_an_adopted_spool_is_given_back_once_delivered(tmp_path: Path) -> 
     back = Spool(tmp_path, "pod-a").open()  # its owner, restarted
     assert (back.delivered, back.last_seq) == (3, 3)
     back.close()
+
+
+@pytest.mark.parametrize("fd_open", [True, False])
+async def test_a_spool_directory_deleted_while_running_is_made_again(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fd_open: bool) -> None:
+    """`rm -rf` of the spool under a live instance: the lines written since went to a file
+    without a name, reported durable (settled, Envoy's batch answered) and gone at the next
+    start. The directory, its lock and the open segment come back, loudly; seq goes on."""
+    from gateway.errors import SpoolLocked
+
+    configure("info", cache=False)
+    sp = Spool(tmp_path, "i").open()
+    _put(sp, 3)
+    await sp.commit()
+    sp.mark_delivered(1)
+    if not fd_open:
+        sp.files.close()  # as after a failed write
+    import shutil
+    shutil.rmtree(tmp_path / "i")
+    _put(sp, 2)
+    await sp.commit()
+    assert "spool_directory_recreated" in capsys.readouterr().err
+    with pytest.raises(SpoolLocked):  # still this live instance's
+        Spool(tmp_path, "i").open()
+    _put(sp, 1)
+    await sp.commit()
+    sp.close()
+    again = Spool(tmp_path, "i").open()
+    assert again.last_seq == 6
+    kept = [s for s, _ in again.read_batch()]
+    # the open segment is whole again; a closed one lost with its directory is not made up
+    assert kept == ([2, 3, 4, 5, 6] if fd_open else [4, 5, 6])
+    for seq, line in again.read_batch():
+        assert orjson.loads(line)["seq"] == str(seq)
+    again.close()
