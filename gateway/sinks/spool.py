@@ -86,6 +86,13 @@ class Spool:
                                 "(GATEWAY_SPOOL_DIR)") from exc
         self._lock_fd = self._lock(fd)
         self._recover()
+        try:  # a full or read-only disk refuses now, not at the first request's event
+            self.write_mark(self.delivered)
+        except OSError as exc:
+            os.close(fd)
+            self._lock_fd = None
+            raise SpoolUnusable(f"spool directory {self.dir}: cannot write: "
+                                f"{exc.strerror or exc} (GATEWAY_SPOOL_DIR)") from exc
         return self
 
     def _lock(self, fd: int) -> int:

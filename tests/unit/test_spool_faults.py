@@ -170,3 +170,21 @@ async def test_a_spool_directory_deleted_while_running_is_made_again(
     for seq, line in again.read_batch():
         assert orjson.loads(line)["seq"] == str(seq)
     again.close()
+
+
+def test_a_spool_that_cannot_be_written_is_refused_at_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk full (or a directory not writable) but for its existing LOCK: the start
+    fails naming the directory (docs/operations.md), not the first event's group commit."""
+    from gateway.errors import SpoolUnusable
+
+    Spool(tmp_path, "i").open().close()  # LOCK and all exist from an earlier run
+
+    def full(self: Spool, delivered: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Spool, "write_mark", full)
+    with pytest.raises(SpoolUnusable, match=str(tmp_path / "i")):
+        Spool(tmp_path, "i").open()
+    monkeypatch.undo()
+    Spool(tmp_path, "i").open().close()  # the lock was given back
