@@ -38,7 +38,13 @@ class Segments:
         """The files on disk: the last segment's complete lines and its last write (wall
         clock), None without a segment. A torn last line (a crash mid-write) is cut, with
         `repair` (a reader without the lock must not cut a live writer's file)."""
-        self.firsts = sorted(int(p.stem) for p in self.dir.glob("*.log"))
+        self.firsts = []
+        for p in self.dir.glob("*.log"):
+            if p.stem.isdigit() and p.stem.isascii():
+                self.firsts.append(int(p.stem))
+            else:  # not a segment (a copy, a stray file): left alone, and said so
+                log.warning("spool_file_ignored", path=str(p))
+        self.firsts.sort()
         if not self.firsts:
             return None
         path = self.path(self.firsts[-1])

@@ -188,3 +188,22 @@ def test_a_spool_that_cannot_be_written_is_refused_at_start(
         Spool(tmp_path, "i").open()
     monkeypatch.undo()
     Spool(tmp_path, "i").open().close()  # the lock was given back
+
+
+async def test_a_stray_log_file_in_a_spool_is_not_a_segment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every starting instance opens every spool under the root (to adopt the dead ones):
+    a `*.log` not named by a seq (an operator's copy) made each start fail with a
+    ValueError."""
+    from gateway.sinks.spools import orphans
+
+    configure("info", cache=False)
+    dead = Spool(tmp_path, "pod-a").open()
+    _put(dead, 2)
+    await dead.commit()
+    dead.close()
+    (tmp_path / "pod-a" / "notes.log").write_text("x\n")
+    [adopted] = orphans(tmp_path, "pod-b")
+    assert [s for s, _ in adopted.read_batch()] == [1, 2]
+    adopted.close()
+    assert "spool_file_ignored" in capsys.readouterr().err
