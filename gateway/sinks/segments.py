@@ -63,7 +63,8 @@ class Segments:
         last one is full). On an error no part of it stays: the next append (this one
         again) must not be glued onto a torn line."""
         if not self.firsts or self._size >= self.segment_bytes:
-            self.firsts.append(first)
+            if not self.firsts or self.firsts[-1] != first:  # else begun by a failed one
+                self.firsts.append(first)
             self._size = 0
         fd = self._open(self.firsts[-1])
         try:

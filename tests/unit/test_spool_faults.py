@@ -207,3 +207,33 @@ async def test_a_stray_log_file_in_a_spool_is_not_a_segment(
     assert [s for s, _ in adopted.read_batch()] == [1, 2]
     adopted.close()
     assert "spool_file_ignored" in capsys.readouterr().err
+
+
+async def test_a_directory_deleted_after_a_failed_roll_keeps_one_segment_per_seq(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group commit that failed as it began a new segment, then the directory deleted:
+    the next commit starts that segment once, at its seq."""
+    import os
+    import shutil
+
+    sp = Spool(tmp_path, "i", segment_bytes=10).open()
+    _put(sp, 1)
+    await sp.commit()
+    real = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    _put(sp, 1)
+    with pytest.raises(OSError):
+        await sp.commit()  # segment 2 begun, nothing in it
+    monkeypatch.setattr(os, "write", real)
+    shutil.rmtree(tmp_path / "i")
+    _put(sp, 1)
+    await sp.commit()
+    assert sp.files.firsts == sorted(set(sp.files.firsts))
+    sp.close()
+    again = Spool(tmp_path, "i", segment_bytes=10).open()
+    assert [s for s, _ in again.read_batch()] == [2, 3]
+    again.close()
