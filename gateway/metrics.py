@@ -25,7 +25,10 @@ SETTLE_ERRORS = Counter("gateway_settle_errors_total", "Settlements the store re
 READY = Gauge("gateway_ready", "1 when this worker has a policy", multiprocess_mode="livemin")
 SINK_ERRORS = Counter("gateway_usage_sink_errors_total", "Failed deliveries to Kafka/JSONL")
 SPOOL_WRITE_ERRORS = Counter("gateway_usage_spool_write_errors_total",
-                             "Group commits the spool could not write (kept in memory, retried)")
+                             "Group commits or delivered marks the spool could not write "
+                             "(kept in memory, retried)")
+SPOOL_READ_ERRORS = Counter("gateway_usage_spool_read_errors_total",
+                            "Reads of spooled events that failed (retried)")
 SPOOL_UNREADABLE = Counter("gateway_usage_spool_unreadable_total",
                            "Spooled lines that are not an event (sent on as they are)")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")

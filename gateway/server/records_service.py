@@ -67,7 +67,7 @@ class RecordsService:
         self.checks_waiting = checks_waiting
         self.ledger = ledger
         self.emits = emits
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen: OrderedDict[str, int] = OrderedDict()  # request id: its event's seq
 
     def register(self, server: grpc.aio.Server) -> None:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
@@ -127,14 +127,16 @@ class RecordsService:
             return 0
         if rec is None:
             return 0
-        if rec.request_id in self._seen:
+        if (seq := self._seen.get(rec.request_id)) is not None:
+            # A batch sent again: answered only once the first send's event is on disk
+            # (it may still wait in memory, the disk full), or Envoy forgets the record.
             metrics.RECORD_DUPLICATES.inc()
-            return 0
-        self._seen[rec.request_id] = None
-        if len(self._seen) > SEEN_MAX:
-            self._seen.popitem(last=False)
+            return seq
         event = self.recorder.emit(rec.facts, billing.settle(rec.facts, rec.response),
                                    rec.started, rec.ended)
+        self._seen[rec.request_id] = event.seq
+        if len(self._seen) > SEEN_MAX:
+            self._seen.popitem(last=False)
         if not rec.facts.key_id and not rec.facts.denied_status:
             # Envoy answered itself: perhaps the Check never came back (a sidecar killed
             # mid-Check), having committed an admission nobody will use: void it now rather
@@ -162,5 +164,5 @@ class RecordsService:
         rid = record.request_id(attrs)
         log.error("record_unreadable", request_id=rid, error=repr(exc))
         if rid is not None and rid not in self._seen:
-            self._seen[rid] = None
+            self._seen[rid] = 0  # no event here: the sweep's
             self.ledger.orphaned(rid)

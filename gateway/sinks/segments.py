@@ -38,7 +38,13 @@ class Segments:
         """The files on disk: the last segment's complete lines and its last write (wall
         clock), None without a segment. A torn last line (a crash mid-write) is cut, with
         `repair` (a reader without the lock must not cut a live writer's file)."""
-        self.firsts = sorted(int(p.stem) for p in self.dir.glob("*.log"))
+        self.firsts = []
+        for p in self.dir.glob("*.log"):
+            if p.stem.isdigit() and p.stem.isascii():
+                self.firsts.append(int(p.stem))
+            else:  # not a segment (a copy, a stray file): left alone, and said so
+                log.warning("spool_file_ignored", path=str(p))
+        self.firsts.sort()
         if not self.firsts:
             return None
         path = self.path(self.firsts[-1])
@@ -57,7 +63,8 @@ class Segments:
         last one is full). On an error no part of it stays: the next append (this one
         again) must not be glued onto a torn line."""
         if not self.firsts or self._size >= self.segment_bytes:
-            self.firsts.append(first)
+            if not self.firsts or self.firsts[-1] != first:  # else begun by a failed one
+                self.firsts.append(first)
             self._size = 0
         fd = self._open(self.firsts[-1])
         try:
@@ -73,12 +80,51 @@ class Segments:
         self._size += len(data)
 
     def _open(self, first: int) -> int:
-        """The open append fd of segment `first` (the last one), opening it on a change."""
+        """The open append fd of segment `first` (the last one), opening it on a change
+        (read too: `relink` copies it from there once its name is gone)."""
         if self._fd is None or self._fd_first != first:
             self.close()
-            self._fd = os.open(self.path(first), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = os.open(self.path(first), os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
             self._fd_first = first
         return self._fd
+
+    def removed(self) -> bool:
+        """Whether the open segment lost its name (its directory deleted): what is
+        written to it would reach no file a restart reads."""
+        if self._fd is not None:
+            return os.fstat(self._fd).st_nlink == 0
+        return not self.dir.is_dir()
+
+    def relink(self) -> int:
+        """Give the open segment its name back in a recreated directory, with all it holds
+        (read from its fd), fsynced; how many segments are gone for good (closed ones)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lost = sum(1 for f in self.firsts[:-1] if not self.path(f).exists())
+        if self._fd is not None:
+            data = os.pread(self._fd, self._size, 0)
+            path = self.path(self._fd_first)
+            tmp = path.with_suffix(".relink")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            try:
+                written = 0
+                while written < len(data):
+                    written += os.write(fd, data[written:])
+                os.fsync(fd)
+                os.replace(tmp, path)
+            except OSError:
+                os.close(fd)
+                raise
+            self.close()
+            self._fd = fd
+        elif self.firsts and not self.path(self.firsts[-1]).exists():
+            self._size = self.segment_bytes  # the next append starts a segment at its seq
+            lost += 1
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return lost
 
     def close(self) -> None:
         if self._fd is not None:
@@ -128,6 +174,10 @@ class Segments:
         """Remove the segments wholly at or below `seq` (the next one starts at or below
         seq + 1); the last one always stays."""
         while len(self.firsts) > 1 and self.firsts[1] <= seq + 1:
-            with contextlib.suppress(FileNotFoundError):
-                self.path(self.firsts[0]).unlink()
+            try:
+                self.path(self.firsts[0]).unlink(missing_ok=True)
+            except OSError as exc:  # read-only: it stays (its events are delivered)
+                log.warning("spool_segment_not_removed", path=str(self.path(self.firsts[0])),
+                            error=repr(exc))
+                return  # tried again with the next mark
             self.firsts.pop(0)

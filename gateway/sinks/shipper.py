@@ -79,6 +79,7 @@ class Shipper:
         self.linger = linger
         self.persist_every = persist_every  # the delivered mark hits the disk this often
         self._persisted_at = 0.0
+        self._mark_failed_at = 0.0  # when a failed mark write was last logged (0: it works)
 
     async def _persist_due(self, now: float) -> bool:
         """Persist the delivered mark if `persist_every` has passed; whether it still has
@@ -86,22 +87,50 @@ class Shipper:
         off the event loop: on a busy disk a rename can take milliseconds, and the Checks
         would wait for it."""
         if now - self._persisted_at >= self.persist_every:
+            self._persisted_at = now
             if self.spool.delivered_unpersisted:
                 mark = self.spool.delivered
-                await self.spool.on_disk_thread(lambda: self.spool.write_mark(mark))
+                try:
+                    await self.spool.on_disk_thread(lambda: self.spool.write_mark(mark))
+                except OSError as exc:  # disk full, read-only, directory gone: the mark
+                    # stays in memory (a restart re-sends, never loses) and is tried again
+                    metrics.SPOOL_WRITE_ERRORS.inc()
+                    if now - self._mark_failed_at >= 5.0:
+                        self._mark_failed_at = now
+                        log.error("spool_mark_write_failed", dir=str(self.spool.dir),
+                                  delivered=mark, error=repr(exc))
+                    return True
+                self._mark_failed_at = 0.0
                 self.spool.mark_written(mark)
-            self._persisted_at = now
             return False
         return self.spool.delivered_unpersisted
 
     async def run(self, until_empty: bool = False) -> None:
+        """Deliver for ever; with `until_empty` (an adopted spool) until it is empty, then
+        close it."""
         backoff = 0.1
         while True:
-            lines = await self.spool.next_batch(self.batch)
+            try:
+                lines = await self.spool.next_batch(self.batch)
+            except OSError as exc:  # EIO, a segment removed: the same read again, loudly
+                metrics.SPOOL_READ_ERRORS.inc()
+                log.error("spool_read_failed", instance=self.spool.instance_id,
+                          spool_depth=self.spool.depth, error=repr(exc), retry_in=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
             if not lines:
                 if until_empty and self.spool.depth == 0:
-                    self.spool.persist_delivered()
-                    return
+                    self._persisted_at = 0.0  # due now
+                    if not await self._persist_due(time.monotonic()):
+                        # An adopted spool, delivered: its lock is given back, or its owner
+                        # (the same pod name or worker, restarted) could never take it again.
+                        self.spool.close()
+                        log.info("adopted_spool_delivered", instance=self.spool.instance_id,
+                                 delivered=self.spool.delivered)
+                        return
+                    await asyncio.sleep(self.persist_every)  # the mark failed: again
+                    continue
                 # Caught up. The delivered mark still hits the disk at most every
                 # `persist_every` (a write and a rename each time the queue empties cost
                 # ~6 % of the sidecar's CPU at ~100 req/s), and at the latest that long

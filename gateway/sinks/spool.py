@@ -16,6 +16,7 @@ from the files when it fell behind by more than RECENT_MAX (the sink away, a res
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import itertools
 import os
@@ -83,14 +84,50 @@ class Spool:
         except OSError as exc:  # no events can be kept: say where, not a traceback
             raise SpoolUnusable(f"spool directory {self.dir}: {exc.strerror or exc} "
                                 "(GATEWAY_SPOOL_DIR)") from exc
+        self._lock_fd = self._lock(fd)
+        self._recover()
+        try:  # a full or read-only disk refuses now, not at the first request's event
+            self.write_mark(self.delivered)
+        except OSError as exc:
+            os.close(fd)
+            self._lock_fd = None
+            raise SpoolUnusable(f"spool directory {self.dir}: cannot write: "
+                                f"{exc.strerror or exc} (GATEWAY_SPOOL_DIR)") from exc
+        return self
+
+    def _lock(self, fd: int) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise SpoolLocked(f"{self.dir} is in use by a live instance") from None
+        return fd
+
+    def _append(self, first: int, data: bytes) -> None:
+        """A group commit's write (disk thread). A spool directory deleted under the
+        running instance is made again, its lock taken again (else a starting instance
+        would adopt a live spool) and the open segment given its name back: its lines
+        were written and fsynced to a file that a restart would never find."""
+        if self.files.removed():
+            self._relink()
+        self.files.append(first, data)
+        if self.files.removed():  # deleted during the write
+            self._relink()
+
+    def _relink(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = self._lock(os.open(self.dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o644))
+        except SpoolLocked as exc:  # another instance took the name meanwhile
+            raise OSError(errno.EAGAIN, str(exc)) from None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
         self._lock_fd = fd
-        self._recover()
-        return self
+        missing = self.files.relink()
+        self.write_mark(self.delivered)  # the delivered mark went with the directory
+        metrics.SPOOL_WRITE_ERRORS.inc()
+        log.error("spool_directory_recreated", dir=str(self.dir), delivered=self.delivered,
+                  durable_seq=self.durable_seq, segments_lost=missing)
 
     def close(self) -> None:
         if self._disk is not None:
@@ -98,7 +135,11 @@ class Spool:
             self._disk = None
         self.files.close()
         if self._lock_fd is not None and self.delivered:
-            self.persist_delivered()
+            try:
+                self.persist_delivered()
+            except OSError as exc:  # a restart re-sends what the older mark leaves out
+                log.error("spool_mark_write_failed", dir=str(self.dir),
+                          delivered=self.delivered, error=repr(exc))
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -182,7 +223,7 @@ class Spool:
         callbacks, self._callbacks = self._callbacks, []
         first = last - len(batch) + 1
         try:
-            await self.on_disk_thread(lambda: self.files.append(first, b"".join(batch)))
+            await self.on_disk_thread(lambda: self._append(first, b"".join(batch)))
         except OSError as exc:  # disk full, read-only, EIO: the group waits in memory
             self._queue[:0] = batch
             self._callbacks[:0] = callbacks
