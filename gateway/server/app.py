@@ -296,8 +296,9 @@ class App:
             await self.server.stop(grace)
         if self.recorder:  # streams the stop cut: their events, before the last commit
             self.recorder.end_waits()
-        if self.spool:
-            await self.spool.commit()  # events reach the disk, and queue their settlements,
+        if self.spool:  # events reach the disk, and queue their settlements, ...
+            with contextlib.suppress(OSError):  # (a full disk: logged with what it keeps)
+                await self.spool.commit()
         if self.ledger:
             await self.ledger.stop()  # ... which are flushed here
         await cancel_all(self.tasks)
