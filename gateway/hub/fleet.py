@@ -3,7 +3,7 @@ for each spoke. Pure: built from the topics' latest values, rendered as JSON or 
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -13,11 +13,42 @@ from gateway.hub import feed
 FRESH_HEARTBEATS = 3  # an instance silent for longer than this many intervals is stale
 
 
-def _age(at: Any, now: float) -> float | None:
+# Each field of a report and the JSON types it may have (DESIGN §10; null: not said).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "revision": (int,), "state": (str,), "error": (str,), "at": (str,),
+    "spool_depth": (int,), "spool_oldest_s": (int, float), "limiter_store_up": (bool,)}
+
+
+def _typed(key: str, s: dict[str, Any]) -> dict[str, Any]:
+    """The report's fields, each of its contract type or None. A report with a field of
+    another type (a foreign or older reporter) is shown as "unreadable", the fields it does
+    have right kept: its raw values would break a tool reading `hub status -o json`, and
+    the table (a revision "3" cannot be compared with the feed's)."""
+    out: dict[str, Any] = {}
+    wrong = []
+    for name, types in _TYPES.items():
+        value = s.get(name)
+        ok = value is None or (isinstance(value, types)
+                               and (bool in types or not isinstance(value, bool)))
+        out[name] = value if ok else None
+        if not ok:
+            wrong.append(f"{name}: {orjson.dumps(value).decode()[:40]}")
+    if wrong:
+        out["state"] = "unreadable"
+        out["error"] = f"{key}: not of the contract's type: {', '.join(wrong)}"
+    return out
+
+
+def _age(at: str | None, now: float) -> float | None:
+    if at is None:
+        return None
     try:
-        return round(max(0.0, now - datetime.fromisoformat(str(at)).timestamp()), 1)
+        ts = datetime.fromisoformat(at)
     except ValueError:
         return None
+    if ts.tzinfo is None:  # RFC 3339 always has an offset; read none as UTC, not local
+        ts = ts.replace(tzinfo=UTC)
+    return round(max(0.0, now - ts.timestamp()), 1)
 
 
 def fleet(statuses: dict[str, bytes], policies: dict[str, bytes], now: float) -> dict[str, Any]:
@@ -32,17 +63,18 @@ def fleet(statuses: dict[str, bytes], policies: dict[str, bytes], now: float) ->
             s = orjson.loads(raw)
             if not isinstance(s, dict):
                 raise ValueError("not an object")
+            t = _typed(key, s)
         except ValueError as exc:
-            s = {"state": "unreadable", "error": f"{key}: {exc}"}
+            t = {"state": "unreadable", "error": f"{key}: {exc}"}
         spokes.setdefault(spoke, []).append({
             "instance": instance,
-            "revision": s.get("revision"),
-            "state": s.get("state"),
-            "error": s.get("error"),
-            "age_s": _age(s.get("at"), now),
-            "spool_depth": s.get("spool_depth"),
-            "spool_oldest_s": s.get("spool_oldest_s"),
-            "limiter_store_up": s.get("limiter_store_up"),
+            "revision": t.get("revision"),
+            "state": t.get("state"),
+            "error": t.get("error"),
+            "age_s": _age(t.get("at"), now),
+            "spool_depth": t.get("spool_depth"),
+            "spool_oldest_s": t.get("spool_oldest_s"),
+            "limiter_store_up": t.get("limiter_store_up"),
         })
     return {"spokes": [
         {"spoke": name, "feed_revision": feed.feed_revision(policies, name),

@@ -3,6 +3,7 @@ its JSON shape (DESIGN §10), which spokes lag, and the table."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 
 import orjson
@@ -137,3 +138,34 @@ def test_an_embedded_instance_reports_a_policy_file_it_refuses_as_its_nack(tmp_p
     sync.refresh()
     assert holder.policy.revision == 2 and holder.verdict() == ("ack", None)
     assert [s for s, _ in seen] == ["ack", "nack", "ack"]
+
+
+def test_a_report_with_fields_of_another_type_is_unreadable_and_breaks_no_view() -> None:
+    """A foreign or older reporter's value: `hub status -o json` gives only the contract's
+    types, and the table is still drawn (a revision "3" crashed it, a TypeError)."""
+    odd = orjson.dumps({"revision": "3", "state": "ack", "at": 1764590399, "spool_depth": 2,
+                        "spool_oldest_s": "1", "limiter_store_up": 1})
+    view = fleet.fleet({"a/odd": odd, **dict([report("a", "fine", 3)])},
+                       {"*": feed.encode(3, {})}, NOW)
+    inst = view["spokes"][0]["instances"][1]
+    assert inst == {"instance": "odd", "revision": None, "state": "unreadable",
+                    "error": 'a/odd: not of the contract\'s type: revision: "3", at: 1764590399, '
+                             'spool_oldest_s: "1", limiter_store_up: 1',
+                    "age_s": None, "spool_depth": 2, "spool_oldest_s": None,
+                    "limiter_store_up": None}
+    text = fleet.table(view, interval=10)
+    assert "unreadable" in text and "LAGGING (1 behind)" in text
+
+
+def test_a_report_time_without_an_offset_is_read_as_utc(monkeypatch) -> None:
+    """Not as the hub's local time: `hub status` on an operator's machine east of UTC read
+    such a report as hours old (or, west of it, as just now)."""
+    naive = orjson.dumps({"revision": 1, "state": "ack", "at": "2026-12-01T11:59:30"})
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        view = fleet.fleet({"a/i": naive}, {}, NOW)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert view["spokes"][0]["instances"][0]["age_s"] == 30.0
