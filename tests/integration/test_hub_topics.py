@@ -468,8 +468,8 @@ def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
     assert listed() == ["s1/live", "s1/old"]
 
 
-async def _cleanup_policy(bs: str, topic: str) -> str | None:
-    """`cleanup.policy` as the broker describes `topic` (None: not set)."""
+async def _cleanup_policy(bs: str, topic: str, setting: str = "cleanup.policy") -> str | None:
+    """`setting` as the broker describes `topic` (None: not set)."""
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
     admin = AIOKafkaAdminClient(bootstrap_servers=bs)
@@ -481,7 +481,7 @@ async def _cleanup_policy(bs: str, topic: str) -> str | None:
     for answer in answers:
         for resource in answer.resources:
             for name, value, *_ in resource[4]:
-                if name == "cleanup.policy":
+                if name == setting:
                     return str(value)
     return None
 
@@ -515,3 +515,24 @@ async def test_the_first_quota_message_makes_the_quota_topic_compacted(
     finally:
         await pub.close()
     assert await _cleanup_policy(bs, qt.QUOTA_TOPIC) == "compact"
+
+
+async def test_a_policy_of_more_than_a_megabyte_is_published_and_read_back(
+        feed_kafka: Service) -> None:
+    """A platform with ~10,000 keys has a policy document over 1 MB: aiokafka's default
+    max_request_size (1 MiB) refused it ('MessageSizeTooLargeError', exit 1, as if Kafka were
+    away), so no spoke could ever take it. Compressed, with the topic's own
+    max.message.bytes raised for a Kafka that applies it (Tansu stores it, quirk 4)."""
+    import hashlib
+    bs = feed_kafka.address
+    data = _data("big")
+    data["keys"] = {f"key_{i:06d}": {"team": "t", "sha256": hashlib.sha256(
+        str(i).encode()).hexdigest()} for i in range(12000)}
+    text = orjson.dumps(data)
+    assert len(text) > 1 << 20
+    revision = await publish(bs, text, "big.json", idempotence=False)
+    _, raw = feed.entry_for(feed.latest(await read_all(bs, POLICY_TOPIC)), "s1") or ("", b"")
+    decision = feed.decide(f"{POLICY_TOPIC}[*]", raw, held=0)
+    assert isinstance(decision, feed.Apply) and decision.revision == revision
+    assert len(decision.doc.keys) == 12000
+    assert int(await _cleanup_policy(bs, POLICY_TOPIC, "max.message.bytes") or 0) >= 16 << 20
