@@ -145,8 +145,9 @@ def decide(source: str, raw: bytes, held: int) -> Decision:
     if entry.revision <= held:
         return Hold(entry.revision)
     source = f"{source} revision {entry.revision}"
+    policy = {k: v for k, v in entry.policy.items() if k != "revision"}  # N rules, not its own
     try:
-        doc = parse_doc(orjson.dumps(entry.policy), source)
+        doc = parse_doc(orjson.dumps(policy), source)
     except PolicyError as err:
         return Refuse(entry.revision, str(err))
     return Apply(entry.revision, doc.model_copy(update={"revision": entry.revision}))
