@@ -113,29 +113,49 @@ def ahead(spoke: dict[str, Any]) -> list[str]:
             if want is not None and (i["revision"] or 0) > want]
 
 
+def silent(instance: dict[str, Any], interval: float) -> bool:
+    """Silent for more than FRESH_HEARTBEATS heartbeats (an unknown age is not silent)."""
+    age = instance["age_s"]
+    return age is not None and age > FRESH_HEARTBEATS * interval
+
+
 def table(view: dict[str, Any], interval: float) -> str:
-    """One line per instance; a spoke's header says whether it lags behind the feed, or holds
-    a revision the feed does not have."""
+    """One line per instance; a spoke's header says whether its live instances lag behind
+    the feed, hold a revision the feed does not have, or refuse one, and how many are
+    silent: those are left out of the rest, since an instance gone for good (a pod a
+    rollout replaced) stays listed at the revision it had until `hub forget`."""
     out = []
+    width = max([28, *(len(i["instance"]) for sp in view["spokes"] for i in sp["instances"])])
     for sp in view["spokes"]:
-        behind, above = lagging(sp), ahead(sp)
+        quiet = [i for i in sp["instances"] if silent(i, interval)]
+        live = {**sp, "instances": [i for i in sp["instances"] if i not in quiet]}
+        behind, above = lagging(live), ahead(live)
+        nacks = [i for i in live["instances"] if i["state"] == "nack"]
         marks = ([f"LAGGING ({len(behind)} behind)"] if behind else []) + (
-            [f"AHEAD OF THE FEED ({len(above)}: publish again)"] if above else [])
-        mark = ", ".join(marks) or ("in step" if sp["instances"] else "NO INSTANCE REPORTS")
+            [f"AHEAD OF THE FEED ({len(above)}: publish again)"] if above else []) + (
+            [f"NACK ({len(nacks)})"] if nacks else [])
+        if not sp["instances"]:
+            marks = ["NO INSTANCE REPORTS"]
+        elif live["instances"] and not marks:
+            marks = ["in step"]
+        if quiet:
+            marks.append(f"SILENT ({len(quiet)}: over {FRESH_HEARTBEATS} heartbeats)")
+        mark = ", ".join(marks)
         if sp["feed_revision"] is None:
             mark = "no feed entry"
         out.append(f"spoke {sp['spoke']}: feed revision {sp['feed_revision'] or '-'}, {mark}")
-        out.append(f"  {'INSTANCE':28} {'REV':>5} {'STATE':5} {'AGE':>7} {'SPOOL':>6} "
+        out.append(f"  {'INSTANCE':{width}} {'REV':>5} {'STATE':5} {'AGE':>7} {'SPOOL':>6} "
                    f"{'OLDEST':>7} {'STORE':5}  ERROR")
         for i in sp["instances"]:
             age = i["age_s"]
             age_text = "?" if age is None else f"{age:.0f}s"
-            if age is not None and age > FRESH_HEARTBEATS * interval:
+            if silent(i, interval):
                 age_text += "!"
             store = {True: "up", False: "DOWN"}.get(i["limiter_store_up"], "?")
             oldest = i["spool_oldest_s"]
             out.append(
-                f"  {i['instance']:28} {i['revision'] if i['revision'] is not None else '-':>5} "
+                f"  {i['instance']:{width}} "
+                f"{i['revision'] if i['revision'] is not None else '-':>5} "
                 f"{(i['state'] or '?'):5} {age_text:>7} {i['spool_depth'] or 0:>6} "
                 f"{(oldest or 0):>6.0f}s {store:5}  {i['error'] or ''}".rstrip())
     if not out:

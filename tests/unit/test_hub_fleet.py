@@ -169,3 +169,24 @@ def test_a_report_time_without_an_offset_is_read_as_utc(monkeypatch) -> None:
         monkeypatch.undo()
         time.tzset()
     assert view["spokes"][0]["instances"][0]["age_s"] == 30.0
+
+
+def test_an_instance_silent_for_good_is_silent_not_lagging_and_long_names_keep_columns() -> None:
+    """A pod replaced by a rollout stops reporting at the revision it had: after the next
+    publish, the table said its spoke was LAGGING until someone ran `hub forget`, hiding
+    whether the live instances had the revision. And an instance name over 28 characters
+    (a syncer's sync-<fqdn>) pushed its row's columns out of line."""
+    long = "sync-node-3.eu-west.cluster.internal"
+    statuses = dict([report("a", "gone", 6, ago=86400), report("a", "live", 7),
+                     report("a", long, 7), report("b", "gone", 6, ago=3600),
+                     report("c", "live", 6, "nack", "llm.policy.v1[c] revision 7: bad")])
+    view = fleet.fleet(statuses, {"*": feed.encode(7, {})}, NOW)
+    text = fleet.table(view, interval=10)
+    assert "spoke a: feed revision 7, in step, SILENT (1: over 3 heartbeats)" in text
+    assert "spoke b: feed revision 7, SILENT (1: over 3 heartbeats)" in text
+    assert "spoke c: feed revision 7, LAGGING (1 behind), NACK (1)" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("  ") and "spoke" not in ln]
+    rev_at = {ln.index(" REV ") if "INSTANCE" in ln else None for ln in rows} - {None}
+    assert len(rev_at) == 1  # one header layout for all spokes
+    col = rev_at.pop() + 3  # the REV column's last character
+    assert all(ln[col] in "67V" for ln in rows), text
