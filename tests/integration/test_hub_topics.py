@@ -536,3 +536,27 @@ async def test_a_policy_of_more_than_a_megabyte_is_published_and_read_back(
     assert isinstance(decision, feed.Apply) and decision.revision == revision
     assert len(decision.doc.keys) == 12000
     assert int(await _cleanup_policy(bs, POLICY_TOPIC, "max.message.bytes") or 0) >= 16 << 20
+
+
+async def test_a_nack_whose_error_is_huge_is_still_reported(feed_kafka: Service) -> None:
+    """A revision refused for every one of 30,000 keys has an error of ~1.3 MB: a Kafka with
+    its default record limit (1 MB; Tansu has none) refuses such a report, so every report
+    (heartbeats too) would be dropped and the instance go silent in `hub status` exactly
+    when it refuses, and the table printed it on one line. The error is cut, naming how much
+    was left out."""
+    from gateway.hub.status import StatusReporter
+    bs = feed_kafka.address
+    problems = "; ".join(f"keys.key_{i:06d}.team: unknown team 'gone'" for i in range(30000))
+    error = f"llm.policy.v1[*] revision 9: {problems}"
+    assert len(error) > 1 << 20
+    reporter = StatusReporter(bs, lambda: Status("s1", "big", 8, "nack", error, now_text(),
+                                                 0, 0.0, True), 10.0, idempotence=False)
+    try:
+        await reporter.send_now()
+    finally:
+        await reporter.producer.close()
+    assert reporter.sent == 1
+    got = orjson.loads(feed.latest(await read_all(bs, STATUS_TOPIC))["s1/big"])
+    assert got["state"] == "nack" and got["revision"] == 8
+    assert got["error"].startswith("llm.policy.v1[*] revision 9: keys.key_000000.team: ")
+    assert len(got["error"]) <= 4096 and "more characters left out" in got["error"]
