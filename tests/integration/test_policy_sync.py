@@ -118,3 +118,26 @@ async def test_a_feed_revision_past_doubles_is_nacked_and_never_reaches_redis(
     await syncer.sync_once()
     assert await store.current_revision() == 2**53 - 1 and syncer.status().state == "ack"
     await client.aclose()
+
+
+async def test_a_round_that_fails_unexpectedly_does_not_end_the_syncer(
+        redis_url: str, tmp_path) -> None:
+    """A revision in the spoke's Redis that is not an integer (written by hand, or by an
+    older tool): every round raised ValueError out of the syncer's tasks, which ended
+    `gateway policy sync` (and again after each restart). It is logged, counted, and the
+    next round, once Redis is readable again, brings the feed's revision."""
+    from gateway.hub import feed
+    from gateway.hub.sync import Syncer
+    client = Redis.from_url(redis_url)
+    store = PolicyStore(client)
+    syncer = Syncer("s1", "sync-t", store, "127.0.0.1:1", tmp_path, idempotence=False)
+    doc = {"models": {"m": {}}, "teams": {"t": {"models": ["*"]}},
+           "keys": {"k": {"team": "t", "sha256": "0" * 64}}}
+    syncer.current = {"*": feed.encode(3, doc)}
+    await client.hset("gw:policy", mapping={"revision": "three", "doc": "{}"})
+    await syncer._round()  # raised ValueError
+    assert await client.hget("gw:policy", "revision") == b"three"
+    await client.delete("gw:policy")
+    await syncer._round()
+    assert await store.current_revision() == 3
+    await client.aclose()
