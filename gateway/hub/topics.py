@@ -31,6 +31,11 @@ _TOPIC_EXISTS = 36  # Kafka's TOPIC_ALREADY_EXISTS
 # already over Kafka's 1 MB default), and the topic setting `hub publish` creates the feed
 # with so that a Kafka takes it. Records go gzip-compressed: keys' hex digests halve.
 RECORD_MAX_BYTES = 16 << 20
+# Kafka compacts only closed segments, and closes one after 7 days by default: the status
+# topic (a report per instance every 10 s) would hold a week of reports uncompacted, which
+# every `hub status` reads whole (100 instances: 6 million records, past its 10 s). An
+# hour's segments keep what a reader reads near one value per key.
+SEGMENT_MS = 3_600_000
 
 
 async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = None) -> bool:
@@ -40,7 +45,7 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
     (created, already there, or refused for good: asking again would not change it); False
     when it could not be asked (Kafka away): ask again before the next write."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
-    configs = {"cleanup.policy": "compact",
+    configs = {"cleanup.policy": "compact", "segment.ms": str(SEGMENT_MS),
                **({"max.message.bytes": str(max_bytes)} if max_bytes else {})}
     try:
         await admin.start()
