@@ -27,6 +27,7 @@ from gateway.sinks.producers import kafka_unavailable
 POLICY_TOPIC = "llm.policy.v1"
 STATUS_TOPIC = "llm.gateway.status.v1"
 _TOPIC_EXISTS = 36  # Kafka's TOPIC_ALREADY_EXISTS
+_CONFIG_REFUSED = (40, 44)  # INVALID_CONFIG, POLICY_VIOLATION
 # The largest record `produce` writes (a policy document of ~150,000 keys; one of 10,000 is
 # already over Kafka's 1 MB default), and the topic setting `hub publish` creates the feed
 # with so that a Kafka takes it. Records go gzip-compressed: keys' hex digests halve.
@@ -50,7 +51,15 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
     try:
         await admin.start()
         res = await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
-        for _, code, *_ in res.topic_errors:
+        codes = [code for _, code, *_ in res.topic_errors]
+        if any(code in _CONFIG_REFUSED for code in codes):
+            # a managed Kafka that caps a setting (e.g. max.message.bytes at 8 MiB): the
+            # topic compacted with the broker's own sizes, rather than none made at all
+            log.warning("topic_settings_refused", topic=topic, error_codes=codes, asked=configs)
+            res = await admin.create_topics(
+                [NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+            codes = [code for _, code, *_ in res.topic_errors]
+        for code in codes:
             if code not in (0, _TOPIC_EXISTS):
                 log.warning("topic_not_created", topic=topic, error_code=code)
         return True
