@@ -97,7 +97,8 @@ SYNC_REVISIONS = Counter(
     ["result"])
 SYNC_ERRORS = Counter(
     "gateway_hub_sync_errors_total",
-    "Sync rounds that failed: Redis or Kafka away, or Redis moved meanwhile (conflict)",
+    "Sync rounds that failed: Redis or Kafka away, Redis moved meanwhile (conflict), or "
+    "anything else (failed: logged as hub_sync_round_failed)",
     ["what"])
 
 

@@ -15,11 +15,16 @@ import orjson
 
 from gateway.errors import PolicyError
 from gateway.policy.loader import parse_doc
-from gateway.policy.schema import PolicyDoc
+from gateway.policy.schema import MAX_COUNT, PolicyDoc
 
 EVERY_SPOKE = "*"
 
 Record = tuple[str, bytes | None]  # Kafka key, value (None: a tombstone)
+
+
+# JSON's safe integers (RFC 8259 §6), and Redis's: its Lua holds numbers as doubles, and
+# stored 1733456789012345678 (a revision from time.time_ns()) as '1.7334567890123457e+18'.
+MAX_REVISION = MAX_COUNT
 
 
 class FeedValueError(ValueError):
@@ -42,6 +47,8 @@ def parse_value(raw: bytes) -> FeedEntry:
     rev = data.get("revision")
     if not isinstance(rev, int) or isinstance(rev, bool) or rev <= 0:
         raise FeedValueError(f"revision: must be a positive integer, got {rev!r}")
+    if rev > MAX_REVISION:
+        raise FeedValueError(f"revision: must be at most 2**53 - 1, got {rev}")
     policy = data.get("policy")
     if not isinstance(policy, dict):
         raise FeedValueError("policy: must be a JSON object (a policy document)")
@@ -145,8 +152,9 @@ def decide(source: str, raw: bytes, held: int) -> Decision:
     if entry.revision <= held:
         return Hold(entry.revision)
     source = f"{source} revision {entry.revision}"
+    policy = {k: v for k, v in entry.policy.items() if k != "revision"}  # N rules, not its own
     try:
-        doc = parse_doc(orjson.dumps(entry.policy), source)
+        doc = parse_doc(orjson.dumps(policy), source)
     except PolicyError as err:
         return Refuse(entry.revision, str(err))
     return Apply(entry.revision, doc.model_copy(update={"revision": entry.revision}))

@@ -3,7 +3,7 @@ for each spoke. Pure: built from the topics' latest values, rendered as JSON or 
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -13,11 +13,42 @@ from gateway.hub import feed
 FRESH_HEARTBEATS = 3  # an instance silent for longer than this many intervals is stale
 
 
-def _age(at: Any, now: float) -> float | None:
+# Each field of a report and the JSON types it may have (DESIGN §10; null: not said).
+_TYPES: dict[str, tuple[type, ...]] = {
+    "revision": (int,), "state": (str,), "error": (str,), "at": (str,),
+    "spool_depth": (int,), "spool_oldest_s": (int, float), "limiter_store_up": (bool,)}
+
+
+def _typed(key: str, s: dict[str, Any]) -> dict[str, Any]:
+    """The report's fields, each of its contract type or None. A report with a field of
+    another type (a foreign or older reporter) is shown as "unreadable", the fields it does
+    have right kept: its raw values would break a tool reading `hub status -o json`, and
+    the table (a revision "3" cannot be compared with the feed's)."""
+    out: dict[str, Any] = {}
+    wrong = []
+    for name, types in _TYPES.items():
+        value = s.get(name)
+        ok = value is None or (isinstance(value, types)
+                               and (bool in types or not isinstance(value, bool)))
+        out[name] = value if ok else None
+        if not ok:
+            wrong.append(f"{name}: {orjson.dumps(value).decode()[:40]}")
+    if wrong:
+        out["state"] = "unreadable"
+        out["error"] = f"{key}: not of the contract's type: {', '.join(wrong)}"
+    return out
+
+
+def _age(at: str | None, now: float) -> float | None:
+    if at is None:
+        return None
     try:
-        return round(max(0.0, now - datetime.fromisoformat(str(at)).timestamp()), 1)
+        ts = datetime.fromisoformat(at)
     except ValueError:
         return None
+    if ts.tzinfo is None:  # RFC 3339 always has an offset; read none as UTC, not local
+        ts = ts.replace(tzinfo=UTC)
+    return round(max(0.0, now - ts.timestamp()), 1)
 
 
 def fleet(statuses: dict[str, bytes], policies: dict[str, bytes], now: float) -> dict[str, Any]:
@@ -32,17 +63,18 @@ def fleet(statuses: dict[str, bytes], policies: dict[str, bytes], now: float) ->
             s = orjson.loads(raw)
             if not isinstance(s, dict):
                 raise ValueError("not an object")
+            t = _typed(key, s)
         except ValueError as exc:
-            s = {"state": "unreadable", "error": f"{key}: {exc}"}
+            t = {"state": "unreadable", "error": f"{key}: {exc}"}
         spokes.setdefault(spoke, []).append({
             "instance": instance,
-            "revision": s.get("revision"),
-            "state": s.get("state"),
-            "error": s.get("error"),
-            "age_s": _age(s.get("at"), now),
-            "spool_depth": s.get("spool_depth"),
-            "spool_oldest_s": s.get("spool_oldest_s"),
-            "limiter_store_up": s.get("limiter_store_up"),
+            "revision": t.get("revision"),
+            "state": t.get("state"),
+            "error": t.get("error"),
+            "age_s": _age(t.get("at"), now),
+            "spool_depth": t.get("spool_depth"),
+            "spool_oldest_s": t.get("spool_oldest_s"),
+            "limiter_store_up": t.get("limiter_store_up"),
         })
     return {"spokes": [
         {"spoke": name, "feed_revision": feed.feed_revision(policies, name),
@@ -81,29 +113,49 @@ def ahead(spoke: dict[str, Any]) -> list[str]:
             if want is not None and (i["revision"] or 0) > want]
 
 
+def silent(instance: dict[str, Any], interval: float) -> bool:
+    """Silent for more than FRESH_HEARTBEATS heartbeats (an unknown age is not silent)."""
+    age = instance["age_s"]
+    return age is not None and age > FRESH_HEARTBEATS * interval
+
+
 def table(view: dict[str, Any], interval: float) -> str:
-    """One line per instance; a spoke's header says whether it lags behind the feed, or holds
-    a revision the feed does not have."""
+    """One line per instance; a spoke's header says whether its live instances lag behind
+    the feed, hold a revision the feed does not have, or refuse one, and how many are
+    silent: those are left out of the rest, since an instance gone for good (a pod a
+    rollout replaced) stays listed at the revision it had until `hub forget`."""
     out = []
+    width = max([28, *(len(i["instance"]) for sp in view["spokes"] for i in sp["instances"])])
     for sp in view["spokes"]:
-        behind, above = lagging(sp), ahead(sp)
+        quiet = [i for i in sp["instances"] if silent(i, interval)]
+        live = {**sp, "instances": [i for i in sp["instances"] if i not in quiet]}
+        behind, above = lagging(live), ahead(live)
+        nacks = [i for i in live["instances"] if i["state"] == "nack"]
         marks = ([f"LAGGING ({len(behind)} behind)"] if behind else []) + (
-            [f"AHEAD OF THE FEED ({len(above)}: publish again)"] if above else [])
-        mark = ", ".join(marks) or ("in step" if sp["instances"] else "NO INSTANCE REPORTS")
+            [f"AHEAD OF THE FEED ({len(above)}: publish again)"] if above else []) + (
+            [f"NACK ({len(nacks)})"] if nacks else [])
+        if not sp["instances"]:
+            marks = ["NO INSTANCE REPORTS"]
+        elif live["instances"] and not marks:
+            marks = ["in step"]
+        if quiet:
+            marks.append(f"SILENT ({len(quiet)}: over {FRESH_HEARTBEATS} heartbeats)")
+        mark = ", ".join(marks)
         if sp["feed_revision"] is None:
             mark = "no feed entry"
         out.append(f"spoke {sp['spoke']}: feed revision {sp['feed_revision'] or '-'}, {mark}")
-        out.append(f"  {'INSTANCE':28} {'REV':>5} {'STATE':5} {'AGE':>7} {'SPOOL':>6} "
+        out.append(f"  {'INSTANCE':{width}} {'REV':>5} {'STATE':5} {'AGE':>7} {'SPOOL':>6} "
                    f"{'OLDEST':>7} {'STORE':5}  ERROR")
         for i in sp["instances"]:
             age = i["age_s"]
             age_text = "?" if age is None else f"{age:.0f}s"
-            if age is not None and age > FRESH_HEARTBEATS * interval:
+            if silent(i, interval):
                 age_text += "!"
             store = {True: "up", False: "DOWN"}.get(i["limiter_store_up"], "?")
             oldest = i["spool_oldest_s"]
             out.append(
-                f"  {i['instance']:28} {i['revision'] if i['revision'] is not None else '-':>5} "
+                f"  {i['instance']:{width}} "
+                f"{i['revision'] if i['revision'] is not None else '-':>5} "
                 f"{(i['state'] or '?'):5} {age_text:>7} {i['spool_depth'] or 0:>6} "
                 f"{(oldest or 0):>6.0f}s {store:5}  {i['error'] or ''}".rstrip())
     if not out:

@@ -25,7 +25,14 @@ from __future__ import annotations
 
 from gateway.errors import ApplyRefused, SinkUnavailable
 from gateway.hub import feed, fleet
-from gateway.hub.topics import POLICY_TOPIC, STATUS_TOPIC, ensure_compacted, produce, read_all
+from gateway.hub.topics import (
+    POLICY_TOPIC,
+    RECORD_MAX_BYTES,
+    STATUS_TOPIC,
+    ensure_compacted,
+    produce,
+    read_all,
+)
 from gateway.log import log
 from gateway.policy.admin import empty_refusal
 from gateway.policy.loader import parse_doc, to_data
@@ -46,7 +53,7 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     if refused := empty_refusal(source, doc, None, allow_empty=allow_empty):
         raise ApplyRefused(refused)  # before Kafka is asked
     data = to_data(doc)
-    await ensure_compacted(bootstrap, POLICY_TOPIC)
+    await ensure_compacted(bootstrap, POLICY_TOPIC, RECORD_MAX_BYTES)
     held = await _highest_reported(bootstrap)
     records = await read_all(bootstrap, POLICY_TOPIC)
     for _ in range(ATTEMPTS):

@@ -22,6 +22,8 @@ from gateway.hub.topics import STATUS_TOPIC, CompactedTopic
 from gateway.log import log
 from gateway.sinks.producers import KafkaProducer
 
+ERROR_MAX = 4000  # characters of a NACK's error a report carries
+
 
 @dataclass(frozen=True)
 class Status:
@@ -42,7 +44,15 @@ class Status:
         return f"{self.spoke}/{self.instance}"
 
     def encode(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        """The record; an error over ERROR_MAX characters is cut, saying how much: a revision
+        refused for each of 30,000 keys makes a 1.3 MB error, over Kafka's default record
+        limit (1 MB), and every report of the instance would be refused while it lasts."""
+        data = asdict(self)
+        if self.error is not None and len(self.error) > ERROR_MAX:
+            kept = ERROR_MAX - 60
+            data["error"] = (f"{self.error[:kept]} ... ({len(self.error) - kept} more "
+                             "characters left out)")
+        return orjson.dumps(data)
 
 
 def rfc3339(ts: datetime) -> str:

@@ -140,6 +140,10 @@ class Syncer:
                 log.warning("hub_sync_redis_unreachable", error=str(exc))
             self._set_redis_up(False)
             metrics.SYNC_ERRORS.labels("redis").inc()
+        except Exception:  # e.g. a revision in Redis that is no integer: the next round may
+            # find it fixed; raised, it ended every task, and `policy sync` with them
+            log.exception("hub_sync_round_failed", spoke=self.spoke)
+            metrics.SYNC_ERRORS.labels("failed").inc()
 
     def _set_redis_up(self, up: bool) -> None:
         if up != self.redis_up:

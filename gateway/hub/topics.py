@@ -27,19 +27,39 @@ from gateway.sinks.producers import kafka_unavailable
 POLICY_TOPIC = "llm.policy.v1"
 STATUS_TOPIC = "llm.gateway.status.v1"
 _TOPIC_EXISTS = 36  # Kafka's TOPIC_ALREADY_EXISTS
+_CONFIG_REFUSED = (40, 44)  # INVALID_CONFIG, POLICY_VIOLATION
+# The largest record `produce` writes (a policy document of ~150,000 keys; one of 10,000 is
+# already over Kafka's 1 MB default), and the topic setting `hub publish` creates the feed
+# with so that a Kafka takes it. Records go gzip-compressed: keys' hex digests halve.
+RECORD_MAX_BYTES = 16 << 20
+# Kafka compacts only closed segments, and closes one after 7 days by default: the status
+# topic (a report per instance every 10 s) would hold a week of reports uncompacted, which
+# every `hub status` reads whole (100 instances: 6 million records, past its 10 s). An
+# hour's segments keep what a reader reads near one value per key.
+SEGMENT_MS = 3_600_000
 
 
-async def ensure_compacted(bootstrap: str, topic: str) -> bool:
+async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = None) -> bool:
     """Create `topic` compacted, one partition, if it is missing (best effort: a broker
-    that auto-creates topics works without it, uncompacted). True once the broker answered
+    that auto-creates topics works without it, uncompacted), taking records up to
+    `max_bytes` (None: the broker's default). True once the broker answered
     (created, already there, or refused for good: asking again would not change it); False
     when it could not be asked (Kafka away): ask again before the next write."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    configs = {"cleanup.policy": "compact", "segment.ms": str(SEGMENT_MS),
+               **({"max.message.bytes": str(max_bytes)} if max_bytes else {})}
     try:
         await admin.start()
-        res = await admin.create_topics(
-            [NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
-        for _, code, *_ in res.topic_errors:
+        res = await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
+        codes = [code for _, code, *_ in res.topic_errors]
+        if any(code in _CONFIG_REFUSED for code in codes):
+            # a managed Kafka that caps a setting (e.g. max.message.bytes at 8 MiB): the
+            # topic compacted with the broker's own sizes, rather than none made at all
+            log.warning("topic_settings_refused", topic=topic, error_codes=codes, asked=configs)
+            res = await admin.create_topics(
+                [NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+            codes = [code for _, code, *_ in res.topic_errors]
+        for code in codes:
             if code not in (0, _TOPIC_EXISTS):
                 log.warning("topic_not_created", topic=topic, error_code=code)
         return True
@@ -72,8 +92,10 @@ class CompactedTopic:
 
 async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,
                   idempotence: bool = True) -> None:
-    """One keyed record, acks=all; SinkUnavailable if Kafka did not take it."""
-    p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all",
+    """One keyed record, acks=all, gzip-compressed, up to RECORD_MAX_BYTES; SinkUnavailable
+    if Kafka did not take it."""
+    p = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", compression_type="gzip",
+                         max_request_size=RECORD_MAX_BYTES,
                          enable_idempotence=idempotence, request_timeout_ms=10000)
     try:
         await p.start()

@@ -170,7 +170,7 @@ class PassThroughPolicy(_Strict):
 
 
 class PolicyDoc(_Strict):
-    revision: Annotated[int, Field(ge=1), _NUMBER] | None = None
+    revision: Annotated[int, Field(ge=1, le=MAX_COUNT), _NUMBER] | None = None  # Redis's Lua
     models: dict[Name, ModelPolicy] = Field(default_factory=dict)
     teams: dict[Name, TeamPolicy] = Field(default_factory=dict)
     keys: dict[KeyId, KeyPolicy] = Field(default_factory=dict)

@@ -468,8 +468,8 @@ def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
     assert listed() == ["s1/live", "s1/old"]
 
 
-async def _cleanup_policy(bs: str, topic: str) -> str | None:
-    """`cleanup.policy` as the broker describes `topic` (None: not set)."""
+async def _cleanup_policy(bs: str, topic: str, setting: str = "cleanup.policy") -> str | None:
+    """`setting` as the broker describes `topic` (None: not set)."""
     from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
     admin = AIOKafkaAdminClient(bootstrap_servers=bs)
@@ -481,7 +481,7 @@ async def _cleanup_policy(bs: str, topic: str) -> str | None:
     for answer in answers:
         for resource in answer.resources:
             for name, value, *_ in resource[4]:
-                if name == "cleanup.policy":
+                if name == setting:
                     return str(value)
     return None
 
@@ -500,6 +500,8 @@ async def test_the_first_status_report_makes_the_status_topic_compacted(
         await reporter.producer.close()
     assert reporter.sent == 1
     assert await _cleanup_policy(bs, STATUS_TOPIC) == "compact"
+    # compacted within the hour by a Kafka (Tansu stores it, quirk 4): not after a week
+    assert await _cleanup_policy(bs, STATUS_TOPIC, "segment.ms") == "3600000"
     assert feed.latest(await read_all(bs, STATUS_TOPIC)).keys() == {"s1/i1"}
 
 
@@ -515,3 +517,49 @@ async def test_the_first_quota_message_makes_the_quota_topic_compacted(
     finally:
         await pub.close()
     assert await _cleanup_policy(bs, qt.QUOTA_TOPIC) == "compact"
+    assert await _cleanup_policy(bs, qt.QUOTA_TOPIC, "segment.ms") == "3600000"
+
+
+async def test_a_policy_of_more_than_a_megabyte_is_published_and_read_back(
+        feed_kafka: Service) -> None:
+    """A platform with ~10,000 keys has a policy document over 1 MB: aiokafka's default
+    max_request_size (1 MiB) refused it ('MessageSizeTooLargeError', exit 1, as if Kafka were
+    away), so no spoke could ever take it. Compressed, with the topic's own
+    max.message.bytes raised for a Kafka that applies it (Tansu stores it, quirk 4)."""
+    import hashlib
+    bs = feed_kafka.address
+    data = _data("big")
+    data["keys"] = {f"key_{i:06d}": {"team": "t", "sha256": hashlib.sha256(
+        str(i).encode()).hexdigest()} for i in range(12000)}
+    text = orjson.dumps(data)
+    assert len(text) > 1 << 20
+    revision = await publish(bs, text, "big.json", idempotence=False)
+    _, raw = feed.entry_for(feed.latest(await read_all(bs, POLICY_TOPIC)), "s1") or ("", b"")
+    decision = feed.decide(f"{POLICY_TOPIC}[*]", raw, held=0)
+    assert isinstance(decision, feed.Apply) and decision.revision == revision
+    assert len(decision.doc.keys) == 12000
+    assert int(await _cleanup_policy(bs, POLICY_TOPIC, "max.message.bytes") or 0) >= 16 << 20
+
+
+async def test_a_nack_whose_error_is_huge_is_still_reported(feed_kafka: Service) -> None:
+    """A revision refused for every one of 30,000 keys has an error of ~1.3 MB: a Kafka with
+    its default record limit (1 MB; Tansu has none) refuses such a report, so every report
+    (heartbeats too) would be dropped and the instance go silent in `hub status` exactly
+    when it refuses, and the table printed it on one line. The error is cut, naming how much
+    was left out."""
+    from gateway.hub.status import StatusReporter
+    bs = feed_kafka.address
+    problems = "; ".join(f"keys.key_{i:06d}.team: unknown team 'gone'" for i in range(30000))
+    error = f"llm.policy.v1[*] revision 9: {problems}"
+    assert len(error) > 1 << 20
+    reporter = StatusReporter(bs, lambda: Status("s1", "big", 8, "nack", error, now_text(),
+                                                 0, 0.0, True), 10.0, idempotence=False)
+    try:
+        await reporter.send_now()
+    finally:
+        await reporter.producer.close()
+    assert reporter.sent == 1
+    got = orjson.loads(feed.latest(await read_all(bs, STATUS_TOPIC))["s1/big"])
+    assert got["state"] == "nack" and got["revision"] == 8
+    assert got["error"].startswith("llm.policy.v1[*] revision 9: keys.key_000000.team: ")
+    assert len(got["error"]) <= 4096 and "more characters left out" in got["error"]

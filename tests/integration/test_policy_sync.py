@@ -89,3 +89,55 @@ async def test_stop_ends_the_sync_whenever_it_is_stopped(redis_url: str) -> None
         sync._tasks = [asyncio.create_task(sync._poll())]  # Redis calls back to back
         await asyncio.sleep(random.random() * 0.005)
         await asyncio.wait_for(sync.stop(), 5)
+
+
+async def test_a_feed_revision_past_doubles_is_nacked_and_never_reaches_redis(
+        redis_url: str, tmp_path) -> None:
+    """A foreign hub numbering revisions by time.time_ns(): Redis's Lua (doubles) stored
+    1733456789012345678 as '1.7334567890123457e+18', which no reader can take back as an
+    integer, so the syncer's every round raised ValueError (`policy sync` died, and again
+    on each restart). Above 2**53 - 1, JSON's safe integers, a revision is refused."""
+    from gateway.hub import feed
+    from gateway.hub.sync import Syncer
+    client = Redis.from_url(redis_url)
+    store = PolicyStore(client)
+    syncer = Syncer("s1", "sync-t", store, "127.0.0.1:1", tmp_path, idempotence=False)
+    doc = orjson.loads(orjson.dumps(parse_doc(GOOD + b"keys: {k: {team: t, sha256: '"
+                                              + b"0" * 64 + b"'}}\n").model_dump(
+        exclude_none=True, exclude_defaults=True)))
+    syncer.current = {"*": feed.encode(2, doc)}
+    await syncer.sync_once()
+    assert await store.current_revision() == 2
+    for big in (1733456789012345678, 2**53):
+        syncer.current = {"*": feed.encode(big, doc)}
+        await syncer.sync_once()
+        await syncer.sync_once()  # the round after: Redis still readable
+        assert await store.current_revision() == 2
+        assert syncer.status().state == "nack" and "2**53" in (syncer.status().error or "")
+    syncer.current = {"*": feed.encode(2**53 - 1, doc)}
+    await syncer.sync_once()
+    assert await store.current_revision() == 2**53 - 1 and syncer.status().state == "ack"
+    await client.aclose()
+
+
+async def test_a_round_that_fails_unexpectedly_does_not_end_the_syncer(
+        redis_url: str, tmp_path) -> None:
+    """A revision in the spoke's Redis that is not an integer (written by hand, or by an
+    older tool): every round raised ValueError out of the syncer's tasks, which ended
+    `gateway policy sync` (and again after each restart). It is logged, counted, and the
+    next round, once Redis is readable again, brings the feed's revision."""
+    from gateway.hub import feed
+    from gateway.hub.sync import Syncer
+    client = Redis.from_url(redis_url)
+    store = PolicyStore(client)
+    syncer = Syncer("s1", "sync-t", store, "127.0.0.1:1", tmp_path, idempotence=False)
+    doc = {"models": {"m": {}}, "teams": {"t": {"models": ["*"]}},
+           "keys": {"k": {"team": "t", "sha256": "0" * 64}}}
+    syncer.current = {"*": feed.encode(3, doc)}
+    await client.hset("gw:policy", mapping={"revision": "three", "doc": "{}"})
+    await syncer._round()  # raised ValueError
+    assert await client.hget("gw:policy", "revision") == b"three"
+    await client.delete("gw:policy")
+    await syncer._round()
+    assert await store.current_revision() == 3
+    await client.aclose()

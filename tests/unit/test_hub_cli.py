@@ -60,7 +60,8 @@ class _Feed:
     def __init__(self) -> None:
         self.records: dict[str, list[tuple[str, bytes | None]]] = {}
 
-    async def ensure_compacted(self, bootstrap: str, topic: str) -> None:
+    async def ensure_compacted(self, bootstrap: str, topic: str,
+                               max_bytes: int | None = None) -> None:
         self.records.setdefault(topic, [])
 
     async def produce(self, bootstrap: str, topic: str, key: str, value: bytes | None,

@@ -54,6 +54,14 @@ def test_a_newer_valid_revision_is_applied_as_exactly_that_revision() -> None:
     assert got.doc.model_copy(update={"revision": None}) == parse_doc(orjson.dumps(GOOD))
 
 
+@pytest.mark.parametrize("inner", [0, -1, "7", None, 2.5])
+def test_the_documents_own_revision_is_ignored_whatever_it_holds(inner: object) -> None:
+    """docs/contracts.md §8: the policy's own `revision:` is ignored, N rules. A foreign hub
+    that dumped its document with `revision: 0` (or a string) had every revision refused."""
+    got = feed.decide("llm.policy.v1[*]", value(9, {**GOOD, "revision": inner}), held=4)
+    assert isinstance(got, feed.Apply) and got.doc.revision == 9
+
+
 @pytest.mark.parametrize("revision", [3, 4])
 def test_an_older_or_equal_revision_is_held_even_when_invalid(revision: int) -> None:
     assert feed.decide("s", value(revision, BAD), held=4) == feed.Hold(revision)

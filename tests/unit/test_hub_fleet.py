@@ -3,6 +3,7 @@ its JSON shape (DESIGN §10), which spokes lag, and the table."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 
 import orjson
@@ -137,3 +138,55 @@ def test_an_embedded_instance_reports_a_policy_file_it_refuses_as_its_nack(tmp_p
     sync.refresh()
     assert holder.policy.revision == 2 and holder.verdict() == ("ack", None)
     assert [s for s, _ in seen] == ["ack", "nack", "ack"]
+
+
+def test_a_report_with_fields_of_another_type_is_unreadable_and_breaks_no_view() -> None:
+    """A foreign or older reporter's value: `hub status -o json` gives only the contract's
+    types, and the table is still drawn (a revision "3" crashed it, a TypeError)."""
+    odd = orjson.dumps({"revision": "3", "state": "ack", "at": 1764590399, "spool_depth": 2,
+                        "spool_oldest_s": "1", "limiter_store_up": 1})
+    view = fleet.fleet({"a/odd": odd, **dict([report("a", "fine", 3)])},
+                       {"*": feed.encode(3, {})}, NOW)
+    inst = view["spokes"][0]["instances"][1]
+    assert inst == {"instance": "odd", "revision": None, "state": "unreadable",
+                    "error": 'a/odd: not of the contract\'s type: revision: "3", at: 1764590399, '
+                             'spool_oldest_s: "1", limiter_store_up: 1',
+                    "age_s": None, "spool_depth": 2, "spool_oldest_s": None,
+                    "limiter_store_up": None}
+    text = fleet.table(view, interval=10)
+    assert "unreadable" in text and "LAGGING (1 behind)" in text
+
+
+def test_a_report_time_without_an_offset_is_read_as_utc(monkeypatch) -> None:
+    """Not as the hub's local time: `hub status` on an operator's machine east of UTC read
+    such a report as hours old (or, west of it, as just now)."""
+    naive = orjson.dumps({"revision": 1, "state": "ack", "at": "2026-12-01T11:59:30"})
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        view = fleet.fleet({"a/i": naive}, {}, NOW)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert view["spokes"][0]["instances"][0]["age_s"] == 30.0
+
+
+def test_an_instance_silent_for_good_is_silent_not_lagging_and_long_names_keep_columns() -> None:
+    """A pod replaced by a rollout stops reporting at the revision it had: after the next
+    publish, the table said its spoke was LAGGING until someone ran `hub forget`, hiding
+    whether the live instances had the revision. And an instance name over 28 characters
+    (a syncer's sync-<fqdn>) pushed its row's columns out of line."""
+    long = "sync-node-3.eu-west.cluster.internal"
+    statuses = dict([report("a", "gone", 6, ago=86400), report("a", "live", 7),
+                     report("a", long, 7), report("b", "gone", 6, ago=3600),
+                     report("c", "live", 6, "nack", "llm.policy.v1[c] revision 7: bad")])
+    view = fleet.fleet(statuses, {"*": feed.encode(7, {})}, NOW)
+    text = fleet.table(view, interval=10)
+    assert "spoke a: feed revision 7, in step, SILENT (1: over 3 heartbeats)" in text
+    assert "spoke b: feed revision 7, SILENT (1: over 3 heartbeats)" in text
+    assert "spoke c: feed revision 7, LAGGING (1 behind), NACK (1)" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("  ") and "spoke" not in ln]
+    rev_at = {ln.index(" REV ") if "INSTANCE" in ln else None for ln in rows} - {None}
+    assert len(rev_at) == 1  # one header layout for all spokes
+    col = rev_at.pop() + 3  # the REV column's last character
+    assert all(ln[col] in "67V" for ln in rows), text

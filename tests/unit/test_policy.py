@@ -56,6 +56,15 @@ def test_revision_comes_from_document_unless_given() -> None:
     assert load(fixture("valid.yaml")).revision == 0
 
 
+def test_a_revision_past_redis_doubles_is_refused_naming_the_path() -> None:
+    """`policy apply` stores a document's own revision through Redis's Lua, whose numbers
+    are doubles: 1733456789012345678 (time.time_ns()) was stored as '1.73...e+18', and then
+    no sidecar, syncer or `policy status` could read the revision back as an integer."""
+    assert load(fixture("valid.yaml") + f"revision: {2**53 - 1}\n".encode()).revision == 2**53 - 1
+    with pytest.raises(PolicyError, match="revision: Input should be less than or equal"):
+        parse_doc(fixture("valid.yaml") + b"revision: 1733456789012345678\n")
+
+
 def test_empty_document_is_an_empty_policy() -> None:
     doc = parse_doc("")
     assert doc.models == {} and doc.teams == {} and doc.keys == {}
