@@ -140,20 +140,34 @@ def cmd_hub_forget(args: argparse.Namespace) -> int:
 
 
 def cmd_hub_unpublish(args: argparse.Namespace) -> int:
-    """A null value on each SPOKE's own feed entry (DESIGN §10: it removes that entry): the
-    spoke then follows `*`'s, from the first of its revisions above what the spoke holds."""
+    """A null value on each SPOKE's own feed entry (DESIGN §10: it removes that entry); the
+    spoke then follows `*`'s, published again as the next revision where the spoke would
+    otherwise hold the removed one (it never moves to a lower revision)."""
     from gateway.hub.feed import EVERY_SPOKE
-    from gateway.hub.topics import POLICY_TOPIC
+    from gateway.hub.publish import unpublish
+    s, bootstrap = _hub_bootstrap(args)
     spokes = list(dict.fromkeys(args.spokes))
     if EVERY_SPOKE in spokes:
         print("nothing removed: '*' is every spoke's entry (publish a new revision instead)",
               file=sys.stderr)
         return 2
-    return _delete_keys(
-        args, POLICY_TOPIC, spokes,
-        lambda absent: f"nothing removed: no entry of its own for {', '.join(absent)} (see "
-                       "`gateway hub status`)",
-        lambda spoke: f"removed the feed entry of spoke {spoke}: it follows '*'")
+    try:
+        done = run_value(unpublish(bootstrap, spokes, idempotence=s.kafka_idempotence))
+    except Exception as exc:  # Kafka away: say it, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if done.absent:
+        print(f"nothing removed: no entry of its own for {', '.join(done.absent)} (see "
+              "`gateway hub status`)", file=sys.stderr)
+        return 2
+    follows = ("it follows '*'" if done.star else
+               "no '*' entry to follow: it keeps what it holds until one is published")
+    for spoke in spokes:
+        print(f"removed the feed entry of spoke {spoke}: {follows}")
+    if done.republished is not None:
+        print(f"published '*' again as revision {done.republished}, above the removed "
+              f"{'entries' if len(spokes) > 1 else 'entry'}")
+    return 0
 
 
 def cmd_hub_allocate(args: argparse.Namespace) -> int:

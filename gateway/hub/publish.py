@@ -23,6 +23,10 @@ number. Every publish then lands, the later one last, whatever the interleaving.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import orjson
+
 from gateway.errors import ApplyRefused, SinkUnavailable
 from gateway.hub import feed, fleet
 from gateway.hub.topics import (
@@ -68,6 +72,49 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     raise SinkUnavailable(f"revision {revision} and the {ATTEMPTS - 1} before it were each "
                           "taken first by another publish; spokes may hold this document "
                           "or not: publish it again")
+
+
+@dataclass(frozen=True)
+class Unpublished:
+    absent: list[str]  # spokes with no entry of their own: nothing was removed
+    star: bool = False  # a readable `*` entry is there to follow
+    republished: int | None = None  # the revision `*`'s document was published again as
+
+
+async def unpublish(bootstrap: str, spokes: list[str], *,
+                    idempotence: bool = True) -> Unpublished:
+    """Remove each spoke's own feed entry (a null value, DESIGN §10), all or none. A spoke
+    never moves to a revision lower than it holds, so one that held its own entry, above
+    `*`'s (the usual order: `*` first, then the exception), would keep serving the removed
+    document until `*` next changes: `*`'s document, published again as the next revision,
+    is what it follows at once."""
+    current = feed.latest(await read_all(bootstrap, POLICY_TOPIC))
+    absent = [s for s in spokes if s not in current]
+    if absent:
+        return Unpublished(absent)
+    for spoke in spokes:
+        await produce(bootstrap, POLICY_TOPIC, spoke, None, idempotence=idempotence)
+    star = current.get(feed.EVERY_SPOKE)
+    try:
+        every = feed.parse_value(star) if star is not None else None
+    except feed.FeedValueError:
+        every = None
+    if every is None:
+        return Unpublished([])  # nothing to follow: the spokes keep what they hold
+    if every.revision > max(_revision(current[s]) for s in spokes):
+        return Unpublished([], star=True)  # already above what they held: followed at once
+    revision = await publish(bootstrap, orjson.dumps(every.policy), f"{POLICY_TOPIC}[*]",
+                             idempotence=idempotence, allow_empty=True)
+    return Unpublished([], star=True, republished=revision)
+
+
+def _revision(value: bytes) -> int:
+    """An entry's revision; an unreadable one's counts as above everything (its spoke may
+    hold anything)."""
+    try:
+        return feed.parse_value(value).revision
+    except feed.FeedValueError:
+        return feed.MAX_REVISION
 
 
 async def _highest_reported(bootstrap: str) -> int:

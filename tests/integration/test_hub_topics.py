@@ -422,8 +422,14 @@ def test_hub_unpublish_removes_a_spokes_own_entry_and_never_stars(
         return set(feed.latest(asyncio.run(read_all(bs, POLICY_TOPIC))))
 
     assert main(["hub", "unpublish", "a", "--bootstrap", bs]) == 0
-    assert capsys.readouterr().out == "removed the feed entry of spoke a: it follows '*'\n"
+    # '*' (revision 1) is below a's removed entry (2), which spoke a would keep holding (it
+    # never moves to a lower revision): '*'s document goes out again as revision 4
+    assert capsys.readouterr().out == ("removed the feed entry of spoke a: it follows '*'\n"
+                                       "published '*' again as revision 4, above the "
+                                       "removed entry\n")
     assert entries() == {"*", "b"}
+    current = feed.latest(asyncio.run(read_all(bs, POLICY_TOPIC)))
+    assert feed.entry_for(current, "a") == ("*", feed.encode(4, _data("m")))
     # '*', or a spoke without an entry of its own: exit 2, nothing removed
     assert main(["hub", "unpublish", "b", "*", "--bootstrap", bs]) == 2
     assert "'*' is every spoke's entry" in capsys.readouterr().err
@@ -431,7 +437,13 @@ def test_hub_unpublish_removes_a_spokes_own_entry_and_never_stars(
     assert "no entry of its own for a" in capsys.readouterr().err
     assert entries() == {"*", "b"}
     assert main(["hub", "publish", str(doc), "--spoke", "a", "--bootstrap", bs]) == 0
-    assert capsys.readouterr().out == "published revision 4 for spoke a\n"  # numbers go on
+    assert capsys.readouterr().out == "published revision 5 for spoke a\n"  # numbers go on
+    # '*' above the removed entry already: nothing published again
+    assert main(["hub", "publish", str(doc), "--bootstrap", bs]) == 0
+    capsys.readouterr()
+    assert main(["hub", "unpublish", "a", "--bootstrap", bs]) == 0
+    assert capsys.readouterr().out == "removed the feed entry of spoke a: it follows '*'\n"
+    assert feed.max_revision(asyncio.run(read_all(bs, POLICY_TOPIC))) == 6
 
 
 def test_hub_forget_removes_an_instance_that_stopped_reporting_from_hub_status(
