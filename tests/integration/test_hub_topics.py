@@ -575,3 +575,22 @@ async def test_a_nack_whose_error_is_huge_is_still_reported(feed_kafka: Service)
     assert got["state"] == "nack" and got["revision"] == 8
     assert got["error"].startswith("llm.policy.v1[*] revision 9: keys.key_000000.team: ")
     assert len(got["error"]) <= 4096 and "more characters left out" in got["error"]
+
+
+@pytest.mark.parametrize("codec", ["lz4", "snappy", "zstd"])
+async def test_a_feed_record_a_foreign_producer_compressed_is_read(
+        feed_kafka: Service, codec: str) -> None:
+    """A hub's own tools may write the feed with any of Kafka's codecs (or a topic's
+    compression.type may make the broker recompress ours): without the codec installed,
+    aiokafka raises on the batch, and every spoke's follower took no revision at all."""
+    from aiokafka import AIOKafkaProducer
+    bs = feed_kafka.address
+    producer = AIOKafkaProducer(bootstrap_servers=bs, compression_type=codec)
+    await producer.start()
+    try:
+        await producer.send_and_wait(POLICY_TOPIC, feed.encode(7, _data(codec)), key=b"*")
+    finally:
+        await producer.stop()
+    decision = feed.decide(f"{POLICY_TOPIC}[*]",
+                           feed.latest(await read_all(bs, POLICY_TOPIC))["*"], held=0)
+    assert isinstance(decision, feed.Apply) and decision.revision == 7
