@@ -324,6 +324,16 @@ CASES = [
     Case("a 529 Anthropic error", MESSAGES, [orjson.dumps({
         "type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})],
          "upstream_error", "reported", content_type=JSON, status=529),
+    Case("chat, CRLF line ends and keepalive comments", CHAT,
+         [b": ping\r\n\r\n", *(e.replace(b"\n", b"\r\n") + b": ping\r\n\r\n"
+                                for e in [*WHOLE_CHAT, usage_only(CHAT_USAGE), DONE])],
+         "completed", "reported", hide=(True, False)),
+    Case("chat, [DONE] after a comment in its event, the client left just after", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), b": ping\n" + DONE], "completed", "reported",
+         hide=(True, False), flags="DC"),
+    Case("chat, [DONE] after an event line, the client left just after", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), b"event: end\r\n" + DONE], "completed",
+         "reported", flags="DC"),
     Case("a whole JSON answer the client left half-way", CHAT,
          [b'{"id":"c1","object":"chat.completion","model":"served-m","choi'],
          "client_cancelled", "estimated", content_type=JSON, flags="DC"),
