@@ -41,6 +41,26 @@ def test_an_engine_that_compresses_is_metered_from_what_it_reported(
     assert int(e["usage"]["completion_tokens"]) == engine["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize("how", ["x-mock-cut-after", "x-mock-fail-after"])  # RST, or FIN
+def test_a_stream_cut_before_its_first_byte(spoke: Spoke, keys: dict[str, str],
+                                            how: str) -> None:
+    """The engine sent its 200 and SSE headers, then died before any event: upstream_error,
+    status 200, the prompt billed (estimated), from either source (ext_proc, which never saw
+    the status, once said 0 and billed nothing)."""
+    with httpx.stream("POST", f"{spoke.base_url}/chat/completions",
+                      headers={"authorization": f"Bearer {keys['good']}", how: "0"},
+                      json={"model": "mock-model", "messages": MSG, "max_tokens": 5,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            r.read()
+        rid = r.headers["x-request-id"]
+    [e] = read_events(spoke.kafka_bootstrap, {rid})
+    assert (e["outcome"], e["status_code"], e["usage_source"]) == (
+        "upstream_error", 200, "estimated")
+    assert int(e["usage"]["prompt_tokens"]) > 0 and e["usage"]["completion_tokens"] == "0"
+
+
 def test_a_client_gone_before_the_response_headers(spoke: Spoke, keys: dict[str, str]) -> None:
     """The engine is still thinking (no header yet) when the client hangs up: one event,
     client_cancelled, no status, and nothing billed (no answer was begun)."""
