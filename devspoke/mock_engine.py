@@ -10,6 +10,7 @@ with a plain close) and x-mock-status (answer that status with an OpenAI-shaped 
 Anthropic-shaped one on /v1/messages*). On /v1/messages only: x-mock-cache-read-tokens and
 x-mock-cache-creation-tokens (how much of the prompt the cache served or stored) and
 x-mock-error-after (after N tokens a stream ends with an `error` event, a plain answer is 529).
+x-mock-compress: compress answers the request accepts compressed (Accept-Encoding).
 GET /mock/stats reports what the engine saw; POST /mock/reset zeroes it.
 
 This module: the OpenAI endpoints, the app and its command line. The request plumbing both

@@ -166,9 +166,18 @@ async def generate(request: web.Request, job: Job) -> bool:
     return True
 
 
+def compressing(request: web.Request, resp: web.StreamResponse) -> None:
+    """x-mock-compress: compress the answer when the request accepts it (Accept-Encoding), as
+    an engine behind a gzip middleware or proxy does."""
+    if request.headers.get("x-mock-compress"):
+        resp.enable_compression()
+
+
 def reply(request: web.Request, payload: dict[str, Any]) -> web.Response:
     request[USAGE] = payload["usage"]
-    return web.json_response(payload)
+    resp = web.json_response(payload)
+    compressing(request, resp)
+    return resp
 
 
 class Sse:
@@ -178,6 +187,7 @@ class Sse:
         self.request = request
         headers = {"content-type": "text/event-stream", "cache-control": "no-cache"}
         self.resp = web.StreamResponse(headers=headers)
+        compressing(request, self.resp)
         self.seq = 0
 
     async def send(self, data: dict[str, Any] | str, event: str | None = None) -> None:

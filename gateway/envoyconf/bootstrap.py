@@ -340,10 +340,13 @@ def _metering_filters(limits: _Limits) -> list[HttpFilter]:
 
 
 def _route_config() -> RouteConfiguration:
-    """Everything goes to the engine; `timeout: 0s` because generations outlive 15 s."""
+    """Everything goes to the engine; `timeout: 0s` because generations outlive 15 s.
+    Without the client's Accept-Encoding (the openai SDK asks for gzip): a compressed
+    answer cannot be metered by either source, nor its injected usage hidden."""
     route = Route(
         match=RouteMatch(prefix="/"),
         route=RouteAction(cluster=ENGINE_CLUSTER, timeout=timedelta(0)),
+        request_headers_to_remove=["accept-encoding"],
     )
     return RouteConfiguration(
         name="ingress",

@@ -65,6 +65,11 @@ def flags_of(attrs: dict[str, str]) -> frozenset[str]:
     return frozenset() if text == "-" else frozenset(text.split(","))
 
 
+def status_of(attrs: dict[str, str]) -> int:
+    """%RESPONSE_CODE% (0: none was sent)."""
+    return int(_num(attrs.get(c.REC_CODE)) or 0)
+
+
 def request_id(attrs: dict[str, str]) -> str | None:
     rid = attrs.get(c.REC_ID, "-")
     return None if not rid or rid == "-" else rid
@@ -109,7 +114,7 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
         total_ms = _num(attrs.get(c.REC_TOTAL_MS))
         gen_us = max(total_ms * 1000 - ttft_us, 0.0) if total_ms is not None else None
     return ResponseFacts(
-        status=int(_num(attrs.get(c.REC_CODE)) or 0), flags=flags,
+        status=status_of(attrs), flags=flags,
         ended=not flags & c.CUT_FLAGS, end_seen=counted.get(c.STREAM_DONE) is True,
         engine_error=counted.get(c.STREAM_FAILED) is True,
         content_events=events, content_chars=chars, usage=usage, input_only=input_only,

@@ -44,9 +44,9 @@ class Recorder:
         self.price = price  # the held policy's price of a model at an instant
         # ext_proc: streams that ended early, waiting to learn who ended them; and the
         # words that came before their stream's end did.
-        self._waiting: dict[str, tuple[Callable[[frozenset[str]], None],
+        self._waiting: dict[str, tuple[Callable[[frozenset[str], int], None],
                                        asyncio.TimerHandle]] = {}
-        self._told: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self._told: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
 
     async def run_sweeper(self, interval: float, grace: float = 0.0) -> None:
         """Give every orphaned request (its sidecar died mid-request) its one event, once
@@ -92,23 +92,27 @@ class Recorder:
         that cut it and a client that left the same way; Envoy knows (response flags UPE
         vs DC) and says so in an access-log record (`told`). The slot is freed now; the
         event waits for that word, or `wait_s`, then is settled with it: upstream_error or
-        client_cancelled. (An Envoy without that log, a managed gateway: client_cancelled.)"""
+        client_cancelled. (An Envoy without that log, a managed gateway: client_cancelled.)
+        The record's status stands for a stream cut before its first body byte: ext_proc
+        learns the status only with that byte (response headers are skipped)."""
         rid = facts.request_id
         if facts.leased:
             self.ledger.released(rid)  # its next request must find the slot free
         ended = time.time()
 
-        def emit(flags: frozenset[str]) -> None:
+        def emit(flags: frozenset[str], status: int) -> None:
             self._waiting.pop(rid, None)
-            event = self.finish(facts, replace(response, flags=flags), started, ended=ended)
+            event = self.finish(facts, replace(response, flags=flags,
+                                               status=response.status or status),
+                                started, ended=ended)
             if then is not None:
                 then(event)
 
-        flags = self._told.pop(rid, None)
-        if flags is not None:
-            emit(flags)
+        word = self._told.pop(rid, None)
+        if word is not None:
+            emit(*word)
             return
-        timer = asyncio.get_running_loop().call_later(wait_s, emit, frozenset())
+        timer = asyncio.get_running_loop().call_later(wait_s, emit, frozenset(), 0)
         self._waiting[rid] = (emit, timer)
 
     def end_waits(self) -> None:
@@ -117,19 +121,20 @@ class Recorder:
         sweep a lease later, without what had streamed). No word: client_cancelled."""
         for emit, timer in list(self._waiting.values()):
             timer.cancel()
-            emit(frozenset())
+            emit(frozenset(), 0)
 
-    def told(self, request_id: str, flags: frozenset[str]) -> None:
-        """Envoy's record of how a stream ended, for a stream ext_proc saw end early."""
+    def told(self, request_id: str, flags: frozenset[str], status: int = 0) -> None:
+        """Envoy's record of how a stream ended (its flags, and the status it answered), for
+        a stream ext_proc saw end early."""
         waiting = self._waiting.pop(request_id, None)
         if waiting is None:  # its stream has not ended here yet: keep the word for it
-            self._told[request_id] = flags
+            self._told[request_id] = (flags, status)
             if len(self._told) > TOLD_MAX:
                 self._told.popitem(last=False)
             return
         emit, timer = waiting
         timer.cancel()
-        emit(flags)
+        emit(flags, status)
 
     def emit(self, facts: RequestFacts, b: Billed, started: float,
              ended: float) -> UsageEvent:

@@ -115,7 +115,7 @@ class RecordsService:
         if not self.emits:
             rid = record.request_id(attrs)
             if rid is not None:
-                self.recorder.told(rid, record.flags_of(attrs))
+                self.recorder.told(rid, record.flags_of(attrs), record.status_of(attrs))
             return 0
         if record.is_heartbeat(attrs):
             self._heard(attrs)

@@ -70,3 +70,18 @@ async def test_no_word_is_a_client_cancel_after_the_wait() -> None:
     rec.finish_cut(facts("quiet"), meter(), 0.0, wait_s=0.05)
     await asyncio.sleep(0.1)
     assert len(spool.events) == 1 and b'"client_cancelled"' in spool.events[0]
+
+
+async def test_a_stream_cut_before_its_first_byte_takes_the_status_from_the_word() -> None:
+    """ext_proc learns the status with the first body byte (response headers are skipped):
+    a stream the engine cut right after its headers had none here, and billed nothing, where
+    Envoy's record says 200 and bills the prompt (the engine had read it)."""
+    rec, _ = recorder()
+    got: list[UsageEvent] = []
+    cut = RequestFacts(request_id="cut", key_id="k", team="t", model="m",
+                       endpoint="/v1/chat/completions", stream=True, prompt_estimate=7)
+    rec.finish_cut(cut, ResponseFacts(), 0.0, got.append, wait_s=5)
+    rec.told("cut", frozenset({"UPE"}), 200)
+    [e] = got
+    assert (e.outcome, e.status_code, e.usage_source) == ("upstream_error", 200, "estimated")
+    assert (e.usage.prompt_tokens, e.usage.completion_tokens) == (7, 0)

@@ -324,6 +324,20 @@ CASES = [
     Case("a 529 Anthropic error", MESSAGES, [orjson.dumps({
         "type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})],
          "upstream_error", "reported", content_type=JSON, status=529),
+    Case("chat, CRLF line ends and keepalive comments", CHAT,
+         [b": ping\r\n\r\n", *(e.replace(b"\n", b"\r\n") + b": ping\r\n\r\n"
+                                for e in [*WHOLE_CHAT, usage_only(CHAT_USAGE), DONE])],
+         "completed", "reported", hide=(True, False)),
+    Case("chat, [DONE] after a comment in its event, the client left just after", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), b": ping\n" + DONE], "completed", "reported",
+         hide=(True, False), flags="DC"),
+    Case("chat, [DONE] after an event line, the client left just after", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE), b"event: end\r\n" + DONE], "completed",
+         "reported", flags="DC"),
+    # An SSE client discards a last event without its blank line: so do both sources.
+    Case("chat, the last event without its blank line", CHAT,
+         [*WHOLE_CHAT, usage_only(CHAT_USAGE)[:-2]], "completed", "estimated",
+         hide=(True, False)),
     Case("a whole JSON answer the client left half-way", CHAT,
          [b'{"id":"c1","object":"chat.completion","model":"served-m","choi'],
          "client_cancelled", "estimated", content_type=JSON, flags="DC"),
@@ -442,6 +456,31 @@ def test_both_sources_give_the_same_facts_and_bill(case: Case, size: int | None)
     e_billed = billing.settle(e_request, timeless(e_response))
     assert x_billed == e_billed
     assert (x_billed.outcome, x_billed.source) == (case.outcome, case.source)
+
+
+@pytest.mark.parametrize("size", [2 << 20, 5 << 20], ids=["2MiB", "5MiB"])
+@pytest.mark.parametrize("hide", [(False, False), (True, False)], ids=["counting", "hiding"])
+def test_an_event_past_the_bound_is_passed_on_unread_by_both(hide: tuple[bool, bool],
+                                                             size: int) -> None:
+    """An event that outgrows 1 MiB without its end (the Lua filter's MAX_HELD) is passed on
+    as it came and not counted by either source; ext_proc's rewriting once dropped what it
+    had held of it (past its 4 MiB bound) and counted one between the two bounds."""
+    big = chat("x" * size, u=None)
+    case = Case("big", CHAT, [chat("a", u=None), big, usage_only(CHAT_USAGE), DONE],
+                "completed", "reported", hide=hide)
+    chunks = pieces(case, 16 << 10)  # Envoy's upstream reads
+    _, x_response = via_ext_proc(case, chunks)
+    _, e_response = via_envoy(case, chunks)
+    assert timeless(x_response) == timeless(e_response)
+    assert (x_response.content_events, x_response.usage) == (1, e_response.usage)
+    x = Exchange()
+    x.learn(handoff.read(authz(case), case.endpoint, RID))
+    x.meter.injected = Injected(include_usage=hide[0], continuous=hide[1])
+    sent = b"".join(x.response_body(c, i == len(chunks) - 1, 200 if i == 0 else None)
+                    for i, c in enumerate(chunks))
+    lua = run_response(chunks, {"hide_usage": True} if hide[0] else {}, content_type=SSE)
+    assert sent == b"".join(lua.chunks)
+    assert big in sent
 
 
 def test_the_corpus_bills_what_the_engines_said() -> None:

@@ -91,7 +91,9 @@ local RESPONSES_DELTAS = {
 }
 -- The engine's own end marker: a client that hangs up right after it still got everything
 -- (the sidecar then records `completed`, not `client_cancelled`).
+-- It is a line of its own: the event may open with a comment (": ping") or an "event:" line.
 local DONE = "^%s*data:%s*%[DONE%]"
+local DONE_LINE = "\ndata:%s*%[DONE%]"
 -- "type" values (with their quotes) that end a stream: the Responses API's and Anthropic's.
 local END_TYPES = {
   '"response.completed"', '"response.failed"', '"response.incomplete"', '"message_stop"',
@@ -260,7 +262,7 @@ end
 -- Whether one complete event is the engine's end marker.
 local function is_end(ev)
   if find(ev, "[DONE]", 1, true) then
-    return find(ev, DONE) ~= nil
+    return find(ev, DONE) ~= nil or find(ev, DONE_LINE) ~= nil
   end
   if find(ev, '"type"', 1, true) == nil then
     return false

@@ -1,0 +1,100 @@
+"""End cases of "one usage event per request" through real Envoy, both metering sources:
+an engine that compresses its answers, requests that end before any answer reached the
+client, and methods that carry no body."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+
+from devspoke.stack import Spoke
+from testkit.spoke import client, read_events
+
+MSG = [{"role": "user", "content": "count these five words"}]
+
+
+def _since(spoke: Spoke, t0: datetime, wait_s: float = 8.0) -> list[dict]:
+    """The events of requests started after `t0` (the spoke is shared, its tests serial)."""
+    events = read_events(spoke.kafka_bootstrap, None, timeout=wait_s, settle=wait_s)
+    return [e for e in events if datetime.fromisoformat(e["started_at"]) >= t0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_an_engine_that_compresses_is_metered_from_what_it_reported(
+        spoke: Spoke, keys: dict[str, str], stream: bool) -> None:
+    """The openai SDK asks for gzip (httpx's default Accept-Encoding); an engine behind a
+    compressing proxy answers so. Neither Envoy's filters nor ext_proc can read compressed
+    bytes: the request goes to the engine without Accept-Encoding, so its answer is plain."""
+    c = client(spoke, keys["good"], default_headers={"x-mock-compress": "1"})
+    raw = c.chat.completions.with_raw_response.create(
+        model="mock-model", messages=MSG, max_tokens=5, stream=stream)
+    if stream:
+        assert len(list(raw.parse())) >= 5  # no usage chunk: the client did not ask for it
+    else:
+        assert raw.parse().usage.completion_tokens == 5
+    [e] = read_events(spoke.kafka_bootstrap, {raw.headers["x-request-id"]})
+    assert (e["outcome"], e["usage_source"]) == ("completed", "reported")
+    engine = httpx.get(f"{spoke.engine_url}/mock/stats").json()["usage_reported"]
+    assert int(e["usage"]["completion_tokens"]) == engine["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("how", ["x-mock-cut-after", "x-mock-fail-after"])  # RST, or FIN
+def test_a_stream_cut_before_its_first_byte(spoke: Spoke, keys: dict[str, str],
+                                            how: str) -> None:
+    """The engine sent its 200 and SSE headers, then died before any event: upstream_error,
+    status 200, the prompt billed (estimated), from either source (ext_proc, which never saw
+    the status, once said 0 and billed nothing)."""
+    with httpx.stream("POST", f"{spoke.base_url}/chat/completions",
+                      headers={"authorization": f"Bearer {keys['good']}", how: "0"},
+                      json={"model": "mock-model", "messages": MSG, "max_tokens": 5,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            r.read()
+        rid = r.headers["x-request-id"]
+    [e] = read_events(spoke.kafka_bootstrap, {rid})
+    assert (e["outcome"], e["status_code"], e["usage_source"]) == (
+        "upstream_error", 200, "estimated")
+    assert int(e["usage"]["prompt_tokens"]) > 0 and e["usage"]["completion_tokens"] == "0"
+
+
+def test_a_client_gone_before_the_response_headers(spoke: Spoke, keys: dict[str, str]) -> None:
+    """The engine is still thinking (no header yet) when the client hangs up: one event,
+    client_cancelled, no status, and nothing billed (no answer was begun)."""
+    t0 = datetime.now(UTC)
+    with httpx.Client(timeout=httpx.Timeout(5.0, read=0.5)) as c:
+        try:
+            c.post(f"{spoke.base_url}/chat/completions",
+                   headers={"authorization": f"Bearer {keys['good']}", "x-mock-ttft-ms": "2500"},
+                   json={"model": "mock-model", "messages": MSG, "max_tokens": 5})
+            raise AssertionError("answered before the client's timeout")
+        except httpx.ReadTimeout:
+            pass
+    time.sleep(3)  # the engine finishes its answer into a closed stream
+    events = _since(spoke, t0)
+    assert len(events) == 1, events
+    [e] = events
+    assert (e["outcome"], e["status_code"], e["key_id"]) == ("client_cancelled", 0, "good")
+    assert e["usage"]["total_tokens"] == "0" and e["usage_source"] == "estimated"
+
+
+def test_head_and_options_on_an_inference_path(spoke: Spoke, keys: dict[str, str],
+                                               request: pytest.FixtureRequest) -> None:
+    """Not an inference call: refused by the Check, one denied event each."""
+    if spoke.metering == "ext_proc":
+        # A HEAD has no body either way, so ext_proc (request and response headers SKIP)
+        # never opens a stream for it, and Envoy sends that source records only for
+        # streams that ended early: no event at all. A design question (report), not fixed.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="no ext_proc stream"))
+    auth = {"authorization": f"Bearer {keys['good']}"}
+    ids = set()
+    for method in ("HEAD", "OPTIONS"):
+        r = httpx.request(method, f"{spoke.base_url}/chat/completions", headers=auth)
+        assert r.status_code >= 400, (method, r.status_code)
+        ids.add(r.headers["x-request-id"])
+    events = read_events(spoke.kafka_bootstrap, ids)
+    assert len(events) == 2
+    assert all(e["outcome"] == "denied" and e["usage_source"] == "" for e in events)
