@@ -66,3 +66,13 @@ def test_the_readmes_policy_example_is_a_valid_policy() -> None:
     assert block, "no yaml block under ## Policy"
     doc = parse_doc(block.group(1), "README.md ## Policy")
     assert doc.keys and doc.models and doc.teams
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/contracts.md"])
+def test_every_setting_is_in_the_settings_table(doc: str) -> None:
+    """The README's Configuration table and contracts §7 name every `GATEWAY_*` setting
+    (contracts once lacked GATEWAY_SPOOL_ALERT_S)."""
+    from gateway.settings import Settings
+    rows = set(re.findall(r"^\| `(GATEWAY_\w+)` \|", (ROOT / doc).read_text(), re.M))
+    missing = {f"GATEWAY_{f.upper()}" for f in Settings.model_fields} - rows
+    assert not missing, sorted(missing)
