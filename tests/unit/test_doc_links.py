@@ -66,3 +66,25 @@ def test_the_readmes_policy_example_is_a_valid_policy() -> None:
     assert block, "no yaml block under ## Policy"
     doc = parse_doc(block.group(1), "README.md ## Policy")
     assert doc.keys and doc.models and doc.teams
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/contracts.md"])
+def test_every_setting_is_in_the_settings_table(doc: str) -> None:
+    """The README's Configuration table and contracts §7 name every `GATEWAY_*` setting
+    (contracts once lacked GATEWAY_SPOOL_ALERT_S)."""
+    from gateway.settings import Settings
+    rows = set(re.findall(r"^\| `(GATEWAY_\w+)` \|", (ROOT / doc).read_text(), re.M))
+    missing = {f"GATEWAY_{f.upper()}" for f in Settings.model_fields} - rows
+    assert not missing, sorted(missing)
+
+
+def test_the_contracts_policy_example_is_a_valid_policy() -> None:
+    """contracts.md §2's example document validates as printed, as the README's does (it
+    too carried the elided `sha256: "9f86d081…"`, which `policy apply` refuses)."""
+    from gateway.policy.loader import parse_doc
+    text = (ROOT / "docs" / "contracts.md").read_text()
+    section = text.split("\n## 2. Policy document\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```yaml\n(.*?)^```", section, re.S | re.M)
+    assert block, "no yaml block under ## 2. Policy document"
+    doc = parse_doc(block.group(1), "docs/contracts.md §2")
+    assert doc.keys and doc.models and doc.teams and doc.passthrough
