@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/gateway dev
+	$(BIN)/gateway dev $(ARGS)
 
 # Four workers, one test file each at a time (a file's spokes start once, on its worker): most
 # tests wait on servers rather than compute, so four beat two on 2 cores (7 min 53 s -> 4 min
