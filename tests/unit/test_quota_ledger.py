@@ -177,3 +177,38 @@ def test_a_quota_lowered_mid_period_hands_out_nothing_until_the_allowances_fit()
     applied(ledger, "b", lowered["b"], used=100)
     ledger.next_round(NOW)
     assert sum(ledger.use(s, CELL, 400).held for s in "ab") <= 400
+
+
+def test_a_silent_spoke_is_given_only_its_fallback_share_in_later_periods() -> None:
+    """docs/hub-and-spokes.md: a spoke that stops reporting keeps what it holds for the
+    period, and its 10 % in every later one. Before, each new period's first allocation
+    (no demand anywhere yet: an equal split) handed it half the quota, held all day since
+    it never reported applying it, so the spoke that did serve was kept to the other half."""
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s])
+    ledger.on_usage(usage("a", "e1", 300, NOW + 5))
+    lowered = ledger.next_round(NOW + 5)  # b lowered; b never reports again
+    assert "b" in lowered
+    tomorrow = NOW + 86400
+    cell = ("team:g", "day", maths.day_id(tomorrow))
+    out = ledger.next_round(tomorrow)
+    assert day_allowance(out["b"]) <= maths.fallback_allowance(1000)
+    assert ledger.use("b", cell, 1000, tomorrow).held == maths.fallback_allowance(1000)
+    applied(ledger, "a", out["a"])
+    assert day_allowance(out["a"]) == 1000 - maths.fallback_allowance(1000)
+
+
+def test_a_spoke_that_applies_late_is_not_taken_for_silent() -> None:
+    """Its report of the allowance pending: raised again like any spoke."""
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s])
+    ledger.on_usage(usage("a", "e1", 300, NOW + 5))
+    lowered = ledger.next_round(NOW + 5)
+    applied(ledger, "b", lowered["b"])  # b reports, if late
+    tomorrow = NOW + 86400
+    out = ledger.next_round(tomorrow)
+    assert day_allowance(out["b"]) > maths.fallback_allowance(1000)
