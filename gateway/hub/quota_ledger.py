@@ -69,6 +69,7 @@ class QuotaLedger:
         # when the oldest allowance the spoke has not answered (by any report) was issued
         self._unanswered_since: dict[str, float] = {}
         self._issued_at: dict[str, float] = {}  # when its newest allowance was issued
+        self._entries: dict[str, list[dict[str, Any]]] = {}  # its newest message's entries
         # (time, used) at each allocation, over the demand window and one before it
         self._samples: dict[tuple[str, Cell], list[tuple[float, int]]] = defaultdict(list)
         self.rejected_policies: dict[str, str] = {}  # feed key → why its quotas were not taken
@@ -117,6 +118,7 @@ class QuotaLedger:
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["bound"]))
                  for e in msg["allowances"]}
         self._issued[spoke] = (gen, cells)
+        self._entries[spoke] = [dict(e) for e in msg["allowances"]]
         if self._applied.get(spoke, (0, {}))[0] < gen:
             self._pending[spoke] = {c: bound for c, (_, bound) in cells.items()}
 
@@ -213,6 +215,14 @@ class QuotaLedger:
                 self._sample(s, cell, now, uses[s].used)
         out: dict[str, dict[str, Any]] = {}
         for s in spokes:
+            # A quota gone from the feed: its spoke keeps the allowance in its Redis (a
+            # message without it deletes nothing), and admission reads it again if the
+            # quota comes back this period. So it is sent on unchanged till the period
+            # ends, and counted as held like any other.
+            have = {(e["scope"], e["period"], e["period_id"]) for e in entries[s]}
+            entries[s] += [e for e in self._entries.get(s, [])
+                           if (e["scope"], e["period"], e["period_id"]) not in have
+                           and e["period_id"] == period_id(e["period"], now)]
             issued = self._issued.get(s, (0, {}))[1]
             now_cells = {(e["scope"], e["period"], e["period_id"]): e["allowance"]
                          for e in entries[s]}

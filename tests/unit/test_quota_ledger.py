@@ -212,3 +212,36 @@ def test_a_spoke_that_applies_late_is_not_taken_for_silent() -> None:
     tomorrow = NOW + 86400
     out = ledger.next_round(tomorrow)
     assert day_allowance(out["b"]) > maths.fallback_allowance(1000)
+
+
+def test_a_quota_removed_and_added_again_counts_the_allowance_the_spoke_kept() -> None:
+    """A spoke keeps each period's allowance in its Redis until a later one for that period
+    replaces it: a message without it (the quota removed) leaves it there, and admission
+    reads it again once the quota is back. Before, the allocator then counted that spoke
+    as on its fallback share and handed the rest out again."""
+    ledger = two_spokes()
+    redis: dict[str, dict[tuple[str, str, str], int]] = {"a": {}, "b": {}}  # what admit reads
+
+    def take(out: dict[str, dict[str, Any]]) -> None:
+        for s, m in out.items():
+            rep = applied(ledger, s, m)
+            redis[s].update({(e["scope"], e["period"], e["period_id"]): e["allowance"]
+                             for e in rep["applied"]})
+
+    take(ledger.next_round(NOW))
+    ledger.on_usage(usage("b", "e1", 200, NOW + 5))
+    for t in (NOW + 10, NOW + 15):  # the share moves to b, the busy one
+        take(ledger.next_round(t))
+    assert redis["b"][CELL] > 800
+    ledger.on_policy("*", {"revision": 4, "policy": {"teams": {"g": {"models": ["*"]}}}})
+    take(ledger.next_round(NOW + 20))  # no quota: each spoke gets no allowance
+    assert redis["b"][CELL] > 800  # kept in its Redis
+    ledger.on_policy("*", {"revision": 5, "policy": TEAM_ONLY["policy"]})
+    for i in range(4):  # a now busy, b idle
+        ledger.on_usage(usage("a", f"a{i}", 10, NOW + 25 + i))
+        out = ledger.next_round(NOW + 25 + i)
+        # what each spoke may admit under: the newest allowance, or the one it kept
+        may = {s: max([redis[s].get(CELL, maths.fallback_allowance(1000))]
+                      + ([day_allowance(out[s])] if s in out else [])) for s in "ab"}
+        assert sum(may.values()) <= 1000, may
+        take(out)
