@@ -238,7 +238,9 @@ class QuotaLedger:
     def _forget_before(self, now: float) -> None:
         """Drop what only past periods need (yesterday and last month are kept: late events)."""
         days = {maths.day_id(now), maths.day_id(now - maths.DAY)}
-        months = {maths.month_id(now), maths.month_id(now - 32 * maths.DAY)}
+        # last month: `now` less its day of the month in days (32 days back from the 1st
+        # to the 4th is the month before last: it has 28 to 31 days)
+        months = {maths.month_id(now), maths.month_id(now - int(maths.day_id(now)[6:]) * maths.DAY)}
 
         def live(cell: Cell) -> bool:
             return cell[2] in (days if cell[1] == "day" else months)

@@ -245,3 +245,17 @@ def test_a_quota_removed_and_added_again_counts_the_allowance_the_spoke_kept() -
                       + ([day_allowance(out[s])] if s in out else [])) for s in "ab"}
         assert sum(may.values()) <= 1000, may
         take(out)
+
+
+def test_last_months_use_is_kept_into_the_next_month_whatever_its_length() -> None:
+    """Yesterday and last month are kept (late events); 32 days back from the 1st of a
+    month is the month before last, so last month's use was dropped at its turn."""
+    from datetime import UTC, datetime
+    for end in ("2027-02-28", "2027-04-30", "2027-03-31", "2028-02-29"):
+        last = datetime.fromisoformat(end + "T23:59:59+00:00").timestamp()
+        ledger = two_spokes()
+        ledger.on_usage(usage("a", "e1", 40, last))
+        cell = ("team:g", "month", maths.month_id(last))
+        ledger.next_round(last + 3600)  # the 1st of the next month
+        assert ledger.use("a", cell, 1000).used == 40, end
+        assert datetime.fromtimestamp(last + 3600, UTC).day == 1
