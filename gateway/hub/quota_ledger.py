@@ -110,17 +110,18 @@ class QuotaLedger:
         gen = int(msg["generation"])
         if at is None and msg.get("at"):
             at = _ts(str(msg["at"]))
-        if at is not None:
-            self._issued_at[spoke] = at
-            self._unanswered_since.setdefault(spoke, at)
         self.spokes.add(spoke)
         self.generation = max(self.generation, gen)
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["bound"]))
                  for e in msg["allowances"]}
         self._issued[spoke] = (gen, cells)
         self._entries[spoke] = [dict(e) for e in msg["allowances"]]
-        if self._applied.get(spoke, (0, {}))[0] < gen:
+        if self._applied.get(spoke, (0, {}))[0] < gen:  # not yet answered (a report may
+            # be read before the message it answers: the topic's keys are not ordered)
             self._pending[spoke] = {c: bound for c, (_, bound) in cells.items()}
+            if at is not None:
+                self._issued_at[spoke] = at
+                self._unanswered_since.setdefault(spoke, at)
 
     def on_applied(self, spoke: str, msg: Mapping[str, Any]) -> bool:
         """A spoke's report of the allowances it applied (generation 0: it is up, none yet).

@@ -259,3 +259,19 @@ def test_last_months_use_is_kept_into_the_next_month_whatever_its_length() -> No
         ledger.next_round(last + 3600)  # the 1st of the next month
         assert ledger.use("a", cell, 1000).used == 40, end
         assert datetime.fromtimestamp(last + 3600, UTC).day == 1
+
+
+def test_a_report_read_before_the_allowance_it_answers_leaves_the_spoke_answered() -> None:
+    """Restarted, the allocator may read a spoke's report before its own message it
+    answers (`SPOKE` and `SPOKE/applied` are different keys): that spoke is not silent."""
+    ledger = two_spokes()
+    log = []
+    for s, m in ledger.next_round(NOW).items():
+        m = {**m, "at": maths_rfc3339(NOW)}
+        log.append((s, m, applied(ledger, s, m)))
+    again = QuotaLedger()
+    again.on_policy("*", TEAM_ONLY)
+    for s, m, rep in log:
+        again.on_applied(s, rep)
+        again.on_allowance(s, m)
+    assert not again.silent("a", NOW + 3600)
