@@ -275,3 +275,49 @@ def test_a_report_read_before_the_allowance_it_answers_leaves_the_spoke_answered
         again.on_applied(s, rep)
         again.on_allowance(s, m)
     assert not again.silent("a", NOW + 3600)
+
+
+def test_a_key_quota_and_its_teams_quota_are_divided_each_from_the_same_events() -> None:
+    ledger = two_spokes()
+    ledger.on_policy("*", POLICY)  # team g: 1000 a day; key k1 (of g): 50 a month
+    ledger.on_usage(usage("a", "e1", 30))
+    out = ledger.next_round(NOW)
+    month = ("key:k1", "month", maths.month_id(NOW))
+    for scope, quota, cell in (("team:g", 1000, CELL), ("key:k1", 50, month)):
+        got = {s: next(e["allowance"] for e in out[s]["allowances"] if e["scope"] == scope)
+               for s in "ab"}
+        assert got["a"] >= 30 and sum(got.values()) <= quota, (scope, got)
+        assert ledger.use("a", cell, quota).used == 30
+
+
+def test_a_late_event_counts_in_its_own_period_and_a_repeated_one_once() -> None:
+    ledger = two_spokes()
+    ledger.on_usage(usage("a", "e1", 100))
+    ledger.next_round(NOW + 86400)  # the next day
+    ledger.on_usage(usage("a", "e2", 70))  # yesterday's, arriving late
+    ledger.on_usage(usage("a", "e1", 100))  # and one again
+    tomorrow = ("team:g", "day", maths.day_id(NOW + 86400))
+    assert ledger.use("a", tomorrow, 1000).used == 0
+    assert ledger.use("a", CELL, 1000).used == 170
+
+
+def test_a_spoke_joining_mid_period_is_counted_at_its_fallback_share_until_it_applies() -> None:
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s])  # 500 each
+    ledger.on_usage(usage("a", "e1", 400, NOW + 1))
+    assert ledger.on_applied("c", {"generation": 0, "applied": []})  # hello: allocate now
+    assert ledger.use("c", CELL, 1000).held == maths.fallback_allowance(1000)
+    t = NOW + 2
+    for _ in range(4):  # a round, the spokes apply, the next
+        out = ledger.next_round(t)
+        held = {s: max(ledger.use(s, CELL, 1000).held, ledger.allowances(s).get(CELL, 0))
+                for s in "abc"}
+        # never more in force than before c was heard of (its 10 % was the overshoot term)
+        assert sum(held.values()) <= 1000 + maths.fallback_allowance(1000)
+        for s, m in out.items():
+            applied(ledger, s, m)
+        t += 5
+    assert sum(ledger.use(s, CELL, 1000).held for s in "abc") <= 1000
+    assert ledger.allowances("c")[CELL] > 0
