@@ -3,7 +3,7 @@
 Restarted, the allocator reads the topics from their beginning into a fresh ledger and
 carries on where it stopped: the usage each spoke reported (`llm.usage.v1`), the global
 quotas (`llm.policy.v1`), its own last allowances and the spokes' reports of applying
-them (`llm.quota.v1`, docs/contracts.md §10). Nothing is handed out twice: an allowance
+them (`llm.quota.v1`, docs/contracts.md §9). Nothing is handed out twice: an allowance
 counts as held by its spoke until that spoke reports the next one applied.
 """
 
