@@ -3,7 +3,7 @@
 Restarted, the allocator reads the topics from their beginning into a fresh ledger and
 carries on where it stopped: the usage each spoke reported (`llm.usage.v1`), the global
 quotas (`llm.policy.v1`), its own last allowances and the spokes' reports of applying
-them (`llm.quota.v1`, docs/contracts.md §10). Nothing is handed out twice: an allowance
+them (`llm.quota.v1`, docs/contracts.md §9). Nothing is handed out twice: an allowance
 counts as held by its spoke until that spoke reports the next one applied.
 """
 
@@ -47,11 +47,16 @@ def _ts(text: str) -> float:
 
 
 DEMAND_WINDOW_S = 60.0  # a spoke's demand: what it used over about this long
+# A spoke that has not reported applying an allowance issued this long ago is silent: it is
+# given no more than it holds (what it enforces anyway if it is cut off) until it reports.
+SILENT_S = 60.0
 
 
 class QuotaLedger:
-    def __init__(self, demand_window_s: float = DEMAND_WINDOW_S) -> None:
+    def __init__(self, demand_window_s: float = DEMAND_WINDOW_S,
+                 silent_s: float = SILENT_S) -> None:
         self.demand_window_s = demand_window_s
+        self.silent_s = silent_s
         self.generation = 0  # one sequence over all spokes' allowances
         self.spokes: set[str] = set()
         self._following: set[str] = set()  # spokes whose follower has reported (hello too)
@@ -61,6 +66,10 @@ class QuotaLedger:
         self._issued: dict[str, tuple[int, dict[Cell, tuple[int, int]]]] = {}  # (allowance, bound)
         self._applied: dict[str, tuple[int, dict[Cell, tuple[int, int]]]] = {}  # (allowance, used)
         self._pending: dict[str, dict[Cell, int]] = defaultdict(dict)  # issued, not yet applied
+        # when the oldest allowance the spoke has not answered (by any report) was issued
+        self._unanswered_since: dict[str, float] = {}
+        self._issued_at: dict[str, float] = {}  # when its newest allowance was issued
+        self._entries: dict[str, list[dict[str, Any]]] = {}  # its newest message's entries
         # (time, used) at each allocation, over the demand window and one before it
         self._samples: dict[tuple[str, Cell], list[tuple[float, int]]] = defaultdict(list)
         self.rejected_policies: dict[str, str] = {}  # feed key → why its quotas were not taken
@@ -96,16 +105,23 @@ class QuotaLedger:
             for period in ("day", "month"):
                 self._used[spoke, (scope, period, period_id(period, started))] += tokens
 
-    def on_allowance(self, spoke: str, msg: Mapping[str, Any]) -> None:
-        """The allocator's own message (read back when it restarts)."""
+    def on_allowance(self, spoke: str, msg: Mapping[str, Any], at: float | None = None) -> None:
+        """The allocator's own message (read back when it restarts: issued at its `at`)."""
         gen = int(msg["generation"])
+        if at is None and msg.get("at"):
+            at = _ts(str(msg["at"]))
         self.spokes.add(spoke)
         self.generation = max(self.generation, gen)
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["bound"]))
                  for e in msg["allowances"]}
         self._issued[spoke] = (gen, cells)
-        if self._applied.get(spoke, (0, {}))[0] < gen:
+        self._entries[spoke] = [dict(e) for e in msg["allowances"]]
+        if self._applied.get(spoke, (0, {}))[0] < gen:  # not yet answered (a report may
+            # be read before the message it answers: the topic's keys are not ordered)
             self._pending[spoke] = {c: bound for c, (_, bound) in cells.items()}
+            if at is not None:
+                self._issued_at[spoke] = at
+                self._unanswered_since.setdefault(spoke, at)
 
     def on_applied(self, spoke: str, msg: Mapping[str, Any]) -> bool:
         """A spoke's report of the allowances it applied (generation 0: it is up, none yet).
@@ -121,6 +137,10 @@ class QuotaLedger:
             self.generation = max(self.generation, holds)
             self._issued.pop(spoke, None)
             new = True
+        # It answers: only what was issued since it applied its last one is unanswered.
+        self._unanswered_since.pop(spoke, None)
+        if spoke in self._pending and spoke in self._issued_at:
+            self._unanswered_since[spoke] = self._issued_at[spoke]
         if gen <= 0 or gen < self._applied.get(spoke, (0, {}))[0]:
             return new
         cells = {(e["scope"], e["period"], e["period_id"]): (int(e["allowance"]), int(e["used"]))
@@ -129,6 +149,7 @@ class QuotaLedger:
         freed = False
         if gen >= self._issued.get(spoke, (0, {}))[0]:
             pending = self._pending.pop(spoke, {})
+            self._unanswered_since.pop(spoke, None)
             freed = any(bound > cells.get(c, (bound, 0))[0] for c, bound in pending.items())
         return new or freed
 
@@ -152,10 +173,18 @@ class QuotaLedger:
         held = max(held, self._pending.get(spoke, {}).get(cell, 0))
         samples = self._samples.get((spoke, cell))
         demand = max(0, used - samples[0][1]) if samples else 0
-        # A spoke known from its usage alone (no follower) cannot apply an allowance: it
-        # stays on the fallback share, and what it is not given stays with the others.
-        cap = None if spoke in self._following else max(used, held)
+        # A spoke known from its usage alone (no follower) cannot apply an allowance, nor
+        # one silent (`silent`): it stays on what it holds (in a new period, the fallback
+        # share), and what it is not given stays with the others.
+        following = spoke in self._following and not (now is not None and self.silent(spoke, now))
+        cap = None if following else max(used, held)
         return SpokeUse(used, held, demand, cap)
+
+    def silent(self, spoke: str, now: float) -> bool:
+        """It has not reported applying an allowance issued `silent_s` or more ago (cut off,
+        or gone: the allocator cannot tell which)."""
+        since = self._unanswered_since.get(spoke)
+        return since is not None and now - since >= self.silent_s
 
     def _served_quota(self, spoke: str, cell: Cell, quota: int) -> int:
         """The quota in the feed entry `spoke` serves (its own where it has one, else '*'),
@@ -179,7 +208,7 @@ class QuotaLedger:
         entries: dict[str, list[dict[str, Any]]] = {s: [] for s in spokes}
         for (scope, period), quota in sorted(self.quotas().items()):
             cell = (scope, period, period_id(period, now))
-            uses = {s: self.use(s, cell, quota) for s in spokes}
+            uses = {s: self.use(s, cell, quota, now) for s in spokes}
             for s, allowance in allocate(quota, uses).items():
                 bound = max(allowance, uses[s].held, uses[s].used)
                 entries[s].append({"scope": scope, "period": period, "period_id": cell[2],
@@ -187,6 +216,14 @@ class QuotaLedger:
                 self._sample(s, cell, now, uses[s].used)
         out: dict[str, dict[str, Any]] = {}
         for s in spokes:
+            # A quota gone from the feed: its spoke keeps the allowance in its Redis (a
+            # message without it deletes nothing), and admission reads it again if the
+            # quota comes back this period. So it is sent on unchanged till the period
+            # ends, and counted as held like any other.
+            have = {(e["scope"], e["period"], e["period_id"]) for e in entries[s]}
+            entries[s] += [e for e in self._entries.get(s, [])
+                           if (e["scope"], e["period"], e["period_id"]) not in have
+                           and e["period_id"] == period_id(e["period"], now)]
             issued = self._issued.get(s, (0, {}))[1]
             now_cells = {(e["scope"], e["period"], e["period_id"]): e["allowance"]
                          for e in entries[s]}
@@ -195,14 +232,16 @@ class QuotaLedger:
             self.generation += 1
             msg = {"kind": "allowance", "spoke": s, "generation": self.generation,
                    "allowances": entries[s]}
-            self.on_allowance(s, msg)
+            self.on_allowance(s, msg, now)
             out[s] = msg
         return out
 
     def _forget_before(self, now: float) -> None:
         """Drop what only past periods need (yesterday and last month are kept: late events)."""
         days = {maths.day_id(now), maths.day_id(now - maths.DAY)}
-        months = {maths.month_id(now), maths.month_id(now - 32 * maths.DAY)}
+        # last month: `now` less its day of the month in days (32 days back from the 1st
+        # to the 4th is the month before last: it has 28 to 31 days)
+        months = {maths.month_id(now), maths.month_id(now - int(maths.day_id(now)[6:]) * maths.DAY)}
 
         def live(cell: Cell) -> bool:
             return cell[2] in (days if cell[1] == "day" else months)

@@ -1,4 +1,4 @@
-"""The Kafka side of one quota across spokes: `llm.quota.v1` (docs/contracts.md §10), and
+"""The Kafka side of one quota across spokes: `llm.quota.v1` (docs/contracts.md §9), and
 reading the topics the allocator folds. All of this feature's Kafka I/O is here.
 
 `llm.quota.v1` (compacted) carries two kinds of message, JSON:

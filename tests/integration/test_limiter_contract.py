@@ -436,6 +436,29 @@ async def test_the_next_day_starts_on_its_fallback_share(limiter: Limiter) -> No
     assert isinstance(await limiter.admit(req("c", [team], midnight + 1, reserve=1)), Refused)
 
 
+async def test_each_day_keeps_its_own_allowance_and_count_across_midnight(
+        limiter: Limiter) -> None:
+    """An allowance for yesterday that arrives after midnight changes nothing today, and a
+    request admitted just before midnight and settled after it counts in the day it was
+    admitted (the allocator counts its event by `started_at` alike)."""
+    team = tier("team", "g", global_tokens_per_day=1000)
+    midnight = T0 - (T0 % 86400) + 86400
+    yesterday = maths.day_id(midnight - 1)
+    store = allowances_of(limiter)
+    await store.apply_allowances(1, [Allowance("team:g", "day", yesterday, 300)])
+    assert isinstance(await limiter.admit(req("late", [team], midnight - 0.1, reserve=250)),
+                      Admitted)
+    await store.apply_allowances(2, [Allowance("team:g", "day", yesterday, 900)])  # late
+    v = await limiter.admit(req("big", [team], midnight + 0.1, reserve=101))
+    assert isinstance(v, Refused) and (v.limit, v.limit_value) == (GTPD, 100)  # the fallback
+    await limiter.settle("late", 50)  # after midnight: 50 of the 250 it reserved
+    assert isinstance(await limiter.admit(req("t", [team], midnight + 1, reserve=100)), Admitted)
+    assert isinstance(await limiter.admit(req("y", [team], midnight - 0.05, reserve=850)),
+                      Admitted)  # yesterday: 50 + 850 of its 900
+    assert isinstance(await limiter.admit(req("y2", [team], midnight - 0.04, reserve=1)),
+                      Refused)
+
+
 async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: Limiter) -> None:
     """A local limit lets one oversize request through an empty window (else it could never
     run); an allowance is only a share of the quota: the request waits for more share."""

@@ -177,3 +177,147 @@ def test_a_quota_lowered_mid_period_hands_out_nothing_until_the_allowances_fit()
     applied(ledger, "b", lowered["b"], used=100)
     ledger.next_round(NOW)
     assert sum(ledger.use(s, CELL, 400).held for s in "ab") <= 400
+
+
+def test_a_silent_spoke_is_given_only_its_fallback_share_in_later_periods() -> None:
+    """docs/hub-and-spokes.md: a spoke that stops reporting keeps what it holds for the
+    period, and its 10 % in every later one. Before, each new period's first allocation
+    (no demand anywhere yet: an equal split) handed it half the quota, held all day since
+    it never reported applying it, so the spoke that did serve was kept to the other half."""
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s])
+    ledger.on_usage(usage("a", "e1", 300, NOW + 5))
+    lowered = ledger.next_round(NOW + 5)  # b lowered; b never reports again
+    assert "b" in lowered
+    tomorrow = NOW + 86400
+    cell = ("team:g", "day", maths.day_id(tomorrow))
+    out = ledger.next_round(tomorrow)
+    assert day_allowance(out["b"]) <= maths.fallback_allowance(1000)
+    assert ledger.use("b", cell, 1000, tomorrow).held == maths.fallback_allowance(1000)
+    applied(ledger, "a", out["a"])
+    assert day_allowance(out["a"]) == 1000 - maths.fallback_allowance(1000)
+
+
+def test_a_spoke_that_applies_late_is_not_taken_for_silent() -> None:
+    """Its report of the allowance pending: raised again like any spoke."""
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s])
+    ledger.on_usage(usage("a", "e1", 300, NOW + 5))
+    lowered = ledger.next_round(NOW + 5)
+    applied(ledger, "b", lowered["b"])  # b reports, if late
+    tomorrow = NOW + 86400
+    out = ledger.next_round(tomorrow)
+    assert day_allowance(out["b"]) > maths.fallback_allowance(1000)
+
+
+def test_a_quota_removed_and_added_again_counts_the_allowance_the_spoke_kept() -> None:
+    """A spoke keeps each period's allowance in its Redis until a later one for that period
+    replaces it: a message without it (the quota removed) leaves it there, and admission
+    reads it again once the quota is back. Before, the allocator then counted that spoke
+    as on its fallback share and handed the rest out again."""
+    ledger = two_spokes()
+    redis: dict[str, dict[tuple[str, str, str], int]] = {"a": {}, "b": {}}  # what admit reads
+
+    def take(out: dict[str, dict[str, Any]]) -> None:
+        for s, m in out.items():
+            rep = applied(ledger, s, m)
+            redis[s].update({(e["scope"], e["period"], e["period_id"]): e["allowance"]
+                             for e in rep["applied"]})
+
+    take(ledger.next_round(NOW))
+    ledger.on_usage(usage("b", "e1", 200, NOW + 5))
+    for t in (NOW + 10, NOW + 15):  # the share moves to b, the busy one
+        take(ledger.next_round(t))
+    assert redis["b"][CELL] > 800
+    ledger.on_policy("*", {"revision": 4, "policy": {"teams": {"g": {"models": ["*"]}}}})
+    take(ledger.next_round(NOW + 20))  # no quota: each spoke gets no allowance
+    assert redis["b"][CELL] > 800  # kept in its Redis
+    ledger.on_policy("*", {"revision": 5, "policy": TEAM_ONLY["policy"]})
+    for i in range(4):  # a now busy, b idle
+        ledger.on_usage(usage("a", f"a{i}", 10, NOW + 25 + i))
+        out = ledger.next_round(NOW + 25 + i)
+        # what each spoke may admit under: the newest allowance, or the one it kept
+        may = {s: max([redis[s].get(CELL, maths.fallback_allowance(1000))]
+                      + ([day_allowance(out[s])] if s in out else [])) for s in "ab"}
+        assert sum(may.values()) <= 1000, may
+        take(out)
+
+
+def test_last_months_use_is_kept_into_the_next_month_whatever_its_length() -> None:
+    """Yesterday and last month are kept (late events); 32 days back from the 1st of a
+    month is the month before last, so last month's use was dropped at its turn."""
+    from datetime import UTC, datetime
+    for end in ("2027-02-28", "2027-04-30", "2027-03-31", "2028-02-29"):
+        last = datetime.fromisoformat(end + "T23:59:59+00:00").timestamp()
+        ledger = two_spokes()
+        ledger.on_usage(usage("a", "e1", 40, last))
+        cell = ("team:g", "month", maths.month_id(last))
+        ledger.next_round(last + 3600)  # the 1st of the next month
+        assert ledger.use("a", cell, 1000).used == 40, end
+        assert datetime.fromtimestamp(last + 3600, UTC).day == 1
+
+
+def test_a_report_read_before_the_allowance_it_answers_leaves_the_spoke_answered() -> None:
+    """Restarted, the allocator may read a spoke's report before its own message it
+    answers (`SPOKE` and `SPOKE/applied` are different keys): that spoke is not silent."""
+    ledger = two_spokes()
+    log = []
+    for s, m in ledger.next_round(NOW).items():
+        m = {**m, "at": maths_rfc3339(NOW)}
+        log.append((s, m, applied(ledger, s, m)))
+    again = QuotaLedger()
+    again.on_policy("*", TEAM_ONLY)
+    for s, m, rep in log:
+        again.on_applied(s, rep)
+        again.on_allowance(s, m)
+    assert not again.silent("a", NOW + 3600)
+
+
+def test_a_key_quota_and_its_teams_quota_are_divided_each_from_the_same_events() -> None:
+    ledger = two_spokes()
+    ledger.on_policy("*", POLICY)  # team g: 1000 a day; key k1 (of g): 50 a month
+    ledger.on_usage(usage("a", "e1", 30))
+    out = ledger.next_round(NOW)
+    month = ("key:k1", "month", maths.month_id(NOW))
+    for scope, quota, cell in (("team:g", 1000, CELL), ("key:k1", 50, month)):
+        got = {s: next(e["allowance"] for e in out[s]["allowances"] if e["scope"] == scope)
+               for s in "ab"}
+        assert got["a"] >= 30 and sum(got.values()) <= quota, (scope, got)
+        assert ledger.use("a", cell, quota).used == 30
+
+
+def test_a_late_event_counts_in_its_own_period_and_a_repeated_one_once() -> None:
+    ledger = two_spokes()
+    ledger.on_usage(usage("a", "e1", 100))
+    ledger.next_round(NOW + 86400)  # the next day
+    ledger.on_usage(usage("a", "e2", 70))  # yesterday's, arriving late
+    ledger.on_usage(usage("a", "e1", 100))  # and one again
+    tomorrow = ("team:g", "day", maths.day_id(NOW + 86400))
+    assert ledger.use("a", tomorrow, 1000).used == 0
+    assert ledger.use("a", CELL, 1000).used == 170
+
+
+def test_a_spoke_joining_mid_period_is_counted_at_its_fallback_share_until_it_applies() -> None:
+    ledger = two_spokes()
+    first = ledger.next_round(NOW)
+    for s in "ab":
+        applied(ledger, s, first[s])  # 500 each
+    ledger.on_usage(usage("a", "e1", 400, NOW + 1))
+    assert ledger.on_applied("c", {"generation": 0, "applied": []})  # hello: allocate now
+    assert ledger.use("c", CELL, 1000).held == maths.fallback_allowance(1000)
+    t = NOW + 2
+    for _ in range(4):  # a round, the spokes apply, the next
+        out = ledger.next_round(t)
+        held = {s: max(ledger.use(s, CELL, 1000).held, ledger.allowances(s).get(CELL, 0))
+                for s in "abc"}
+        # never more in force than before c was heard of (its 10 % was the overshoot term)
+        assert sum(held.values()) <= 1000 + maths.fallback_allowance(1000)
+        for s, m in out.items():
+            applied(ledger, s, m)
+        t += 5
+    assert sum(ledger.use(s, CELL, 1000).held for s in "abc") <= 1000
+    assert ledger.allowances("c")[CELL] > 0
