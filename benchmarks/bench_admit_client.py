@@ -1,7 +1,7 @@
 """One admission through the limiter's own client, stage by stage (issue 26's c=1 p50).
 
     .venv/bin/python benchmarks/bench_admit_client.py [--calls 2000] [--gap-ms 0.5]
-        [--same-cpu] [--no-pin]
+        [--same-cpu] [--no-pin] [--unix]
 
 A private redis-server on a free port, the bench key's three tiers as bench_latency's
 `bench` key has them (rps 1,000,000, concurrency 100,000, tokens a minute 10^10 on model,
@@ -23,7 +23,8 @@ limiter's and the client's own methods (no gateway code changed):
 Beside it, the same connection's PING (its round trip with nothing to run), and Redis's own
 µs per call (INFO commandstats, `usec_per_call`) for EVALSHA and each command the script
 ran. Placement as bench_latency's: this process on CPU 0, Redis on CPU 1 (`--same-cpu`:
-both on CPU 0; `--no-pin`: the kernel decides).
+both on CPU 0; `--no-pin`: the kernel decides). `--unix`: the client reaches Redis over a
+Unix socket (`unix://` in GATEWAY_REDIS_URL) instead of TCP on the loopback.
 """
 
 from __future__ import annotations
@@ -173,14 +174,19 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=0.5)
     ap.add_argument("--same-cpu", action="store_true")
     ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--unix", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        svc = redis_service(free_port(), Path(tmp)).start()
+        svc = redis_service(free_port(), Path(tmp))
+        sock = Path(tmp) / "redis.sock"
+        if a.unix:
+            svc.argv += ["--unixsocket", str(sock), "--unixsocketperm", "700"]
+        svc.start()
         try:
             if not a.no_pin and {0, 1} <= os.sched_getaffinity(0):
                 os.sched_setaffinity(0, {0})
                 pin(svc.pid, {0} if a.same_cpu else {1})
-            url = f"redis://{svc.address}/0"
+            url = f"unix://{sock}?db=0" if a.unix else f"redis://{svc.address}/0"
             r = Redis.from_url(url)
             st = Stamps()
             instrument(st)
@@ -200,7 +206,8 @@ def main() -> None:
                     by.setdefault(shas.get(parts[1].decode(), "?"), []).append(e["duration"])
             rows = [split(t) for t in st.rows]
             print(f"{len(rows)} admissions, µs: p50 / p90 "
-                  f"(gap {a.gap_ms} ms, Redis {'beside' if a.same_cpu else 'apart'})")
+                  f"(gap {a.gap_ms} ms, Redis {'beside' if a.same_cpu else 'apart'}, "
+                  f"{'Unix socket' if a.unix else 'TCP'})")
             for i, name in enumerate(STAGES):
                 xs = sorted(row[i] for row in rows)
                 print(f"  {name:22s} {xs[len(xs) // 2] / 1e3:7.1f} / "

@@ -542,6 +542,11 @@ def main() -> int:
               {k: round(v) for k, v in log_medians(spoke["envoy"], "bench").items()})
         print("the same, spoke_free:",
               {k: round(v) for k, v in log_medians(spoke["envoy"], "free").items()})
+        if based is not None:
+            print("the baseline's Envoy, base:",
+                  {k: round(v) for k, v in log_medians(based["envoy"], "bench").items()})
+            print("the same, base_free:",
+                  {k: round(v) for k, v in log_medians(based["envoy"], "free").items()})
         print("plain Envoy:", {k: round(v) for k, v in log_medians(plain).items()})
         for name, svc in extra.items():
             if name.startswith("floor"):
