@@ -4,7 +4,7 @@
         [--floor] [--door-times] [--drop lua,json_to_metadata,records] [--no-limits]
         [--sidecar-apart] [--redis-with-gateway] [--admit-ahead-ms 250]
         [--door-workers 1 [--door-cpu free|same|other]] [--records-flush-ms 50]
-        [--envoy-workers 1]
+        [--envoy-workers 1] [--baseline REV]
 
 Paths, interleaved per round (A B C D, then D C B A), chat with max_tokens 8 and an engine
 that answers at once, each over one keep-alive raw-socket connection:
@@ -22,6 +22,10 @@ that answers at once, each over one keep-alive raw-socket connection:
   whole chain). Each step's p50 minus the one before is what that part adds.
 * with `--door-workers N`, `doors` and `doors_free`: a second whole spoke, its sidecar with
   GATEWAY_DOOR_WORKERS=N (the Check in processes of its own, away from the records).
+* with `--baseline REV`, `base` and `base_free`: a second whole spoke (Redis of its own, the
+  same Envoy config) whose sidecar runs REV's code (`git archive`), pinned as the spoke's:
+  an A/B of a sidecar change in one run, interleaved with the rest. The `door_*` paths are
+  then left out: they would load the spoke's sidecar and Redis only.
 
 Printed per path: p50/p90/p99 and CPU µs a request of its Envoy and of the sidecar
 (schedstat, all threads, 60 ms after each series for the records). The Envoys log, from a
@@ -65,7 +69,15 @@ from typing import Any
 
 import orjson
 import yaml
-from common import DOOR_CPU, envoy_flags, envoy_stats, pin, pin_sidecar, tree_sched_ns
+from common import (
+    DOOR_CPU,
+    baseline_tree,
+    envoy_flags,
+    envoy_stats,
+    pin,
+    pin_sidecar,
+    tree_sched_ns,
+)
 
 from devspoke.envoy_proc import envoy_service
 from devspoke.procs import Service, free_port
@@ -375,6 +387,9 @@ def main() -> int:
                          "default), the sidecar's and Envoy's core, or the other one")
     ap.add_argument("--floor", action="store_true",
                     help="add the ladder from plain Envoy to the spoke (see the docstring)")
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also a second spoke whose sidecar runs REV's code (paths `base`, "
+                         "`base_free`), in the same rounds")
     envoy_flags(ap)
     args = ap.parse_args()
     flush_s = args.records_flush_ms / 1e3
@@ -396,8 +411,18 @@ def main() -> int:
     plain: Service | None = None
     extra: dict[str, Service] = {}
     doors: Spoke | None = None
+    based: Spoke | None = None
     try:
         serve_keys(spoke, secret, free_secret, limited=not args.no_limits)
+        if args.baseline:
+            tree = baseline_tree(args.baseline, workdir / "baseline-tree")
+            print(f"baseline {tree.rev} = {tree.describe}", flush=True)
+            based = Spoke(workdir=workdir / "base", listen_port=free_port(), metering="envoy",
+                         envoy_config=spoke_config(
+                             [d for d in args.drop.split(",") if d], flush_s),
+                         envoy_workers=args.envoy_workers,
+                         sidecar_env={**ahead, **tree.env}).start()
+            serve_keys(based, secret, free_secret, limited=not args.no_limits)
         if args.door_workers:
             doors = Spoke(workdir=workdir / "doors", listen_port=free_port(), metering="envoy",
                           envoy_config=spoke_config(
@@ -448,6 +473,12 @@ def main() -> int:
                     else:
                         pin(svc.pid, {GATEWAY_CPU} if name == "envoy" or (
                             name == "redis" and args.redis_with_gateway) else {OTHER_CPU})
+            if based is not None:  # as the spoke's
+                for name, svc in based.services.items():
+                    gateway = name == "envoy" or (
+                        name == "sidecar" and not args.sidecar_apart) or (
+                        name == "redis" and args.redis_with_gateway)
+                    pin(svc.pid, {GATEWAY_CPU} if gateway else {OTHER_CPU})
         chat = {"content-type": "application/json", "authorization": f"Bearer {secret}",
                 "x-mock-ttft-ms": "0", "x-mock-tokens-per-s": "0"}
         rid = {"x-request-id": RID, "x-bench": "direct"}
@@ -473,16 +504,26 @@ def main() -> int:
         if doors is not None:
             paths["doors"] = (f"127.0.0.1:{doors.listen_port}", paths["spoke"][1])
             paths["doors_free"] = (f"127.0.0.1:{doors.listen_port}", paths["spoke_free"][1])
+        if based is not None:
+            # the door's own paths load only the spoke's sidecar and Redis (door_allow's
+            # admissions stay live: ~300 a round in its concurrency sets, renewed), which
+            # would make the two spokes unequal
+            for name in ("door_allow", "door_free", "door_401"):
+                del paths[name]
+            paths["base"] = (f"127.0.0.1:{based.listen_port}", paths["spoke"][1])
+            paths["base_free"] = (f"127.0.0.1:{based.listen_port}", paths["spoke_free"][1])
         times: dict[str, list[float]] = {k: [] for k in paths}
         # whose CPU each path's requests cost: its Envoy (the door's paths: none), the sidecar
         procs = {"plain": plain, "spoke": spoke["envoy"], "spoke_free": spoke["envoy"],
                  **({"doors": doors["envoy"], "doors_free": doors["envoy"]} if doors else {}),
+                 **({"base": based["envoy"], "base_free": based["envoy"]} if based else {}),
                  **{k: v for k, v in extra.items() if k.startswith("floor")}}
         cpu: dict[str, dict[str, int]] = {k: defaultdict(int) for k in paths}
         order = list(paths)
         for rnd in range(args.rounds):
             for name in order if rnd % 2 == 0 else order[::-1]:
-                sidecar = doors if doors is not None and name.startswith("doors") else spoke
+                sidecar = doors if doors is not None and name.startswith("doors") else (
+                    based if based is not None and name.startswith("base") else spoke)
                 watch = {"envoy": procs.get(name), "sidecar": sidecar["sidecar"]}
                 before = {k: tree_sched_ns(v.pid) for k, v in watch.items() if v is not None}
                 times[name] += series(*paths[name], args.requests)
@@ -497,7 +538,7 @@ def main() -> int:
             print(f"{name:11s} p50 {statistics.median(xs) * 1e3:6.3f} ms  "
                   f"p90 {pct(xs, .9) * 1e3:6.3f}  p99 {pct(xs, .99) * 1e3:6.3f}  "
                   f"CPU µs/req {per}")
-        for name in ("spoke", "doors"):
+        for name in ("spoke", "doors", "base"):
             if name in times:
                 xs, base = times[name], times["plain"]
                 p50 = statistics.median(xs) - statistics.median(base)
@@ -507,11 +548,18 @@ def main() -> int:
               {k: round(v) for k, v in log_medians(spoke["envoy"], "bench").items()})
         print("the same, spoke_free:",
               {k: round(v) for k, v in log_medians(spoke["envoy"], "free").items()})
+        if based is not None:
+            print("the baseline's Envoy, base:",
+                  {k: round(v) for k, v in log_medians(based["envoy"], "bench").items()})
+            print("the same, base_free:",
+                  {k: round(v) for k, v in log_medians(based["envoy"], "free").items()})
         print("plain Envoy:", {k: round(v) for k, v in log_medians(plain).items()})
         for name, svc in extra.items():
             if name.startswith("floor"):
                 print(f"{name}'s Envoy:", {k: round(v) for k, v in log_medians(svc).items()})
         print("Redis, µs a call:", redis_stats(spoke.redis_url))
+        if based is not None:
+            print("the baseline's Redis, µs a call:", redis_stats(based.redis_url))
         print("spoke's Envoy, the door's cluster:",
               cluster_stats(spoke["envoy"], "sidecar_authz_http"))
         if args.door_times:
@@ -525,6 +573,8 @@ def main() -> int:
     finally:
         if doors is not None:
             doors.stop()
+        if based is not None:
+            based.stop()
         for svc in extra.values():
             svc.stop()
         if plain is not None:

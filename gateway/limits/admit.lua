@@ -47,9 +47,10 @@ local at_minute, at_prev = ':' .. minute, ':' .. (minute - 1)
 local at_day, at_month = ':' .. day_id, ':' .. month_id
 
 -- A request's fields (see ARGV[8] above): its own four, then nine a tier, each one match.
-local F = '\31([^\31]*)'
-local HEAD = '^([^\31]*)' .. string.rep(F, 3) .. '()'
-local TIER = '^' .. string.rep(F, 9) .. '()'
+-- Written out, not built with string.rep: the script's prologue runs on every call.
+local HEAD = '^([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)()'
+local TIER = '^\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)'
+             .. '\31([^\31]*)\31([^\31]*)\31([^\31]*)\31([^\31]*)()'
 
 local function num(key)
   return tonumber(redis.call('GET', key) or 0)
@@ -124,16 +125,24 @@ for r = 1, n do
   for t = 1, nt do
     local key, rps, burst, conc, tpm, tpd, tpmo, gd, gm
     key, rps, burst, conc, tpm, tpd, tpmo, gd, gm, pos = string.match(text, TIER, pos)
-    local windows = {
-      {3, tonumber(tpm), 'gw:tpm:' .. key .. at_minute, to_minute, 120000, 0, 0},
-      {4, tonumber(tpd), 'gw:tpd:' .. key .. at_day, to_day, 172800000, 0, 0},
-      {5, tonumber(tpmo), 'gw:tpmo:' .. key .. at_month, to_month, 3456000000, 0, 0},
-    }
+    -- Only the windows with a limit, in this order (a denial names the first that refuses).
+    local windows = {}
+    tpm, tpd, tpmo = tonumber(tpm), tonumber(tpd), tonumber(tpmo)
+    if tpm then
+      windows[1] = {3, tpm, 'gw:tpm:' .. key .. at_minute, to_minute, 120000, 0, 0}
+    end
+    if tpd then
+      windows[#windows + 1] = {4, tpd, 'gw:tpd:' .. key .. at_day, to_day, 172800000, 0, 0}
+    end
+    if tpmo then
+      windows[#windows + 1] = {5, tpmo, 'gw:tpmo:' .. key .. at_month, to_month,
+                               3456000000, 0, 0}
+    end
     gd, gm = tonumber(gd), tonumber(gm)
     if gd then
       local allow = redis.call('GET', 'gw:allow:tpd:' .. key .. at_day)
-      windows[4] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. key .. at_day, to_day,
-                    172800000, 0, 0}
+      windows[#windows + 1] = {7, tonumber(allow) or gd, 'gw:gtpd:' .. key .. at_day, to_day,
+                               172800000, 0, 0}
     end
     if gm then
       local allow = redis.call('GET', 'gw:allow:tpmo:' .. key .. at_month)
@@ -188,6 +197,7 @@ for r = 1, n do
       local zk = 'gw:conc:' .. x.key
       redis.call('ZREMRANGEBYSCORE', zk, '-inf', now)
       local live = redis.call('ZCARD', zk)
+      x.live = live
       if live >= x.conc then
         refuse(2, t, 1000)
       elseif ticket and (x.conc < FLOOR or live + 1 > x.conc * (1 - KEEP_FREE)) then
@@ -234,8 +244,9 @@ for r = 1, n do
       if x.conc then
         local zk = 'gw:conc:' .. x.key
         redis.call('ZADD', zk, now + lease_ttl, rid)
-        -- Never shorter than it is: a renewed lease in the set outlives this first one.
-        if redis.call('PTTL', zk) < lease_ttl * 2 then
+        -- Never shorter than it is: a renewed lease in the set outlives this first one. A
+        -- set that was empty did not exist (Redis deletes an empty one): no TTL to read.
+        if x.live == 0 or redis.call('PTTL', zk) < lease_ttl * 2 then
           redis.call('PEXPIRE', zk, lease_ttl * 2)
         end
         leases[#leases + 1] = zk
