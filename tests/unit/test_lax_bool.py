@@ -30,7 +30,9 @@ def pydantic_reads(v: Any) -> bool | None:
 
 
 def every_case(word: str) -> list[str]:
-    return ["".join(cs) for cs in itertools.product(*({c.lower(), c.upper()} for c in word))]
+    # in a fixed order (a set's varies by process): xdist's workers must collect alike
+    cases = (dict.fromkeys((c.lower(), c.upper())) for c in word)
+    return ["".join(cs) for cs in itertools.product(*cases)]
 
 
 CORPUS: list[Any] = [
