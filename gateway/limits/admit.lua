@@ -87,10 +87,10 @@ local function window_use(key, w)
 end
 
 -- The numbers of the tier that refused (code), both families, as they stand: its rps (or
--- its concurrency, full), and the token window that refused (no wait helps first), else
--- its tightest, from what the checks read (x.tat, each window's w[6], w[7]). Only a
--- denial pays for this second look.
-local function tier_numbers(x, code, reserve)
+-- its concurrency, full), and the token window named (code), else its tightest, from what
+-- the checks read (x.tat, each window's w[6], w[7]). Only a denial pays for this second
+-- look.
+local function tier_numbers(x, code)
   local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
   if code == 2 then
     rq = {x.conc, 0, 1000}
@@ -105,13 +105,11 @@ local function tier_numbers(x, code, reserve)
     if limit then
       local used, reset = w[6], w[7]
       local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
-      if used + reserve > limit and (not refused or (reserve > limit and refused[4])) then
-        refused = {mine[1], mine[2], mine[3], reserve <= limit}
-      end
+      if w[1] == code then refused = mine end
       offer(tk, mine[1], mine[2], mine[3])
     end
   end
-  if refused and code >= 3 then tk = {refused[1], refused[2], refused[3]} end
+  if refused then tk = refused end
   return rq, tk
 end
 
@@ -146,8 +144,9 @@ for r = 1, n do
     }
   end
 
-  -- Every tier is scanned, even past a denial (which commits nothing): the retry is the
-  -- longest wait of every limit that refuses now, and a limit no wait can satisfy (a
+  -- Every tier is scanned, even past a denial (which commits nothing): the limit named is
+  -- the one with the longest wait of every limit that refuses now (the first of equal
+  -- waits, in the order checked), its wait the retry; a limit no wait can satisfy (a
   -- reservation larger than it) is the one named, with no retry (-1).
   local code, at, retry = 0, -1, 0
   local ticket, short = string.byte(rid, 1) == 30, nil  -- short: a tier a ticket would crowd
@@ -159,9 +158,8 @@ for r = 1, n do
   local function refuse(c, t, wait)
     if retry >= 0 and wait < 0 then
       code, at, retry = c, t, -1  -- never: this one is the answer
-    elseif retry >= 0 then
-      if code == 0 then code, at = c, t end
-      if wait > retry then retry = wait end
+    elseif retry >= 0 and (code == 0 or wait > retry) then
+      code, at, retry = c, t, wait  -- the longest wait binds (a tie: the first keeps it)
     end
   end
   for t = 1, nt do
@@ -220,7 +218,7 @@ for r = 1, n do
   end
   if code == 0 and short then code, at = 10, short end
   if code >= 1 and code <= 8 and code ~= 6 then  -- the binding tier's own numbers, both families
-    rq, tk = tier_numbers(tiers[at], code, reserve)
+    rq, tk = tier_numbers(tiers[at], code)
   end
 
   local leased = 0

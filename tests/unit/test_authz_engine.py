@@ -725,3 +725,39 @@ async def test_a_refused_known_key_is_named_on_its_denial() -> None:
         d = denied(await gate.check(chat(), who=who), 401, "invalid_api_key")
         assert d.key_id == who and d.team == "team-a"
     assert denied(await gate.check(chat(), who="nobody"), 401, "invalid_api_key").key_id == ""
+
+
+# --- the limit named is the one that binds the wait ----------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize(("team", "key", "rps_tier", "quota_tier"), [
+    ("{rps: 1}", "{tokens_per_day: 1000}", "team", "key"),  # rps at a tier checked first
+    ("{}", "{rps: 1, tokens_per_day: 1000}", "key", "key"),  # rps checked first in a tier
+])
+async def test_the_429_names_the_limit_whose_wait_is_the_retry(
+        path: str, team: str, key: str, rps_tier: str, quota_tier: str) -> None:
+    """An rps refuses (1 s) and a day quota is spent (16 h to midnight UTC): the answer is
+    the quota, its code, its numbers and its wait, not the rps checked before it and not a
+    retry in 1 s (which would only be refused again)."""
+    gate = Gate(policy(team_limits=team, key_limits=key))
+    assert isinstance(await gate.check(chat(max_tokens=900), path=path), Allow)
+    d = denied(await gate.check(chat(max_tokens=900), path=path), 429, "insufficient_quota")
+    assert (d.tier, d.reason) == (quota_tier, "tokens_per_day")
+    assert f"{quota_tier} tier limit tokens_per_day=1000" in d.message
+    assert d.retry_after == 16 * 3600 and d.headers["retry-after"] == str(16 * 3600)
+    assert d.headers["x-gateway-limit-tier"] == quota_tier
+    assert d.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert d.rate is not None and d.rate.tok_reset == 16 * 3600
+    # the rps alone (a request that fits the quota) is still the rps, waiting 1 s
+    d = denied(await gate.check(chat(max_tokens=1), path=path), 429, "rate_limit_exceeded")
+    assert (d.tier, d.reason, d.retry_after) == (rps_tier, "rps", 1)
+
+
+async def test_equal_waits_keep_the_order_of_evaluation() -> None:
+    """Two day quotas spent, each waiting for midnight: the first tier checked is named."""
+    gate = Gate(policy(team_limits="{tokens_per_day: 1000}", key_limits="{tokens_per_day: 1000}"))
+    assert isinstance(await gate.check(chat(max_tokens=900)), Allow)
+    d = denied(await gate.check(chat(max_tokens=900)), 429, "insufficient_quota")
+    assert (d.tier, d.reason) == ("team", "tokens_per_day")
+
