@@ -134,7 +134,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
                 no.refuse(t, CONCURRENCY, s.concurrency, 1.0)
             token_keys = []
             for kind, limit, wkey, prev, cur in self._windows(key, t, now, minute):
-                if limit is None:
+                if limit is None or not req.tokens:  # not req.tokens: none applies
                     continue
                 used = maths.sliding_minute(prev, cur, now) if kind == TPM else cur
                 if kind == TPM:

@@ -444,3 +444,31 @@ def test_the_429_names_the_limit_that_binds_the_wait(spoke: Spoke, keys: dict[st
     reset = datetime.fromisoformat(h["anthropic-ratelimit-tokens-reset"].replace("Z", "+00:00"))
     assert abs(reset.timestamp() - (time.time() + _to_midnight())) < 5
 
+
+def test_count_tokens_passes_a_spent_token_window(spoke: Spoke, keys: dict[str, str]) -> None:
+    """The day's 400 tokens overspent (a prompt of 500 words the estimate puts at ~250):
+    count_tokens, free at Anthropic, is still answered; a completion of 0 tokens, on either
+    API, still has a prompt to bill and is refused."""
+    key = keys["counttpd"]
+    words = [{"role": "user", "content": "a " * 500}]
+    chat(client(spoke, key), messages=words, max_tokens=1)
+    deadline = time.monotonic() + 10
+    while True:  # until its settlement (501 tokens) reached the day's counter
+        try:
+            chat(client(spoke, key), messages=HELLO, max_tokens=0)
+        except openai.RateLimitError as exc:
+            assert exc.code == "insufficient_quota" and "tokens_per_day" in exc.message
+            break
+        assert time.monotonic() < deadline, "the first request never settled"
+        time.sleep(0.2)
+    with pytest.raises(anthropic.RateLimitError) as an:
+        anthropic_client(spoke, key).messages.create(
+            model="mock-model", max_tokens=0, messages=HELLO)  # type: ignore[arg-type]
+    assert "tokens_per_day" in an.value.message
+    raw = anthropic_client(spoke, key).messages.with_raw_response.count_tokens(
+        model="mock-model", messages=HELLO)  # type: ignore[arg-type]
+    assert raw.status_code == 200 and raw.parse().input_tokens == 2
+    assert raw.headers["anthropic-ratelimit-requests-limit"] == "20"
+    assert "anthropic-ratelimit-tokens-limit" not in raw.headers  # no token window looked at
+    with pytest.raises(openai.RateLimitError):  # and nothing was counted in one
+        chat(client(spoke, key), messages=HELLO, max_tokens=0)

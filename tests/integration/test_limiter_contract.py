@@ -534,6 +534,46 @@ async def test_the_limit_named_is_the_one_that_binds_the_wait(limiter: Limiter) 
     assert isinstance(v, Refused) and (v.tier, v.limit) == ("team", "tokens_per_day")
 
 
+def free(rid: str, tiers: list[TierLimit], now: float = T0) -> AdmitRequest:
+    """A request no token window applies to (count_tokens): it reserves none."""
+    return AdmitRequest(rid, tuple(tiers), 0, now, tokens=False)
+
+
+async def test_a_request_free_of_token_windows_passes_a_spent_one(limiter: Limiter) -> None:
+    """Checked for rps and concurrency only, it counts in no token window and holds nothing
+    when it takes no slot; a request that merely reserves 0 is still refused."""
+    key = tier("key", "k-free", tokens_per_minute=1000, tokens_per_day=1000,
+               tokens_per_month=1000)
+    spent = await limiter.admit(req("spend", [key], T0, 1000))
+    assert isinstance(spent, Admitted)
+    await limiter.settle("spend", 1200)  # it used more than it reserved: every window over
+    zero = await limiter.admit(req("zero", [key], T0, 0))
+    assert isinstance(zero, Refused) and zero.limit == "tokens_per_month"  # the longest
+    for i in range(3):
+        v = await limiter.admit(free(f"free-{i}", [key]))
+        assert isinstance(v, Admitted), v
+        assert not v.owes_settlement and v.rate.tok_limit is None
+    c = await limiter.counters("key:k-free", T0)
+    assert (c.minute_cur, c.day, c.month) == (1200, 1200, 1200)
+
+
+async def test_a_request_free_of_token_windows_is_held_to_rps_and_concurrency(
+        limiter: Limiter) -> None:
+    key = tier("key", "k-free-rc", rps=1, burst=1, concurrency=2, tokens_per_day=10)
+    first = await limiter.admit(free("f-1", [key]))
+    assert isinstance(first, Admitted) and first.owes_settlement  # a concurrency slot
+    assert first.rate.tok_limit is None
+    v = await limiter.admit(free("f-2", [key]))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "rps")
+    assert v.rate.tok_limit is None and v.retry_after == pytest.approx(1.0, abs=0.002)
+    assert isinstance(await limiter.admit(free("f-3", [key], T0 + 1)), Admitted)
+    v = await limiter.admit(free("f-4", [key], T0 + 2))
+    assert isinstance(v, Refused) and v.limit == "concurrency"
+    await limiter.release("f-1")
+    assert isinstance(await limiter.admit(free("f-5", [key], T0 + 3)), Admitted)
+    assert (await limiter.counters("key:k-free-rc", T0 + 3)).day == 0
+
+
 async def test_a_denial_carries_its_tiers_requests_and_tokens(limiter: Limiter) -> None:
     """An rps 429 from a tier with a token limit carries that tier's tokens as they stand,
     a token 429 its requests; a concurrency 429 says 0 requests remaining."""

@@ -761,3 +761,57 @@ async def test_equal_waits_keep_the_order_of_evaluation() -> None:
     d = denied(await gate.check(chat(max_tokens=900)), 429, "insufficient_quota")
     assert (d.tier, d.reason) == ("team", "tokens_per_day")
 
+
+# --- count_tokens: free of the token windows, not of rps and concurrency ------------------------
+
+
+COUNT = "/v1/messages/count_tokens"
+
+
+async def spent_day(key_limits: str = "{}") -> Gate:
+    """alice's team has used its whole day: 1000 of 1000 tokens."""
+    gate = Gate(policy(team_limits="{tokens_per_day: 1000}", key_limits=key_limits))
+    d = await gate.check(chat(max_tokens=10))
+    assert isinstance(d, Allow)
+    await gate.limiter.settle(d.context.request_id, 1000)
+    return gate
+
+
+async def test_count_tokens_passes_a_spent_token_window() -> None:
+    gate = await spent_day()
+    d = await gate.check(chat(), path=COUNT)
+    assert isinstance(d, Allow), d
+    assert d.context.reserved == 0 and not d.context.leased  # holds nothing, owes nothing
+    assert d.rate.tok_limit is None  # no token window was looked at
+    assert (await gate.limiter.counters("team:team-a", NOW)).day == 1000  # nor counted
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", chat(max_tokens=0)),
+    ("/v1/chat/completions", chat(max_completion_tokens=0)),
+    ("/v1/messages", chat(max_tokens=0)),
+    ("/v1/completions", {"model": "qwen3-coder", "prompt": "hi", "max_tokens": 0}),
+    ("/v1/responses", {"model": "qwen3-coder", "input": "hi", "max_output_tokens": 0}),
+    ("/v1/embeddings", {"model": "qwen3-coder", "input": "hi"}),
+    ("/v1/chat/completions", {"model": "qwen3-coder", "messages": [], "max_tokens": 0}),
+])
+async def test_no_side_door_a_request_that_reserves_little_or_nothing_is_still_refused(
+        path: str, body: dict[str, Any]) -> None:
+    """Only an endpoint that bills no tokens by its nature is free of the token windows: a
+    completion capped at 0 still has a prompt to bill, an embedding too."""
+    gate = await spent_day()
+    d = denied(await gate.check(body, path=path), 429, "insufficient_quota")
+    assert d.reason == "tokens_per_day"
+
+
+async def test_count_tokens_is_still_held_to_rps_and_concurrency() -> None:
+    gate = await spent_day("{rps: 1}")
+    gate.clock.advance(1.0)
+    assert isinstance(await gate.check(chat(), path=COUNT), Allow)
+    d = denied(await gate.check(chat(), path=COUNT), 429, "rate_limit_exceeded")
+    assert (d.tier, d.reason) == ("key", "rps")
+    assert d.rate is not None and d.rate.tok_limit is None
+    busy = Gate(policy(key_limits="{concurrency: 1}"))
+    assert isinstance(await busy.check(chat(max_tokens=10)), Allow)
+    d = denied(await busy.check(chat(), path=COUNT), 429, "rate_limit_exceeded")
+    assert d.reason == "concurrency"
