@@ -41,7 +41,9 @@ class Endpoint:
     api: Api
     reader: Reader
     generates: bool = True  # completion tokens are reserved (max_tokens or the default)
-    billed: bool = True  # False: admitted and rate-limited as a request, no tokens at all
+    # False: admitted and rate-limited as a request, no tokens at all: it reserves none and
+    # no token window refuses it (rps and concurrency do), as Anthropic's free count_tokens
+    billed: bool = True
     injects_usage: bool = False  # a stream reports usage only if asked (stream_options)
     requires_max_tokens: bool = False  # the API itself requires it (Anthropic)
     # The body fields that bound what the engine generates, as this API reads them (the first

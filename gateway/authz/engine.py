@@ -128,7 +128,11 @@ class Authorizer:
                 verdict = await self._admit(AdmitRequest(
                     req.request_id, tiers, reserve, now,
                     meta=handoff.orphan_meta(key.key_id, key.team, facts.model or "", path,
-                                             facts.stream)))
+                                             facts.stream),
+                    # An endpoint that bills no tokens by its nature (count_tokens) is held to
+                    # rps and concurrency only: a spent token window does not refuse it. Any
+                    # other request is held to them, whatever it reserves (max_tokens 0).
+                    tokens=endpoint is None or endpoint.billed))
             except StoreUnavailable as exc:
                 if isinstance(exc, StoreInDoubt):
                     self.abandon(req.request_id)  # it may still commit: undo it

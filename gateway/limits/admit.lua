@@ -8,6 +8,8 @@
 -- ARGV[8] n requests, then one ARGV per request: its fields joined by \31 (packing 30
 --         arguments per request cost the client more than the script): rid, reserve, meta
 --         (opaque: who/what, kept for the orphan sweep), ntiers,
+--         (reserve -1: "free", a request no token window applies to, e.g. count_tokens:
+--         only rps and concurrency are checked and committed; 0 is still checked)
 --         then per tier: tier_key, rps, burst, concurrency, tpm, tpd, tpmo, gtpd, gtpmo
 --         ('' = no limit). gtpd/gtpmo: a global quota's fallback share; the limit enforced
 --         is this spoke's allowance, gw:allow:tpd|tpmo:<tier_key>:<period> (written by the
@@ -88,10 +90,10 @@ local function window_use(key, w)
 end
 
 -- The numbers of the tier that refused (code), both families, as they stand: its rps (or
--- its concurrency, full), and the token window that refused (no wait helps first), else
--- its tightest, from what the checks read (x.tat, each window's w[6], w[7]). Only a
--- denial pays for this second look.
-local function tier_numbers(x, code, reserve)
+-- its concurrency, full), and the token window named (code), else its tightest, from what
+-- the checks read (x.tat, each window's w[6], w[7]); a request that skips the token
+-- windows (free) reports none. Only a denial pays for this second look.
+local function tier_numbers(x, code, free)
   local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
   if code == 2 then
     rq = {x.conc, 0, 1000}
@@ -103,16 +105,14 @@ local function tier_numbers(x, code, reserve)
   end
   for _, w in ipairs(x.windows) do
     local limit = w[2]
-    if limit then
+    if limit and not free then
       local used, reset = w[6], w[7]
       local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
-      if used + reserve > limit and (not refused or (reserve > limit and refused[4])) then
-        refused = {mine[1], mine[2], mine[3], reserve <= limit}
-      end
+      if w[1] == code then refused = mine end
       offer(tk, mine[1], mine[2], mine[3])
     end
   end
-  if refused and code >= 3 then tk = {refused[1], refused[2], refused[3]} end
+  if refused then tk = refused end
   return rq, tk
 end
 
@@ -121,6 +121,8 @@ for r = 1, n do
   local text = ARGV[8 + r]
   local rid, reserve, meta, nt, pos = string.match(text, HEAD)
   reserve, nt = tonumber(reserve), tonumber(nt)
+  local free = reserve < 0  -- no token window applies: none checked, counted or reported
+  if free then reserve = 0 end
   local tiers = {}
   for t = 1, nt do
     local key, rps, burst, conc, tpm, tpd, tpmo, gd, gm
@@ -155,8 +157,9 @@ for r = 1, n do
     }
   end
 
-  -- Every tier is scanned, even past a denial (which commits nothing): the retry is the
-  -- longest wait of every limit that refuses now, and a limit no wait can satisfy (a
+  -- Every tier is scanned, even past a denial (which commits nothing): the limit named is
+  -- the one with the longest wait of every limit that refuses now (the first of equal
+  -- waits, in the order checked), its wait the retry; a limit no wait can satisfy (a
   -- reservation larger than it) is the one named, with no retry (-1).
   local code, at, retry = 0, -1, 0
   local ticket, short = string.byte(rid, 1) == 30, nil  -- short: a tier a ticket would crowd
@@ -168,9 +171,8 @@ for r = 1, n do
   local function refuse(c, t, wait)
     if retry >= 0 and wait < 0 then
       code, at, retry = c, t, -1  -- never: this one is the answer
-    elseif retry >= 0 then
-      if code == 0 then code, at = c, t end
-      if wait > retry then retry = wait end
+    elseif retry >= 0 and (code == 0 or wait > retry) then
+      code, at, retry = c, t, wait  -- the longest wait binds (a tie: the first keeps it)
     end
   end
   for t = 1, nt do
@@ -206,7 +208,7 @@ for r = 1, n do
     end
     for _, w in ipairs(x.windows) do
       local limit = w[2]
-      if limit then
+      if limit and not free then
         local used, reset, prev, cur = window_use(x.key, w)
         w[6], w[7] = used, reset
         if used + reserve > limit then
@@ -230,7 +232,7 @@ for r = 1, n do
   end
   if code == 0 and short then code, at = 10, short end
   if code >= 1 and code <= 8 and code ~= 6 then  -- the binding tier's own numbers, both families
-    rq, tk = tier_numbers(tiers[at], code, reserve)
+    rq, tk = tier_numbers(tiers[at], code, free)
   end
 
   local leased = 0
@@ -252,7 +254,7 @@ for r = 1, n do
         leases[#leases + 1] = zk
       end
       for _, w in ipairs(x.windows) do
-        if w[2] then
+        if w[2] and not free then
           local total = redis.call('INCRBY', w[3], reserve)
           if w[1] == 3 or total == reserve then  -- see "TTLs" above
             redis.call('PEXPIRE', w[3], w[5])

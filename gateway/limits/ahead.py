@@ -118,7 +118,10 @@ class AheadLimiter(Limiter):
 
     def _ask(self, req: AdmitRequest) -> None:
         key = id(req.tiers)
-        if key in self._shelf or key in self._asking:
+        # No ticket from a request no token window applies to (count_tokens): a request
+        # that takes it may need them (a ticket from a request that counts them serves one
+        # that does not: it passed more than it needed).
+        if key in self._shelf or key in self._asking or not req.tokens:
             return
         self._asking.add(key)
         ticket = AdmitRequest(f"{self._prefix}{next(self._ids)}", req.tiers, req.reserve,

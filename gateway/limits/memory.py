@@ -48,15 +48,16 @@ class _Held:
 
 @dataclass
 class _Refusal:
-    """The limits that refuse one request: the first names the denial, the longest wait is
-    its retry, and a limit no wait satisfies (reservation larger than it) overrides both."""
+    """The limits that refuse one request: the one with the longest wait names the denial
+    and its wait is the retry (the first of equal waits, in the order checked); a limit no
+    wait satisfies (reservation larger than it) overrides both."""
 
     tier: TierLimit | None = None
     limit: str = ""
     value: float | None = None
     wait: float = 0.0
     never: bool = False
-    own: dict[int, tuple[Tightest, Tightest, tuple[int, float, float] | None]] = field(
+    own: dict[int, tuple[Tightest, Tightest, dict[str, tuple[int, float, float]]]] = field(
         default_factory=dict)
 
     def refuse(self, tier: TierLimit, limit: str, value: float, wait: float | None) -> None:
@@ -65,14 +66,13 @@ class _Refusal:
         if wait is None:
             self.tier, self.limit, self.value, self.never = tier, limit, value, True
             return
-        if self.tier is None:
-            self.tier, self.limit, self.value = tier, limit, value
-        self.wait = max(self.wait, wait)
+        if self.tier is None or wait > self.wait:
+            self.tier, self.limit, self.value, self.wait = tier, limit, value, wait
 
     def numbers(self, tier: TierLimit, rq: Tightest, tk: Tightest,
-                refused: tuple[int, float, float] | None) -> None:
+                refused: dict[str, tuple[int, float, float]]) -> None:
         """A tier's own numbers as they stand, should it be the one that says no: its rps,
-        its tightest token window and the token window that refused it (if one did)."""
+        its tightest token window and each token window that refused it, by kind."""
         self.own[id(tier)] = (rq, tk, refused)
 
     def verdict(self) -> Refused:
@@ -80,9 +80,9 @@ class _Refusal:
         rq, tk, refused = self.own[id(self.tier)]
         if self.limit == CONCURRENCY:
             rq = Tightest(int(self.value or 0), 0, 1.0)
-        if refused is not None and self.limit in (TPM, TPD, TPMO, GTPD, GTPMO):
+        if self.limit in refused:
             tk = Tightest()
-            tk.offer(*refused)
+            tk.offer(*refused[self.limit])
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
         return Refused(self.tier.tier, self.limit, self.value, 0.0 if self.never else self.wait,
                        rate, impossible=self.never)
@@ -118,7 +118,8 @@ class MemoryLimiter(Limiter, AllowanceStore):
         no = _Refusal()
         for t in req.tiers:
             key, s = f"{t.tier}:{t.name}", t.spec
-            own_rq, own_tk, denied_tk, denied_never = Tightest(), Tightest(), None, False
+            own_rq, own_tk = Tightest(), Tightest()
+            denied_tk: dict[str, tuple[int, float, float]] = {}
             new_tat = None
             if s.rps is not None and s.burst is not None:
                 g = maths.gcra(self.tat.get(key, 0.0), now, s.rps, s.burst)
@@ -133,7 +134,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
                 no.refuse(t, CONCURRENCY, s.concurrency, 1.0)
             token_keys = []
             for kind, limit, wkey, prev, cur in self._windows(key, t, now, minute):
-                if limit is None:
+                if limit is None or not req.tokens:  # not req.tokens: none applies
                     continue
                 used = maths.sliding_minute(prev, cur, now) if kind == TPM else cur
                 if kind == TPM:
@@ -150,8 +151,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
                 mine = (limit, limit - used, reset)
                 if not maths.fits(used, req.reserve, limit):
                     no.refuse(t, kind, limit, wait)
-                    if denied_tk is None or (wait is None and not denied_never):
-                        denied_tk, denied_never = mine, wait is None
+                    denied_tk[kind] = mine
                 own_tk.offer(*mine)
                 token_keys.append(wkey)
             no.numbers(t, own_rq, own_tk, denied_tk)

@@ -149,7 +149,8 @@ class RedisLimiter(Limiter):
             len(reqs),
         ]
         for r in reqs:  # one \x1f-joined argument per request (admit.lua splits it)
-            args.append(f"{r.request_id}\x1f{r.reserve}\x1f{r.meta}\x1f{self._tiers_arg(r.tiers)}")
+            reserve = r.reserve if r.tokens else -1  # -1: no token window applies
+            args.append(f"{r.request_id}\x1f{reserve}\x1f{r.meta}\x1f{self._tiers_arg(r.tiers)}")
         return args
 
     def _tiers_arg(self, tiers: tuple[TierLimit, ...]) -> str:

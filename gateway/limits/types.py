@@ -34,6 +34,10 @@ class AdmitRequest:
     reserve: int  # tokens reserved at admission, replaced by the actual count at settlement
     now: float
     meta: str = ""  # who and what (opaque to the store), for an orphaned request's event
+    # False: no token window applies (an endpoint that reserves and bills no tokens by its
+    # nature, count_tokens): only rps and concurrency are checked and committed. A request
+    # that merely reserves 0 (max_tokens 0, no prompt) is still held to its token windows.
+    tokens: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -408,3 +408,67 @@ def test_a_tokens_per_minute_retry_after_is_exactly_enough(spoke: Spoke,
         chat(c, messages=hello, max_tokens=max_tokens)
     time.sleep(1)
     assert chat(c, messages=hello, max_tokens=max_tokens).usage.completion_tokens == max_tokens
+
+
+def _to_midnight() -> float:
+    return 86400 - time.time() % 86400
+
+
+def test_the_429_names_the_limit_that_binds_the_wait(spoke: Spoke, keys: dict[str, str]) -> None:
+    """The key's rps (one request in 20 s) and its day quota (until midnight UTC) both
+    refuse: both SDKs are told the quota, its numbers and its wait, not the rps checked
+    first and a retry in seconds."""
+    key = keys["slowtpd"]
+    chat(client(spoke, key), max_tokens=300)  # ~300 of the day's 400, and the rps's cell
+    with pytest.raises(openai.RateLimitError) as oa:
+        chat(client(spoke, key), max_tokens=300)
+    with pytest.raises(anthropic.RateLimitError) as an:
+        _ask(spoke, key, "anthropic", max_tokens=300)
+    with pytest.raises(openai.RateLimitError) as rps:  # the rps was refusing all along
+        chat(client(spoke, key), max_tokens=1)
+    assert rps.value.code == "rate_limit_exceeded" and "rps=0.05" in rps.value.message
+    assert 1 <= int(rps.value.response.headers["retry-after"]) <= 20
+    for e in (oa.value, an.value):
+        h = e.response.headers
+        assert "key tier limit tokens_per_day=400" in e.message, e.message
+        assert "Quota exhausted" in e.message and h["x-gateway-limit-tier"] == "key"
+        assert abs(int(h["retry-after"]) - _to_midnight()) < 5, h["retry-after"]
+    assert oa.value.code == "insufficient_quota" and oa.value.type == "insufficient_quota"
+    h = oa.value.response.headers
+    assert h["x-ratelimit-limit-tokens"] == "400"
+    assert int(h["x-ratelimit-remaining-tokens"]) < 100
+    assert h["x-ratelimit-reset-tokens"].startswith(f"{int(_to_midnight() // 3600)}h")
+    assert _error_type(an.value) == "rate_limit_error"
+    h = an.value.response.headers
+    assert h["anthropic-ratelimit-tokens-limit"] == "400"
+    reset = datetime.fromisoformat(h["anthropic-ratelimit-tokens-reset"].replace("Z", "+00:00"))
+    assert abs(reset.timestamp() - (time.time() + _to_midnight())) < 5
+
+
+def test_count_tokens_passes_a_spent_token_window(spoke: Spoke, keys: dict[str, str]) -> None:
+    """The day's 400 tokens overspent (a prompt of 500 words the estimate puts at ~250):
+    count_tokens, free at Anthropic, is still answered; a completion of 0 tokens, on either
+    API, still has a prompt to bill and is refused."""
+    key = keys["counttpd"]
+    words = [{"role": "user", "content": "a " * 500}]
+    chat(client(spoke, key), messages=words, max_tokens=1)
+    deadline = time.monotonic() + 10
+    while True:  # until its settlement (501 tokens) reached the day's counter
+        try:
+            chat(client(spoke, key), messages=HELLO, max_tokens=0)
+        except openai.RateLimitError as exc:
+            assert exc.code == "insufficient_quota" and "tokens_per_day" in exc.message
+            break
+        assert time.monotonic() < deadline, "the first request never settled"
+        time.sleep(0.2)
+    with pytest.raises(anthropic.RateLimitError) as an:
+        anthropic_client(spoke, key).messages.create(
+            model="mock-model", max_tokens=0, messages=HELLO)  # type: ignore[arg-type]
+    assert "tokens_per_day" in an.value.message
+    raw = anthropic_client(spoke, key).messages.with_raw_response.count_tokens(
+        model="mock-model", messages=HELLO)  # type: ignore[arg-type]
+    assert raw.status_code == 200 and raw.parse().input_tokens == 2
+    assert raw.headers["anthropic-ratelimit-requests-limit"] == "20"
+    assert "anthropic-ratelimit-tokens-limit" not in raw.headers  # no token window looked at
+    with pytest.raises(openai.RateLimitError):  # and nothing was counted in one
+        chat(client(spoke, key), messages=HELLO, max_tokens=0)

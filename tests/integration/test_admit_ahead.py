@@ -187,3 +187,23 @@ async def test_a_live_request_id_takes_no_ticket(ahead: AheadLimiter) -> None:
     before = taken()
     got = await ahead.admit(req("r1", ts))
     assert not isinstance(got, Admitted) and taken() == before  # Redis: DuplicateId
+
+
+async def test_a_request_free_of_token_windows_asks_no_ticket(ahead: AheadLimiter) -> None:
+    """A ticket admitted past the token windows (as count_tokens is) would let the next
+    request of those tiers by them, whatever it reserves: none is made from one. One made
+    from a request that counts them may serve one that does not (it passed more)."""
+    ts = tiers()
+    free = AdmitRequest("f1", ts, 0, time.time(), tokens=False)
+    got = await ahead.admit(free)
+    assert isinstance(got, Admitted) and got.owes_settlement  # its concurrency slots
+    await asyncio.sleep(0.05)
+    assert not ahead._shelf and not ahead._asking
+    await ahead.admit(req("r1", ts))
+    await until(lambda: bool(ahead._shelf))
+    before = taken()
+    assert isinstance(await ahead.admit(AdmitRequest("f2", ts, 0, time.time(), tokens=False)),
+                      Admitted)
+    assert taken() == before + 1
+    await asyncio.sleep(0.05)
+    assert not ahead._shelf and not ahead._asking  # f2 asked for none after it

@@ -513,16 +513,88 @@ async def test_a_tokens_per_minute_retry_after_is_exactly_when_it_fits(
 
 async def test_the_retry_after_is_the_longest_wait_of_every_limit_that_refuses(
         limiter: Limiter) -> None:
-    """The first tier that refuses is named; the retry waits for all of them."""
-    for name, tiers in (("tok-first", [tier("team", "t-a", tokens_per_minute=1000),
-                                       tier("key", "k-a", rps=1, burst=1)]),
-                        ("rps-first", [tier("team", "t-b", rps=1, burst=1),
-                                       tier("key", "k-b", tokens_per_minute=1000)])):
+    """The limit with the longest wait is named, and its wait is the retry: it binds."""
+    for name, tiers, named in (
+            ("tok-first", [tier("team", "t-a", tokens_per_minute=1000),
+                           tier("key", "k-a", rps=1, burst=1)], "team"),
+            ("rps-first", [tier("team", "t-b", rps=1, burst=1),
+                           tier("key", "k-b", tokens_per_minute=1000)], "key")):
         first = await limiter.admit(req(f"{name}-1", tiers, MINUTE_START + 10, 900))
         assert isinstance(first, Admitted)
         v = await limiter.admit(req(f"{name}-2", tiers, MINUTE_START + 10.5, 200))
-        assert isinstance(v, Refused) and v.tier == "team", name
+        assert isinstance(v, Refused) and (v.tier, v.limit) == (named, "tokens_per_minute"), name
         assert v.retry_after == pytest.approx(49.5 + 60 / 9, abs=0.002), name
+        assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 100), name
+
+
+async def test_the_limit_named_is_the_one_that_binds_the_wait(limiter: Limiter) -> None:
+    """In a tier and across tiers, whatever the order they are checked in: the day quota
+    spent (waiting for midnight) is named over the rps, the minute and the concurrency
+    refusing with it, with its own numbers; equal waits keep the order checked."""
+    now = MINUTE_START + 30
+    to_midnight = maths.seconds_to_day_end(now)
+    key = tier("key", "k-day", rps=1, burst=1, concurrency=1, tokens_per_minute=1000,
+               tokens_per_day=1000)
+    assert isinstance(await limiter.admit(req("d-1", [key], now, 400)), Admitted)
+    v = await limiter.admit(req("d-2", [key], now, 700))  # every limit of the key refuses
+    assert isinstance(v, Refused) and not v.impossible
+    assert (v.tier, v.limit, v.limit_value) == ("key", "tokens_per_day", 1000)
+    assert v.retry_after == pytest.approx(to_midnight, abs=0.002)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 600)
+    assert v.rate.tok_reset == pytest.approx(to_midnight, abs=0.002)
+    assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
+    # across tiers: the model's rps (checked first) and the key's month
+    tiers = [tier("model", "m-mo", rps=1, burst=1), tier("key", "k-mo", tokens_per_month=1000)]
+    assert isinstance(await limiter.admit(req("m-1", tiers, now, 900)), Admitted)
+    v = await limiter.admit(req("m-2", tiers, now, 200))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "tokens_per_month")
+    assert v.retry_after == pytest.approx(maths.seconds_to_month_end(now), abs=0.002)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 100)
+    # equal waits (two day quotas): the first checked
+    both = [tier("team", "t-eq", tokens_per_day=1000), tier("key", "k-eq", tokens_per_day=1000)]
+    assert isinstance(await limiter.admit(req("e-1", both, now, 900)), Admitted)
+    v = await limiter.admit(req("e-2", both, now, 200))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("team", "tokens_per_day")
+
+
+def free(rid: str, tiers: list[TierLimit], now: float = T0) -> AdmitRequest:
+    """A request no token window applies to (count_tokens): it reserves none."""
+    return AdmitRequest(rid, tuple(tiers), 0, now, tokens=False)
+
+
+async def test_a_request_free_of_token_windows_passes_a_spent_one(limiter: Limiter) -> None:
+    """Checked for rps and concurrency only, it counts in no token window and holds nothing
+    when it takes no slot; a request that merely reserves 0 is still refused."""
+    key = tier("key", "k-free", tokens_per_minute=1000, tokens_per_day=1000,
+               tokens_per_month=1000)
+    spent = await limiter.admit(req("spend", [key], T0, 1000))
+    assert isinstance(spent, Admitted)
+    await limiter.settle("spend", 1200)  # it used more than it reserved: every window over
+    zero = await limiter.admit(req("zero", [key], T0, 0))
+    assert isinstance(zero, Refused) and zero.limit == "tokens_per_month"  # the longest
+    for i in range(3):
+        v = await limiter.admit(free(f"free-{i}", [key]))
+        assert isinstance(v, Admitted), v
+        assert not v.owes_settlement and v.rate.tok_limit is None
+    c = await limiter.counters("key:k-free", T0)
+    assert (c.minute_cur, c.day, c.month) == (1200, 1200, 1200)
+
+
+async def test_a_request_free_of_token_windows_is_held_to_rps_and_concurrency(
+        limiter: Limiter) -> None:
+    key = tier("key", "k-free-rc", rps=1, burst=1, concurrency=2, tokens_per_day=10)
+    first = await limiter.admit(free("f-1", [key]))
+    assert isinstance(first, Admitted) and first.owes_settlement  # a concurrency slot
+    assert first.rate.tok_limit is None
+    v = await limiter.admit(free("f-2", [key]))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "rps")
+    assert v.rate.tok_limit is None and v.retry_after == pytest.approx(1.0, abs=0.002)
+    assert isinstance(await limiter.admit(free("f-3", [key], T0 + 1)), Admitted)
+    v = await limiter.admit(free("f-4", [key], T0 + 2))
+    assert isinstance(v, Refused) and v.limit == "concurrency"
+    await limiter.release("f-1")
+    assert isinstance(await limiter.admit(free("f-5", [key], T0 + 3)), Admitted)
+    assert (await limiter.counters("key:k-free-rc", T0 + 3)).day == 0
 
 
 async def test_a_denial_carries_its_tiers_requests_and_tokens(limiter: Limiter) -> None:

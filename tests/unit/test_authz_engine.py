@@ -725,3 +725,93 @@ async def test_a_refused_known_key_is_named_on_its_denial() -> None:
         d = denied(await gate.check(chat(), who=who), 401, "invalid_api_key")
         assert d.key_id == who and d.team == "team-a"
     assert denied(await gate.check(chat(), who="nobody"), 401, "invalid_api_key").key_id == ""
+
+
+# --- the limit named is the one that binds the wait ----------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize(("team", "key", "rps_tier", "quota_tier"), [
+    ("{rps: 1}", "{tokens_per_day: 1000}", "team", "key"),  # rps at a tier checked first
+    ("{}", "{rps: 1, tokens_per_day: 1000}", "key", "key"),  # rps checked first in a tier
+])
+async def test_the_429_names_the_limit_whose_wait_is_the_retry(
+        path: str, team: str, key: str, rps_tier: str, quota_tier: str) -> None:
+    """An rps refuses (1 s) and a day quota is spent (16 h to midnight UTC): the answer is
+    the quota, its code, its numbers and its wait, not the rps checked before it and not a
+    retry in 1 s (which would only be refused again)."""
+    gate = Gate(policy(team_limits=team, key_limits=key))
+    assert isinstance(await gate.check(chat(max_tokens=900), path=path), Allow)
+    d = denied(await gate.check(chat(max_tokens=900), path=path), 429, "insufficient_quota")
+    assert (d.tier, d.reason) == (quota_tier, "tokens_per_day")
+    assert f"{quota_tier} tier limit tokens_per_day=1000" in d.message
+    assert d.retry_after == 16 * 3600 and d.headers["retry-after"] == str(16 * 3600)
+    assert d.headers["x-gateway-limit-tier"] == quota_tier
+    assert d.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert d.rate is not None and d.rate.tok_reset == 16 * 3600
+    # the rps alone (a request that fits the quota) is still the rps, waiting 1 s
+    d = denied(await gate.check(chat(max_tokens=1), path=path), 429, "rate_limit_exceeded")
+    assert (d.tier, d.reason, d.retry_after) == (rps_tier, "rps", 1)
+
+
+async def test_equal_waits_keep_the_order_of_evaluation() -> None:
+    """Two day quotas spent, each waiting for midnight: the first tier checked is named."""
+    gate = Gate(policy(team_limits="{tokens_per_day: 1000}", key_limits="{tokens_per_day: 1000}"))
+    assert isinstance(await gate.check(chat(max_tokens=900)), Allow)
+    d = denied(await gate.check(chat(max_tokens=900)), 429, "insufficient_quota")
+    assert (d.tier, d.reason) == ("team", "tokens_per_day")
+
+
+# --- count_tokens: free of the token windows, not of rps and concurrency ------------------------
+
+
+COUNT = "/v1/messages/count_tokens"
+
+
+async def spent_day(key_limits: str = "{}") -> Gate:
+    """alice's team has used its whole day: 1000 of 1000 tokens."""
+    gate = Gate(policy(team_limits="{tokens_per_day: 1000}", key_limits=key_limits))
+    d = await gate.check(chat(max_tokens=10))
+    assert isinstance(d, Allow)
+    await gate.limiter.settle(d.context.request_id, 1000)
+    return gate
+
+
+async def test_count_tokens_passes_a_spent_token_window() -> None:
+    gate = await spent_day()
+    d = await gate.check(chat(), path=COUNT)
+    assert isinstance(d, Allow), d
+    assert d.context.reserved == 0 and not d.context.leased  # holds nothing, owes nothing
+    assert d.rate.tok_limit is None  # no token window was looked at
+    assert (await gate.limiter.counters("team:team-a", NOW)).day == 1000  # nor counted
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", chat(max_tokens=0)),
+    ("/v1/chat/completions", chat(max_completion_tokens=0)),
+    ("/v1/messages", chat(max_tokens=0)),
+    ("/v1/completions", {"model": "qwen3-coder", "prompt": "hi", "max_tokens": 0}),
+    ("/v1/responses", {"model": "qwen3-coder", "input": "hi", "max_output_tokens": 0}),
+    ("/v1/embeddings", {"model": "qwen3-coder", "input": "hi"}),
+    ("/v1/chat/completions", {"model": "qwen3-coder", "messages": [], "max_tokens": 0}),
+])
+async def test_no_side_door_a_request_that_reserves_little_or_nothing_is_still_refused(
+        path: str, body: dict[str, Any]) -> None:
+    """Only an endpoint that bills no tokens by its nature is free of the token windows: a
+    completion capped at 0 still has a prompt to bill, an embedding too."""
+    gate = await spent_day()
+    d = denied(await gate.check(body, path=path), 429, "insufficient_quota")
+    assert d.reason == "tokens_per_day"
+
+
+async def test_count_tokens_is_still_held_to_rps_and_concurrency() -> None:
+    gate = await spent_day("{rps: 1}")
+    gate.clock.advance(1.0)
+    assert isinstance(await gate.check(chat(), path=COUNT), Allow)
+    d = denied(await gate.check(chat(), path=COUNT), 429, "rate_limit_exceeded")
+    assert (d.tier, d.reason) == ("key", "rps")
+    assert d.rate is not None and d.rate.tok_limit is None
+    busy = Gate(policy(key_limits="{concurrency: 1}"))
+    assert isinstance(await busy.check(chat(max_tokens=10)), Allow)
+    d = denied(await busy.check(chat(), path=COUNT), 429, "rate_limit_exceeded")
+    assert d.reason == "concurrency"
