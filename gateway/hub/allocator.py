@@ -49,6 +49,8 @@ class Allocator:
         self.ready = False  # it may publish: it claims, and read the topic to its end since
         self._logged: tuple[str, str] = ("", "")  # the last state logged (each once)
         self._beat_failing = False
+        self._others_wrote = False  # another allocator's allowance read while not ready
+        self._foreign: set[str | None] = set()  # writers seen while ready (logged once)
 
     def fold(self, m: Any) -> bool:
         """One record of any of the three topics into the ledger (an allocator's heartbeat
@@ -78,10 +80,25 @@ class Allocator:
             if kind[0] == "applied":
                 return self.ledger.on_applied(kind[1], msg)
             self.ledger.on_allowance(kind[1], msg)
+            self._other_wrote(msg, kind[1])
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("quota_message_unreadable", key=m.key.decode(errors="replace"),
                         error=str(exc))
         return False
+
+    def _other_wrote(self, msg: dict[str, Any], spoke: str) -> None:
+        """An allowance another allocator wrote: while this one publishes, a fault (an
+        allocator of a version before the fence, or one that stalled past its lease)."""
+        writer = msg.get("allocator")
+        if writer == self.id:
+            return
+        if not self.ready:
+            self._others_wrote = True
+        elif writer not in self._foreign:
+            self._foreign.add(writer)
+            log.error("quota_allocator_foreign_allowance", id=self.id, spoke=spoke,
+                      generation=msg.get("generation"),
+                      writer=writer or "an allocator of a version without the fence")
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
@@ -164,6 +181,10 @@ class Allocator:
             # what was written before the last claim withdrawn (and before ours) is read
             await qt.read_to_end(c, self.fold)
             if self.fence.may_publish(time.monotonic()):
+                if self._unsent and self._others_wrote:  # kept through an outage, while
+                    self._unsent.clear()  # another published: the ledger is read again
+                    raise _Rebuild
+                self._others_wrote = False
                 self.ready = True
                 self._logged = ("active", self.id)
                 log.info("quota_allocator_active", id=self.id,

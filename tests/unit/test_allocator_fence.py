@@ -3,8 +3,15 @@ decided from the heartbeats read so far; pure, so the clock is an argument."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import orjson
+import pytest
+
 from gateway.hub import quota_topic as qt
+from gateway.hub.allocator import Allocator, _Rebuild
 from gateway.hub.fence import Fence, Heartbeat, heartbeat_key, parse_heartbeat_key
+from gateway.log import configure
 
 IV = 5.0
 
@@ -98,3 +105,36 @@ def test_an_unreadable_heartbeat_and_its_own_are_not_counted() -> None:
     f.on_heartbeat("x", {"started": "soon"}, 0.0)
     f.on_heartbeat("y", hb("y", 900.0, interval_s=0.0), 0.0)
     assert f.live(0.0) == [] and f.may_publish(0.0)
+
+
+def _record(spoke: str, generation: int, writer: str | None) -> SimpleNamespace:
+    msg = {"kind": "allowance", "spoke": spoke, "generation": generation, "allowances": [],
+           **({"allocator": writer} if writer else {})}
+    return SimpleNamespace(topic=qt.QUOTA_TOPIC, key=qt.allowance_key(spoke),
+                           value=orjson.dumps(msg))
+
+
+def test_an_allowance_another_wrote_while_this_one_publishes_is_logged_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    configure("info", cache=False)
+    alloc = Allocator("127.0.0.1:1", IV, allocator_id="me")
+    alloc.fold(_record("east", 1, "old"))  # a standby reads the active one's: normal
+    assert "quota_allocator_foreign_allowance" not in capsys.readouterr().err
+    alloc.ready = True
+    alloc.fold(_record("east", 2, "me"))
+    alloc.fold(_record("east", 3, None))  # no `allocator`: a version before the fence
+    alloc.fold(_record("west", 4, None))
+    err = capsys.readouterr().err
+    assert err.count("quota_allocator_foreign_allowance") == 1, err
+    assert "version without the fence" in err
+    assert alloc.ledger.generation == 4  # folded all the same: one sequence
+
+
+def test_withdrawing_with_allowances_not_sent_reads_the_ledger_again() -> None:
+    alloc = Allocator("127.0.0.1:1", IV, allocator_id="me")
+    newer = Heartbeat("new", 200.0, IV, True)
+    alloc._withdraw(newer)  # nothing held back: it keeps its ledger
+    alloc._unsent["east"] = {"generation": 1}
+    with pytest.raises(_Rebuild):
+        alloc._withdraw(newer)  # its ledger counts them issued: never sent, so read again
+    assert alloc._unsent == {} and not alloc.ready
