@@ -1,7 +1,8 @@
-"""Two `gateway hub allocate` at once on a real Tansu (gateway/hub/fence.py): only one
-publishes allowances, the other folds the topics as a warm standby and takes over, within
-3 of the active one's intervals, when its heartbeats stop; the generations stay one
-sequence and the allowances in force never add up to more than the quota."""
+"""Several `gateway hub allocate` at once on a real Tansu (gateway/hub/fence.py): one
+publishes allowances, the others fold the topics as a warm standby; a newer one takes
+over at once, an older one within 3 of the active one's intervals when its heartbeats stop
+(at once when it stops cleanly). The generations stay one sequence and the allowances in
+force never add up to more than the quota."""
 
 from __future__ import annotations
 
@@ -84,14 +85,30 @@ async def test_a_second_allocator_is_a_standby_that_takes_over_when_the_first_st
     await use(bs, "west", "w1", 200)
     await until(lambda: a.published > published_by_a, "a's allowances again")
     assert a.ledger.generation > generation_b  # one sequence, continued
+
+    c = Allocator(bs, IV, idempotence=False, allocator_id="c")  # a rolling update's
+    stop_c = asyncio.Event()
+    run_c = asyncio.create_task(c.run(stop_c))
+    await until(lambda: c.ready, "c taking over from a")
+    await use(bs, "east", "e2", 100)
+    await until(lambda: c.published >= 1, "c's allowances")
+    published_by_a = a.published
+    stop_c.set()  # stopped cleanly: its heartbeat removed, a need not wait it out
+    stopped = time.monotonic()
+    await run_c
+    await until(lambda: a.ready, "a taking over after c stopped cleanly")
+    clean = time.monotonic() - stopped
+    assert clean < IV, clean
+    await use(bs, "west", "w2", 100)
+    await until(lambda: a.published > published_by_a, "a's allowances once more")
     stop_a.set()
     await run_a
 
     records = await read_all(bs, qt.QUOTA_TOPIC)
     assert (fence.heartbeat_key("a").decode(), None) in records  # stopped: said so
     writers = check_allowances(records)
-    assert writers == ["a", "b", "a"], writers  # one at a time: a, handed to b, back to a
-    print(f"handover {handover:.2f} s, takeover {took:.2f} s")
+    assert writers == ["a", "b", "a", "c", "a"], writers  # one at a time
+    print(f"handover {handover:.2f} s, takeover {took:.2f} s, after a clean stop {clean:.2f} s")
 
 
 
