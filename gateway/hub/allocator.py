@@ -166,6 +166,8 @@ class Allocator:
         elif now >= beat_due:
             await self._heartbeat(pub, leader.id)
             beat_due = time.monotonic() + self.interval_s
+            if not self.fence.me.active:  # a standby's ledger forgets too (next_round's
+                self.ledger.forget_before(time.time())  # does it for the active one)
         if not self.fence.me.active:
             if self._logged != ("standby", leader.id):
                 self._logged = ("standby", leader.id)

@@ -3,6 +3,8 @@ decided from the heartbeats read so far; pure, so the clock is an argument."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 
 import orjson
@@ -12,6 +14,7 @@ from gateway.hub import quota_topic as qt
 from gateway.hub.allocator import Allocator, _Rebuild
 from gateway.hub.fence import Fence, Heartbeat, heartbeat_key, parse_heartbeat_key
 from gateway.log import configure
+from gateway.usage_event import rfc3339
 
 IV = 5.0
 
@@ -138,3 +141,24 @@ def test_withdrawing_with_allowances_not_sent_reads_the_ledger_again() -> None:
     with pytest.raises(_Rebuild):
         alloc._withdraw(newer)  # its ledger counts them issued: never sent, so read again
     assert alloc._unsent == {} and not alloc.ready
+
+
+class _Pub:
+    async def publish(self, key: bytes, msg: dict[str, object]) -> None:
+        self.last = (key, msg)
+
+
+def test_a_standby_forgets_past_days_as_the_active_one_does() -> None:
+    """A standby never allocates (where the ledger forgets): months of usage event ids
+    would pile up in it."""
+    alloc = Allocator("127.0.0.1:1", IV, allocator_id="me")
+    alloc.fence.on_heartbeat("new", hb("new", time.time() + 100, active=True),
+                             time.monotonic())
+    event = {"event_id": "e1", "spoke": "east", "team": "g", "key_id": "k1",
+             "usage": {"total_tokens": "5"}, "started_at": rfc3339(time.time() - 3 * 86400)}
+    alloc.fold(SimpleNamespace(topic=qt.USAGE_TOPIC, key=b"east", value=orjson.dumps(event)))
+    assert alloc.ledger._seen
+    pub = _Pub()
+    asyncio.run(alloc._decide(None, pub, 0.0))  # type: ignore[arg-type]
+    assert pub.last[1]["state"] == "standby" and pub.last[1]["leader"] == "new"
+    assert not alloc.ledger._seen
