@@ -201,7 +201,7 @@ class QuotaLedger:
     def next_round(self, now: float) -> dict[str, dict[str, Any]]:
         """The allowances to publish now, per spoke whose allowances change: each message
         takes the next generation. Records them as issued (and held) at once."""
-        self._forget_before(now)
+        self.forget_before(now)
         if not self.spokes:
             return {}
         spokes = sorted(self.spokes)
@@ -236,7 +236,7 @@ class QuotaLedger:
             out[s] = msg
         return out
 
-    def _forget_before(self, now: float) -> None:
+    def forget_before(self, now: float) -> None:
         """Drop what only past periods need (yesterday and last month are kept: late events)."""
         days = {maths.day_id(now), maths.day_id(now - maths.DAY)}
         # last month: `now` less its day of the month in days (32 days back from the 1st

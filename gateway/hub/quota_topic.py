@@ -3,7 +3,9 @@ reading the topics the allocator folds. All of this feature's Kafka I/O is here.
 
 `llm.quota.v1` (compacted) carries two kinds of message, JSON:
 * key `SPOKE`: the allocator's allowances for that spoke (down);
-* key `SPOKE/applied`: that spoke's follower's report of what it applied (up).
+* key `SPOKE/applied`: that spoke's follower's report of what it applied (up);
+* key `allocator/ID/heartbeat`: an allocator's heartbeat (gateway/hub/fence.py), read by allocators
+  only: a spoke id holds no '/', and followers read their own key alone.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class QuotaPublisher:
         body = {**msg, "at": rfc3339(time.time())}
         await self._producer.send_batch([(key, orjson.dumps(body), [])])
 
+    async def remove(self, key: bytes) -> None:
+        """A tombstone for `key` (compaction drops the key)."""
+        await self._topic.ensure()
+        await self._producer.send_batch([(key, None, [])])  # type: ignore[list-item]
+
     async def close(self) -> None:
         await self._producer.close()
 
@@ -115,6 +122,25 @@ async def read_until_caught_up(c: AIOKafkaConsumer, handle: Callable[[Any], obje
         if batch:
             last = time.monotonic()
         elif await caught_up(c) or time.monotonic() - last > quiet_s:
+            return
+
+
+async def read_to_end(c: AIOKafkaConsumer, handle: Callable[[Any], object],
+                      topic: str = QUOTA_TOPIC) -> None:
+    """Hand every record to `handle` up to the ends of the assigned partitions as the broker
+    has them now (asked now, not as the last fetch saw them): whatever was acked before this
+    call is read by its return. Waits till `topic` is assigned (a topic just created is
+    noticed within the consumer's metadata age)."""
+    async for batch in batches(c):
+        for m in batch:
+            handle(m)
+        if any(tp.topic == topic for tp in c.assignment()):
+            break
+    ends = await c.end_offsets(list(c.assignment()))
+    async for batch in batches(c):
+        for m in batch:
+            handle(m)
+        if all([await c.position(tp) >= end for tp, end in ends.items()]):
             return
 
 
