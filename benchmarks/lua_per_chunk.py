@@ -66,10 +66,12 @@ function SI:dynamicMetadata() return M end
 local H = {}
 function H:get(k) if k == "content-type" then return "text/event-stream" end end
 function H:remove(k) end
+EnvoyTimestampResolution = { MILLISECOND = 0, MICROSECOND = 1 }
 function bench(chunk, n, facts)
   meta = {["envoy.filters.http.ext_authz"] = facts}
   local handle = {}
   function handle:headers() return H end
+  function handle:timestampString(r) return "1800000000000000" end
   function handle:streamInfo() return SI end
   function handle:bodyChunks()
     local i = 0
