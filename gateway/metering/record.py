@@ -149,7 +149,8 @@ def _timings(attrs: dict[str, str], counted: dict[str, Any]) -> tuple[float | No
         total_ms = _num(attrs.get(c.REC_TOTAL_MS))
         end = max(total_ms * 1000, first_byte) if total_ms is not None else None
     ttft = first_byte
-    stamp, start = _epoch_us(counted.get(c.FIRST_CONTENT_US)), _epoch_us(attrs.get(c.REC_START))
+    stamp = _epoch_us(counted.get(c.FIRST_CONTENT_US))
+    start = _epoch_us(attrs.get(c.REC_START)) if stamp is not None else None
     if stamp is not None and start is not None:
         ttft = max(float(stamp - start), first_byte)
         if end is not None:
