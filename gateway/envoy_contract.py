@@ -47,6 +47,9 @@ CONTENT_EVENTS = "content_events"
 CONTENT_CHARS = "content_chars"
 STREAM_DONE = "done"  # the engine's own end marker passed
 STREAM_FAILED = "failed"  # the engine reported a failure inside the stream
+# When the first content event passed the filter: epoch microseconds as a string (Envoy's
+# timestampString), set once. The record's reader takes TTFT and TPOT from it.
+FIRST_CONTENT_US = "first_content_us"
 
 # -- headers -------------------------------------------------------------------------------
 

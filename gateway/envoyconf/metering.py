@@ -8,7 +8,8 @@ Why each piece (docs/envoy.md §6):
   where the Check said (`splice`, `splice_at`, `splice_cut` in ext_authz's metadata: no
   search of the body, byte-exact); on `text/event-stream` responses hides what was
   injected (the usage-only chunk, `"usage": null`, continuous usage), counts content
-  events, so a stream cut before the engine reported usage can still be estimated, and
+  events, so a stream cut before the engine reported usage can still be estimated, stamps
+  the first one's time once (the record's TTFT: to the first token, as ext_proc's), and
   reads the `usage` numbers and the served `model` of the stream's events into the
   `llm.usage` namespace (chat and completions `usage`, the Responses API's
   `response.usage`, Anthropic's message_start and message_delta). Envoy 1.40's

@@ -31,7 +31,7 @@ class ResponseFacts:
     # output is to be estimated from what streamed
     input_only: bool = False
     served_model: str = ""
-    ttft_ms: float = 0.0  # to the first content (Envoy: to the engine's first body byte)
+    ttft_ms: float = 0.0  # to the first content event (a whole answer: to its first byte)
     generation_ms: float | None = None  # first to last content of a stream; None: not one
 
     @property

@@ -109,10 +109,7 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
     usage, input_only = _usage(reported, messages)
     served = reported.get(c.SERVED_MODEL)
     events, chars = count(counted.get(c.CONTENT_EVENTS)), count(counted.get(c.CONTENT_CHARS))
-    ttft_us, gen_us = _num(attrs.get(c.REC_TTFT_US)), _num(attrs.get(c.REC_GEN_US))
-    if gen_us is None and events and ttft_us is not None:  # cut: generating until its end
-        total_ms = _num(attrs.get(c.REC_TOTAL_MS))
-        gen_us = max(total_ms * 1000 - ttft_us, 0.0) if total_ms is not None else None
+    ttft_us, gen_us = _timings(attrs, counted if events else {})
     return ResponseFacts(
         status=status_of(attrs), flags=flags,
         ended=not flags & c.CUT_FLAGS, end_seen=counted.get(c.STREAM_DONE) is True,
@@ -121,6 +118,44 @@ def response_facts(attrs: dict[str, str], messages: bool) -> ResponseFacts:
         served_model=served if isinstance(served, str) else "",
         ttft_ms=ttft_us / 1000 if ttft_us is not None else 0.0,
         generation_ms=gen_us / 1000 if gen_us is not None and events else None)
+
+
+def _epoch_us(text: Any) -> int | None:
+    """Epoch microseconds from "%s.%6f" (the record's start) or Lua's timestampString
+    ("1796611890418420"), as a whole number: a double would round the last microsecond."""
+    if not isinstance(text, str) or not text or text == "-":
+        return None
+    whole, _, frac = text.partition(".")
+    if not (whole + frac).isascii() or not whole.isdigit() or (frac and not frac.isdigit()):
+        return None
+    return int(whole) * 1_000_000 + int((frac + "000000")[:6]) if frac else int(whole)
+
+
+def _timings(attrs: dict[str, str], counted: dict[str, Any]) -> tuple[float | None,
+                                                                      float | None]:
+    """(TTFT, generation) in µs from the request's start. TTFT is to the first content
+    event when the Lua filter stamped one (`counted` of a stream with content), else to the
+    engine's first body byte (a whole JSON answer, or a stream without content); generation
+    runs from there to the engine's last byte (a cut stream: to its end).
+    The stamp is Envoy's wall clock less the record's start (wall clock too), the other
+    marks are Envoy's monotonic durations: the stamp is kept between the first byte and the
+    last, so a clock step cannot give a TTFT outside the stream."""
+    first_byte, gen = _num(attrs.get(c.REC_TTFT_US)), _num(attrs.get(c.REC_GEN_US))
+    if first_byte is None:
+        return None, None
+    if gen is not None:
+        end: float | None = first_byte + gen
+    else:  # cut: generating until its end
+        total_ms = _num(attrs.get(c.REC_TOTAL_MS))
+        end = max(total_ms * 1000, first_byte) if total_ms is not None else None
+    ttft = first_byte
+    stamp = _epoch_us(counted.get(c.FIRST_CONTENT_US))
+    start = _epoch_us(attrs.get(c.REC_START)) if stamp is not None else None
+    if stamp is not None and start is not None:
+        ttft = max(float(stamp - start), first_byte)
+        if end is not None:
+            ttft = min(ttft, end)
+    return ttft, (end - ttft if end is not None else None)
 
 
 def _usage(reported: dict[str, Any], messages: bool) -> tuple[Usage | None, bool]:

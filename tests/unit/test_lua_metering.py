@@ -8,7 +8,9 @@ the real Envoy (tests/integration/test_lua_through_envoy.py):
 * when the body ends with data (possibly an empty end_stream frame) the loop ends inside the
   same resume, so the last chunk is still live after it; when it ends with trailers it is not;
 * headers can no longer be changed once body iteration has begun;
-* getBytes(index, length) refuses a range past the end.
+* getBytes(index, length) refuses a range past the end;
+* timestampString(EnvoyTimestampResolution.MICROSECOND) is the time (epoch µs, a string) the
+  current chunk is read at: here `base + step * its index` (1-based), the fake's clock.
 
 Expected outputs come from a model of each generated event (what it is, what it looks like
 without each injected member), not from a second parser.
@@ -108,11 +110,23 @@ local function snapshot(state)
   return { s.content_events or false, s.content_chars or false }
 end
 
--- A response: `chunks` arrive one by one; `trailers` ends the body with trailers.
-function fake_response(headers, chunks, meta, trailers)
-  local state = { live = {}, meta = meta, out = {}, snaps = {}, chunks_called = false }
+-- Envoy defines it for a running script (it is nil while the script's file loads).
+EnvoyTimestampResolution = { MILLISECOND = 0, MICROSECOND = 1 }
+
+-- A response: `chunks` arrive one by one; `trailers` ends the body with trailers. Chunk i
+-- is read at clock_base + i * clock_step (epoch microseconds).
+function fake_response(headers, chunks, meta, trailers, clock_base, clock_step)
+  local state = { live = {}, meta = meta, out = {}, snaps = {}, chunks_called = false,
+                  stamps = 0 }
   local handle = {}
   local i, current = 0, nil
+  function handle:timestampString(resolution)
+    if resolution ~= EnvoyTimestampResolution.MICROSECOND then
+      error("the fake's clock answers in microseconds only")
+    end
+    state.stamps = state.stamps + 1
+    return string.format("%.0f", clock_base + i * clock_step)
+  end
   local function deliver()
     state.out[#state.out + 1] = current._bytes
     state.snaps[#state.snaps + 1] = snapshot(state)
@@ -146,8 +160,8 @@ function fake_response(headers, chunks, meta, trailers)
   return handle, state
 end
 
-function run_response(headers, chunks, meta, trailers)
-  local handle, state = fake_response(headers, chunks, meta, trailers)
+function run_response(headers, chunks, meta, trailers, clock_base, clock_step)
+  local handle, state = fake_response(headers, chunks, meta, trailers, clock_base, clock_step)
   envoy_on_response(handle)
   state.finish()
   return state
@@ -191,6 +205,10 @@ def lua_table(value: Any) -> Any:
     return value
 
 
+# The fake's clock: chunk i is read at CLOCK_BASE + i * CLOCK_STEP epoch µs.
+CLOCK_BASE, CLOCK_STEP = 1_800_000_000_050_000, 1_000
+
+
 @dataclass
 class Response:
     chunks: list[bytes]  # what the client receives, chunk by chunk
@@ -198,6 +216,7 @@ class Response:
     headers: dict[str, bytes]
     meta: dict[str, Any]
     chunks_called: bool
+    stamps: int  # times the script read the clock (timestampString)
 
     @property
     def body(self) -> bytes:
@@ -215,6 +234,7 @@ def run_response(
     content_type: str | None = "text/event-stream",
     trailers: bool = False,
     extra_headers: dict[str, str] | None = None,
+    clock: tuple[int, int] = (CLOCK_BASE, CLOCK_STEP),
 ) -> Response:
     headers = {":status": "200", **(extra_headers or {})}
     if content_type is not None:
@@ -222,7 +242,7 @@ def run_response(
     meta = {"envoy.filters.http.ext_authz": facts} if facts is not None else {}
     lua_headers = lua_table(headers)
     state = LUA.globals().run_response(
-        lua_headers, LUA.table_from(list(chunks)), lua_table(meta), trailers
+        lua_headers, LUA.table_from(list(chunks)), lua_table(meta), trailers, *clock
     )
     counters = [
         (None if s[1] is False else s[1], None if s[2] is False else s[2])
@@ -237,6 +257,7 @@ def run_response(
         headers={k.decode(): v for k, v in lua_headers.items()},
         meta=out_meta,
         chunks_called=bool(state.chunks_called),
+        stamps=int(state.stamps),
     )
 
 
@@ -754,7 +775,8 @@ def test_script_defines_no_other_globals() -> None:
     g = lua.globals()
     g.run_response(lua.table_from({b"content-type": b"text/event-stream"}),
                    lua.table_from([b"data: {\"text\":\"a\"}\n\nda", b"ta: x"]),
-                   lua.table_from({AUTHZ: lua.table_from({b"hide_usage": True})}), False)
+                   lua.table_from({AUTHZ: lua.table_from({b"hide_usage": True})}), False,
+                   CLOCK_BASE, CLOCK_STEP)
     g.run_request(lua.table_from({}), b"{}",
                   lua.table_from({AUTHZ: lua.table_from({b"splice": b"1", b"splice_at": 1})}))
     assert set(lua.globals().keys()) == loaded
@@ -960,3 +982,42 @@ def test_a_held_finish_chunk_goes_out_as_it_was_without_a_usage_chunk() -> None:
     body = FINISH + other + FINISH
     held = run_response([FINISH + other, FINISH], {"hide_usage": True})
     assert held.chunks == [FINISH + other, FINISH] and held.body == body
+
+
+# --- the first content event's time (llm.stream:first_content_us) ---------------------------
+
+RESPONSES_OPENING = [
+    b'event: response.created\ndata: {"type":"response.created","response":{"id":"r",'
+    b'"model":"m","usage":null}}\n\n',
+    b'event: response.in_progress\ndata: {"type":"response.in_progress","response":{}}\n\n',
+]
+RESPONSES_DELTA = (b'event: response.output_text.delta\ndata: {"type":'
+                   b'"response.output_text.delta","delta":"Hi"}\n\n')
+
+
+def first_content_us(resp: Response) -> int | None:
+    v = resp.meta["llm.stream"].get("first_content_us")
+    return None if v is None else int(v.decode())
+
+
+@pytest.mark.parametrize(("chunks", "at"), [
+    ([*RESPONSES_OPENING, RESPONSES_DELTA, RESPONSES_DELTA], 3),  # not response.created's
+    ([*ANTHROPIC, MESSAGE_STOP], 3),  # message_start, content_block_start carry no token
+    ([b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n',
+      b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":'
+      b'{"content":"b"}}]}\n\n', b"data: [DONE]\n\n"], 2),  # a role-only chunk first
+    ([RESPONSES_OPENING[0] + RESPONSES_DELTA[:30], RESPONSES_DELTA[30:]], 2),  # split
+])
+def test_the_first_content_event_is_stamped_once(chunks: list[bytes], at: int) -> None:
+    """The chunk that completes the first content event is stamped, once (not the engine's
+    first byte), in microseconds, whether the stream is rewritten or not."""
+    for facts in ({}, {"hide_usage": True}):
+        resp = run_response(chunks, facts)
+        assert resp.stamps == 1
+        assert first_content_us(resp) == CLOCK_BASE + at * CLOCK_STEP
+
+
+def test_a_stream_without_content_is_not_stamped() -> None:
+    resp = run_response([*RESPONSES_OPENING, b"data: [DONE]\n\n"], {})
+    assert resp.stamps == 0 and first_content_us(resp) is None
+    assert run_response([b'{"usage":{}}'], {}, content_type="application/json").stamps == 0

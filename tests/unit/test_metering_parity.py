@@ -5,8 +5,9 @@ Lua filter (under LuaJIT, with tests/unit/test_lua_metering.py's fake of Envoy) 
 stream, json_to_metadata's rules (gateway/envoyconf/metering.py, applied here as Envoy
 applies them) for a whole JSON answer, then the access-log record those make, read by
 gateway/metering/record.py. The two `ResponseFacts` must be equal, and so must what
-gateway/metering/billing.py settles from them. Only the timings differ by nature (each
-source has its own clocks): they are compared as present or absent, not by value.
+gateway/metering/billing.py settles from them. The timings are compared as present or
+absent, except where both sources are given one clock (chunk i read 50 ms + i * 10 µs after
+the request's start): then both time the first token alike.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from test_lua_metering import run_response
 
 from gateway.envoyconf.metering import MODEL_RULES, USAGE_RULES
 from gateway.metering import billing, handoff, record
+from gateway.metering import meter as meter_mod
 from gateway.metering.exchange import Exchange
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
@@ -373,14 +375,34 @@ def pieces(case: Case, size: int | None) -> list[bytes]:
     return [body[i:i + size] for i in range(0, len(body), size)]
 
 
-def via_ext_proc(case: Case, chunks: list[bytes]) -> tuple[RequestFacts, ResponseFacts]:
+# The one clock of the timed comparison: chunk i (from 1) is read FIRST_BYTE_US + i * STEP_US
+# after the request's start (the record's "start", ext_proc's Meter.started).
+START, FIRST_BYTE_US, STEP_US = 1_800_000_000, 50_000, 10
+
+
+class Clock:
+    """ext_proc's time.monotonic, set chunk by chunk (seconds since the request's start)."""
+
+    now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def via_ext_proc(case: Case, chunks: list[bytes],
+                 clock: Clock | None = None) -> tuple[RequestFacts, ResponseFacts]:
     """ext_proc: the Check's facts from the metadata, the status with the first body chunk
     (response headers are skipped), SSE recognised by its first bytes; a cut stream never
-    gets end_of_stream, and learns who cut it from Envoy's record (finish_cut)."""
+    gets end_of_stream, and learns who cut it from Envoy's record (finish_cut). `clock`:
+    the meter's time (patched in by the caller), advanced as the fake Envoy's is."""
     x = Exchange()
     x.learn(handoff.read(authz(case), case.endpoint, RID))
     x.meter.injected = Injected(include_usage=case.hide[0], continuous=case.hide[1])
+    if clock is not None:
+        x.meter.started = 0.0
     for i, chunk in enumerate(chunks):
+        if clock is not None:
+            clock.now = (FIRST_BYTE_US + (i + 1) * STEP_US) / 1e6
         x.response_body(chunk, i == len(chunks) - 1 and not case.cut,
                         case.status if i == 0 else None)
     flags = frozenset(case.flags.split(",")) if case.flags else frozenset()
@@ -418,8 +440,10 @@ def via_envoy(case: Case, chunks: list[bytes]) -> tuple[RequestFacts, ResponseFa
     counted: dict[str, Any] = {}
     if case.content_type == SSE:
         resp = run_response(chunks, {k: v for k, v in authz(case).items()
-                                     if k.startswith("hide_")}, content_type=SSE)
-        usage_md, counted = plain(resp.meta.get("llm.usage", {})), resp.meta["llm.stream"]
+                                     if k.startswith("hide_")}, content_type=SSE,
+                            clock=(START * 1_000_000 + FIRST_BYTE_US, STEP_US))
+        usage_md = plain(resp.meta.get("llm.usage", {}))
+        counted = plain(resp.meta["llm.stream"])
     elif not case.cut:
         usage_md = json_to_metadata(b"".join(chunks))
 
@@ -428,8 +452,9 @@ def via_envoy(case: Case, chunks: list[bytes]) -> tuple[RequestFacts, ResponseFa
 
     attrs = {"rid": RID, "type": "DownstreamEnd", "path": case.endpoint,
              "code": str(case.status), "flags": case.flags or "-", "details": "via_upstream",
-             "start": "1800000000.000000", "duration_us": "-" if case.cut else "1000000",
-             "total_ms": "1000", "ttft_us": "50000", "gen_us": "-" if case.cut else "900000",
+             "start": f"{START}.000000", "duration_us": "-" if case.cut else "1000000",
+             "total_ms": "1000", "ttft_us": str(FIRST_BYTE_US),
+             "gen_us": "-" if case.cut else "900000",
              "authz": orjson.dumps(authz(case)).decode(), "usage": rendered(usage_md),
              "counted": rendered(counted)}
     rec = record.read(attrs)
@@ -456,6 +481,34 @@ def test_both_sources_give_the_same_facts_and_bill(case: Case, size: int | None)
     e_billed = billing.settle(e_request, timeless(e_response))
     assert x_billed == e_billed
     assert (x_billed.outcome, x_billed.source) == (case.outcome, case.source)
+
+
+STREAMS = [c for c in CASES if c.content_type == SSE]
+
+
+@pytest.mark.parametrize("size", [None, 7, 3],
+                         ids=["by-event", "7-byte-chunks", "3-byte-chunks"])
+@pytest.mark.parametrize("case", STREAMS, ids=[c.name for c in STREAMS])
+def test_both_sources_time_the_first_content_event(case: Case, size: int | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one clock both sources give the same TTFT: the chunk that completes the first
+    content event, not the engine's first byte (a Responses stream's response.created,
+    Anthropic's message_start, a role-only chat chunk carry no token). The Envoy source
+    once took the first byte (50 ms here) and its TPOT from there."""
+    clock = Clock()
+    monkeypatch.setattr(meter_mod, "time", clock)
+    chunks = pieces(case, size)
+    _, x_response = via_ext_proc(case, chunks, clock)
+    _, e_response = via_envoy(case, chunks)
+    if not x_response.content_events:  # no token: ext_proc has no TTFT, Envoy its first byte
+        assert (x_response.ttft_ms, e_response.ttft_ms) == (0.0, FIRST_BYTE_US / 1000)
+        return
+    assert e_response.ttft_ms == pytest.approx(x_response.ttft_ms)
+    first = next(i for i in range(1, len(chunks) + 1)
+                 if via_envoy(case, chunks[:i])[1].content_events)
+    assert e_response.ttft_ms == pytest.approx((FIRST_BYTE_US + first * STEP_US) / 1000)
+    end_ms = 1000.0 if case.cut else 950.0  # the record's last byte (a cut: its end)
+    assert e_response.generation_ms == pytest.approx(end_ms - e_response.ttft_ms)
 
 
 @pytest.mark.parametrize("size", [2 << 20, 5 << 20], ids=["2MiB", "5MiB"])

@@ -138,3 +138,39 @@ def test_a_heartbeat_is_told_apart_and_checkpoints_the_usage_so_far() -> None:
 def test_a_duplicate_id_refusal_has_no_event_of_its_own() -> None:
     dup = dict(AUTHZ, denied="duplicate_request_id", status=409, leased=False)
     assert record.read(attrs(code="409", authz=dup)) is None
+
+
+def stamped(at_us: int, **over: object) -> dict[str, str]:
+    """A record whose Lua filter stamped the first content event `at_us` after the start
+    (1800000000.250000)."""
+    counted = {"content_events": 10, "content_chars": 40,
+               contract.FIRST_CONTENT_US: str(1_800_000_000_250_000 + at_us)}
+    return attrs(counted=counted, **over)
+
+
+def test_ttft_is_to_the_first_content_event_when_the_lua_filter_stamped_it() -> None:
+    """A Responses / Anthropic stream's first byte (response.created, message_start) is no
+    token: TTFT runs to the stamp, TPOT from there to the engine's last byte."""
+    rec, b = read(stamped(404_123))  # first byte at 50 ms, last at 950 ms
+    assert rec.response.ttft_ms == 404.123 and rec.response.generation_ms == 950 - 404.123
+    assert b.ttft_ms == 404.123 and b.tpot_ms == pytest.approx((950 - 404.123) / 9)
+    # cut: no last byte, generating until its end (%DURATION%)
+    rec, _ = read(stamped(404_000, flags="DC", duration_us="-", gen_us="-", total_ms="2000"))
+    assert (rec.response.ttft_ms, rec.response.generation_ms) == (404.0, 1596.0)
+
+
+@pytest.mark.parametrize(("at_us", "ttft_ms"), [(-5_000_000, 50.0), (10**9, 950.0)])
+def test_a_stamp_outside_the_stream_is_kept_inside_it(at_us: int, ttft_ms: float) -> None:
+    """The stamp is wall-clock time, the other marks monotonic: a clock step cannot give a
+    TTFT before the first byte or after the last."""
+    rec, _ = read(stamped(at_us))
+    assert rec.response.ttft_ms == ttft_ms and rec.response.generation_ms == 950 - ttft_ms
+
+
+@pytest.mark.parametrize("bad", ["", "-", "x", "1.5e15", "١٢٣", "12.3.4"])
+def test_an_unreadable_stamp_falls_back_to_the_first_byte(bad: str) -> None:
+    counted = {"content_events": 10, "content_chars": 40, contract.FIRST_CONTENT_US: bad}
+    rec, _ = read(attrs(counted=counted))
+    assert (rec.response.ttft_ms, rec.response.generation_ms) == (50.0, 900.0)
+    rec, _ = read(stamped(300_000, start=bad))
+    assert (rec.response.ttft_ms, rec.response.generation_ms) == (50.0, 900.0)

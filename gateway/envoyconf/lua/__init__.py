@@ -33,6 +33,7 @@ CONSTANTS = {
     "CONTENT_CHARS": contract.CONTENT_CHARS,
     "STREAM_DONE": contract.STREAM_DONE,
     "STREAM_FAILED": contract.STREAM_FAILED,
+    "FIRST_CONTENT_US": contract.FIRST_CONTENT_US,
 }
 
 

@@ -28,6 +28,11 @@
 -- passed (`data: [DONE]`, a Responses-API response.completed / failed / incomplete, or an
 -- Anthropic message_stop); llm.stream:failed once the engine reported a failure inside the
 -- stream (an event with a "type":"error" member: Anthropic's and the Responses API's).
+-- llm.stream:first_content_us, set once, with the chunk that completes the first content
+-- event: Envoy's clock then (handle:timestampString, epoch microseconds, a string). The
+-- sidecar takes TTFT from it (less the record's start), as ext_proc times its first content
+-- event: a Responses/Anthropic stream's response.created / message_start come before any
+-- token, so the engine's first byte is not its first token.
 -- USAGE, every text/event-stream response: the numbers of an event's "usage" object are
 -- published in llm.usage (what the engine reported; later events replace earlier values key
 -- by key, except a chat/completions stream's per-choice usage, which is summed: stream_usage): prompt_tokens (or input_tokens), completion_tokens (or output_tokens; not from
@@ -533,10 +538,17 @@ end
 -- script holds once it suspends between chunks ("object used outside of proper scope"). A
 -- script error mid-stream lets the rest of the body through untouched, but whatever this
 -- filter was holding back at that moment is lost to the client.
-local function publish(handle, events, chars, done, failed)
+-- `first`: this chunk completed the stream's first content event, so its time is stamped
+-- (once a stream; ~0.2 µs). EnvoyTimestampResolution is looked up here, not kept in a local
+-- at load: Envoy 1.40 defines it only once a script runs (nil while the file loads).
+local function publish(handle, events, chars, done, failed, first)
   local meta = handle:streamInfo():dynamicMetadata()
   meta:set(STREAM_NS, CONTENT_EVENTS, events)
   meta:set(STREAM_NS, CONTENT_CHARS, chars)
+  if first then
+    meta:set(STREAM_NS, FIRST_CONTENT_US,
+      handle:timestampString(EnvoyTimestampResolution.MICROSECOND))
+  end
   if done then
     meta:set(STREAM_NS, STREAM_DONE, true)
   end
@@ -712,7 +724,8 @@ function envoy_on_response(handle)
         out = concat(parts)
       end
       if events ~= before or done ~= was_done or failed ~= was_failed then
-        publish(handle, events, chars, done, failed)
+        -- once the first content event has passed, `before == 0` is the only added test
+        publish(handle, events, chars, done, failed, before == 0 and events > 0)
       end
     end
     if rewriting then
