@@ -153,7 +153,7 @@ class Authorizer:
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
             splice=inject.plan(req.body, path, facts.model or "", facts.stream,
-                               facts.stream_options, facts.include_usage,
+                               facts.options_member, facts.include_usage,
                                facts.continuous_usage, s.continuous_models),
         )
         return Allow(ctx, verdict.rate)
