@@ -11,7 +11,7 @@ from devspoke.stack import Spoke
 from gateway.envoyconf.bootstrap import BUFFER_HEADROOM_BYTES
 from testkit.spoke import read_events
 
-N = 1_000_000  # "tok0 tok1 ...": ~8 bytes a token, ~8.9 MB of answer
+N = 2_200_000  # "tok0 tok1 ...": ~8 bytes a token, ~19 MB: past ext_proc's 16 MiB too
 
 
 def test_a_large_whole_answer_bills_its_completion(spoke: Spoke, keys: dict[str, str]) -> None:
