@@ -65,6 +65,9 @@ CREDENTIALS = ("authorization", "x-api-key")
 # Envoy's own flag on a Check whose body it buffered: "true" when it sent only the start of
 # it (`with_request_body.allow_partial_message: true`; ours says false, a managed Envoy may not)
 PARTIAL_BODY_HEADER = "x-envoy-auth-partial-body"
+# A body the Check cannot read (compressed) names no model it can judge, but an engine that
+# decompresses requests reads one: the Check sees this header and refuses any encoding
+CONTENT_ENCODING = "content-encoding"
 
 # ext_authz's HTTP door (gateway/server/check_http.py): which answer headers Envoy passes on.
 RATE_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")  # to the client, allowed or denied

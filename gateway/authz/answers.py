@@ -218,6 +218,14 @@ def partial_body() -> Deny:
                 "request_too_large")
 
 
+def encoded_body(encoding: str) -> Deny:
+    """A body sent with a Content-Encoding (gzip...): the Check cannot read the model it
+    names, and an engine that decompresses requests would (no side door)."""
+    return Deny(415, "unsupported_content_encoding",
+                f"Content-Encoding {encoding[:40]!r} is not accepted; send the body "
+                "uncompressed.", "unsupported_content_encoding")
+
+
 # The OpenAI and Anthropic SDKs retry a 409 (a lock timeout, to them) with the same headers:
 # the same id, refused again, or once the other request ended admitted under its event id,
 # which billing drops as a duplicate. `x-should-retry: false` they obey.

@@ -17,7 +17,7 @@ from gateway.authz.decision import Allow, Callers, Context, Decision, Deny, Repl
 from gateway.authz.request import AuthzRequest, BodyFacts, api_key, named_model, parse_body
 from gateway.clock import Clock
 from gateway.endpoints import ENDPOINTS, Api, api_of
-from gateway.envoy_contract import PARTIAL_BODY_HEADER
+from gateway.envoy_contract import CONTENT_ENCODING, PARTIAL_BODY_HEADER
 from gateway.errors import BodyError, PathError, StoreInDoubt, StoreUnavailable
 from gateway.limits.ledger import Ledger
 from gateway.limits.types import (
@@ -98,6 +98,10 @@ class Authorizer:
             return _model_answer(policy, key, where.model)
         if req.headers.get(PARTIAL_BODY_HEADER) == "true":  # truncated: it says nothing
             return _who(answers.partial_body(), key)
+        if (encoding := req.headers.get(CONTENT_ENCODING)) is not None and \
+                encoding.strip().lower() not in ("", "identity"):
+            # compressed: it names no model we can read, and the engine may decompress it
+            return _who(answers.encoded_body(encoding), key)
         endpoint = ENDPOINTS.get(path) if where.kind is Kind.INFERENCE else None
         try:
             if endpoint is not None:
@@ -157,7 +161,7 @@ class Authorizer:
             stream_options=facts.stream_options, include_usage=facts.include_usage,
             continuous_usage=facts.continuous_usage,
             splice=inject.plan(req.body, path, facts.model or "", facts.stream,
-                               facts.stream_options, facts.include_usage,
+                               facts.options_member, facts.include_usage,
                                facts.continuous_usage, s.continuous_models),
         )
         return Allow(ctx, verdict.rate)

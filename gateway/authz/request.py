@@ -32,6 +32,9 @@ class BodyFacts:
     include_usage: bool = False  # ... asking for the usage chunk
     continuous_usage: bool = False  # ... asking for vLLM's continuous usage stats
     sequences: int = 1  # completions the engine generates, each up to max_tokens (sequences())
+    # a `stream_options` member of any value (null too), however its key is spelled
+    # (`"stream_opt\\u0069ons"`): inject.plan must then find it, not add a second one
+    options_member: bool = False
 
     def reserve(self, default_completion: int, cap: int, generates: bool = True) -> int:
         """Tokens to reserve: the prompt estimate plus the completion bound, which is the
@@ -206,10 +209,11 @@ def _facts(data: dict[str, Any], size: int, caps: tuple[str, ...] = CAPS,
     stream = _flag(data.get("stream"))
     opts = data.get("stream_options")
     if not isinstance(opts, dict):
-        return BodyFacts(model, stream, max_tokens, size, prompt, sequences=seqs)
+        return BodyFacts(model, stream, max_tokens, size, prompt, sequences=seqs,
+                         options_member=opts is not None or "stream_options" in data)
     return BodyFacts(
         model, stream, max_tokens, size, prompt,
-        stream_options=True,
+        stream_options=True, options_member=True,
         include_usage=_flag(opts.get("include_usage")),
         continuous_usage=_flag(opts.get("continuous_usage_stats")),
         sequences=seqs,

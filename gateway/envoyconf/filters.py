@@ -24,7 +24,8 @@ in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
   `per_connection_buffer_limit_bytes` are raised to match (default 1 MiB: a 1.5 MB
   prompt got 413), so a body ext_authz accepted also fits ext_proc's buffer.
 * **ext_authz `allowed_headers`**: only `authorization`, `x-api-key`, `x-request-id`,
-  the W3C trace context (`traceparent`, `tracestate`) and `x-gateway-*` go to the sidecar
+  the W3C trace context (`traceparent`, `tracestate`), `content-encoding` (a compressed
+  body is refused: the Check cannot read its model) and `x-gateway-*` go to the sidecar
   (least privilege, and a smaller CheckRequest: an SDK sends a dozen more); method, path
   and body travel in their own fields.
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
@@ -57,6 +58,7 @@ from gateway.endpoints import ANTHROPIC_PREFIX
 from gateway.envoy_contract import (
     AUTHZ_NAMESPACE,
     CLIENT_HEADERS,
+    CONTENT_ENCODING,
     CONTEXT_HEADERS,
     CONTEXT_PREFIX,
     CREDENTIALS,
@@ -120,9 +122,10 @@ SIDECAR_CLUSTER = "sidecar"
 AUTHZ_HTTP_CLUSTER = "sidecar_authz_http"  # ext_authz's HTTP door, when configured
 
 
-# The only request headers a Check reads: the key, the request id, and any client-sent
-# x-gateway-* (to remove them). Anything else (cookies, other credentials) never leaves Envoy.
-AUTHZ_HEADERS = (*CREDENTIALS, "x-request-id", "traceparent", "tracestate")
+# The only request headers a Check reads: the key, the request id, the body's encoding (to
+# refuse a body it cannot read) and any client-sent x-gateway-* (to remove them). Anything
+# else (cookies, other credentials) never leaves Envoy.
+AUTHZ_HEADERS = (*CREDENTIALS, "x-request-id", "traceparent", "tracestate", CONTENT_ENCODING)
 
 
 def ext_authz(timeout: timedelta, max_request_bytes: int, http: bool = False) -> ExtAuthz:

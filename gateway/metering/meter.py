@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from gateway.endpoints import Reader, reader_of
+from gateway.endpoints import ENDPOINTS, Reader, reader_of
 from gateway.metering import usage as usage_mod
 from gateway.metering.billing import metered
 from gateway.metering.facts import ResponseFacts
@@ -93,6 +93,7 @@ class Meter:
     _held: tuple[bytes, Any] | None = None  # a finish chunk waiting for the next event
     _body: list[bytes] = field(default_factory=list)
     _body_len: int = 0
+    _whole_len: int = 0  # every byte of a whole answer, read or not
 
     def __post_init__(self) -> None:
         self._reader = reader_of(self.endpoint)
@@ -111,6 +112,7 @@ class Meter:
         if not self.sse:
             if self.first_token is None and data:
                 self.first_token = time.monotonic()  # non-stream: the time to first byte
+            self._whole_len += len(data)
             if self._body_len <= MAX_JSON_BODY:
                 self._body.append(data)
                 self._body_len += len(data)
@@ -248,6 +250,11 @@ class Meter:
             self.served_model = model
 
     def _parse_body(self) -> None:
+        if self._body_len > MAX_JSON_BODY and 200 <= self.status < 300 and (
+                (e := ENDPOINTS.get(self.endpoint)) is not None and e.generates):
+            # too large to read for its usage: its size stands for its completion (bytes/4,
+            # an over-estimate), as the Envoy source's record does; never free
+            self.content_chars = self._whole_len
         if self._body and self._body_len <= MAX_JSON_BODY and not self.saw_end:
             try:
                 self._usage(orjson.loads(b"".join(self._body)))

@@ -12,13 +12,13 @@ same `ResponseFacts` ext_proc's Meter gives; what is billed is decided from thos
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from gateway import envoy_contract as c
-from gateway.endpoints import Reader, reader_of
+from gateway.endpoints import ENDPOINTS, Reader, reader_of
 from gateway.metering import handoff
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
@@ -97,6 +97,11 @@ def read(attrs: dict[str, str]) -> Record | None:
     if duration_us is None:  # a cut stream never sent its last byte: its whole life
         duration_us = (_num(attrs.get(c.REC_TOTAL_MS)) or 0.0) * 1000
     response = response_facts(attrs, reader_of(facts.endpoint) is Reader.MESSAGES)
+    if response.usage is None and not response.content_events and response.content_chars and (
+            (e := ENDPOINTS.get(facts.endpoint)) is None or not e.generates):
+        # a whole answer's size (the Lua filter's, for one whose usage it could not read)
+        # bills a completion only where the endpoint generates one
+        response = replace(response, content_chars=0)
     return Record(rid, facts, response, started, started + duration_us / 1e6)
 
 

@@ -8,6 +8,7 @@ be refused and the engine must never see it.
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import sys
 from collections.abc import Iterator
@@ -254,3 +255,41 @@ def test_fuzzed_spellings_never_reach_the_engine_with_a_forbidden_model(
     assert status != 200 or b"mock-other" not in answer, (method, path, answer[:200])
     leaked = [s for s in seen_by_asgi(spoke) if s.get("model") in FORBIDDEN]
     assert not leaked, (method, path, leaked)
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP", "identity, gzip"])
+def test_a_body_the_gateway_cannot_read_never_reaches_the_engine(
+        asgi_spoke: tuple[Spoke, dict[str, str]], path: str, encoding: str) -> None:
+    """A compressed body names no model the Check can read; an engine that decompresses
+    (aiohttp's server does by default, cpp-httplib with zlib) would read the forbidden one.
+    Refused with 415, on a pass-through as on an inference path."""
+    spoke, keys = asgi_spoke
+    seen_by_asgi(spoke)
+    packed = gzip.compress(body("mock-other"))
+    conn = http.client.HTTPConnection("127.0.0.1", spoke.listen_port, timeout=10)
+    try:
+        conn.request("POST", path, body=packed, headers={
+            "authorization": f"Bearer {keys['narrow']}", "content-type": "application/json",
+            "content-encoding": encoding})
+        resp = conn.getresponse()
+        status, answer = resp.status, resp.read()
+    finally:
+        conn.close()
+    assert status == 415, (status, answer[:200])
+    assert b"content-encoding" in answer.lower()
+    assert seen_by_asgi(spoke) == []
+    # identity is no encoding: served as usual
+    assert raw_with(spoke, "/tokenize", keys["narrow"], {"content-encoding": "identity"}) == 200
+
+
+def raw_with(spoke: Spoke, path: str, key: str, headers: dict[str, str]) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", spoke.listen_port, timeout=10)
+    try:
+        conn.request("POST", path, body=b'{"prompt": "hi"}', headers={
+            "authorization": f"Bearer {key}", "content-type": "application/json", **headers})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()

@@ -79,3 +79,17 @@ def test_whitespace_around_the_brace_is_skipped_as_json_allows(
     out = planned(body)
     assert out == before + b'{"stream_options":{"include_usage":true}' + \
         (b"" if empty else b",") + inside + rest
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model":"m","stream_opt\\u0069ons":{"include_usage":false}}',  # an escaped key
+    b'{"model":"m","\\u0073tream_options":null}',
+    b'{"stream_options":{"include_usage":false},"model":"m","stream_options":{"x":1}}',
+    b'{"stream_options":{"a":[{"stream_options":1}]},"stream_optio\\u006es":"no"}',
+])
+def test_the_member_replaced_is_the_one_the_engine_reads(body: bytes) -> None:
+    """JSON parsers decode escaped keys and keep the last duplicate: the splice must change
+    that member, or the client's own `include_usage: false` wins at the engine."""
+    out = planned(body, present=True)
+    assert out is not None
+    assert orjson.loads(out)["stream_options"]["include_usage"] is True

@@ -628,8 +628,27 @@ def test_other_responses_pass_untouched_and_unheld(
                         extra_headers={"content-length": "52"})
     assert resp.chunks == body
     assert not resp.chunks_called
-    assert "llm.stream" not in resp.meta
+    # a whole 2xx JSON answer: only its size (the record's fallback when its usage is unread)
+    assert resp.meta.get("llm.stream", {}) == (
+        {"content_chars": 52} if content_type == "application/json" else {})
     assert resp.headers["content-length"] == b"52"
+
+
+@pytest.mark.parametrize(("status", "ctype", "length"), [
+    ("400", "application/json", "52"), ("500", "application/json", "52"),
+    ("200", "application/json", None), ("200", "application/json", "x"),
+    ("200", "text/plain", "52"), ("200", "application/jsonx", "52")])
+def test_only_a_sized_2xx_json_answer_publishes_its_size(status: str, ctype: str,
+                                                         length: str | None) -> None:
+    body = [b'{"error": {"message": "no such model"}}']
+    extra = {":status": status} if length is None else {":status": status,
+                                                         "content-length": length}
+    resp = run_response(body, None, content_type=ctype, extra_headers=extra)
+    assert resp.chunks == body and not resp.chunks_called
+    if ctype == "application/jsonx" and status == "200":  # a prefix match, as json_to_metadata
+        assert resp.meta["llm.stream"] == {"content_chars": 52}
+        return
+    assert "llm.stream" not in resp.meta
 
 
 @pytest.mark.parametrize(

@@ -188,3 +188,19 @@ def test_a_held_finish_chunk_goes_out_as_it_was_without_a_usage_chunk() -> None:
     first = m.chunk(FINISH + other, False)
     assert first == FINISH + other and m.chunk(FINISH, False) == b""  # held
     assert m.chunk(b"", True) == FINISH and body == first + FINISH
+
+
+def test_a_whole_answer_too_large_to_read_bills_its_size() -> None:
+    """Past MAX_JSON_BODY its usage is not read: a generating endpoint's completion is then
+    estimated from its size (never free); an embeddings answer generates none."""
+    from gateway.metering.meter import MAX_JSON_BODY
+    part = b"x" * (1 << 20)
+    parts = MAX_JSON_BODY // len(part) + 2
+    for endpoint, status, want in [("/v1/chat/completions", 200, parts * len(part)),
+                                   ("/v1/embeddings", 200, 0),
+                                   ("/v1/chat/completions", 500, 0)]:
+        m = Meter(endpoint, False)
+        m.response_headers(status, "application/json")
+        for i in range(parts):
+            m.chunk(part, i == parts - 1)
+        assert m.facts(ended=True).content_chars == want, endpoint

@@ -607,10 +607,30 @@ local function starts_with_sse(content_type)
   return content_type ~= nil and find(lower(content_type), "text/event-stream", 1, true) == 1
 end
 
+-- A whole (non-stream) 2xx JSON answer: its size, as llm.stream:content_chars. Its usage
+-- comes from json_to_metadata, which skips an answer past the buffer limit; without this
+-- such an answer (asked for on purpose: n, logprobs) would bill no completion at all. The
+-- record uses it only when no usage arrived, for an endpoint that generates
+-- (gateway/metering/record.py): an over-estimate, never free. Headers only: no body read.
+local function whole_answer(headers, handle)
+  local status = headers:get(":status")
+  local ctype = headers:get("content-type")
+  if status == nil or byte(status, 1) ~= 50 or ctype == nil -- "2xx"
+      or find(lower(ctype), "application/json", 1, true) ~= 1 then
+    return
+  end
+  local size = tonumber(headers:get("content-length"))
+  if size ~= nil and size > 0 then
+    handle:streamInfo():dynamicMetadata():set(STREAM_NS, CONTENT_CHARS, size)
+  end
+end
+
 function envoy_on_response(handle)
-  if not starts_with_sse(handle:headers():get("content-type")) then
+  local headers = handle:headers()
+  if not starts_with_sse(headers:get("content-type")) then
     -- Not a stream: return before bodyChunks(), so Envoy never resumes this script for the
     -- body and no byte is held back (holding a JSON error's tail hung it until timeout).
+    whole_answer(headers, handle)
     return
   end
   local facts = authz_facts(handle)
