@@ -141,3 +141,18 @@ def test_400_is_an_invalid_request_error(spoke: Spoke, keys: dict[str, str],
         anthropic_client(spoke, keys["good"]).post(
             "/v1/messages", cast_to=httpx.Response, body={"model": "mock-model", "messages": []})
 
+
+def test_tool_definitions_count_in_the_reservation(spoke: Spoke, keys: dict[str, str]) -> None:
+    """Tools are input tokens: 20 tool definitions (~2,000 tokens of JSON) with a 2-word
+    message and max_tokens 10 can never pass a 1,234-token window, and the SDK is told so
+    (x-should-retry: false) instead of being admitted on a 1-token prompt estimate."""
+    tool = {"name": "get_weather", "description": "Get the weather in a location. " * 10,
+            "input_schema": {"type": "object", "properties": {
+                "location": {"type": "string", "description": "The city, e.g. Paris"}}}}
+    c = anthropic_client(spoke, keys["tpm1234"])
+    with pytest.raises(anthropic.RateLimitError) as exc:
+        c.messages.create(model="mock-model", max_tokens=10, messages=HELLO,  # type: ignore
+                          tools=[{**tool, "name": f"tool_{i}"} for i in range(20)])
+    _shape(exc.value.response, 429, "rate_limit_error")
+    assert exc.value.response.headers["x-should-retry"] == "false"
+    assert "can never pass" in exc.value.message
