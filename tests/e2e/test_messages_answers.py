@@ -156,3 +156,29 @@ def test_tool_definitions_count_in_the_reservation(spoke: Spoke, keys: dict[str,
     _shape(exc.value.response, 429, "rate_limit_error")
     assert exc.value.response.headers["x-should-retry"] == "false"
     assert "can never pass" in exc.value.message
+
+
+def test_the_sdk_reads_the_request_id_of_every_answer(spoke: Spoke,
+                                                      keys: dict[str, str]) -> None:
+    """Anthropic's answers carry `request-id`, which the SDK hands out as a denial's
+    `request_id` and a message's `_request_id`: the gateway's is its x-request-id (the usage
+    event's id), on its denials, its allowed answers and Envoy's own JSON replies."""
+    with pytest.raises(anthropic.AuthenticationError) as auth:
+        _create(anthropic_client(spoke, "sk-gw-nobody-" + "A" * 43))
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        anthropic_client(spoke, keys["good"]).post(
+            "/v1/messages", cast_to=httpx.Response, body={"model": "mock-model", "messages": []})
+    for e in (auth.value, bad.value):
+        assert e.request_id == e.response.headers["x-request-id"] == e.response.json()["request_id"]
+    message = _create(anthropic_client(spoke, keys["good"], bearer=True))
+    raw = anthropic_client(spoke, keys["good"]).messages.with_raw_response.create(
+        model="mock-model", max_tokens=3, messages=HELLO, stream=True)  # type: ignore[arg-type]
+    raw.parse().close()
+    assert message._request_id and raw.request_id == raw.headers["x-request-id"]
+    [seen_message, _] = _engine_saw(spoke)
+    assert message._request_id == seen_message["x-gateway-request-id"]
+    with pytest.raises(anthropic.ContentTooLargeError) as big:
+        anthropic_client(spoke, keys["good"], timeout=60).messages.create(
+            model="mock-model", max_tokens=1,
+            messages=[{"role": "user", "content": "x" * (9 << 20)}])
+    assert big.value.request_id == big.value.response.headers["x-request-id"]
