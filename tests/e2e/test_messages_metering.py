@@ -44,6 +44,7 @@ def test_messages_are_billed_exactly_what_the_engine_reported(spoke: Spoke,
         pass
     rids["bearer-stream"] = raw.headers["x-request-id"]
     assert whole.usage.output_tokens == 5 and final.usage.output_tokens == 7
+    assert whole._request_id == rids["whole"]  # the SDK's request id is the event's id
     assert whole.usage.cache_read_input_tokens == 2  # the client sees the engine's usage
 
     events = read_events(spoke.kafka_bootstrap, set(rids.values()))
