@@ -71,7 +71,11 @@ CONTENT_ENCODING = "content-encoding"
 
 # ext_authz's HTTP door (gateway/server/check_http.py): which answer headers Envoy passes on.
 RATE_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")  # to the client, allowed or denied
-CLIENT_HEADERS = ("content-type", "retry-after", "x-should-retry", "x-gateway-limit-tier")
+# Anthropic's own request id header (its SDK reads it); the gateway's is x-request-id's value
+ANTHROPIC_REQUEST_ID = "request-id"
+CLIENT_HEADERS = ("content-type", "retry-after", "x-should-retry", "x-gateway-limit-tier",
+                  ANTHROPIC_REQUEST_ID)
+CLIENT_HEADERS_ON_SUCCESS = (ANTHROPIC_REQUEST_ID,)  # besides RATE_PREFIXES
 REMOVE_HEADER = "x-envoy-auth-headers-to-remove"  # names the headers to drop upstream
 # The status a decision means -> the status that carries it to Envoy (and back, in Envoy's
 # local-reply mappers): unassigned codes, so nothing else answers with them. Envoy reads a

@@ -122,8 +122,13 @@ def read_events(bootstrap: str, want: set[str] | None = None, timeout: float = 1
 
 def anthropic_client(spoke: Spoke, key: str | None, bearer: bool = False,
                      **kw: Any) -> anthropic.Anthropic:
-    """The official anthropic SDK through the spoke's Envoy: the key as `x-api-key` (the
-    SDK's default), or as `Authorization: Bearer` with `bearer`."""
-    auth = {"auth_token": key} if bearer else {"api_key": key or ""}
+    """The official anthropic SDK through the spoke's Envoy: the key as `x-api-key`, or as
+    `Authorization: Bearer` with `bearer`. (anthropic 2.x sends `api_key=` as a Bearer token
+    too, so the x-api-key client sets that header itself and omits Authorization.)"""
+    if bearer:
+        return anthropic.Anthropic(base_url=f"http://127.0.0.1:{spoke.listen_port}",
+                                   max_retries=0, auth_token=key, **kw)
+    headers = {**kw.pop("default_headers", {}), "x-api-key": key or "",
+               "Authorization": anthropic.Omit()}
     return anthropic.Anthropic(base_url=f"http://127.0.0.1:{spoke.listen_port}", max_retries=0,
-                               **auth, **kw)
+                               api_key=key or "", default_headers=headers, **kw)

@@ -14,7 +14,12 @@ import orjson
 
 from gateway.authz.decision import Deny, Reply
 from gateway.endpoints import Api
-from gateway.envoy_contract import CONTEXT_HEADERS, CONTEXT_PREFIX, CREDENTIALS
+from gateway.envoy_contract import (
+    ANTHROPIC_REQUEST_ID,
+    CONTEXT_HEADERS,
+    CONTEXT_PREFIX,
+    CREDENTIALS,
+)
 from gateway.limits.types import (
     CONCURRENCY,
     GTPD,
@@ -130,19 +135,30 @@ def removed_headers(request_headers: Iterable[str]) -> list[str]:
                             if h.startswith(CONTEXT_PREFIX) and h not in CONTEXT_HEADERS)]
 
 
-def allowed_headers(rate: RateInfo, api: Api) -> dict[str, str]:
-    """The rate-limit headers of an allowed response."""
-    return anthropic_rate_headers(rate) if api is Api.ANTHROPIC else rate_headers(rate)
+def allowed_headers(rate: RateInfo, api: Api, request_id: str = "") -> dict[str, str]:
+    """The headers an allowed response gets: its rate-limit headers, and on Anthropic's API
+    its `request-id` (ANTHROPIC_REQUEST_ID)."""
+    if api is not Api.ANTHROPIC:
+        return rate_headers(rate)
+    return {**anthropic_rate_headers(rate), **_request_id(request_id)}
 
 
-def denial_headers(deny: Deny) -> dict[str, str]:
+def denial_headers(deny: Deny, request_id: str = "") -> dict[str, str]:
     """A denial's headers, in its API's shape (`deny.headers` holds OpenAI's)."""
     if deny.api is not Api.ANTHROPIC:
         return deny.headers
     out = {k: v for k, v in deny.headers.items() if not k.startswith("x-ratelimit-")}
     if deny.rate is not None:
         out.update(anthropic_rate_headers(deny.rate))
+    out.update(_request_id(request_id))
     return out
+
+
+def _request_id(request_id: str) -> dict[str, str]:
+    """Anthropic's API answers with a `request-id` header, which its SDK hands out as a
+    message's `_request_id` and an error's `request_id` (OpenAI's reads x-request-id, which
+    Envoy sets on every answer): the gateway's is the same id, the usage event's."""
+    return {ANTHROPIC_REQUEST_ID: request_id} if request_id else {}
 
 
 _LIMIT_WORDS = {

@@ -74,12 +74,12 @@ def answer(decision: Decision, req: AuthzRequest, traceparent: str = "") -> Answ
             c.caller.shared(c.endpoint, c.stream, c.leased, c.stream_options, c.include_usage,
                             c.continuous_usage),
             answers.removed_headers(req.headers),
-            answers.allowed_headers(decision.rate, api_of(c.endpoint)),
+            answers.allowed_headers(decision.rate, api_of(c.endpoint), c.request_id),
             handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent, c.splice),
             c.leased)
     if isinstance(decision, Deny):
         return LocalReply(
-            decision.status, [_JSON, *answers.denial_headers(decision).items()],
+            decision.status, [_JSON, *answers.denial_headers(decision, req.request_id).items()],
             answers.error_body(decision, req.request_id),
             handoff.denied(req.request_id, decision.reason, decision.status, decision.key_id,
                            decision.team, decision.model, req.path, traceparent,

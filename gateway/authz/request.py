@@ -246,10 +246,20 @@ PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "system")
 
 def estimate_prompt_tokens(data: dict[str, Any]) -> int:
     """~4 characters a token over the prompt's text, plus a few tokens per message: what
-    OpenAI's own rule of thumb gives, without a tokenizer on the request path."""
+    OpenAI's own rule of thumb gives, without a tokenizer on the request path.
+
+    `tools` are prompt too (Anthropic bills their definitions as input; an OpenAI-compatible
+    engine renders them into the chat template): ~4 characters a token of their whole JSON,
+    since the schema's keys are rendered as much as its values."""
     chars = 0
     parts = 0
     stack: list[Any] = [data.get(f) for f in PROMPT_FIELDS]
+    tools = data.get("tools")
+    if isinstance(tools, list) and tools:
+        try:
+            chars += len(orjson.dumps(tools))
+        except orjson.JSONEncodeError:  # past orjson's depth, a lone surrogate: walk it
+            stack.append(tools)
     while stack:
         v = stack.pop()
         if isinstance(v, str):

@@ -56,8 +56,10 @@ from datetime import timedelta
 
 from gateway.endpoints import ANTHROPIC_PREFIX
 from gateway.envoy_contract import (
+    ANTHROPIC_REQUEST_ID,
     AUTHZ_NAMESPACE,
     CLIENT_HEADERS,
+    CLIENT_HEADERS_ON_SUCCESS,
     CONTENT_ENCODING,
     CONTEXT_HEADERS,
     CONTEXT_PREFIX,
@@ -158,7 +160,8 @@ def _http_door(timeout: timedelta) -> HttpService:
         authorization_response=AuthorizationResponse(
             allowed_upstream_headers=_matchers(CONTEXT_HEADERS),
             allowed_client_headers=_matchers(CLIENT_HEADERS, RATE_PREFIXES),
-            allowed_client_headers_on_success=_matchers(prefix=RATE_PREFIXES),
+            allowed_client_headers_on_success=_matchers(CLIENT_HEADERS_ON_SUCCESS,
+                                                        RATE_PREFIXES),
             dynamic_metadata_from_headers=_matchers(METADATA_KEYS)))
 
 
@@ -218,9 +221,13 @@ def _by_api(when: AccessLogFilter, message: str, *, anthropic_type: str, openai_
     openai: dict[str, object] = {"error": {
         "message": message, "type": openai_type, "param": None, "code": code},
         "request_id": "%REQ(X-REQUEST-ID)%"}
+    # Anthropic's request-id header, as on the sidecar's answers (answers._request_id)
+    request_id = HeaderValueOption(header=HeaderValue(key=ANTHROPIC_REQUEST_ID,
+                                                      value="%REQ(X-REQUEST-ID)%"))
     return [
         ResponseMapper(filter=AccessLogFilter(and_filter=AndFilter(filters=[when, on_messages])),
-                       body_format_override=_json(anthropic), headers_to_add=list(headers)),
+                       body_format_override=_json(anthropic),
+                       headers_to_add=[*headers, request_id]),
         ResponseMapper(filter=when, body_format_override=_json(openai),
                        headers_to_add=list(headers)),
     ]

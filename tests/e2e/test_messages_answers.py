@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anthropic
 import httpx
+import httpx2
 import pytest
 
 from devspoke.stack import Spoke
@@ -38,9 +39,62 @@ def test_allowed_messages_carry_anthropics_rate_limit_headers(spoke: Spoke,
     assert "x-ratelimit-limit-requests" not in raw.headers
 
 
+def _engine_saw(spoke: Spoke) -> list[dict[str, str]]:
+    return list(httpx.get(f"{spoke.engine_url}/mock/stats").json()["last_headers"])
+
+
 def test_the_key_as_x_api_key_or_bearer(spoke: Spoke, keys: dict[str, str]) -> None:
-    assert _create(anthropic_client(spoke, keys["good"])).usage.output_tokens == 3
-    assert _create(anthropic_client(spoke, keys["good"], bearer=True)).usage.output_tokens == 3
+    """Each header on its own, as the SDK sends it (anthropic 2.x sends `api_key=` as
+    `Authorization: Bearer` too: `x-api-key` is sent by clients that set it themselves)."""
+    sent: list[dict[str, str]] = []
+
+    def record(request: httpx2.Request) -> None:
+        sent.append({k: v for k, v in request.headers.items()
+                     if k in ("authorization", "x-api-key")})
+
+    hooks = {"http_client": httpx2.Client(event_hooks={"request": [record]})}
+    assert _create(anthropic_client(spoke, keys["good"], **hooks)).usage.output_tokens == 3
+    assert _create(anthropic_client(spoke, keys["good"], bearer=True, **hooks)
+                   ).usage.output_tokens == 3
+    assert sent == [{"x-api-key": keys["good"]}, {"authorization": f"Bearer {keys['good']}"}]
+
+
+@pytest.mark.parametrize("winner", ["authorization", "x-api-key"])
+def test_both_key_headers_disagreeing_the_bearer_decides(spoke: Spoke, keys: dict[str, str],
+                                                          winner: str) -> None:
+    """Both sent, with different keys: `Authorization: Bearer` decides, whatever x-api-key
+    says (a malformed one too: no falling back), and the engine sees neither, so the key
+    billed is the key judged."""
+    good, other = keys["good"], "sk-gw-nobody-" + "A" * 43
+    bearer, x_api_key = (good, other) if winner == "authorization" else (other, good)
+    headers = {"authorization": f"Bearer {bearer}", "x-api-key": x_api_key,
+               "anthropic-version": "2023-06-01"}
+    r = httpx.post(f"{spoke.base_url}/messages", headers=headers,
+                   json={"model": "mock-model", "max_tokens": 2, "messages": HELLO})
+    if winner == "x-api-key":
+        _shape(r, 401, "authentication_error")
+        return
+    assert r.status_code == 200, r.text
+    [seen] = _engine_saw(spoke)
+    assert "authorization" not in seen and "x-api-key" not in seen
+    assert seen["x-gateway-key-id"] == "good"
+    r = httpx.post(f"{spoke.base_url}/messages", json={"model": "mock-model", "max_tokens": 2},
+                   headers={"authorization": "Basic Zm9vOmJhcg==", "x-api-key": good})
+    _shape(r, 401, "authentication_error")
+
+
+def test_anthropic_version_and_beta_reach_the_engine_untouched(spoke: Spoke,
+                                                               keys: dict[str, str]) -> None:
+    beta = "interleaved-thinking-2025-05-14,token-efficient-tools-2025-02-19"
+    c = anthropic_client(spoke, keys["good"], default_headers={"anthropic-beta": beta})
+    c.messages.create(model="mock-model", max_tokens=2, messages=HELLO,  # type: ignore[arg-type]
+                      stream=True).close()
+    _create(anthropic_client(spoke, keys["good"], bearer=True,
+                             default_headers={"anthropic-version": "2023-06-01"}))
+    first, second = _engine_saw(spoke)
+    assert first["anthropic-version"] == c.default_headers["anthropic-version"]
+    assert first["anthropic-beta"] == beta
+    assert second["anthropic-version"] == "2023-06-01" and "anthropic-beta" not in second
 
 
 @pytest.mark.parametrize("key", ["sk-gw-nobody-" + "A" * 43, "expired", "disabled"])
@@ -86,3 +140,45 @@ def test_400_is_an_invalid_request_error(spoke: Spoke, keys: dict[str, str],
     with pytest.raises(anthropic.BadRequestError):  # the SDK agrees
         anthropic_client(spoke, keys["good"]).post(
             "/v1/messages", cast_to=httpx.Response, body={"model": "mock-model", "messages": []})
+
+
+def test_tool_definitions_count_in_the_reservation(spoke: Spoke, keys: dict[str, str]) -> None:
+    """Tools are input tokens: 20 tool definitions (~2,000 tokens of JSON) with a 2-word
+    message and max_tokens 10 can never pass a 1,234-token window, and the SDK is told so
+    (x-should-retry: false) instead of being admitted on a 1-token prompt estimate."""
+    tool = {"name": "get_weather", "description": "Get the weather in a location. " * 10,
+            "input_schema": {"type": "object", "properties": {
+                "location": {"type": "string", "description": "The city, e.g. Paris"}}}}
+    c = anthropic_client(spoke, keys["tpm1234"])
+    with pytest.raises(anthropic.RateLimitError) as exc:
+        c.messages.create(model="mock-model", max_tokens=10, messages=HELLO,  # type: ignore
+                          tools=[{**tool, "name": f"tool_{i}"} for i in range(20)])
+    _shape(exc.value.response, 429, "rate_limit_error")
+    assert exc.value.response.headers["x-should-retry"] == "false"
+    assert "can never pass" in exc.value.message
+
+
+def test_the_sdk_reads_the_request_id_of_every_answer(spoke: Spoke,
+                                                      keys: dict[str, str]) -> None:
+    """Anthropic's answers carry `request-id`, which the SDK hands out as a denial's
+    `request_id` and a message's `_request_id`: the gateway's is its x-request-id (the usage
+    event's id), on its denials, its allowed answers and Envoy's own JSON replies."""
+    with pytest.raises(anthropic.AuthenticationError) as auth:
+        _create(anthropic_client(spoke, "sk-gw-nobody-" + "A" * 43))
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        anthropic_client(spoke, keys["good"]).post(
+            "/v1/messages", cast_to=httpx.Response, body={"model": "mock-model", "messages": []})
+    for e in (auth.value, bad.value):
+        assert e.request_id == e.response.headers["x-request-id"] == e.response.json()["request_id"]
+    message = _create(anthropic_client(spoke, keys["good"], bearer=True))
+    raw = anthropic_client(spoke, keys["good"]).messages.with_raw_response.create(
+        model="mock-model", max_tokens=3, messages=HELLO, stream=True)  # type: ignore[arg-type]
+    raw.parse().close()
+    assert message._request_id and raw.request_id == raw.headers["x-request-id"]
+    [seen_message, _] = _engine_saw(spoke)
+    assert message._request_id == seen_message["x-gateway-request-id"]
+    with pytest.raises(anthropic.ContentTooLargeError) as big:
+        anthropic_client(spoke, keys["good"], timeout=60).messages.create(
+            model="mock-model", max_tokens=1,
+            messages=[{"role": "user", "content": "x" * (9 << 20)}])
+    assert big.value.request_id == big.value.response.headers["x-request-id"]

@@ -44,6 +44,7 @@ def test_messages_are_billed_exactly_what_the_engine_reported(spoke: Spoke,
         pass
     rids["bearer-stream"] = raw.headers["x-request-id"]
     assert whole.usage.output_tokens == 5 and final.usage.output_tokens == 7
+    assert whole._request_id == rids["whole"]  # the SDK's request id is the event's id
     assert whole.usage.cache_read_input_tokens == 2  # the client sees the engine's usage
 
     events = read_events(spoke.kafka_bootstrap, set(rids.values()))
@@ -173,3 +174,31 @@ def test_concurrency_leases_hold_as_for_chat(spoke: Spoke, keys: dict[str, str])
     while r.zcard("gw:conc:key:conc4") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.zcard("gw:conc:key:conc4") == 0  # every lease released at its stream's end
+
+
+def test_the_sdks_beta_namespace_is_the_same_endpoint(spoke: Spoke,
+                                                      keys: dict[str, str]) -> None:
+    """`client.beta.messages` (its `betas` in an anthropic-beta header) and a `?beta=true`
+    query, as older SDKs send: the same endpoints, checks and bills (the query is no part of
+    the path judged or metered)."""
+    c = anthropic_client(spoke, keys["good"], default_headers=CACHE)
+    raw = c.beta.messages.with_raw_response.create(
+        model="mock-model", max_tokens=4, messages=MSG, betas=["context-1m-2025-08-07"])
+    counted = c.beta.messages.with_raw_response.count_tokens(
+        model="mock-model", messages=MSG, extra_query={"beta": "true"})
+    streamed = c.beta.messages.with_raw_response.create(
+        model="mock-model", max_tokens=3, messages=MSG, stream=True,
+        extra_query={"beta": "true"})
+    assert streamed.http_request.url.params.get("beta") == "true"
+    for _ in streamed.parse():
+        pass
+    rids = [r.headers["x-request-id"] for r in (raw, counted, streamed)]
+    by_id = {e["event_id"]: e for e in read_events(spoke.kafka_bootstrap, set(rids))}
+    whole, count, stream = (by_id[r] for r in rids)
+    assert whole["endpoint"] == stream["endpoint"] == "/v1/messages"
+    assert (whole["usage"]["completion_tokens"], stream["usage"]["completion_tokens"]) == (
+        "4", "3")
+    assert whole["usage"]["cached_tokens"] == "2" and whole["usage_source"] == "reported"
+    assert count["endpoint"] == "/v1/messages/count_tokens"
+    assert count["usage"]["total_tokens"] == "0"
+    assert _engine(spoke)["last_headers"][0]["anthropic-beta"] == "context-1m-2025-08-07"

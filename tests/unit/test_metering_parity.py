@@ -258,6 +258,54 @@ CASES = [
           named("message_delta", {"type": "message_delta", "delta": {"stop_reason": None},
                                   "usage": {"output_tokens": None}})],
          "upstream_error", "estimated", flags="UPE"),
+    Case("messages, today's API: server tools, nested cache counts, a cumulative delta",
+         MESSAGES, [
+             named("message_start", {"type": "message_start", "message": {
+                 "id": "msg1", "type": "message", "role": "assistant", "model": MODEL,
+                 "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": 5, "cache_creation_input_tokens": 3,
+                           "cache_read_input_tokens": 2, "cache_creation": {
+                               "ephemeral_5m_input_tokens": 3, "ephemeral_1h_input_tokens": 0},
+                           "output_tokens": 1, "service_tier": "standard"}}}),
+             named("content_block_start", {"type": "content_block_start", "index": 0,
+                                           "content_block": {"type": "thinking",
+                                                             "thinking": ""}}),
+             named("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "thinking_delta",
+                                                     "thinking": "Search it."}}),
+             named("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "signature_delta",
+                                                     "signature": "EqQBCgIYAhIM"}}),
+             named("ping", {"type": "ping"}),
+             named("content_block_start", {"type": "content_block_start", "index": 1,
+                                           "content_block": {"type": "server_tool_use",
+                                                             "id": "srvtoolu_1",
+                                                             "name": "web_search",
+                                                             "input": {}}}),
+             named("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                           "delta": {"type": "input_json_delta",
+                                                     "partial_json": '{"query": "usage"}'}}),
+             named("content_block_start", {"type": "content_block_start", "index": 2,
+                                           "content_block": {
+                                               "type": "web_search_tool_result",
+                                               "tool_use_id": "srvtoolu_1", "content": [{
+                                                   "type": "web_search_result",
+                                                   "title": "output_tokens: 999",
+                                                   "url": "https://example.com"}]}}),
+             named("content_block_delta", {"type": "content_block_delta", "index": 3,
+                                           "delta": {"type": "citations_delta", "citation": {
+                                               "type": "web_search_result_location",
+                                               "cited_text": "input_tokens 5"}}}),
+             named("content_block_delta", {"type": "content_block_delta", "index": 3,
+                                           "delta": {"type": "text_delta", "text": "Done."}}),
+             named("message_delta", {"type": "message_delta",
+                                     "delta": {"stop_reason": "end_turn"},
+                                     "usage": {"input_tokens": 7,
+                                               "cache_creation_input_tokens": 3,
+                                               "cache_read_input_tokens": 2,
+                                               "output_tokens": 40,
+                                               "server_tool_use": {"web_search_requests": 1}}}),
+             named("message_stop", {"type": "message_stop"})], "completed", "reported"),
     Case("chat, the engine reports zero tokens", CHAT,
          [*WHOLE_CHAT, usage_only(usage(0, 0)), DONE], "completed", "reported",
          hide=(True, False)),
@@ -578,6 +626,10 @@ def test_the_corpus_bills_what_the_engines_said() -> None:
     assert (u.prompt_tokens, u.completion_tokens) == (PROMPT_ESTIMATE, 6)
     assert bill("a whole JSON answer the client left half-way").usage.prompt_tokens == \
         PROMPT_ESTIMATE
+    u = bill("messages, today's API: server tools, nested cache counts, a cumulative delta"
+             ).usage  # message_delta's input side (after the search) replaces message_start's
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_creation_tokens) \
+        == (12, 40, 2, 3)
     u = bill("messages, message_delta's input side null").usage
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.cache_creation_tokens) \
         == (10, 12, 2, 3)  # message_start's input side stands
