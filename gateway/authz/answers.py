@@ -172,13 +172,22 @@ _LIMIT_WORDS = {
 }
 
 
+# A wait longer than this is not for an SDK's automatic retry: the OpenAI SDKs honour a
+# retry-after only up to 60 s (past it they retry in vain after a short backoff), and the
+# Anthropic SDK (2.x) sleeps whatever it says, a quota's hours to midnight included.
+SDK_RETRY_MAX_S = 60
+
+
 def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None) -> Deny:
     """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers.
 
     A request that can never pass (the limit is 0, or it asks for more tokens than the
     window's whole limit: `v.impossible`) is told so, with the numbers, and not to retry:
     no retry-after, and `x-should-retry: false`, which the OpenAI SDKs obey instead of
-    retrying in vain. `requested` is its reservation, `prompt` the prompt's share of it.
+    retrying in vain. One that must wait longer than SDK_RETRY_MAX_S (a spent daily or
+    monthly quota) keeps its retry-after, for the client to schedule, and says
+    `x-should-retry: false` too, so no SDK blocks a call for hours or retries in vain.
+    `requested` is its reservation, `prompt` the prompt's share of it.
     """
     quota = v.limit in (TPD, TPMO, GTPD, GTPMO)
     tokens = quota or v.limit == TPM
@@ -200,6 +209,8 @@ def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None) -> D
         message = (f"{'Quota exhausted' if quota else 'Rate limit exceeded'}: {what}."
                    f" Retry after {retry}s.")
         headers = {"retry-after": str(retry), "x-gateway-limit-tier": v.tier}
+        if retry > SDK_RETRY_MAX_S:
+            headers["x-should-retry"] = "false"
     rate = v.rate
     if v.limit == CONCURRENCY and rate.req_limit is None and value is not None:
         rate = replace(rate, req_limit=int(value), req_remaining=0, req_reset=v.retry_after)

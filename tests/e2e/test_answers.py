@@ -428,6 +428,11 @@ def test_the_429_names_the_limit_that_binds_the_wait(spoke: Spoke, keys: dict[st
         chat(client(spoke, key), max_tokens=1)
     assert rps.value.code == "rate_limit_exceeded" and "rps=0.05" in rps.value.message
     assert 1 <= int(rps.value.response.headers["retry-after"]) <= 20
+    # Each SDK's own retry decision: the rps 429 is retried after its seconds; the quota's
+    # is not (the Anthropic SDK would sleep its retry-after, hours, before retrying)
+    sdks = (openai.OpenAI(api_key="x"), anthropic.Anthropic(api_key="x"))
+    assert all(sdk._should_retry(rps.value.response) for sdk in sdks)
+    assert not any(sdk._should_retry(e.value.response) for sdk in sdks for e in (oa, an))
     for e in (oa.value, an.value):
         h = e.response.headers
         assert "key tier limit tokens_per_day=400" in e.message, e.message

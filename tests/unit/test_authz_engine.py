@@ -447,6 +447,18 @@ def test_limit_denial_rounds_retry_after_up() -> None:
     assert tiny.headers["retry-after"] == "1"  # never 0: a client would retry at once
 
 
+def test_a_wait_past_a_minute_keeps_retry_after_and_says_not_to_retry() -> None:
+    """The OpenAI SDKs honour retry-after only up to 60 s, the Anthropic SDK sleeps any:
+    a spent day's quota (hours) must not block a call, nor be retried in vain."""
+    day = answers.limit_denial(Refused("team", "tokens_per_day", 10, 7200.5))
+    assert day.headers["retry-after"] == "7201" and day.retry_after == 7201
+    assert day.headers["x-should-retry"] == "false" and "Retry after 7201s" in day.message
+    minute = answers.limit_denial(Refused("key", "tokens_per_minute", 10, 60))
+    assert minute.headers["retry-after"] == "60" and "x-should-retry" not in minute.headers
+    assert answers.limit_denial(Refused("key", "rps", 10, 61)).headers["x-should-retry"] == \
+        "false"
+
+
 def test_rate_headers_of_allowed_responses() -> None:
     h = answers.rate_headers(RateInfo(10, 7, 0.25, 5000, 4000, 360.0))
     assert h == {
