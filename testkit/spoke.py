@@ -40,6 +40,8 @@ KEY_LIMITS: dict[str, dict[str, Any]] = {
     # the 429 names the limit that binds the wait; count_tokens past a spent token window
     "slowtpd": {"limits": {"rps": 0.05, "burst": 1, "tokens_per_day": 400}},
     "counttpd": {"limits": {"rps": 20, "burst": 20, "tokens_per_day": 400}},
+    # an image is a fixed figure of tokens, not its base64 as text
+    "vision": {"limits": {"tokens_per_minute": 50000}},
 }
 
 

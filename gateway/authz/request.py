@@ -242,6 +242,13 @@ def sequences(data: dict[str, Any], fanout: tuple[tuple[str, int], ...],
 
 
 PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "system")
+# An image in a prompt costs the model a number of tokens set by its pixels, not by the
+# size of its base64: Anthropic's models ~1,600 at most (an image is resized to ~1.15 MP),
+# OpenAI's up to ~1,100, open vision models 576 (LLaVA) to a few thousand at common sizes.
+# Counted as text, a 200 KB JPEG was ~67,000 tokens, refused as "can never pass" by a
+# window of 50,000; a URL image counted nothing. Each image part counts this instead.
+IMAGE_TOKENS = 1600
+IMAGE_PARTS = frozenset(("image", "image_url", "input_image"))  # Messages, chat, Responses
 
 
 def estimate_prompt_tokens(data: dict[str, Any]) -> int:
@@ -250,7 +257,8 @@ def estimate_prompt_tokens(data: dict[str, Any]) -> int:
 
     `tools` are prompt too (Anthropic bills their definitions as input; an OpenAI-compatible
     engine renders them into the chat template): ~4 characters a token of their whole JSON,
-    since the schema's keys are rendered as much as its values."""
+    since the schema's keys are rendered as much as its values. An image part (`image`,
+    `image_url`, `input_image`) counts IMAGE_TOKENS, whatever its data or URL."""
     chars = 0
     parts = 0
     stack: list[Any] = [data.get(f) for f in PROMPT_FIELDS]
@@ -268,7 +276,11 @@ def estimate_prompt_tokens(data: dict[str, Any]) -> int:
             parts += len(v)
             stack.extend(v)
         elif isinstance(v, dict):
-            stack.extend(v.values())
+            kind = v.get("type")
+            if isinstance(kind, str) and kind in IMAGE_PARTS:  # (a list there: unhashable)
+                chars += 4 * IMAGE_TOKENS
+            else:
+                stack.extend(v.values())
         elif isinstance(v, int) and not isinstance(v, bool):
             chars += 4  # a token id (completions accept token arrays)
     return chars // 4 + 3 * parts + 1

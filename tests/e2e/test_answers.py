@@ -477,3 +477,22 @@ def test_count_tokens_passes_a_spent_token_window(spoke: Spoke, keys: dict[str, 
     assert "anthropic-ratelimit-tokens-limit" not in raw.headers  # no token window looked at
     with pytest.raises(openai.RateLimitError):  # and nothing was counted in one
         chat(client(spoke, key), messages=HELLO, max_tokens=0)
+
+
+def test_an_image_is_reserved_as_an_image_not_as_its_base64(spoke: Spoke,
+                                                            keys: dict[str, str]) -> None:
+    """A 200 KB JPEG, base64, counted as text was ~67,000 tokens: refused as "can never
+    pass" by a 50,000-token minute, through both SDKs. It now counts as one image."""
+    data = "/9j/" + "A" * 270_000
+    key = keys["vision"]
+    r = client(spoke, key).chat.completions.create(
+        model="mock-model", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{data}"}}]}])
+    assert r.choices[0].message.content is not None
+    m = anthropic_client(spoke, key).messages.create(
+        model="mock-model", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": data}},
+            {"type": "text", "text": "What is in this picture?"}]}])
+    assert m.content

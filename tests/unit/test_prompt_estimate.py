@@ -55,3 +55,34 @@ def test_tools_are_prompt() -> None:
         deep = [deep]
     assert estimate_prompt_tokens({"tools": [deep]}) >= 10
     assert estimate_prompt_tokens({"tools": ["\ud800" * 40]}) >= 10  # the stdlib reads these
+
+
+def test_an_image_counts_a_fixed_figure_not_its_base64() -> None:
+    """A 200 KB JPEG as base64 counted as text was ~67,000 tokens (refused as impossible by
+    a 50,000-token window); a URL image counted nothing. Each counts IMAGE_TOKENS, in the
+    shapes of Messages, chat and Responses."""
+    from gateway.authz.request import IMAGE_TOKENS
+    data = "A" * 270_000  # ~200 KB of image, base64
+    text = {"type": "text", "text": "What is in this picture?"}
+    shapes = [
+        {"messages": [{"role": "user", "content": [text, {"type": "image", "source": {
+            "type": "base64", "media_type": "image/jpeg", "data": data}}]}]},
+        {"messages": [{"role": "user", "content": [text, {"type": "image", "source": {
+            "type": "url", "url": "https://example.com/cat.jpg"}}]}]},
+        {"messages": [{"role": "user", "content": [text, {"type": "image_url", "image_url": {
+            "url": f"data:image/jpeg;base64,{data}", "detail": "high"}}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": text["text"]},
+                                                {"type": "input_image",
+                                                 "image_url": f"data:image/jpeg;base64,{data}"}]}]},
+    ]
+    for body in shapes:
+        est = estimate_prompt_tokens(body)
+        assert IMAGE_TOKENS <= est <= IMAGE_TOKENS + 30, (body["messages" if "messages" in body
+                                                                else "input"], est)
+    two = {"messages": [{"role": "user", "content": [shapes[2]["messages"][0]["content"][1]] * 2}]}
+    assert estimate_prompt_tokens(two) >= 2 * IMAGE_TOKENS
+
+
+def test_a_type_that_is_not_a_string_is_walked_as_text() -> None:
+    assert estimate_prompt_tokens({"messages": [{"type": ["image"], "text": "a" * 40}]}) >= 10
+    assert estimate_prompt_tokens({"messages": [{"type": {"x": 1}, "text": "a" * 40}]}) >= 10
