@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,8 +91,36 @@ def _plain(token: str) -> bool:
     return len(token) <= 512 and token.isprintable() and " " not in token and "," not in token
 
 
+_INT_TEXT = re.compile(r"([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?", re.ASCII)
+# What pydantic-core (Rust's str::trim) trims around a number: Unicode's White_Space, which
+# is not str.strip()'s set (that one adds U+001C..U+001F)
+_WHITE_SPACE = ("\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
+                "\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+
+
+def lax_int(v: Any) -> int | None:
+    """A JSON value read as an integer the way pydantic v2 reads an `int` in lax mode (what
+    vLLM and SGLang do with `max_tokens`, `n`...): an integer, a float with no fraction
+    (10.0), a string of one ("10", " 10 ", "+5", "1_000", "10.0"), true and false as 1 and
+    0; None for what pydantic refuses. tests/unit/test_lax_bool.py holds it to pydantic's
+    own TypeAdapter(int). (Read strictly, `"max_tokens": 5000.0` reserved the default and
+    Messages answered it 400, while the engine generates up to 5,000.)"""
+    t = type(v)
+    if t is int:
+        return v
+    if t is bool:
+        return int(v)
+    if t is float:
+        return int(v) if v.is_integer() and abs(v) < 2**63 else None
+    if t is str and len(v) < 64 and (m := _INT_TEXT.fullmatch(v.strip(_WHITE_SPACE))):
+        return int(m.group(1))
+    return None
+
+
 def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    """A non-negative lax_int (a count or a bound), else None."""
+    n = lax_int(v)
+    return n if n is not None and n >= 0 else None
 
 
 def parse_body(body: bytes, requires_max_tokens: bool = False,
@@ -225,14 +254,14 @@ def sequences(data: dict[str, Any], fanout: tuple[tuple[str, int], ...],
     """How many sequences the engine generates for this body: the largest of the `fanout`
     fields (chat: `n`; completions: `n` and `best_of`, best_of >= n), times the prompts of
     a completions `prompt` that is a list of strings or of token arrays (each prompt gets
-    them all; a flat list of token ids is one prompt). Read leniently, as the estimate is:
-    only a positive integer counts (anything else reads as 1, and the engine refuses the
-    body or uses its default of 1), and none above what the API accepts. A few dict
+    them all; a flat list of token ids is one prompt). Read as the engine reads it
+    (lax_int): a value it refuses reads as 1 (the engine answers 400), none counts above
+    what the API accepts. A few dict
     lookups: this runs on every request."""
     most = 1
     for field, api_max in fanout:
         v = data.get(field)
-        if type(v) is int and v > most:  # not bool, not float
+        if v is not None and (v := lax_int(v)) is not None and v > most:  # "n": "4" is 4
             most = v if v <= api_max else api_max
     if list_prompts:
         p = data.get("prompt")

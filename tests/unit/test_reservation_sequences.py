@@ -56,11 +56,17 @@ async def test_every_sequence_is_reserved(path: str, body: dict[str, Any],
     assert await completion(path, body) == expected
 
 
-@pytest.mark.parametrize("value", [0, -3, 2.5, "4", True, None, [4], {"n": 4}])
+@pytest.mark.parametrize("value", [0, -3, 2.5, "4.5", "four", True, None, [4], {"n": 4}])
 async def test_a_value_that_is_not_a_positive_int_counts_as_one(value: Any) -> None:
     assert await completion(CHAT, {"messages": PROMPT, "max_tokens": 100, "n": value}) == 100
     assert await completion(COMPLETIONS, {"prompt": "hi", "max_tokens": 100,
                                           "best_of": value}) == 100
+
+
+@pytest.mark.parametrize("value", ["4", 4.0, " 4 "])
+async def test_a_value_the_engine_reads_as_an_int_counts_as_that_int(value: Any) -> None:
+    """vLLM's pydantic reads "4" and 4.0 as 4 (lax mode): four sequences are generated."""
+    assert await completion(CHAT, {"messages": PROMPT, "max_tokens": 100, "n": value}) == 400
 
 
 async def test_no_more_sequences_than_the_api_accepts() -> None:
