@@ -37,7 +37,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     """Aggregate until stopped, until `stop_when(total_new)` says so, or (`until_caught_up`)
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
-    from_the_start = _FromTheStartWhileEmpty(db)
+    from_the_start = _FromTheStartUntilRead(db)
     consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
     try:
         await start_consumer(consumer)
@@ -62,7 +62,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
                 else:
                     events.append(read)
             # dedup marks + aggregates + quarantine: one transaction ...
-            got = db.ingest(events, rejected)
+            got = db.ingest(events, rejected, [(tp.topic, tp.partition) for tp in batches])
             await consumer.commit()  # ... then the offsets
             total += got.new
             dups += got.duplicates
@@ -98,12 +98,15 @@ def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejec
     return Rejected(m.topic, m.partition, m.offset, error, value or b"")
 
 
-class _FromTheStartWhileEmpty(ConsumerRebalanceListener):
-    """A database `consume` never filled reads the topic from its start, whatever offsets
-    the group committed (for another database: offsets live in Kafka, per group, not in the
-    database). It would otherwise hold only what came after them, its report would miss the
-    rest, and `reconcile` would report the events it never read as gaps. Its dedup marks make
-    the re-read exact; once it holds an event, the group's offsets rule again."""
+class _FromTheStartUntilRead(ConsumerRebalanceListener):
+    """A partition `consume` never read into this database is read from its start, whatever
+    offsets the group committed (for another database: offsets live in Kafka, per group, not
+    in the database). It would otherwise hold only what came after them, its report would
+    miss the rest, and `reconcile` would report the events it never read as gaps. Its dedup
+    marks make the re-read exact; once a batch from a partition is in, the group's offsets
+    rule there again. Per partition, not per database: a consumer killed after its first
+    batch (from one partition), or given another partition by a rebalance, must still read
+    the others from their start."""
 
     consumer: AIOKafkaConsumer  # the consumer it listens to (set once made)
 
@@ -114,8 +117,10 @@ class _FromTheStartWhileEmpty(ConsumerRebalanceListener):
         pass
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        if assigned and not self.db.has_events():
-            await self.consumer.seek_to_beginning(*assigned)
+        unread = set(self.db.unread([(tp.topic, tp.partition) for tp in assigned]))
+        fresh = [tp for tp in assigned if (tp.topic, tp.partition) in unread]
+        if fresh:
+            await self.consumer.seek_to_beginning(*fresh)
 
 
 async def _lag(consumer: AIOKafkaConsumer) -> int | None:

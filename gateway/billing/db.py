@@ -44,6 +44,12 @@ SCHEMA = [
         topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL, kafka_offset BIGINT NOT NULL,
         error TEXT NOT NULL, value_hex TEXT NOT NULL,
         PRIMARY KEY (topic, kafka_partition, kafka_offset))""",
+    # The partitions `usage consume` has read into this database (from their start): one it
+    # has not is read from its start, whatever offsets the group committed for another
+    # database. Marked in the batch's transaction with what it read there.
+    """CREATE TABLE IF NOT EXISTS read_partitions (
+        topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL,
+        PRIMARY KEY (topic, kafka_partition))""",
 ]
 
 # Columns added since the first version: an older database gets them (zeros, "") on open.
@@ -68,6 +74,9 @@ _DUP = """INSERT INTO ingest_stats VALUES ({p}, 1) ON CONFLICT (instance_id)
 _SEEN = "INSERT INTO seen_seqs VALUES ({p},{p}) ON CONFLICT (instance_id, seq) DO NOTHING"
 _REJECT = ("INSERT INTO rejected_records VALUES ({p},{p},{p},{p},{p}) "
            "ON CONFLICT (topic, kafka_partition, kafka_offset) DO NOTHING")
+_READ = ("INSERT INTO read_partitions VALUES ({p},{p}) "
+         "ON CONFLICT (topic, kafka_partition) DO NOTHING")
+_ALL_READ = ("*", -1)  # the mark of a database filled before partitions were marked
 _INT64_MAX = 2**63 - 1
 
 
@@ -137,6 +146,11 @@ class UsageDb:
             # a database from before seen_seqs: its events' seqs are what it saw
             self._exec("INSERT INTO seen_seqs SELECT instance_id, seq FROM usage_events WHERE true "
                        "ON CONFLICT (instance_id, seq) DO NOTHING")
+        if (self._exec("SELECT 1 FROM read_partitions LIMIT 1").fetchone() is None
+                and self.has_events()):
+            # a database filled before partitions were marked: the consumer then read every
+            # partition from its start while the database was empty, so all count as read
+            self._exec(_READ, _ALL_READ)
         self._commit()
 
     def _add_columns(self) -> None:
@@ -158,9 +172,11 @@ class UsageDb:
         self.conn.commit()
 
     def ingest(self, events: list[usage_pb2.UsageEvent],
-               rejected: Sequence[Rejected] = ()) -> Ingested:
-        """One transaction: dedup marks + aggregates for the whole batch, and the batch's
-        unreadable records quarantined (each once, however often it is delivered)."""
+               rejected: Sequence[Rejected] = (),
+               partitions: Sequence[tuple[str, int]] = ()) -> Ingested:
+        """One transaction: dedup marks + aggregates for the whole batch, the batch's
+        unreadable records quarantined (each once, however often it is delivered), and the
+        (topic, partition)s it came from marked as read into this database."""
         new = dup = quarantined = 0
         sqlite = isinstance(self.conn, sqlite3.Connection)
         if sqlite:
@@ -185,6 +201,8 @@ class UsageDb:
                 cur = self._exec(_REJECT, (r.topic, r.partition, r.offset, r.error,
                                            r.value.hex()))
                 quarantined += cur.rowcount == 1
+            for topic, partition in sorted(set(partitions)):
+                self._exec(_READ, (topic, partition))
         except BaseException:
             self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
             raise
@@ -224,6 +242,13 @@ class UsageDb:
         span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",
                           tuple(args)).fetchone()
         return [tuple(r) for r in rows], span[0] or "", span[1] or ""
+
+    def unread(self, partitions: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Of these (topic, partition)s, those `usage consume` never read into this database
+        (none, in a database filled before partitions were marked)."""
+        have = {(str(t), int(p)) for t, p in
+                self._exec("SELECT topic, kafka_partition FROM read_partitions").fetchall()}
+        return [] if _ALL_READ in have else [tp for tp in partitions if tp not in have]
 
     def rejected(self, limit: int | None = None) -> tuple[int, list[Rejected]]:
         """How many records are quarantined, and the first `limit` (all if None) by topic

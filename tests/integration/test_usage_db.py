@@ -305,3 +305,18 @@ def test_reconcile_lists_quarantined_records_and_exits_1(
     capsys.readouterr()
     assert main(["usage", "reconcile", "--db", clean, *spools]) == 0
     assert "UNREADABLE" not in capsys.readouterr().out
+
+
+def test_partitions_read_are_marked_with_their_batch(db: UsageDb, tmp_path: Path) -> None:
+    tps = [("llm.usage.v1", 0), ("llm.usage.v1", 1)]
+    assert db.unread(tps) == tps
+    db.ingest([ev(1)], [], [tps[1]])
+    assert db.unread(tps) == [tps[0]]
+    with pytest.raises(AttributeError):  # a failed batch marks nothing
+        db.ingest([ev(2), None], [], [tps[0]])  # type: ignore[list-item]
+    assert db.unread(tps) == [tps[0]]
+    db.ingest([], [bad(3)], [tps[0]])  # a batch of unreadable records read it too
+    assert db.unread(tps) == []
+    old = tmp_path / "old.db"  # filled before marks: every partition was read
+    UsageDb(f"sqlite:///{old}").ingest([ev(1)])
+    assert UsageDb(f"sqlite:///{old}").unread(tps) == []
