@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.billing.db import Rejected, UsageDb, unfit
@@ -63,7 +64,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
                     events.append(read)
             # dedup marks + aggregates + quarantine: one transaction ...
             got = db.ingest(events, rejected, [(tp.topic, tp.partition) for tp in batches])
-            await consumer.commit()  # ... then the offsets
+            await _commit(consumer)  # ... then the offsets
             total += got.new
             dups += got.duplicates
             rejects += got.rejected
@@ -76,6 +77,18 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     log.info("usage_consume_stopped", total_new=total, total_duplicates=dups,
              total_rejected=rejects)
     return total
+
+
+async def _commit(consumer: AIOKafkaConsumer) -> None:
+    """The offsets of what was read; refused when a rebalance took partitions away
+    meanwhile. The batch is in the database either way: whoever owns those partitions now
+    re-reads it from the last committed offsets and drops it as duplicates, so the consumer
+    goes on, as a group member must through a rebalance."""
+    try:
+        await consumer.commit()
+    except (CommitFailedError, IllegalStateError) as exc:
+        log.warning("usage_offsets_not_committed", error=str(exc).split("\n")[0][:200],
+                    note="the batch is in the database; its re-read will be duplicates")
 
 
 def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejected:

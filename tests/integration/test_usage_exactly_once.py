@@ -195,3 +195,33 @@ def test_a_new_db_on_an_existing_group_crashing_after_its_first_batch_loses_noth
     assert 0 < sum(len(s) for s in UsageDb(new).seqs().values()) < len(events)
     run(tansu, topic, new, "g")
     assert got(new) == expected(events)
+
+
+def test_an_offset_commit_refused_by_a_rebalance_does_not_stop_the_consumer(
+        tansu: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Another consumer joined the group between a batch's database commit and its offset
+    commit: the broker refuses the commit (CommitFailedError). The batch is in the database;
+    whoever now owns its partitions re-reads it and drops it as duplicates. The consumer goes
+    on rather than exiting 1, as a group member must through a rebalance."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.errors import CommitFailedError
+
+    from gateway.log import configure
+
+    configure("info", cache=False)
+    topic, url = "usage.rebalance", f"sqlite:///{tmp_path / 'u.db'}"
+    events = [event(i) for i in range(1, 301)]
+    put(tansu, topic, events, create=True)
+    real, refused = AIOKafkaConsumer.commit, []
+
+    async def once(self: AIOKafkaConsumer, *a: object, **k: object) -> None:
+        if not refused:
+            refused.append(1)
+            raise CommitFailedError("the group rebalanced")
+        await real(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AIOKafkaConsumer, "commit", once)
+    run(tansu, topic, url, "g")
+    assert got(url) == expected(events)
+    assert "usage_offsets_not_committed" in capsys.readouterr().err
