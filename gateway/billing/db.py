@@ -78,6 +78,7 @@ _READ = ("INSERT INTO read_partitions VALUES ({p},{p}) "
          "ON CONFLICT (topic, kafka_partition) DO NOTHING")
 _ALL_READ = ("*", -1)  # the mark of a database filled before partitions were marked
 _INT64_MAX = 2**63 - 1
+_WRITER_LOCK = 0x6761746577617962  # "gatewayb": the advisory lock the billing writers take
 
 
 @dataclass
@@ -134,6 +135,7 @@ class UsageDb:
 
             self.conn: Any = psycopg.connect(url)
             self.p = "%s"
+            self._lock()  # consumers opening a new database at once: one creates its tables
         else:
             path = url.removeprefix("sqlite:///").removeprefix("sqlite://") or "usage.db"
             self.conn = sqlite3.connect(path, isolation_level=None)
@@ -163,6 +165,13 @@ class UsageDb:
         for name, kind in ADDED:
             self._exec(f"ALTER TABLE usage_events ADD COLUMN IF NOT EXISTS {name} {kind}")
 
+    def _lock(self) -> None:
+        """PostgreSQL: one writer at a time, until this transaction ends (as SQLite's BEGIN
+        IMMEDIATE). Two consumers' batches otherwise update the same totals rows in their
+        own orders and deadlock, and two creating the tables at once collide on
+        CREATE TABLE IF NOT EXISTS."""
+        self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITER_LOCK,))
+
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         return self.conn.execute(sql.format(p=self.p), args)
 
@@ -182,6 +191,8 @@ class UsageDb:
         if sqlite:
             self.conn.execute("BEGIN IMMEDIATE")
         try:
+            if not sqlite:
+                self._lock()
             for e in events:
                 u = e.usage
                 self._exec(_SEEN, (e.instance_id, e.seq))

@@ -320,3 +320,50 @@ def test_partitions_read_are_marked_with_their_batch(db: UsageDb, tmp_path: Path
     old = tmp_path / "old.db"  # filled before marks: every partition was read
     UsageDb(f"sqlite:///{old}").ingest([ev(1)])
     assert UsageDb(f"sqlite:///{old}").unread(tps) == []
+
+
+def test_two_consumers_on_one_postgresql_database_neither_deadlock_nor_race(
+        db: UsageDb) -> None:
+    """Two consumers of one group (different partitions) ingest at once: each batch touches
+    the same (day, team, key, model) totals in its own order, and two opening a new
+    database at once both create its tables. Neither may fail (PostgreSQL once answered
+    DeadlockDetected, and UniqueViolation on CREATE TABLE IF NOT EXISTS)."""
+    import threading
+
+    if isinstance(db.conn, __import__("sqlite3").Connection):
+        pytest.skip("SQLite serializes writers (BEGIN IMMEDIATE)")
+    schema = f"t_{uuid.uuid4().hex[:8]}"
+    import psycopg
+    with psycopg.connect(PG, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    url = f"{PG}?options=-csearch_path%3D{schema}"
+    errors: list[str] = []
+    opened: list[UsageDb] = []
+    start = threading.Barrier(4)
+
+    def worker(w: int) -> None:
+        try:
+            start.wait()
+            d = UsageDb(url)
+            opened.append(d)
+            teams = [f"t{j}" for j in range(20)][:: 1 if w % 2 else -1]
+            for b in range(30):
+                base = w * 100_000 + b * 100
+                d.ingest([ev(base + j, team=teams[j % 20]) for j in range(1, 101)])
+        except Exception as exc:
+            errors.append(repr(exc)[:300])
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        (row,) = report.report(opened[0], "key").rows
+        assert row.completed == 4 * 30 * 100
+    finally:
+        for d in opened:
+            d.close()
+        with psycopg.connect(PG, autocommit=True) as c:
+            c.execute(f"DROP SCHEMA {schema} CASCADE")
