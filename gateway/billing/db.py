@@ -231,7 +231,9 @@ class UsageDb:
                ) -> tuple[list[tuple[Any, ...]], str, str]:
         """Per `columns` (and the first `period_chars` of `ended_at`: 10 = the UTC day, 7 =
         the month, 0 = none), endpoint and outcome: requests, prompt, cached,
-        cache-creation, completion and total tokens, and cost, for events ended in [since,
+        cache-creation, completion and total tokens, and cost in integer units of 1e-9
+        (events' costs are rounded to that, so the sum is exact and the same on SQLite and
+        PostgreSQL, where a float SUM drifts), for events ended in [since,
         until) (RFC 3339 strings compare in time order); and the first and last event's end
         in that period."""
         where, args = ["1=1"], []
@@ -247,7 +249,7 @@ class UsageDb:
         rows = self._exec(
             f"""SELECT {keys}, COUNT(*), SUM(prompt_tokens), SUM(cached_tokens),
                   SUM(cache_creation_tokens), SUM(completion_tokens), SUM(total_tokens),
-                  SUM(cost)
+                  SUM(CAST(ROUND(cost * 1000000000) AS BIGINT))
                 FROM usage_events WHERE {cond} GROUP BY {keys} ORDER BY {keys}""",
             tuple(args)).fetchall()
         span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",

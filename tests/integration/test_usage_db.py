@@ -367,3 +367,23 @@ def test_two_consumers_on_one_postgresql_database_neither_deadlock_nor_race(
             d.close()
         with psycopg.connect(PG, autocommit=True) as c:
             c.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+COSTS = [0.1, 0.2, 0.000000001, 0.000000003, 1234.567891234, 0.7, 1e-9, 0.3]
+
+
+def test_the_reported_cost_is_the_exact_sum_of_the_events_costs(db: UsageDb) -> None:
+    """Costs are rounded to 1e-9 in each event; the report's sum is theirs exactly (no
+    binary-float drift such as 0.1 + 0.2 = 0.30000000000000004), on either database, and
+    the same across outcome rows folded into one."""
+    from decimal import Decimal
+
+    outcomes = ["completed", "client_cancelled", "upstream_error"]
+    db.ingest([ev(i + 1, cost=c, outcome=outcomes[i % 3]) for i, c in enumerate(COSTS)])
+    (row,) = report.report(db, "team").rows
+    exact = sum(Decimal(repr(c)) for c in COSTS)
+    assert row.cost == float(exact)
+    assert orjson.loads(report.render(report.report(db, "team"), "json"))["rows"][0][
+        "cost"] == float(exact)
+    db.ingest([ev(20, cost=0.1, team="u"), ev(21, cost=0.2, team="u")])
+    assert [r.cost for r in report.report(db, "team").rows] == [float(exact), 0.3]
