@@ -13,7 +13,7 @@ import math
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
@@ -107,6 +107,15 @@ def _utc(text: str) -> bool:
     return at.utcoffset() == timedelta(0)
 
 
+def canonical_time(text: str) -> str:
+    """A UTC RFC 3339 time (as `unfit` accepts it) as the gateway writes `ended_at`:
+    milliseconds and "Z". Stored so, times compare as text in time order (the report's
+    --since/--until and its days do): "+00:00", lowercase, no fraction or more digits
+    would otherwise sort apart from the instants they name."""
+    at = datetime.fromisoformat(text.upper()).astimezone(UTC)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def unfit(e: usage_pb2.UsageEvent) -> str:
     """Why `ingest` cannot take an event that parsed ("" if it can): what it keys, bills to
     a day or stores in a NOT NULL column must be there, and fit."""
@@ -195,15 +204,16 @@ class UsageDb:
                 self._lock()
             for e in events:
                 u = e.usage
+                ended = canonical_time(e.ended_at)
                 self._exec(_SEEN, (e.instance_id, e.seq))
                 cur = self._exec(_INSERT, (
-                    e.event_id, e.instance_id, e.seq, e.ended_at, e.team, e.key_id, e.model,
+                    e.event_id, e.instance_id, e.seq, ended, e.team, e.key_id, e.model,
                     e.outcome, u.prompt_tokens, u.completion_tokens, u.total_tokens,
                     e.usage_source, e.endpoint, u.cached_tokens, u.cache_creation_tokens,
                     u.reasoning_tokens, e.cost))
                 if cur.rowcount == 1:
                     new += 1
-                    self._exec(_TOTAL, (e.ended_at[:10], e.team, e.key_id, e.model,
+                    self._exec(_TOTAL, (ended[:10], e.team, e.key_id, e.model,
                                         u.prompt_tokens, u.completion_tokens, u.total_tokens))
                 else:
                     dup += 1

@@ -387,3 +387,54 @@ def test_the_reported_cost_is_the_exact_sum_of_the_events_costs(db: UsageDb) -> 
         "cost"] == float(exact)
     db.ingest([ev(20, cost=0.1, team="u"), ev(21, cost=0.2, team="u")])
     assert [r.cost for r in report.report(db, "team").rows] == [float(exact), 0.3]
+
+
+def test_an_ended_at_in_any_accepted_utc_form_is_billed_to_its_instant(db: UsageDb) -> None:
+    """`ended_at` in UTC but not as the gateway writes it (milliseconds, "Z"): +00:00,
+    lowercase, no fraction, more digits, ISO basic. Each lands in its own UTC day and on its
+    side of --since (inclusive) and --until (exclusive), as the instant it names."""
+    forms = {  # ended_at -> in [21:00:00.000, 23:00:00.500) on 2026-12-06?
+        "2026-12-06T21:00:00+00:00": True,  # exactly --since
+        "2026-12-06t20:00:00z": False,
+        "2026-12-06T23:00:00Z": True,  # before 23:00:00.500
+        "2026-12-06T23:00:00.4999999Z": True,
+        "2026-12-06T23:00:00.500+00:00": False,  # exactly --until
+        "20261206T220000Z": True,
+    }
+    db.ingest([ev(i + 1, ended=t, team=f"t{i}") for i, t in enumerate(forms)])
+    since = report.day_bound("2026-12-06T21:00:00Z", "--since")
+    until = report.day_bound("2026-12-06T23:00:00.500Z", "--until")
+    inside = {r.name for r in report.report(db, "team", since, until).rows}
+    assert inside == {f"t{i}" for i, ok in enumerate(forms.values()) if ok}
+    days = {r.group[0] for r in report.report(db, "team", per="day").rows}
+    assert days == {"2026-12-06"}
+
+
+def test_the_operators_time_zone_and_its_dst_change_shift_nothing(
+        db: UsageDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """US clocks go back on 2026-11-01 (New York): the report's days, months and bounds are
+    UTC whatever the operator's zone."""
+    import time
+
+    events = [ev(1, ended="2026-11-01T04:59:59.999Z"), ev(2, ended="2026-11-01T05:00:00.000Z"),
+              ev(3, ended="2026-11-01T23:30:00.000Z"), ev(4, ended="2026-11-02T00:00:00.000Z"),
+              ev(5, ended="2026-10-31T23:59:59.999Z")]
+    db.ingest(events)
+
+    def view() -> tuple[object, ...]:
+        s, u = report.day_bound("2026-11-01", "--since"), report.day_bound("2026-11-02",
+                                                                           "--until")
+        return (s, u, [(r.group, r.completed) for r in report.report(db, "team", s, u,
+                                                                       per="day").rows],
+                [(r.group, r.completed) for r in report.report(db, "team", per="month").rows])
+
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    in_utc = view()
+    assert in_utc[2] == [(("2026-11-01", "t"), 3)]
+    for zone in ("America/New_York", "Australia/Lord_Howe", "Pacific/Kiritimati"):
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        assert view() == in_utc, zone
+    monkeypatch.undo()
+    time.tzset()
