@@ -4,11 +4,15 @@ one bad record would otherwise hold every later event back from billing, on ever
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError
+from google.protobuf.descriptor import FieldDescriptor
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.billing.db import Rejected, UsageDb, unfit
@@ -17,6 +21,9 @@ from gateway.log import log
 from gateway.sinks.usage_proto import from_json
 
 _ERROR_CHARS = 500  # of a parser's message kept (some quote the value)
+_INTEGER = re.compile(r"-?[0-9]+")
+_INT_TYPES = (FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64,
+              FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64)
 _PREFIX_BYTES = 64  # of an unreadable value logged: enough to recognise, never a whole one
 
 
@@ -102,13 +109,33 @@ def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejec
         except Exception as exc:  # any: not JSON, not UTF-8, nested too deep, ...
             error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
         else:
-            error = unfit(event)
+            error = not_integer(usage_pb2.UsageEvent.DESCRIPTOR, json.loads(value)) or unfit(event)
             if not error:
                 return event
     log.error("usage_record_unreadable", topic=m.topic, partition=m.partition,
               offset=m.offset, error=error, size=len(value or b""),
               prefix=(value or b"")[:_PREFIX_BYTES])
     return Rejected(m.topic, m.partition, m.offset, error, value or b"")
+
+
+def not_integer(message: Any, obj: Any, at: str = "") -> str:
+    """Why an integer field of the event's JSON (token counts, seq) is no integer ("" if
+    each is one). The proto3 JSON parser also takes 10.0, 1e3 and "9007199254740993.0"
+    through a float, which rounds a count past 2**53: a count is billed as sent or not."""
+    if not isinstance(obj, dict):
+        return ""
+    for f in message.fields:
+        value = obj.get(f.name, obj.get(f.json_name))
+        if value is None or isinstance(value, list):  # unset; no repeated field is an int
+            continue
+        if f.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            if why := not_integer(f.message_type, value, f"{at}{f.name}."):
+                return why
+        elif f.cpp_type in _INT_TYPES and not (
+                (isinstance(value, int) and not isinstance(value, bool))
+                or (isinstance(value, str) and _INTEGER.fullmatch(value))):
+            return f"{at}{f.name} {str(value)[:40]!r} is not an integer"
+    return ""
 
 
 class _FromTheStartUntilRead(ConsumerRebalanceListener):

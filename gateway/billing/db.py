@@ -133,6 +133,8 @@ def unfit(e: usage_pb2.UsageEvent) -> str:
         return "a negative token count"  # it would take tokens off the totals
     if not math.isfinite(e.cost):
         return f"cost {e.cost} is not a number"  # NaN is NULL to SQLite
+    if e.cost < 0:
+        return f"cost {e.cost} is negative"  # it would take money off the totals
     return ""
 
 
