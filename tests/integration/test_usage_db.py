@@ -438,3 +438,57 @@ def test_the_operators_time_zone_and_its_dst_change_shift_nothing(
         assert view() == in_utc, zone
     monkeypatch.undo()
     time.tzset()
+
+
+def test_sqlite_and_postgresql_give_the_same_report_for_the_same_events(
+        tmp_path: Path) -> None:
+    if not _pg_available():
+        pytest.skip("no PostgreSQL on 127.0.0.1:5432")
+    import random
+
+    import psycopg
+
+    rnd = random.Random(7)
+    teams, models = ["alpha", "Beta", "_c", "ß", "a b"], ["m-1", "M2", "m_3"]
+    outcomes = ["completed", "client_cancelled", "upstream_error", "denied"]
+    endpoints = ["/v1/chat/completions", "/v1/models", "/v1/messages/count_tokens"]
+    events = []
+    for i in range(1, 601):
+        e = ev(i, team=rnd.choice(teams), tokens=rnd.randint(0, 2**40), model=rnd.choice(models),
+               outcome=rnd.choice(outcomes), cost=round(rnd.random() * 3, 9),
+               cached=rnd.randint(0, 10), endpoint=rnd.choice(endpoints),
+               ended=f"2026-{rnd.randint(10, 12)}-{rnd.randint(10, 28)}T{rnd.randint(0, 23):02}"
+                     f":{rnd.randint(0, 59):02}:00.{rnd.randint(0, 999):03}Z")
+        e.key_id = rnd.choice(["k1", "K2"])
+        events.append(e)
+    events += events[:50]  # redelivered
+    schema = f"t_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    lite, pg = UsageDb(f"sqlite:///{tmp_path / 'u.db'}"), UsageDb(
+        f"{PG}?options=-csearch_path%3D{schema}")
+    try:
+        for d in (lite, pg):
+            for at in range(0, len(events), 97):
+                d.ingest(events[at:at + 97])
+        for by, per, since, until in [("team", "", "", ""), ("key,model", "day", "", ""),
+                                      ("model,team,key", "month", "2026-11-01", "2026-12-15")]:
+            s, u = report.day_bound(since, "--since"), report.day_bound(until, "--until")
+            for fmt in ("json", "csv", "table"):
+                assert report.render(report.report(lite, by, s, u, per), fmt) == \
+                    report.render(report.report(pg, by, s, u, per), fmt), (by, per, fmt)
+            # and the totals are the sum of the distinct events in the period
+            inside = [e for e in {e.event_id: e for e in events}.values()
+                      if (not s or e.ended_at >= s) and (not u or e.ended_at < u)]
+            billed = [e for e in inside if e.outcome != "denied"]
+            rows = report.report(lite, by, s, u, per).rows
+            assert sum(r.total_tokens for r in rows) == sum(e.usage.total_tokens for e in billed)
+            assert sum(r.denied for r in rows) == len(inside) - len(billed)
+            assert sum(r.completed + r.client_cancelled + r.upstream_error + r.not_billed
+                       for r in rows) == len(billed)
+            assert round(sum(r.cost for r in rows), 6) == round(sum(e.cost for e in billed), 6)
+    finally:
+        lite.close()
+        pg.close()
+        with psycopg.connect(PG, autocommit=True) as c:
+            c.execute(f"DROP SCHEMA {schema} CASCADE")
