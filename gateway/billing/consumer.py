@@ -70,8 +70,9 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
                 else:
                     events.append(read)
             # dedup marks + aggregates + quarantine: one transaction ...
-            got = db.ingest(events, rejected, [(tp.topic, tp.partition) for tp in batches])
-            await _commit(consumer)  # ... then the offsets
+            got = db.ingest(events, rejected)
+            if await _commit(consumer):  # ... then the offsets, then which are this db's
+                db.mark_read([(tp.topic, tp.partition) for tp in batches])
             total += got.new
             dups += got.duplicates
             rejects += got.rejected
@@ -86,7 +87,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     return total
 
 
-async def _commit(consumer: AIOKafkaConsumer) -> None:
+async def _commit(consumer: AIOKafkaConsumer) -> bool:
     """The offsets of what was read; refused when a rebalance took partitions away
     meanwhile. The batch is in the database either way: whoever owns those partitions now
     re-reads it from the last committed offsets and drops it as duplicates, so the consumer
@@ -96,6 +97,8 @@ async def _commit(consumer: AIOKafkaConsumer) -> None:
     except (CommitFailedError, IllegalStateError) as exc:
         log.warning("usage_offsets_not_committed", error=str(exc).split("\n")[0][:200],
                     note="the batch is in the database; its re-read will be duplicates")
+        return False
+    return True
 
 
 def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejected:
@@ -143,10 +146,12 @@ class _FromTheStartUntilRead(ConsumerRebalanceListener):
     offsets the group committed (for another database: offsets live in Kafka, per group, not
     in the database). It would otherwise hold only what came after them, its report would
     miss the rest, and `reconcile` would report the events it never read as gaps. Its dedup
-    marks make the re-read exact; once a batch from a partition is in, the group's offsets
-    rule there again. Per partition, not per database: a consumer killed after its first
-    batch (from one partition), or given another partition by a rebalance, must still read
-    the others from their start."""
+    marks make the re-read exact. A partition is marked read once a batch from it is in the
+    database *and* its offsets are committed: only then are the group's offsets this
+    database's (one killed between the two would otherwise resume at another database's
+    offsets). Per partition, not per database: one killed after its first batch (from one
+    partition), or given another partition by a rebalance, must still read the others from
+    their start."""
 
     consumer: AIOKafkaConsumer  # the consumer it listens to (set once made)
 

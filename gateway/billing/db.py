@@ -44,9 +44,9 @@ SCHEMA = [
         topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL, kafka_offset BIGINT NOT NULL,
         error TEXT NOT NULL, value_hex TEXT NOT NULL,
         PRIMARY KEY (topic, kafka_partition, kafka_offset))""",
-    # The partitions `usage consume` has read into this database (from their start): one it
-    # has not is read from its start, whatever offsets the group committed for another
-    # database. Marked in the batch's transaction with what it read there.
+    # The partitions `usage consume` has read into this database from their start and
+    # committed the group's offsets for: one it has not is read from its start, whatever
+    # offsets the group committed (for another database). Marked after the offset commit.
     """CREATE TABLE IF NOT EXISTS read_partitions (
         topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL,
         PRIMARY KEY (topic, kafka_partition))""",
@@ -152,6 +152,7 @@ class UsageDb:
             self.conn = sqlite3.connect(path, isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.p = "?"
+        marked_before = self._has_table("read_partitions")
         for stmt in SCHEMA:
             self._exec(stmt)
         self._add_columns()
@@ -159,12 +160,18 @@ class UsageDb:
             # a database from before seen_seqs: its events' seqs are what it saw
             self._exec("INSERT INTO seen_seqs SELECT instance_id, seq FROM usage_events WHERE true "
                        "ON CONFLICT (instance_id, seq) DO NOTHING")
-        if (self._exec("SELECT 1 FROM read_partitions LIMIT 1").fetchone() is None
-                and self.has_events()):
+        if not marked_before and self.has_events():
             # a database filled before partitions were marked: the consumer then read every
             # partition from its start while the database was empty, so all count as read
             self._exec(_READ, _ALL_READ)
         self._commit()
+
+    def _has_table(self, name: str) -> bool:
+        if isinstance(self.conn, sqlite3.Connection):
+            sql = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = {p}"
+        else:
+            sql = "SELECT 1 WHERE to_regclass({p}) IS NOT NULL"  # in the search_path
+        return self._exec(sql, (name,)).fetchone() is not None
 
     def _add_columns(self) -> None:
         if isinstance(self.conn, sqlite3.Connection):
@@ -192,11 +199,9 @@ class UsageDb:
         self.conn.commit()
 
     def ingest(self, events: list[usage_pb2.UsageEvent],
-               rejected: Sequence[Rejected] = (),
-               partitions: Sequence[tuple[str, int]] = ()) -> Ingested:
-        """One transaction: dedup marks + aggregates for the whole batch, the batch's
-        unreadable records quarantined (each once, however often it is delivered), and the
-        (topic, partition)s it came from marked as read into this database."""
+               rejected: Sequence[Rejected] = ()) -> Ingested:
+        """One transaction: dedup marks + aggregates for the whole batch, and the batch's
+        unreadable records quarantined (each once, however often it is delivered)."""
         new = dup = quarantined = 0
         sqlite = isinstance(self.conn, sqlite3.Connection)
         if sqlite:
@@ -224,8 +229,6 @@ class UsageDb:
                 cur = self._exec(_REJECT, (r.topic, r.partition, r.offset, r.error,
                                            r.value.hex()))
                 quarantined += cur.rowcount == 1
-            for topic, partition in sorted(set(partitions)):
-                self._exec(_READ, (topic, partition))
         except BaseException:
             self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
             raise
@@ -267,6 +270,25 @@ class UsageDb:
         span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",
                           tuple(args)).fetchone()
         return [tuple(r) for r in rows], span[0] or "", span[1] or ""
+
+    def mark_read(self, partitions: Sequence[tuple[str, int]]) -> None:
+        """These (topic, partition)s were read into this database and the group's offsets
+        committed for them: from now on those offsets are this database's."""
+        sqlite = isinstance(self.conn, sqlite3.Connection)
+        if sqlite:
+            self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not sqlite:
+                self._lock()
+            for topic, partition in sorted(set(partitions)):
+                self._exec(_READ, (topic, partition))
+        except BaseException:
+            self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
+            raise
+        if sqlite:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.commit()
 
     def unread(self, partitions: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of these (topic, partition)s, those `usage consume` never read into this database

@@ -307,18 +307,29 @@ def test_reconcile_lists_quarantined_records_and_exits_1(
     assert "UNREADABLE" not in capsys.readouterr().out
 
 
-def test_partitions_read_are_marked_with_their_batch(db: UsageDb, tmp_path: Path) -> None:
+def test_partitions_read_are_marked_once_their_offsets_are_committed(
+        db: UsageDb, tmp_path: Path) -> None:
     tps = [("llm.usage.v1", 0), ("llm.usage.v1", 1)]
     assert db.unread(tps) == tps
-    db.ingest([ev(1)], [], [tps[1]])
+    db.ingest([ev(1)])  # in the database, offsets not yet committed: still unread
+    assert db.unread(tps) == tps
+    db.mark_read([tps[1], tps[1]])
     assert db.unread(tps) == [tps[0]]
-    with pytest.raises(AttributeError):  # a failed batch marks nothing
-        db.ingest([ev(2), None], [], [tps[0]])  # type: ignore[list-item]
-    assert db.unread(tps) == [tps[0]]
-    db.ingest([], [bad(3)], [tps[0]])  # a batch of unreadable records read it too
+    db.mark_read(tps)
     assert db.unread(tps) == []
+    again = UsageDb(db.url)  # reopened: a database with events and no marks is not old
+    db.ingest([ev(2)])
+    assert again.unread([("llm.usage.v1", 5)]) == [("llm.usage.v1", 5)]
+    again.close()
+    again = UsageDb(db.url)
+    assert again.unread([("llm.usage.v1", 5)]) == [("llm.usage.v1", 5)]
+    again.close()
+    import sqlite3
+
     old = tmp_path / "old.db"  # filled before marks: every partition was read
     UsageDb(f"sqlite:///{old}").ingest([ev(1)])
+    with sqlite3.connect(old) as c:
+        c.execute("DROP TABLE read_partitions")
     assert UsageDb(f"sqlite:///{old}").unread(tps) == []
 
 
