@@ -4,10 +4,15 @@ one bad record would otherwise hold every later event back from billing, on ever
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import CommitFailedError, IllegalStateError
+from google.protobuf.descriptor import FieldDescriptor
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.billing.db import Rejected, UsageDb, unfit
@@ -16,6 +21,9 @@ from gateway.log import log
 from gateway.sinks.usage_proto import from_json
 
 _ERROR_CHARS = 500  # of a parser's message kept (some quote the value)
+_INTEGER = re.compile(r"-?[0-9]+")
+_INT_TYPES = (FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64,
+              FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64)
 _PREFIX_BYTES = 64  # of an unreadable value logged: enough to recognise, never a whole one
 
 
@@ -37,7 +45,7 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     """Aggregate until stopped, until `stop_when(total_new)` says so, or (`until_caught_up`)
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
-    from_the_start = _FromTheStartWhileEmpty(db)
+    from_the_start = _FromTheStartUntilRead(db)
     consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
     try:
         await start_consumer(consumer)
@@ -63,7 +71,8 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
                     events.append(read)
             # dedup marks + aggregates + quarantine: one transaction ...
             got = db.ingest(events, rejected)
-            await consumer.commit()  # ... then the offsets
+            if await _commit(consumer):  # ... then the offsets, then which are this db's
+                db.mark_read([(tp.topic, tp.partition) for tp in batches])
             total += got.new
             dups += got.duplicates
             rejects += got.rejected
@@ -78,6 +87,20 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     return total
 
 
+async def _commit(consumer: AIOKafkaConsumer) -> bool:
+    """The offsets of what was read; refused when a rebalance took partitions away
+    meanwhile. The batch is in the database either way: whoever owns those partitions now
+    re-reads it from the last committed offsets and drops it as duplicates, so the consumer
+    goes on, as a group member must through a rebalance."""
+    try:
+        await consumer.commit()
+    except (CommitFailedError, IllegalStateError) as exc:
+        log.warning("usage_offsets_not_committed", error=str(exc).split("\n")[0][:200],
+                    note="the batch is in the database; its re-read will be duplicates")
+        return False
+    return True
+
+
 def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejected:
     """The record's event, or why it has none (logged: the operator must hear of it)."""
     value = m.value
@@ -89,7 +112,7 @@ def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejec
         except Exception as exc:  # any: not JSON, not UTF-8, nested too deep, ...
             error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
         else:
-            error = unfit(event)
+            error = not_integer(usage_pb2.UsageEvent.DESCRIPTOR, json.loads(value)) or unfit(event)
             if not error:
                 return event
     log.error("usage_record_unreadable", topic=m.topic, partition=m.partition,
@@ -98,12 +121,37 @@ def read_record(m: ConsumerRecord[bytes, bytes]) -> usage_pb2.UsageEvent | Rejec
     return Rejected(m.topic, m.partition, m.offset, error, value or b"")
 
 
-class _FromTheStartWhileEmpty(ConsumerRebalanceListener):
-    """A database `consume` never filled reads the topic from its start, whatever offsets
-    the group committed (for another database: offsets live in Kafka, per group, not in the
-    database). It would otherwise hold only what came after them, its report would miss the
-    rest, and `reconcile` would report the events it never read as gaps. Its dedup marks make
-    the re-read exact; once it holds an event, the group's offsets rule again."""
+def not_integer(message: Any, obj: Any, at: str = "") -> str:
+    """Why an integer field of the event's JSON (token counts, seq) is no integer ("" if
+    each is one). The proto3 JSON parser also takes 10.0, 1e3 and "9007199254740993.0"
+    through a float, which rounds a count past 2**53: a count is billed as sent or not."""
+    if not isinstance(obj, dict):
+        return ""
+    for f in message.fields:
+        value = obj.get(f.name, obj.get(f.json_name))
+        if value is None or isinstance(value, list):  # unset; no repeated field is an int
+            continue
+        if f.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            if why := not_integer(f.message_type, value, f"{at}{f.name}."):
+                return why
+        elif f.cpp_type in _INT_TYPES and not (
+                (isinstance(value, int) and not isinstance(value, bool))
+                or (isinstance(value, str) and _INTEGER.fullmatch(value))):
+            return f"{at}{f.name} {str(value)[:40]!r} is not an integer"
+    return ""
+
+
+class _FromTheStartUntilRead(ConsumerRebalanceListener):
+    """A partition `consume` never read into this database is read from its start, whatever
+    offsets the group committed (for another database: offsets live in Kafka, per group, not
+    in the database). It would otherwise hold only what came after them, its report would
+    miss the rest, and `reconcile` would report the events it never read as gaps. Its dedup
+    marks make the re-read exact. A partition is marked read once a batch from it is in the
+    database *and* its offsets are committed: only then are the group's offsets this
+    database's (one killed between the two would otherwise resume at another database's
+    offsets). Per partition, not per database: one killed after its first batch (from one
+    partition), or given another partition by a rebalance, must still read the others from
+    their start."""
 
     consumer: AIOKafkaConsumer  # the consumer it listens to (set once made)
 
@@ -114,8 +162,10 @@ class _FromTheStartWhileEmpty(ConsumerRebalanceListener):
         pass
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        if assigned and not self.db.has_events():
-            await self.consumer.seek_to_beginning(*assigned)
+        unread = set(self.db.unread([(tp.topic, tp.partition) for tp in assigned]))
+        fresh = [tp for tp in assigned if (tp.topic, tp.partition) in unread]
+        if fresh:
+            await self.consumer.seek_to_beginning(*fresh)
 
 
 async def _lag(consumer: AIOKafkaConsumer) -> int | None:

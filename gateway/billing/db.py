@@ -13,7 +13,7 @@ import math
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from gateway._proto.gateway.usage.v1 import usage_pb2
@@ -44,6 +44,12 @@ SCHEMA = [
         topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL, kafka_offset BIGINT NOT NULL,
         error TEXT NOT NULL, value_hex TEXT NOT NULL,
         PRIMARY KEY (topic, kafka_partition, kafka_offset))""",
+    # The partitions `usage consume` has read into this database from their start and
+    # committed the group's offsets for: one it has not is read from its start, whatever
+    # offsets the group committed (for another database). Marked after the offset commit.
+    """CREATE TABLE IF NOT EXISTS read_partitions (
+        topic TEXT NOT NULL, kafka_partition BIGINT NOT NULL,
+        PRIMARY KEY (topic, kafka_partition))""",
 ]
 
 # Columns added since the first version: an older database gets them (zeros, "") on open.
@@ -68,7 +74,11 @@ _DUP = """INSERT INTO ingest_stats VALUES ({p}, 1) ON CONFLICT (instance_id)
 _SEEN = "INSERT INTO seen_seqs VALUES ({p},{p}) ON CONFLICT (instance_id, seq) DO NOTHING"
 _REJECT = ("INSERT INTO rejected_records VALUES ({p},{p},{p},{p},{p}) "
            "ON CONFLICT (topic, kafka_partition, kafka_offset) DO NOTHING")
+_READ = ("INSERT INTO read_partitions VALUES ({p},{p}) "
+         "ON CONFLICT (topic, kafka_partition) DO NOTHING")
+_ALL_READ = ("*", -1)  # the mark of a database filled before partitions were marked
 _INT64_MAX = 2**63 - 1
+_WRITER_LOCK = 0x6761746577617962  # "gatewayb": the advisory lock the billing writers take
 
 
 @dataclass
@@ -97,6 +107,15 @@ def _utc(text: str) -> bool:
     return at.utcoffset() == timedelta(0)
 
 
+def canonical_time(text: str) -> str:
+    """A UTC RFC 3339 time (as `unfit` accepts it) as the gateway writes `ended_at`:
+    milliseconds and "Z". Stored so, times compare as text in time order (the report's
+    --since/--until and its days do): "+00:00", lowercase, no fraction or more digits
+    would otherwise sort apart from the instants they name."""
+    at = datetime.fromisoformat(text.upper()).astimezone(UTC)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def unfit(e: usage_pb2.UsageEvent) -> str:
     """Why `ingest` cannot take an event that parsed ("" if it can): what it keys, bills to
     a day or stores in a NOT NULL column must be there, and fit."""
@@ -114,6 +133,8 @@ def unfit(e: usage_pb2.UsageEvent) -> str:
         return "a negative token count"  # it would take tokens off the totals
     if not math.isfinite(e.cost):
         return f"cost {e.cost} is not a number"  # NaN is NULL to SQLite
+    if e.cost < 0:
+        return f"cost {e.cost} is negative"  # it would take money off the totals
     return ""
 
 
@@ -125,11 +146,13 @@ class UsageDb:
 
             self.conn: Any = psycopg.connect(url)
             self.p = "%s"
+            self._lock()  # consumers opening a new database at once: one creates its tables
         else:
             path = url.removeprefix("sqlite:///").removeprefix("sqlite://") or "usage.db"
             self.conn = sqlite3.connect(path, isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.p = "?"
+        marked_before = self._has_table("read_partitions")
         for stmt in SCHEMA:
             self._exec(stmt)
         self._add_columns()
@@ -137,7 +160,18 @@ class UsageDb:
             # a database from before seen_seqs: its events' seqs are what it saw
             self._exec("INSERT INTO seen_seqs SELECT instance_id, seq FROM usage_events WHERE true "
                        "ON CONFLICT (instance_id, seq) DO NOTHING")
+        if not marked_before and self.has_events():
+            # a database filled before partitions were marked: the consumer then read every
+            # partition from its start while the database was empty, so all count as read
+            self._exec(_READ, _ALL_READ)
         self._commit()
+
+    def _has_table(self, name: str) -> bool:
+        if isinstance(self.conn, sqlite3.Connection):
+            sql = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = {p}"
+        else:
+            sql = "SELECT 1 WHERE to_regclass({p}) IS NOT NULL"  # in the search_path
+        return self._exec(sql, (name,)).fetchone() is not None
 
     def _add_columns(self) -> None:
         if isinstance(self.conn, sqlite3.Connection):
@@ -148,6 +182,13 @@ class UsageDb:
             return
         for name, kind in ADDED:
             self._exec(f"ALTER TABLE usage_events ADD COLUMN IF NOT EXISTS {name} {kind}")
+
+    def _lock(self) -> None:
+        """PostgreSQL: one writer at a time, until this transaction ends (as SQLite's BEGIN
+        IMMEDIATE). Two consumers' batches otherwise update the same totals rows in their
+        own orders and deadlock, and two creating the tables at once collide on
+        CREATE TABLE IF NOT EXISTS."""
+        self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITER_LOCK,))
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         return self.conn.execute(sql.format(p=self.p), args)
@@ -166,17 +207,20 @@ class UsageDb:
         if sqlite:
             self.conn.execute("BEGIN IMMEDIATE")
         try:
+            if not sqlite:
+                self._lock()
             for e in events:
                 u = e.usage
+                ended = canonical_time(e.ended_at)
                 self._exec(_SEEN, (e.instance_id, e.seq))
                 cur = self._exec(_INSERT, (
-                    e.event_id, e.instance_id, e.seq, e.ended_at, e.team, e.key_id, e.model,
+                    e.event_id, e.instance_id, e.seq, ended, e.team, e.key_id, e.model,
                     e.outcome, u.prompt_tokens, u.completion_tokens, u.total_tokens,
                     e.usage_source, e.endpoint, u.cached_tokens, u.cache_creation_tokens,
                     u.reasoning_tokens, e.cost))
                 if cur.rowcount == 1:
                     new += 1
-                    self._exec(_TOTAL, (e.ended_at[:10], e.team, e.key_id, e.model,
+                    self._exec(_TOTAL, (ended[:10], e.team, e.key_id, e.model,
                                         u.prompt_tokens, u.completion_tokens, u.total_tokens))
                 else:
                     dup += 1
@@ -202,7 +246,9 @@ class UsageDb:
                ) -> tuple[list[tuple[Any, ...]], str, str]:
         """Per `columns` (and the first `period_chars` of `ended_at`: 10 = the UTC day, 7 =
         the month, 0 = none), endpoint and outcome: requests, prompt, cached,
-        cache-creation, completion and total tokens, and cost, for events ended in [since,
+        cache-creation, completion and total tokens, and cost in integer units of 1e-9
+        (events' costs are rounded to that, so the sum is exact and the same on SQLite and
+        PostgreSQL, where a float SUM drifts), for events ended in [since,
         until) (RFC 3339 strings compare in time order); and the first and last event's end
         in that period."""
         where, args = ["1=1"], []
@@ -218,12 +264,38 @@ class UsageDb:
         rows = self._exec(
             f"""SELECT {keys}, COUNT(*), SUM(prompt_tokens), SUM(cached_tokens),
                   SUM(cache_creation_tokens), SUM(completion_tokens), SUM(total_tokens),
-                  SUM(cost)
+                  SUM(CAST(ROUND(cost * 1000000000) AS BIGINT))
                 FROM usage_events WHERE {cond} GROUP BY {keys} ORDER BY {keys}""",
             tuple(args)).fetchall()
         span = self._exec(f"SELECT MIN(ended_at), MAX(ended_at) FROM usage_events WHERE {cond}",
                           tuple(args)).fetchone()
         return [tuple(r) for r in rows], span[0] or "", span[1] or ""
+
+    def mark_read(self, partitions: Sequence[tuple[str, int]]) -> None:
+        """These (topic, partition)s were read into this database and the group's offsets
+        committed for them: from now on those offsets are this database's."""
+        sqlite = isinstance(self.conn, sqlite3.Connection)
+        if sqlite:
+            self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not sqlite:
+                self._lock()
+            for topic, partition in sorted(set(partitions)):
+                self._exec(_READ, (topic, partition))
+        except BaseException:
+            self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
+            raise
+        if sqlite:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.commit()
+
+    def unread(self, partitions: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Of these (topic, partition)s, those `usage consume` never read into this database
+        (none, in a database filled before partitions were marked)."""
+        have = {(str(t), int(p)) for t, p in
+                self._exec("SELECT topic, kafka_partition FROM read_partitions").fetchall()}
+        return [] if _ALL_READ in have else [tp for tp in partitions if tp not in have]
 
     def rejected(self, limit: int | None = None) -> tuple[int, list[Rejected]]:
         """How many records are quarantined, and the first `limit` (all if None) by topic

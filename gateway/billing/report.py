@@ -26,6 +26,7 @@ from gateway.routes import MODELS_PATH
 OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
 GROUPS = {"team": "team", "key": "key_id", "model": "model"}
 PERIODS = {"day": 10, "month": 7}  # characters of `ended_at` (RFC 3339, UTC) that name one
+COST_UNITS = 10**9  # an event's cost is rounded to 1e-9 (gateway/metering/cost.py)
 TOKENS = ("prompt_tokens", "cached_tokens", "cache_creation_tokens", "completion_tokens",
           "total_tokens")
 
@@ -116,6 +117,7 @@ def fold(raw: list[tuple[Any, ...]], ndims: int, per: bool) -> list[Row]:
     """The database's (dims..., period, endpoint, outcome, counts...) rows into one Row per
     (period, dims), requests placed by outcome or as not billed."""
     rows: dict[tuple[str, ...], Row] = {}
+    nanos: dict[tuple[str, ...], int] = {}  # cost in 1e-9 units: summed exactly
     for r in raw:
         dims, period, endpoint, outcome = r[:ndims], r[ndims], r[ndims + 1], r[ndims + 2]
         n, *tokens, cost = r[ndims + 3:]
@@ -130,7 +132,9 @@ def fold(raw: list[tuple[Any, ...]], ndims: int, per: bool) -> list[Row]:
             setattr(row, outcome, getattr(row, outcome) + int(n))
         for name, value in zip(TOKENS, tokens, strict=True):
             setattr(row, name, getattr(row, name) + int(value or 0))
-        row.cost += float(cost or 0.0)
+        nanos[group] = nanos.get(group, 0) + int(cost or 0)
+    for group, n in nanos.items():
+        rows[group].cost = n / COST_UNITS  # the nearest float to the exact sum
     return [rows[g] for g in sorted(rows)]
 
 

@@ -305,3 +305,201 @@ def test_reconcile_lists_quarantined_records_and_exits_1(
     capsys.readouterr()
     assert main(["usage", "reconcile", "--db", clean, *spools]) == 0
     assert "UNREADABLE" not in capsys.readouterr().out
+
+
+def test_partitions_read_are_marked_once_their_offsets_are_committed(
+        db: UsageDb, tmp_path: Path) -> None:
+    tps = [("llm.usage.v1", 0), ("llm.usage.v1", 1)]
+    assert db.unread(tps) == tps
+    db.ingest([ev(1)])  # in the database, offsets not yet committed: still unread
+    assert db.unread(tps) == tps
+    db.mark_read([tps[1], tps[1]])
+    assert db.unread(tps) == [tps[0]]
+    db.mark_read(tps)
+    assert db.unread(tps) == []
+    again = UsageDb(db.url)  # reopened: a database with events and no marks is not old
+    db.ingest([ev(2)])
+    assert again.unread([("llm.usage.v1", 5)]) == [("llm.usage.v1", 5)]
+    again.close()
+    again = UsageDb(db.url)
+    assert again.unread([("llm.usage.v1", 5)]) == [("llm.usage.v1", 5)]
+    again.close()
+    import sqlite3
+
+    old = tmp_path / "old.db"  # filled before marks: every partition was read
+    UsageDb(f"sqlite:///{old}").ingest([ev(1)])
+    with sqlite3.connect(old) as c:
+        c.execute("DROP TABLE read_partitions")
+    assert UsageDb(f"sqlite:///{old}").unread(tps) == []
+
+
+def test_two_consumers_on_one_postgresql_database_neither_deadlock_nor_race(
+        db: UsageDb) -> None:
+    """Two consumers of one group (different partitions) ingest at once: each batch touches
+    the same (day, team, key, model) totals in its own order, and two opening a new
+    database at once both create its tables. Neither may fail (PostgreSQL once answered
+    DeadlockDetected, and UniqueViolation on CREATE TABLE IF NOT EXISTS)."""
+    import threading
+
+    if isinstance(db.conn, __import__("sqlite3").Connection):
+        pytest.skip("SQLite serializes writers (BEGIN IMMEDIATE)")
+    schema = f"t_{uuid.uuid4().hex[:8]}"
+    import psycopg
+    with psycopg.connect(PG, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    url = f"{PG}?options=-csearch_path%3D{schema}"
+    errors: list[str] = []
+    opened: list[UsageDb] = []
+    start = threading.Barrier(4)
+
+    def worker(w: int) -> None:
+        try:
+            start.wait()
+            d = UsageDb(url)
+            opened.append(d)
+            teams = [f"t{j}" for j in range(20)][:: 1 if w % 2 else -1]
+            for b in range(30):
+                base = w * 100_000 + b * 100
+                d.ingest([ev(base + j, team=teams[j % 20]) for j in range(1, 101)])
+        except Exception as exc:
+            errors.append(repr(exc)[:300])
+
+    try:
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        (row,) = report.report(opened[0], "key").rows
+        assert row.completed == 4 * 30 * 100
+    finally:
+        for d in opened:
+            d.close()
+        with psycopg.connect(PG, autocommit=True) as c:
+            c.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+COSTS = [0.1, 0.2, 0.000000001, 0.000000003, 1234.567891234, 0.7, 1e-9, 0.3]
+
+
+def test_the_reported_cost_is_the_exact_sum_of_the_events_costs(db: UsageDb) -> None:
+    """Costs are rounded to 1e-9 in each event; the report's sum is theirs exactly (no
+    binary-float drift such as 0.1 + 0.2 = 0.30000000000000004), on either database, and
+    the same across outcome rows folded into one."""
+    from decimal import Decimal
+
+    outcomes = ["completed", "client_cancelled", "upstream_error"]
+    db.ingest([ev(i + 1, cost=c, outcome=outcomes[i % 3]) for i, c in enumerate(COSTS)])
+    (row,) = report.report(db, "team").rows
+    exact = sum(Decimal(repr(c)) for c in COSTS)
+    assert row.cost == float(exact)
+    assert orjson.loads(report.render(report.report(db, "team"), "json"))["rows"][0][
+        "cost"] == float(exact)
+    db.ingest([ev(20, cost=0.1, team="u"), ev(21, cost=0.2, team="u")])
+    assert [r.cost for r in report.report(db, "team").rows] == [float(exact), 0.3]
+
+
+def test_an_ended_at_in_any_accepted_utc_form_is_billed_to_its_instant(db: UsageDb) -> None:
+    """`ended_at` in UTC but not as the gateway writes it (milliseconds, "Z"): +00:00,
+    lowercase, no fraction, more digits, ISO basic. Each lands in its own UTC day and on its
+    side of --since (inclusive) and --until (exclusive), as the instant it names."""
+    forms = {  # ended_at -> in [21:00:00.000, 23:00:00.500) on 2026-12-06?
+        "2026-12-06T21:00:00+00:00": True,  # exactly --since
+        "2026-12-06t20:00:00z": False,
+        "2026-12-06T23:00:00Z": True,  # before 23:00:00.500
+        "2026-12-06T23:00:00.4999999Z": True,
+        "2026-12-06T23:00:00.500+00:00": False,  # exactly --until
+        "20261206T220000Z": True,
+    }
+    db.ingest([ev(i + 1, ended=t, team=f"t{i}") for i, t in enumerate(forms)])
+    since = report.day_bound("2026-12-06T21:00:00Z", "--since")
+    until = report.day_bound("2026-12-06T23:00:00.500Z", "--until")
+    inside = {r.name for r in report.report(db, "team", since, until).rows}
+    assert inside == {f"t{i}" for i, ok in enumerate(forms.values()) if ok}
+    days = {r.group[0] for r in report.report(db, "team", per="day").rows}
+    assert days == {"2026-12-06"}
+
+
+def test_the_operators_time_zone_and_its_dst_change_shift_nothing(
+        db: UsageDb, monkeypatch: pytest.MonkeyPatch) -> None:
+    """US clocks go back on 2026-11-01 (New York): the report's days, months and bounds are
+    UTC whatever the operator's zone."""
+    import time
+
+    events = [ev(1, ended="2026-11-01T04:59:59.999Z"), ev(2, ended="2026-11-01T05:00:00.000Z"),
+              ev(3, ended="2026-11-01T23:30:00.000Z"), ev(4, ended="2026-11-02T00:00:00.000Z"),
+              ev(5, ended="2026-10-31T23:59:59.999Z")]
+    db.ingest(events)
+
+    def view() -> tuple[object, ...]:
+        s, u = report.day_bound("2026-11-01", "--since"), report.day_bound("2026-11-02",
+                                                                           "--until")
+        return (s, u, [(r.group, r.completed) for r in report.report(db, "team", s, u,
+                                                                       per="day").rows],
+                [(r.group, r.completed) for r in report.report(db, "team", per="month").rows])
+
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    in_utc = view()
+    assert in_utc[2] == [(("2026-11-01", "t"), 3)]
+    for zone in ("America/New_York", "Australia/Lord_Howe", "Pacific/Kiritimati"):
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        assert view() == in_utc, zone
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_sqlite_and_postgresql_give_the_same_report_for_the_same_events(
+        tmp_path: Path) -> None:
+    if not _pg_available():
+        pytest.skip("no PostgreSQL on 127.0.0.1:5432")
+    import random
+
+    import psycopg
+
+    rnd = random.Random(7)
+    teams, models = ["alpha", "Beta", "_c", "ß", "a b"], ["m-1", "M2", "m_3"]
+    outcomes = ["completed", "client_cancelled", "upstream_error", "denied"]
+    endpoints = ["/v1/chat/completions", "/v1/models", "/v1/messages/count_tokens"]
+    events = []
+    for i in range(1, 601):
+        e = ev(i, team=rnd.choice(teams), tokens=rnd.randint(0, 2**40), model=rnd.choice(models),
+               outcome=rnd.choice(outcomes), cost=round(rnd.random() * 3, 9),
+               cached=rnd.randint(0, 10), endpoint=rnd.choice(endpoints),
+               ended=f"2026-{rnd.randint(10, 12)}-{rnd.randint(10, 28)}T{rnd.randint(0, 23):02}"
+                     f":{rnd.randint(0, 59):02}:00.{rnd.randint(0, 999):03}Z")
+        e.key_id = rnd.choice(["k1", "K2"])
+        events.append(e)
+    events += events[:50]  # redelivered
+    schema = f"t_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {schema}")
+    lite, pg = UsageDb(f"sqlite:///{tmp_path / 'u.db'}"), UsageDb(
+        f"{PG}?options=-csearch_path%3D{schema}")
+    try:
+        for d in (lite, pg):
+            for at in range(0, len(events), 97):
+                d.ingest(events[at:at + 97])
+        for by, per, since, until in [("team", "", "", ""), ("key,model", "day", "", ""),
+                                      ("model,team,key", "month", "2026-11-01", "2026-12-15")]:
+            s, u = report.day_bound(since, "--since"), report.day_bound(until, "--until")
+            for fmt in ("json", "csv", "table"):
+                assert report.render(report.report(lite, by, s, u, per), fmt) == \
+                    report.render(report.report(pg, by, s, u, per), fmt), (by, per, fmt)
+            # and the totals are the sum of the distinct events in the period
+            inside = [e for e in {e.event_id: e for e in events}.values()
+                      if (not s or e.ended_at >= s) and (not u or e.ended_at < u)]
+            billed = [e for e in inside if e.outcome != "denied"]
+            rows = report.report(lite, by, s, u, per).rows
+            assert sum(r.total_tokens for r in rows) == sum(e.usage.total_tokens for e in billed)
+            assert sum(r.denied for r in rows) == len(inside) - len(billed)
+            assert sum(r.completed + r.client_cancelled + r.upstream_error + r.not_billed
+                       for r in rows) == len(billed)
+            assert round(sum(r.cost for r in rows), 6) == round(sum(e.cost for e in billed), 6)
+    finally:
+        lite.close()
+        pg.close()
+        with psycopg.connect(PG, autocommit=True) as c:
+            c.execute(f"DROP SCHEMA {schema} CASCADE")
