@@ -130,6 +130,8 @@ def test_redis_killed_fails_closed_then_recovers(
     assert set(KEY_LIMITS) <= set(policy_doc(keys)["keys"])
 
 
+@pytest.mark.serial  # a 1 s lease, renewed and then let run out: under four workers'
+# contention its ext_proc orphan event missed its 20 s read once in two runs (not found why)
 @pytest.mark.parametrize("metering", METERING_SOURCES)
 def test_long_stream_keeps_its_lease_and_a_crash_frees_it(tmp_path: Path, metering: str
                                                           ) -> None:

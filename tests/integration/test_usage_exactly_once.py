@@ -89,7 +89,10 @@ def got(url: str, since: str = "", until: str = "") -> dict[str, tuple[int, int,
 
 
 def run(tansu: Service, topic: str, url: str, group: str) -> int:
-    return asyncio.run(consume(tansu.address, topic, url, group, until_caught_up=True))
+    """`group` on this topic only: a group is the broker's, and another test's (a member
+    killed -9 still in it until its session expires) must not hold this one's join."""
+    return asyncio.run(consume(tansu.address, topic, url, f"{group}.{topic}",
+                               until_caught_up=True))
 
 
 def test_a_crash_between_the_db_commit_and_the_offset_commit_is_re_read_and_deduped(
@@ -124,7 +127,7 @@ def test_kill_9_mid_stream_loses_nothing_and_counts_nothing_twice(
     env = {**os.environ, "GATEWAY_USAGE_TOPIC": topic, "PYTHONPATH": os.getcwd()}
     argv = [sys.executable, "-c", "import sys; from gateway.cli import main; sys.exit(main())",
             "usage", "consume", "--kafka", tansu.address,
-            "--db", url, "--group", "g"]
+            "--db", url, "--group", f"g.{topic}"]
     for _ in range(3):  # killed as soon as its first batch is in, three times over
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
@@ -146,8 +149,8 @@ def test_two_consumers_in_one_group_and_a_new_group_on_a_filled_db(
 
     async def both() -> list[int]:
         return list(await asyncio.gather(
-            consume(tansu.address, topic, url, "g", until_caught_up=True),
-            consume(tansu.address, topic, url, "g", until_caught_up=True)))
+            consume(tansu.address, topic, url, f"g.{topic}", until_caught_up=True),
+            consume(tansu.address, topic, url, f"g.{topic}", until_caught_up=True)))
 
     asyncio.run(both())
     assert got(url) == expected(events)
