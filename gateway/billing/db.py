@@ -9,9 +9,10 @@ it neither stalls the consumer nor vanishes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -193,6 +194,25 @@ class UsageDb:
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
         return self.conn.execute(sql.format(p=self.p), args)
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One write transaction, one writer at a time (SQLite: BEGIN IMMEDIATE; PostgreSQL:
+        `_lock`), committed at the end, rolled back on any error."""
+        sqlite = isinstance(self.conn, sqlite3.Connection)
+        if sqlite:
+            self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if not sqlite:
+                self._lock()
+            yield
+        except BaseException:
+            self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
+            raise
+        if sqlite:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.commit()
+
     def _commit(self) -> None:
         if isinstance(self.conn, sqlite3.Connection):
             return
@@ -203,12 +223,7 @@ class UsageDb:
         """One transaction: dedup marks + aggregates for the whole batch, and the batch's
         unreadable records quarantined (each once, however often it is delivered)."""
         new = dup = quarantined = 0
-        sqlite = isinstance(self.conn, sqlite3.Connection)
-        if sqlite:
-            self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            if not sqlite:
-                self._lock()
+        with self._writing():
             for e in events:
                 u = e.usage
                 ended = canonical_time(e.ended_at)
@@ -229,13 +244,6 @@ class UsageDb:
                 cur = self._exec(_REJECT, (r.topic, r.partition, r.offset, r.error,
                                            r.value.hex()))
                 quarantined += cur.rowcount == 1
-        except BaseException:
-            self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
-            raise
-        if sqlite:
-            self.conn.execute("COMMIT")
-        else:
-            self.conn.commit()
         return Ingested(new, dup, quarantined)
 
     def has_events(self) -> bool:
@@ -274,21 +282,9 @@ class UsageDb:
     def mark_read(self, partitions: Sequence[tuple[str, int]]) -> None:
         """These (topic, partition)s were read into this database and the group's offsets
         committed for them: from now on those offsets are this database's."""
-        sqlite = isinstance(self.conn, sqlite3.Connection)
-        if sqlite:
-            self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            if not sqlite:
-                self._lock()
+        with self._writing():
             for topic, partition in sorted(set(partitions)):
                 self._exec(_READ, (topic, partition))
-        except BaseException:
-            self.conn.rollback() if not sqlite else self.conn.execute("ROLLBACK")
-            raise
-        if sqlite:
-            self.conn.execute("COMMIT")
-        else:
-            self.conn.commit()
 
     def unread(self, partitions: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         """Of these (topic, partition)s, those `usage consume` never read into this database
