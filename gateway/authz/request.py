@@ -102,7 +102,7 @@ def lax_int(v: Any) -> int | None:
     """A JSON value read as an integer the way pydantic v2 reads an `int` in lax mode (what
     vLLM and SGLang do with `max_tokens`, `n`...): an integer, a float with no fraction
     (10.0), a string of one ("10", " 10 ", "+5", "1_000", "10.0"), true and false as 1 and
-    0; None for what pydantic refuses. tests/unit/test_lax_bool.py holds it to pydantic's
+    0; None for what pydantic refuses. tests/unit/test_lax_int.py holds it to pydantic's
     own TypeAdapter(int). (Read strictly, `"max_tokens": 5000.0` reserved the default and
     Messages answered it 400, while the engine generates up to 5,000.)"""
     t = type(v)
@@ -256,8 +256,7 @@ def sequences(data: dict[str, Any], fanout: tuple[tuple[str, int], ...],
     a completions `prompt` that is a list of strings or of token arrays (each prompt gets
     them all; a flat list of token ids is one prompt). Read as the engine reads it
     (lax_int): a value it refuses reads as 1 (the engine answers 400), none counts above
-    what the API accepts. A few dict
-    lookups: this runs on every request."""
+    what the API accepts. A few dict lookups: this runs on every request."""
     most = 1
     for field, api_max in fanout:
         v = data.get(field)
