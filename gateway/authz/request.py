@@ -91,7 +91,10 @@ def _plain(token: str) -> bool:
     return len(token) <= 512 and token.isprintable() and " " not in token and "," not in token
 
 
-_INT_TEXT = re.compile(r"([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?", re.ASCII)
+# pydantic-core's integer text: leading zeros may carry underscores ("0__1" is 1), other
+# digits single ones between them ("1_000", not "1__0"), then an optional ".0..."
+_INT_TEXT = re.compile(r"([+-]?(?:(?:0[0_]*)?[1-9][0-9]*(?:_[0-9]+)*|0(?:[0_]*0)?))(?:\.0+)?",
+                       re.ASCII)
 # What pydantic-core (Rust's str::trim) trims around a number: Unicode's White_Space, which
 # is not str.strip()'s set (that one adds U+001C..U+001F)
 _WHITE_SPACE = ("\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007"
@@ -113,7 +116,7 @@ def lax_int(v: Any) -> int | None:
     if t is float:
         return int(v) if v.is_integer() and abs(v) < 2**63 else None
     if t is str and len(v) < 64 and (m := _INT_TEXT.fullmatch(v.strip(_WHITE_SPACE))):
-        return int(m.group(1))
+        return int(m.group(1).replace("_", ""))
     return None
 
 
