@@ -92,8 +92,8 @@ class Mode:
     http_duration_s: float
 
 
-QUICK = Mode("quick", rounds=1, warmup_s=0.1, duration_s=0.3, max_calls=20_000,
-             http_warmup_s=0.1, http_duration_s=0.3)
+QUICK = Mode("quick", rounds=1, warmup_s=0.05, duration_s=0.15, max_calls=20_000,
+             http_warmup_s=0.05, http_duration_s=0.15)
 FULL = Mode("full", rounds=3, warmup_s=1.0, duration_s=4.0, max_calls=200_000,
             http_warmup_s=1, http_duration_s=4)
 
@@ -362,8 +362,9 @@ class Bench:
             env |= self.sink_env(backend)
             svc = sidecar_service(free_port(), metrics_port, self.workdir, {**common, **env})
             svc.name = f"sidecar-{backend}"
-            self.procs.start(svc, self.server_cpus)
             sidecars[backend] = (svc, metrics_port)
+        # started together: each start waits for its own port, and those waits overlap
+        self.procs.start_all([svc for svc, _ in sidecars.values()], self.server_cpus)
         # The Sentinels meet (hello messages every 2 s) while the sidecars start: the sentinel
         # sidecar needs only the primary, which every Sentinel is configured with.
         wait_sentinels(watchers)
@@ -440,8 +441,8 @@ class Bench:
         for path, drop in ((PLAIN, WITHOUT_GATEWAY), (AUTHZ_ONLY, WITHOUT_EXT_PROC)):
             envoy = envoy_without(drop, sidecar.address, engine.address, self.workdir,
                                   f"envoy-{path.replace(' ', '-').replace('+', '-')}")
-            self.procs.start(envoy, self.server_cpus)
             envoys[path], ports[path] = envoy, envoy.port
+        self.procs.start_all([envoys[PLAIN], envoys[AUTHZ_ONLY]], self.server_cpus)
 
         bodies = {PLAIN: CHAT_BODY, FULL_PATH: CHAT_BODY, AUTHZ_ONLY: AUTHZ_BODY}
         keys = {PLAIN: self.secret, FULL_PATH: self.secret, AUTHZ_ONLY: self.authz_secret}

@@ -121,6 +121,7 @@ GATEWAY_CPU, OTHER_CPU = 0, 1
 MODEL, MAX_TOKENS = "mock-model", 8
 CONCURRENCY = (1, 8, 32)
 SETTLE_S, REQUEST_TIMEOUT_S = 0.3, 30.0
+QUICK_SETTLE_S = 0.1  # --quick: its CPU figures are not judged, only that it all answers
 WORKLOADS: dict[str, tuple[str, bytes]] = {  # name -> (API path, body)
     "chat": ("/v1/chat/completions", orjson.dumps({
         "model": MODEL, "max_tokens": MAX_TOKENS,
@@ -329,7 +330,7 @@ class Bench:
         finally:
             gc.enable()
         if rnd >= 0 or not self.args.quick:  # --quick: the warm-up settles once, at its end
-            await asyncio.sleep(SETTLE_S)
+            await asyncio.sleep(QUICK_SETTLE_S if self.args.quick else SETTLE_S)
         after, woke_after = self.cpu(), self.wakeups()
         for a in answers:
             if a.request_id and a.status == 200:
@@ -358,7 +359,7 @@ class Bench:
                 for workload in WORKLOADS:
                     await self.phase(session, -1, path, workload, 8, 3)
             if self.args.quick:
-                await asyncio.sleep(SETTLE_S)
+                await asyncio.sleep(QUICK_SETTLE_S)
             before, t0 = self.cpu(), time.perf_counter()
             await asyncio.sleep(self.args.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
@@ -625,7 +626,7 @@ def main() -> int:
                         help="also a whole spoke running REV's sidecar and reference config")
     parser.add_argument("--rounds", type=int, default=None, help="quick 1, full 5")
     parser.add_argument("--requests-c1", type=int, default=None,
-                        help="requests per path per round at c=1 (quick 20, full 200)")
+                        help="requests per path per round at c=1 (quick 10, full 200)")
     parser.add_argument("--requests-c8", type=int, default=None,
                         help="... at c=8 (quick 40, full 800)")
     parser.add_argument("--requests-c32", type=int, default=None,
@@ -641,7 +642,7 @@ def main() -> int:
     parser.add_argument("--rates", default=",".join(map(str, RATES)),
                         help="the sweep's req/s, comma-separated (default: %(default)s)")
     parser.add_argument("--rate-s", type=float, default=None,
-                        help="seconds at each rate (quick 0.5, full 6)")
+                        help="seconds at each rate (quick 0.3, full 6)")
     parser.add_argument("--records-http", dest="records_http", action="store_true",
                         help="the spoke's Envoy sends its records over OTLP/HTTP (with "
                              "--baseline HEAD: the same code's gRPC records beside it)")
@@ -673,14 +674,14 @@ def main() -> int:
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.rates = [int(r) for r in args.rates.split(",")]
-    args.rate_s = args.rate_s or (0.5 if args.quick else 6.0)
+    args.rate_s = args.rate_s or (0.3 if args.quick else 6.0)
     if not set(args.concurrency) <= set(CONCURRENCY):
         parser.error(f"--concurrency: each one of {CONCURRENCY}")
     args.rounds = args.rounds or (1 if args.quick else 5)
-    args.requests_c1 = args.requests_c1 or (20 if args.quick else 200)
+    args.requests_c1 = args.requests_c1 or (10 if args.quick else 200)
     args.requests_c8 = args.requests_c8 or (40 if args.quick else 800)
     args.requests_c32 = args.requests_c32 or (64 if args.quick else 1600)
-    args.idle_s = 0.5 if args.quick else 3.0
+    args.idle_s = 0.2 if args.quick else 3.0
 
     import uvloop
 

@@ -16,7 +16,7 @@ Two paths to one mock engine, measured in one run:
   table adds current/baseline ratios ("ratio m/b"). A baseline without the Messages API
   (no "/v1/messages" in its gateway/endpoints.py) runs the chat phases only.
 
-Workload: streaming chat completions (`api` chat), max_tokens 64 (--quick 24), the engine paced
+Workload: streaming chat completions (`api` chat), max_tokens 64 (--quick 12), the engine paced
 per request by x-mock-ttft-ms (50) and x-mock-tokens-per-s (200), closed loop, in three scenarios:
 `1` (one client), `16` (16 clients that start together, so requests arrive in waves of 16:
 the worst case for a single-threaded sidecar) and `16s` (16 clients whose starts are spread
@@ -329,8 +329,8 @@ class Bench:
         samples = await closed_loop(sessions[path], self.url(path), wl, self.secret, conc,
                                     per_worker, self.args.phase_timeout)
         wall = time.perf_counter() - t0
-        if settle:
-            await asyncio.sleep(0.2)  # let the sidecar's shipper send this phase's events
+        if settle:  # let the sidecar's shipper send this phase's events (--quick: less)
+            await asyncio.sleep(0.05 if self.args.quick else 0.2)
         after = self.cpu()
         for s in samples:
             p = s.problem(wl.max_tokens)
@@ -362,7 +362,7 @@ class Bench:
                                                  self.workload(api), record=False,
                                                  settle=not a.quick)
             if a.quick:
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.05)
             for rnd in range(a.rounds):
                 for conc in a.concurrency:
                     for api in self.apis(conc):
@@ -568,7 +568,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "metering.json"))
     parser.add_argument("--rounds", type=int, default=None, help="quick 1, full 6")
     parser.add_argument("--requests-c1", type=int, default=None,
-                        help="requests per path per round at c=1 (quick 6, full 20)")
+                        help="requests per path per round at c=1 (quick 3, full 20)")
     parser.add_argument("--waves", type=int, default=None,
                         help="requests per client per path per round at c=16 (quick 2, full 6)")
     parser.add_argument("--concurrency", nargs="+", default=["1", "16", "16s"],
@@ -578,7 +578,7 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="REV",
                         help="a third path: a whole spoke whose sidecar and Envoy config are "
                              "git revision REV's, in the same rounds (ratios m/b)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="quick 24, full 64")
+    parser.add_argument("--max-tokens", type=int, default=None, help="quick 12, full 64")
     parser.add_argument("--tokens-per-s", type=float, default=200.0)
     parser.add_argument("--ttft-ms", type=float, default=50.0)
     parser.add_argument("--phase-timeout", type=float, default=60.0)
@@ -588,9 +588,9 @@ def main() -> int:
     parser.add_argument("--keep-workdir", action="store_true")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 6)
-    args.requests_c1 = args.requests_c1 or (6 if args.quick else 20)
+    args.requests_c1 = args.requests_c1 or (3 if args.quick else 20)
     args.waves = args.waves or (2 if args.quick else 6)
-    args.max_tokens = args.max_tokens or (24 if args.quick else 64)
+    args.max_tokens = args.max_tokens or (12 if args.quick else 64)
 
     import uvloop
 

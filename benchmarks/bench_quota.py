@@ -135,15 +135,17 @@ def main() -> int:
     ap.add_argument("--admission-only", dest="admission_only", action="store_true",
                     help="only the admission cost of a global limit (no spokes)")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke test: one round of each, a 500-token quota, 1,000 "
-                         "admissions per variant, a round ends after 2 s of 429s")
+                    help="smoke test: one round of each, a 500-token quota, 300 "
+                         "admissions per variant, the allocator every 0.5 s, a round ends "
+                         "after 1.2 s of 429s")
     args = ap.parse_args()
     # A round ends once every answer for `denied_for` s was a 429: past the allocator's next
     # interval (1 s) and its allowance reaching the follower.
     denied_for, admission_n = 3.0, 3000
     if args.quick:
         args.rounds, args.admission_rounds, args.quota = 1, 1, 500
-        denied_for, admission_n = 2.0, 1000
+        args.interval_s = min(args.interval_s, 0.5)  # shares move twice as often
+        denied_for, admission_n = 1.2, 300
     workdir = Path(tempfile.mkdtemp(prefix="bench-quota-"))
     cost = admission_cost(workdir, args.before, rounds=args.admission_rounds, n=admission_n)
     if args.admission_only:

@@ -107,7 +107,16 @@ from typing import Any
 
 import aiohttp
 import orjson
-from common import envoy_flags, git_state, markdown_table, pin, proc_cpu_s, scan_log, sched_ns
+from common import (
+    envoy_flags,
+    git_state,
+    markdown_table,
+    pin,
+    proc_cpu_s,
+    scan_log,
+    sched_ns,
+    together,
+)
 from streaming import Sample, Workload, closed_loop, pct, serve_one_key
 
 from devspoke.procs import Service, free_port
@@ -130,6 +139,7 @@ SHORT, LONG = 4, 64
 TTFT_MS, TOKENS_PER_S = 20.0, 1000.0  # the engine's pace: first chunk at 20 ms, then 1 ms apart
 PHASES = {"c8x4": ("8", SHORT), "c8x64": ("8", LONG), "c32x64": ("32", LONG)}
 SETTLE_S, PHASE_TIMEOUT_S = 0.3, 60.0
+QUICK_SETTLE_S = 0.1  # --quick: its CPU figures are not judged, only that it all answers
 CLK = os.sysconf("SC_CLK_TCK")
 # For the envoy source: row key -> (what, <= or >=, limit, unit). The Envoy-native design's
 # targets, but the TTFT's: issue 26's (the design's was 1.5 ms).
@@ -180,12 +190,15 @@ class Bench:
             metering, door = SPOKES[source]
             env = ahead | (self.door_env() if source == ENVOY and self.args.door_times
                            else {})
-            spoke = Spoke(workdir=self.workdir / source, listen_port=free_port(),
-                          metering=metering, authz_http=door, sidecar_env=env,
-                          engine_ttft_ms=TTFT_MS, engine_tokens_per_s=TOKENS_PER_S,
-                          records_flush_s=self.args.records_flush_ms / 1e3,
-                          envoy_workers=self.args.envoy_workers)
-            self.spokes[source] = spoke.start()
+            self.spokes[source] = Spoke(
+                workdir=self.workdir / source, listen_port=free_port(), metering=metering,
+                authz_http=door, sidecar_env=env, engine_ttft_ms=TTFT_MS,
+                engine_tokens_per_s=TOKENS_PER_S,
+                records_flush_s=self.args.records_flush_ms / 1e3,
+                envoy_workers=self.args.envoy_workers)
+        # the spokes start together: each start waits for its ports, and the waits overlap
+        together(*(spoke.start for spoke in self.spokes.values()))
+        for spoke in self.spokes.values():
             serve_one_key(spoke, self.secret, limited=not self.args.no_limits)
         ext_proc = self.spokes[EXT_PROC]
         self.plain = envoy_without(WITHOUT_GATEWAY, ext_proc["sidecar"].address,
@@ -316,7 +329,7 @@ class Bench:
                                        per_worker, PHASE_TIMEOUT_S)
         wall = time.perf_counter() - t0
         if rnd >= 0 or not self.args.quick:  # --quick: the warm-up settles once, at its end
-            await asyncio.sleep(SETTLE_S)
+            await asyncio.sleep(QUICK_SETTLE_S if self.args.quick else SETTLE_S)
         after, span = self.cpu(), time.perf_counter() - t0
         for s in samples:
             if s.request_id:  # an answer other than 200 is not metered: its id is kept apart
@@ -339,7 +352,7 @@ class Bench:
                 for kind in PHASES:
                     await self.phase(sessions, -1, path, kind, 1)
             if a.quick:
-                await asyncio.sleep(SETTLE_S)
+                await asyncio.sleep(QUICK_SETTLE_S)
             before, t0 = self.cpu(), time.perf_counter()
             await asyncio.sleep(a.idle_s)
             after, wall = self.cpu(), time.perf_counter() - t0
@@ -640,7 +653,7 @@ def main() -> int:
     args.rounds = args.rounds or (1 if args.quick else 8)
     args.per_worker_c8 = args.per_worker_c8 or (3 if args.quick else 20)
     args.per_worker_c32 = args.per_worker_c32 or (1 if args.quick else 8)
-    args.idle_s = 0.5 if args.quick else 3.0
+    args.idle_s = 0.2 if args.quick else 3.0
     admission = ("none (--no-limits)" if args.no_limits
                  else "three tiers, limits too high to trip")
 
@@ -660,10 +673,14 @@ def main() -> int:
               f"{args.records_flush_ms:g} ms; {args.envoy_workers} Envoy worker(s) each; "
               f"{redis_at}", flush=True)
         uvloop.run(bench.measure())
+
+        async def read_backs() -> list[dict[str, Any]]:  # each spoke's topic, at once
+            return await asyncio.gather(*(
+                check_topic(spoke.kafka_bootstrap, bench.sent[source], set(bench.sent[PLAIN]),
+                            set(bench.refused), 30.0) for source, spoke in bench.spokes.items()))
+
+        checks = dict(zip(bench.spokes, uvloop.run(read_backs()), strict=True))
         for source, spoke in bench.spokes.items():
-            checks[source] = uvloop.run(check_topic(spoke.kafka_bootstrap, bench.sent[source],
-                                                    set(bench.sent[PLAIN]), set(bench.refused),
-                                                    30.0))
             logs[source] = scan_log(spoke["sidecar"].log_path, 0)
         bench.problem_sample += explain(bench)[:10]
     finally:

@@ -67,8 +67,8 @@ def main() -> int:
             port = free_port()
             argv = [sys.executable, str(HERE / "stage_server.py"), str(port), stage,
                     str(policy_file), redis_url]
-            servers[stage] = procs.start(Service(f"stage-{stage}", argv, port, workdir),
-                                         server_cpus)
+            servers[stage] = Service(f"stage-{stage}", argv, port, workdir)
+        procs.start_all(list(servers.values()), server_cpus)  # their start-ups overlap
         marker = str(uuid.uuid4())
         template = base64.b64encode(check_request(
             secret, body=SMALL_BODY, request_id=marker).SerializeToString()).decode()

@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -149,10 +151,31 @@ class Processes:
         pin(svc.pid, cpus)
         return svc
 
+    def start_all(self, svcs: list[Service], cpus: set[int] | None) -> list[Service]:
+        """Start `svcs` at once (each start waits for its port: the waits overlap), each
+        pinned once it is up; the first failure is raised once all have tried."""
+        self.services += svcs
+
+        def up(svc: Service) -> None:
+            svc.start()
+            pin(svc.pid, cpus)
+
+        together(*(lambda s=svc: up(s) for svc in svcs))
+        return svcs
+
     def stop(self) -> None:
         for svc in reversed(self.services):
             with contextlib.suppress(Exception):
                 svc.stop()
+
+
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run `calls` in threads at once (service starts that each wait for a port, a spoke's
+    whole start); their results in order, or the first exception once all have ended."""
+    with ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+        futures = [pool.submit(call) for call in calls]
+        wait(futures)
+    return [f.result() for f in futures]
 
 
 def sched_ns(pid: int | None) -> tuple[int, int, int] | None:
