@@ -5,7 +5,7 @@ not applied to gRPC ext_authz on a timeout), envoyproxy/ratelimit #462 (fail-ope
 stalls), wasm-shim #372 (the connection dropped instead of an answer). The 503 is in the
 API's JSON shape, as the sidecar's own: Envoy alone answers it with no body. The Envoy
 metering source (the default) only: the ext_proc source keeps Envoy's bare 503
-(gateway/envoyconf/filters.py `local_replies`); its timeout is test_faults.py's."""
+(gateway/envoyconf/filters.py `local_replies`); its timeout is test_sidecar_faults.py's."""
 
 from __future__ import annotations
 

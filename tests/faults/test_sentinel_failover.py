@@ -16,6 +16,7 @@ import orjson
 import pytest
 import redis
 from conftest import LEASE_TTL
+from probes import served
 
 from devspoke.procs import Service
 from devspoke.sentinels import primary_port, wait_sentinels
@@ -85,7 +86,7 @@ def test_primary_killed_under_load_then_back_as_a_replica(
     old = spoke["redis"]
     sidecar_pid = spoke["sidecar"].pid
     load = Load(spoke.base_url, keys["fault"], concurrency=6).start()
-    time.sleep(2)
+    served(load)
     killed = time.monotonic()
     old.kill()  # SIGKILL: no goodbye to the Sentinels or the sidecar
     promoted = _until(lambda: primary_port(spoke.services) != old.port, 20, "a promotion")
