@@ -9,7 +9,7 @@ MSG = [{"role": "user", "content": "hello there"}]
 # `usage consume`'s group session: Tansu holds each JoinGroup for half of it, and a join
 # after another member left waited most of the 6 s default's again (the cron test keeps
 # the default).
-SESSION = ["--session-timeout-s", "1"]
+SESSION = ["--session-timeout-s", "2"]
 
 
 def send_requests(spoke, key: str, n: int) -> set[str]:  # type: ignore[no-untyped-def]
