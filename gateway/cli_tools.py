@@ -247,6 +247,11 @@ def add_tools(sub: Any) -> None:
     p.add_argument("--until-caught-up", dest="until_caught_up", action="store_true",
                    help="stop once the topic has nothing more for this group (cron jobs); "
                         "progress goes to stderr either way")
+    p.add_argument("--session-timeout-s", dest="session_timeout_s", type=positive_seconds,
+                   default=6.0,  # consumer.SESSION_TIMEOUT_S (not imported: aiokafka)
+                   help="Kafka group session: how long a killed consumer's partitions wait "
+                        "for another, and the longest one batch's database write may take; "
+                        "Kafka brokers refuse under 6 by default (default: %(default)s)")
     p.set_defaults(fn=cmd_usage_consume)
     p = usage.add_parser("report", help="requests by outcome, billable tokens (cached "
                                        "included) and cost, per team, key and/or model, per "

@@ -91,7 +91,7 @@ def cmd_usage_consume(args: argparse.Namespace) -> int:
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(consume(bootstrap, topic, args.db, args.group, stop,
-                                args.until_caught_up))
+                                args.until_caught_up, args.session_timeout_s))
     except KafkaError as exc:
         return _kafka_error(bootstrap, exc)
     return 0

@@ -27,26 +27,35 @@ _INT_TYPES = (FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64,
 _PREFIX_BYTES = 64  # of an unreadable value logged: enough to recognise, never a whole one
 
 
+SESSION_TIMEOUT_S = 6.0  # `usage consume --session-timeout-s`'s default
+
+
 def usage_consumer(bootstrap: str, topic: str, group: str | None,
-                   listener: ConsumerRebalanceListener | None = None) -> AIOKafkaConsumer:
+                   listener: ConsumerRebalanceListener | None = None,
+                   session_timeout_s: float = SESSION_TIMEOUT_S) -> AIOKafkaConsumer:
     # earliest + committed offsets (Tansu's ListOffsets(latest) is wrong); its JoinGroup is
-    # held for session/2, so a short session keeps start-up fast.
+    # held for session/2, so a short session keeps start-up fast. The session is also how
+    # long a killed member's partitions wait before another takes them, and the longest a
+    # batch's database write may hold the loop (and so the heartbeats, every session/6).
+    session_ms = round(session_timeout_s * 1000)
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-        auto_offset_reset="earliest", session_timeout_ms=6000, heartbeat_interval_ms=1000,
-        max_poll_records=1000)
+        auto_offset_reset="earliest", session_timeout_ms=session_ms,
+        heartbeat_interval_ms=max(1, session_ms // 6), max_poll_records=1000)
     consumer.subscribe([topic], listener=listener)
     return consumer
 
 
 async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway-billing",
                   stop_when: Callable[[int], bool] | None = None,
-                  until_caught_up: bool = False) -> int:
+                  until_caught_up: bool = False,
+                  session_timeout_s: float = SESSION_TIMEOUT_S) -> int:
     """Aggregate until stopped, until `stop_when(total_new)` says so, or (`until_caught_up`)
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
     from_the_start = _FromTheStartUntilRead(db)
-    consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start)
+    consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start,
+                                                             session_timeout_s)
     try:
         await start_consumer(consumer)
     except BaseException:

@@ -30,8 +30,8 @@ CONCURRENCY = 3  # per spoke: requests in flight at once
 PAST = CONCURRENCY * hub.past_reservation(MAX_TOKENS)  # per spoke
 BOUND = QUOTA + 2 * PAST
 SHORT = 2 * CONCURRENCY * (MAX_TOKENS + 2)  # under-use: up to the requests in flight
-INTERVAL_S = 1.0  # the allocator's
-DENIED_FOR = 4.0  # a load stops once every answer for this long was a 429
+INTERVAL_S = 0.5  # the allocator's
+DENIED_FOR = 2.5  # a load stops once every answer for this long was a 429
 
 
 def allowance(spoke: Spoke, team: str) -> int | None:
