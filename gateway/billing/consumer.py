@@ -54,9 +54,9 @@ async def consume(bootstrap: str, topic: str, db_url: str, group: str = "gateway
     once the topic has nothing more for this group. Returns the new events."""
     db = UsageDb(db_url)
     from_the_start = _FromTheStartUntilRead(db)
-    consumer = from_the_start.consumer = usage_consumer(bootstrap, topic, group, from_the_start,
-                                                             session_timeout_s)
     try:
+        consumer = from_the_start.consumer = usage_consumer(
+            bootstrap, topic, group, from_the_start, session_timeout_s)
         await start_consumer(consumer)
     except BaseException:
         db.close()

@@ -3,6 +3,7 @@ its reason logged. Token counts are integers (proto3 JSON int64: strings), never
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -72,3 +73,28 @@ def test_a_negative_cost_is_quarantined() -> None:
     e["cost"] = -3.5  # it would take money off the team's bill
     got = read_record(record(e))
     assert isinstance(got, Rejected) and "cost" in got.error, got
+
+
+def test_a_consumer_that_cannot_be_built_closes_its_database(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The database opened for a consume is closed when its consumer cannot even be built."""
+    import asyncio
+
+    from gateway.billing import consumer as consumer_mod
+
+    closed: list[bool] = []
+    real = consumer_mod.UsageDb
+
+    class Db(real):  # type: ignore[misc,valid-type]
+        def close(self) -> None:
+            closed.append(True)
+            super().close()
+
+    def broken(*_: object, **__: object) -> None:
+        raise ValueError("no consumer")
+
+    monkeypatch.setattr(consumer_mod, "UsageDb", Db)
+    monkeypatch.setattr(consumer_mod, "usage_consumer", broken)
+    with pytest.raises(ValueError, match="no consumer"):
+        asyncio.run(consumer_mod.consume("127.0.0.1:1", "t", f"sqlite:///{tmp_path / 'u.db'}"))
+    assert closed == [True]
