@@ -68,7 +68,7 @@ async def put(bootstrap: str, topic: str, values: list[bytes]) -> None:
 
 def consume(tansu: Service, db: str, group: str) -> int:
     return gateway(["usage", "consume", "--kafka", tansu.address, "--db", db, "--group", group,
-                    "--until-caught-up"])
+                    "--until-caught-up", "--session-timeout-s", "2"])  # Tansu joins in 1 s
 
 
 def state(url: str) -> tuple[int, int, dict[int, str]]:
