@@ -51,6 +51,15 @@ MAX_BATCH = 256
 LIMIT_CODES = {1: RPS, 2: CONCURRENCY, 3: TPM, 4: TPD, 5: TPMO, 7: GTPD, 8: GTPMO,
                10: HEADROOM}
 VOIDED_CODE, DUPLICATE_CODE = 6, 9
+# How long an admission's record (gw:req:<id>) outlives its last write, at least. The orphan
+# sweep bills an admission from its record; with no record the sweep takes the id out of
+# gw:reqs and returns nothing: no usage event, and its reservation stays on the counters.
+# A sweep runs in every sidecar every third of a lease, but none runs while every sidecar
+# of the spoke is down (a crash loop's back-off, a restart on a loaded machine): three
+# leases were once all the record had, and a killed sidecar that took more than two leases
+# to come back lost its streams' events. Every record is in gw:reqs until a settlement or
+# a sweep deletes it, so this TTL only bounds a leak; a day outlasts any outage.
+RECORD_KEEP_MS = 86_400_000
 
 
 def _lua(name: str) -> str:
@@ -99,7 +108,8 @@ class RedisLimiter(Limiter):
         self.lease_ttl_ms = int(lease_ttl * 1000)
         self.start_ttl_ms = int(first_lease(lease_ttl, start_ttl) * 1000)
         # An admission's record outlives its lease until the orphan sweep can claim it.
-        self.record_ttl_ms = self.lease_ttl_ms * 3 + int(orphan_grace * 1000)
+        self.record_ttl_ms = max(self.lease_ttl_ms * 3 + int(orphan_grace * 1000),
+                                 RECORD_KEEP_MS)
         self._admit = Script(redis, _lua("admit.lua"))
         self._settle = Script(redis, _lua("settle.lua"))
         self._renew = Script(redis, _lua("renew.lua"))

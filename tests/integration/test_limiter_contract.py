@@ -297,6 +297,29 @@ async def test_void_undoes_a_late_admission_in_either_order(redis_url: str) -> N
     await lim.close()
 
 
+async def test_an_orphan_outlives_a_stretch_with_no_sweep(redis_url: str) -> None:
+    """The only sidecar was killed mid-stream and took a while to come back (a crash loop, a
+    loaded machine): the first sweep after it still claims the orphan and bills its last
+    checkpoint. Its record once expired three leases after its last renewal, and the sweep
+    then took its id out of gw:reqs and returned nothing: no event, the reservation kept."""
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=0.2, deadline=SLACK)
+    key = tier("key", "k1", concurrency=1, tokens_per_day=1000)
+    meta = '["k1","t","m","/v1/chat/completions",true]'
+    try:
+        now = time.time()
+        assert isinstance(await lim.admit(AdmitRequest("cut", (key,), 600, now, meta=meta)),
+                          Admitted)
+        await lim.renew(["cut"], time.time(), {"cut": (5, 10)})
+        await asyncio.sleep(1.0)  # five leases: nobody sweeps meanwhile
+        [orphan] = await lim.sweep(time.time())
+        assert (orphan.request_id, orphan.checkpoint, orphan.charged) == ("cut", (5, 10), 15)
+        # 1000 - 15 left for the day: the 600 reserved were given back
+        assert isinstance(await lim.admit(req("next", [key], time.time(), reserve=985)),
+                          Admitted)
+    finally:
+        await lim.close()
+
+
 @pytest.mark.serial  # 0.5 s against a 0.1 s deadline: no room for another worker's load
 async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) -> None:
     """Past its deadline an admission fails closed with StoreInDoubt (the caller then voids
