@@ -73,6 +73,9 @@ TICKETS = Counter(
     "refused by Redis (no headroom), or unbound (taken, then not renamed to the request)",
     ["result"])
 ORPHANS = Counter("gateway_orphans_total", "Admissions the orphan sweep freed and billed")
+ORPHAN_RECORDS_LOST = Counter(
+    "gateway_orphan_records_lost_total",
+    "Admissions the orphan sweep found with their record expired: no usage event was made")
 SPOOL_OLDEST_AGE = Gauge(
     "gateway_usage_spool_oldest_age_seconds",
     "How long the oldest undelivered usage event has waited (Kafka down or slow)",

@@ -208,6 +208,13 @@ class Ledger:
         """Claim (once, across instances) admissions whose lease ran out unsettled: each
         is freed and billed by the store, and ends here as orphaned."""
         orphans = await self._limiter.sweep(now, limit)
+        for o in orphans:
+            if o.lost:
+                metrics.ORPHAN_RECORDS_LOST.inc()
+                log.error("orphan_record_lost", request_id=o.request_id,
+                          why="its record expired before any sidecar swept it: no event, "
+                              "and its reservation stays on the token counters")
+        orphans = [o for o in orphans if not o.lost]
         at = self._clock.now()
         for o in orphans:
             a = self._followed.find(o.request_id) or Admission(Stage.ORPHANED, at)

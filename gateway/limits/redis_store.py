@@ -267,7 +267,8 @@ class RedisLimiter(Limiter):
         dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
         # A ticket nobody took (its sidecar died holding it) is freed with no event: no
         # request existed.
-        return [Orphan(str(dec[i]), str(dec[i + 1]), int(dec[i + 2]), _checkpoint(dec[i + 3]))
+        return [Orphan(str(dec[i]), str(dec[i + 1]), max(0, int(dec[i + 2])),
+                       _checkpoint(dec[i + 3]), lost=int(dec[i + 2]) < 0)
                 for i in range(0, len(dec), 4) if not str(dec[i]).startswith(TICKET)]
 
     async def counters(self, tier_key: str, now: float) -> Counters:

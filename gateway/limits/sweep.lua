@@ -5,6 +5,8 @@
 -- so the customer is charged only what was seen. The caller emits its one usage event.
 -- ARGV[1] now_ms  ARGV[2] limit
 -- Returns a flat list: rid, meta, charged, checkpoint, rid, meta, charged, checkpoint, ...
+-- A claimed id whose record is gone (it outlived its TTL unswept) comes back with charged
+-- -1: nothing is left to bill it from, and the caller says so.
 local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out = {}
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT', 0, limit)) do
@@ -29,6 +31,11 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT'
       out[#out + 1] = rec[4] or ''
       out[#out + 1] = charged
       out[#out + 1] = rec[5] or ''
+    else
+      out[#out + 1] = rid
+      out[#out + 1] = ''
+      out[#out + 1] = -1
+      out[#out + 1] = ''
     end
   end
 end

@@ -50,6 +50,7 @@ class Orphan:
     meta: str
     charged: int
     checkpoint: tuple[int, int] | None = None  # (prompt, completion) seen at the last renewal
+    lost: bool = False  # its record expired before any sweep: nothing to bill it from
 
 
 @dataclass(frozen=True, slots=True)

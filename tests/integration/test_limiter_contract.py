@@ -320,6 +320,24 @@ async def test_an_orphan_outlives_a_stretch_with_no_sweep(redis_url: str) -> Non
         await lim.close()
 
 
+async def test_an_orphan_whose_record_is_gone_is_reported_lost(redis_url: str) -> None:
+    """Past even its record's TTL (or a record deleted by hand) the sweep still claims the
+    id, and says it is lost instead of dropping it without a trace: the ledger logs it and
+    counts it (gateway_orphan_records_lost_total), and bills nothing from it."""
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=0.2, deadline=SLACK)
+    key = tier("key", "k2", concurrency=1, tokens_per_day=1000)
+    try:
+        assert isinstance(await lim.admit(AdmitRequest("gone", (key,), 600, time.time(),
+                                                       meta="[]")), Admitted)
+        await lim.redis.call("DEL", "gw:req:gone")
+        await asyncio.sleep(0.3)
+        [orphan] = await lim.sweep(time.time())
+        assert (orphan.request_id, orphan.lost, orphan.charged) == ("gone", True, 0)
+        assert await lim.sweep(time.time()) == []  # claimed once
+    finally:
+        await lim.close()
+
+
 @pytest.mark.serial  # 0.5 s against a 0.1 s deadline: no room for another worker's load
 async def test_a_stalled_redis_fails_admissions_at_the_deadline(tmp_path: Path) -> None:
     """Past its deadline an admission fails closed with StoreInDoubt (the caller then voids

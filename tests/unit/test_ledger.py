@@ -21,10 +21,12 @@ from gateway.limits.types import (
     AdmitRequest,
     Admitted,
     Ending,
+    Orphan,
     Release,
     Settle,
     Void,
 )
+from gateway.log import configure
 from gateway.policy.model import LimitSpec, TierLimit
 
 SLOT = TierLimit("key", "k", LimitSpec(concurrency=1, tokens_per_day=10_000))
@@ -176,6 +178,28 @@ async def test_an_orphaned_admission_goes_to_the_sweep_at_once(
         [orphan] = await ledger.sweep(clock.now(), 100)  # no need to wait for its lease
         assert (orphan.request_id, orphan.charged) == ("lost", 30)
         assert lim.ended() == [Abandon("lost")]
+    finally:
+        await ledger.stop()
+
+
+async def test_an_orphan_whose_record_is_gone_is_logged_and_counted_not_billed(
+        lim: Store, clock: FakeClock, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The store claimed an id whose record had expired: no event can be made, so the
+    ledger says so (an error line, a counter) and hands the recorder nothing for it."""
+    configure("info", cache=False)
+    ledger = ledger_of(lim, clock)
+
+    async def store_sweep(now: float, limit: int = 100) -> list[Orphan]:
+        return [Orphan("gone", "", 0, None, lost=True), Orphan("kept", "[]", 3)]
+
+    monkeypatch.setattr(lim, "sweep", store_sweep)
+    before = REGISTRY.get_sample_value("gateway_orphan_records_lost_total") or 0
+    try:
+        assert [o.request_id for o in await ledger.sweep(clock.now(), 100)] == ["kept"]
+        assert REGISTRY.get_sample_value("gateway_orphan_records_lost_total") == before + 1
+        err = capsys.readouterr().err
+        assert "orphan_record_lost" in err and "gone" in err
     finally:
         await ledger.stop()
 
