@@ -69,6 +69,7 @@ class AllowanceFollower:
         self.state = FollowerState()
         export(self.state)  # on /metrics from the start: Kafka not yet answered
         self._latest: dict[str, Any] | None = None  # newest allowance message not yet applied
+        self._taken: dict[str, Any] | None = None  # the message of `state.generation`
         self._report: dict[str, Any] | None = None  # newest report not yet sent
         self._retry_at = 0.0  # the store failed: not before then
 
@@ -142,6 +143,7 @@ class AllowanceFollower:
         if applied is None:  # an older generation than the one held
             return None
         self.state.generation, self.state.applied_at, self.state.error = gen, time.time(), ""
+        self._taken = msg
         log.info("quota_allowance_applied", spoke=self.spoke, generation=gen,
                  allowances={f"{a.scope}/{a.period_id}": a.allowance for a in applied})
         return self._message(gen, applied)
@@ -165,8 +167,23 @@ class AllowanceFollower:
 
     async def probe_store(self) -> None:
         """Ask the store whether it answers, so `store_up` goes to 0 when Redis goes away
-        between allowances (most of the time: they come once per allocation)."""
-        await self._held_generation()
+        between allowances (most of the time: they come once per allocation).
+
+        A store that answers with an older generation than the one this follower applied
+        lost its allowances (Redis restarted empty, or from an older snapshot): the last
+        one applied goes back at the next apply. The allocator publishes only when a
+        spoke's allowances change, so without this the spoke would enforce its fallback
+        share, perhaps larger than its allowance, until they next changed."""
+        try:
+            held = await self.store.allowance_generation()
+        except StoreUnavailable as exc:
+            self._failed("store", exc)
+            return
+        self._store_answered()
+        if held < self.state.generation and self._taken is not None and self._latest is None:
+            log.warning("quota_allowances_restored", spoke=self.spoke,
+                        generation=self.state.generation, store_held=held)
+            self._latest = self._taken
 
     def _store_answered(self) -> None:
         self.state.store_up = True

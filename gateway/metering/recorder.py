@@ -50,7 +50,16 @@ class Recorder:
 
     async def run_sweeper(self, interval: float, grace: float = 0.0) -> None:
         """Give every orphaned request (its sidecar died mid-request) its one event, once
-        its lease has been out for `grace` more seconds."""
+        its lease has been out for `grace` more seconds.
+
+        With Envoy-fed metering (a watching ledger) a request outlives its sidecar: after
+        an outage of every sidecar longer than a lease and the grace, the leases of streams
+        Envoy still serves have run out, and only Envoy's next heartbeat renews them. So the
+        first sweep waits as long as the ledger waits for a heartbeat before giving an
+        admission up (`unheard_s`): a stream still heard is not claimed (an orphan event,
+        then its real one under the same id, the consumer keeping the first)."""
+        first = max(interval, self.ledger.unheard_s) if self.ledger.watches else interval
+        await asyncio.sleep(first - interval)
         while True:
             await asyncio.sleep(interval)
             try:
