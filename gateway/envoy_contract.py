@@ -26,12 +26,15 @@ SPLICE_AT = "splice_at"
 SPLICE_CUT = "splice_cut"
 HIDE_USAGE = "hide_usage"
 HIDE_CONTINUOUS = "hide_continuous"
+# The Check itself emitted this request's usage event (a refused HEAD under ext_proc
+# metering: its answer has no body, so no ext_proc stream would): metering emits none.
+METERED = "metered"
 # Every key a Check may write (the HTTP door sends each as a header of this name, and
 # Envoy's `dynamic_metadata_from_headers` lists exactly these).
 METADATA_KEYS = ("request_id", "reserved", "prompt_estimate", "traceparent", SPLICE,
                  SPLICE_AT, SPLICE_CUT, HIDE_USAGE, HIDE_CONTINUOUS, "key_id", "team",
                  "model", "stream", "leased", "endpoint", "stream_options", "include_usage",
-                 "continuous_usage", "cancelled", "denied", "status")
+                 "continuous_usage", "cancelled", "denied", "status", METERED)
 
 # -- what the Lua filter writes (USAGE_NAMESPACE, STREAM_NAMESPACE) ------------------------
 

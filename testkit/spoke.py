@@ -59,7 +59,8 @@ def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
                                                          "tokens_per_minute": 200000}},
         },
         "keys": {},
-        "passthrough": [{"path": "/tokenize", "methods": ["POST"]}],
+        "passthrough": [{"path": "/tokenize", "methods": ["POST"]},
+                        {"path": "/v1/models", "methods": ["HEAD"]}],  # an allowed HEAD
     }
     for key_id, extra in KEY_LIMITS.items():
         entry = {"team": "t1", "sha256": secrets.digest(keys[key_id]).hex()}

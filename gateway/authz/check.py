@@ -100,13 +100,28 @@ def observe_decision(decision: Decision, seconds: float) -> None:
         _ANSWERED.inc()
 
 
-class Check:
-    """One Check: decide, count, log, trace, and answer."""
+class BodilessMeter(Protocol):
+    """Emits the event of a request the Check answered itself whose answer has no body
+    (gateway/metering/recorder.py Recorder.answered_without_body)."""
 
-    def __init__(self, authorizer: Authorizer, tracer: Tracer | None = None) -> None:
+    def answered_without_body(self, md: handoff.Metadata, status: int,
+                              started: float) -> object: ...
+
+
+class Check:
+    """One Check: decide, count, log, trace, and answer.
+
+    `bodiless` (the ext_proc metering source, in a process with a spool): Envoy's local
+    reply to a HEAD has no body, and ext_proc, asked only about bodies (request and
+    response headers SKIP), opens no stream for it, so the Check emits that request's event
+    itself. The Envoy source records every request: None there."""
+
+    def __init__(self, authorizer: Authorizer, tracer: Tracer | None = None,
+                 bodiless: BodilessMeter | None = None) -> None:
         self.authorizer = authorizer
         self.tracing = tracer
         self.denials = DenialLog()  # its line, bounded under a flood
+        self.bodiless = bodiless
 
     async def __call__(self, req: AuthzRequest,
                        call_metadata: Iterable[tuple[str, str | bytes]] | None = None) -> Answer:
@@ -114,8 +129,13 @@ class Check:
         context). Cancelled (Envoy gave up on the Check: its client left, or its timeout
         passed), it undoes whatever the admission took."""
         span = self.span(req, call_metadata)
+        head = req.method == "HEAD" and self.bodiless is not None  # the only extra work
+        started = time.time() if head else 0.0
         decision = await self.decide(req, span)
-        return answer(decision, req, "" if span is None else req.headers.get("traceparent", ""))
+        out = answer(decision, req, "" if span is None else req.headers.get("traceparent", ""))
+        if head and isinstance(out, LocalReply) and self.bodiless is not None:
+            self.bodiless.answered_without_body(out.metadata, out.status, started)
+        return out
 
     async def decide(self, req: AuthzRequest, span: Span | None) -> Decision:
         t0 = time.perf_counter()

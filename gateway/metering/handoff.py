@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.envoy_contract import HIDE_CONTINUOUS, HIDE_USAGE, SPLICE, SPLICE_AT, SPLICE_CUT
+from gateway.envoy_contract import (
+    HIDE_CONTINUOUS,
+    HIDE_USAGE,
+    METERED,
+    SPLICE,
+    SPLICE_AT,
+    SPLICE_CUT,
+)
 from gateway.metering.inject import Injected, Splice
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule, rule_of
 
@@ -47,6 +54,8 @@ class RequestFacts:
     # Refused because another request with this id is in flight: the id, and so the usage
     # event's id, is that request's; this one gets no event of its own (README).
     duplicate: bool = False
+    # The Check emitted its event itself (`metered`): a stream or record of it emits none
+    metered: bool = False
     traceparent: str = ""  # the W3C trace context of a traced request
     splice: Splice | None = None  # what the Check planned to splice into the request
     cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule, as admitted
@@ -105,6 +114,12 @@ def replied(request_id: str, key_id: str, team: str, model: str, endpoint: str,
     return md
 
 
+def metered(md: Metadata) -> None:
+    """Mark a local reply's metadata: the Check emitted its event itself
+    (Recorder.answered_without_body)."""
+    md[METERED] = True
+
+
 # -- read by metering (ext_proc, or Envoy's record) ----------------------------------------
 
 def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> RequestFacts:
@@ -134,6 +149,7 @@ def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> Requ
         continuous_usage=flag("continuous_usage"),
         denied_status=num("status") if "denied" in md else 0,
         duplicate=md.get("denied") == DUPLICATE_ID,
+        metered=flag(METERED),
         traceparent=text("traceparent"),
         splice=Splice(num(SPLICE_AT), num(SPLICE_CUT), text(SPLICE).encode(),
                       Injected(flag(HIDE_USAGE), flag(HIDE_CONTINUOUS)))

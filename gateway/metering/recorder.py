@@ -16,6 +16,7 @@ from gateway.errors import StoreUnavailable
 from gateway.limits.ledger import Ledger
 from gateway.limits.types import Orphan
 from gateway.log import log
+from gateway.metering import handoff
 from gateway.metering.billing import Billed, orphaned, settle
 from gateway.metering.cost import cost
 from gateway.metering.facts import ResponseFacts
@@ -93,6 +94,19 @@ class Recorder:
         """Emit the request's one event (never awaits: safe in a cancelled stream's finally)."""
         return self.emit(facts, settle(facts, response), started,
                          time.time() if ended is None else ended)
+
+    def answered_without_body(self, md: handoff.Metadata, status: int,
+                              started: float) -> UsageEvent | None:
+        """The Check answered a HEAD itself (ext_proc source): Envoy's answer has no body, and
+        ext_proc, asked only about bodies, opens no stream for it, so no stream emits its
+        event. Emitted here, once, and `md` marked `metered` so that a stream or record of
+        it (a config that sends response headers) emits none. A duplicate id: none (the
+        live request's stream bills that id)."""
+        facts = handoff.read(md)
+        if facts.duplicate:
+            return None
+        handoff.metered(md)
+        return self.finish(facts, ResponseFacts(status=status, ended=True), started)
 
     def finish_cut(self, facts: RequestFacts, response: ResponseFacts, started: float,
                    then: Callable[[UsageEvent], None] | None = None,

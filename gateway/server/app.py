@@ -144,7 +144,10 @@ class App:
             ("grpc.http2.max_pings_without_data", 0),
         ]
         self.tracing = tracing_from_env()
-        check = Check(authorizer, self.tracing)  # the one Check, whichever door Envoy uses
+        # the one Check, whichever door Envoy uses; with ext_proc metering it emits the event
+        # of a HEAD it refuses (no body: no ext_proc stream), in a process with a spool
+        check = Check(authorizer, self.tracing, bodiless=None if s.source.records_are_events
+                      else recorder)
         serves_door = bool(s.authz_http_listen) and self.role != "records"
         records = None
         if recorder is not None:

@@ -162,7 +162,9 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 span.end()
 
         def finish(facts: RequestFacts) -> None:
-            if facts.duplicate:  # its id is a live request's, whose stream bills it
+            # its id is a live request's, whose stream bills it; or the Check emitted its
+            # event (a HEAD it answered: a config that sends response headers streams it)
+            if facts.duplicate or facts.metered:
                 if span is not None:
                     span.end()
                 return

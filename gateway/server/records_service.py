@@ -125,7 +125,7 @@ class RecordsService:
         except Exception as exc:  # must not fail the batch (Envoy would retry it forever)
             self._unreadable(attrs, exc)
             return 0
-        if rec is None:
+        if rec is None or rec.facts.metered:  # metered: the Check emitted its event
             return 0
         if (seq := self._seen.get(rec.request_id)) is not None:
             # A batch sent again: answered only once the first send's event is on disk

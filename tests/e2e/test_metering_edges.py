@@ -47,9 +47,11 @@ def _engine_done(spoke: Spoke, timeout: float = 15.0) -> None:
     raise AssertionError(f"the engine still busy: {stats}")
 
 
-def _read_until(bootstrap: str, ids: set[str], last: str, grace: float) -> list[dict]:
-    """The events of `ids`: once all are seen and 0.5 s more brought nothing, or `grace`
-    seconds after the event of `last` (the last request sent), or at 15 s."""
+def _read_until(bootstrap: str, ids: set[str], last: str, grace: float,
+                settle: float = 0.5) -> list[dict]:
+    """The events of `ids`: once all are seen and `settle` more seconds brought nothing (so
+    a duplicate would show), or `grace` seconds after the event of `last` (the last request
+    sent), or at 15 s."""
     out: list[dict] = []
     last_seen: list[float] = []
 
@@ -65,7 +67,7 @@ def _read_until(bootstrap: str, ids: set[str], last: str, grace: float) -> list[
         return ({e["event_id"] for e in out} >= ids
                 or (bool(last_seen) and time.monotonic() - last_seen[0] >= grace))
 
-    asyncio.run(read_topic(bootstrap, keep, done))
+    asyncio.run(read_topic(bootstrap, keep, done, settle=settle))
     return out
 
 
@@ -128,14 +130,10 @@ def test_a_client_gone_before_the_response_headers(spoke: Spoke, keys: dict[str,
     assert e["usage"]["total_tokens"] == "0" and e["usage_source"] == "estimated"
 
 
-def test_head_and_options_on_an_inference_path(spoke: Spoke, keys: dict[str, str],
-                                               request: pytest.FixtureRequest) -> None:
-    """Not an inference call: refused by the Check, one denied event each."""
-    if spoke.metering == "ext_proc":
-        # A HEAD has no body either way, so ext_proc (request and response headers SKIP)
-        # never opens a stream for it, and Envoy sends that source records only for
-        # streams that ended early: no event at all. A design question (report), not fixed.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="no ext_proc stream"))
+def test_head_and_options_on_an_inference_path(spoke: Spoke, keys: dict[str, str]) -> None:
+    """Not an inference call: refused by the Check, one denied event each. A HEAD's answer
+    has no body, so under ext_proc metering no stream sees it (request and response
+    headers SKIP): the Check emits its event itself, and exactly once (2 s settle)."""
     auth = {"authorization": f"Bearer {keys['good']}"}
     ids = {}
     for method in ("HEAD", "OPTIONS"):
@@ -143,6 +141,37 @@ def test_head_and_options_on_an_inference_path(spoke: Spoke, keys: dict[str, str
         assert r.status_code >= 400, (method, r.status_code)
         ids[method] = r.headers["x-request-id"]
     # HEAD's event, if any, comes no later than 3 s after that of OPTIONS, sent after it
-    events = _read_until(spoke.kafka_bootstrap, set(ids.values()), ids["OPTIONS"], grace=3.0)
+    events = _read_until(spoke.kafka_bootstrap, set(ids.values()), ids["OPTIONS"], grace=3.0,
+                         settle=2.0)
     assert len(events) == 2
+    assert sorted(e["event_id"] for e in events) == sorted(ids.values())
     assert all(e["outcome"] == "denied" and e["usage_source"] == "" for e in events)
+    head = next(e for e in events if e["event_id"] == ids["HEAD"])
+    assert (head["status_code"], head["key_id"]) == (404, "good")
+
+
+def test_a_refused_head_without_a_key_gets_its_event_once(spoke: Spoke) -> None:
+    """Refused before any key is known (401): still exactly one denied event."""
+    r = httpx.head(f"{spoke.base_url}/chat/completions")
+    assert r.status_code == 401 and r.content == b""
+    rid = r.headers["x-request-id"]
+    events = _read_until(spoke.kafka_bootstrap, {rid}, rid, grace=3.0, settle=2.0)
+    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events] == [
+        (rid, "denied", 401)]
+
+
+def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str],
+                                        request: pytest.FixtureRequest) -> None:
+    """A HEAD the policy lets through (testkit's passthrough `HEAD /v1/models`): the engine
+    answers 200 with no body, one completed event."""
+    if spoke.metering == "ext_proc":
+        # No body either way: ext_proc (request and response headers SKIP) never opens a
+        # stream, and the Check cannot emit it (the request has not ended). README.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="no ext_proc stream"))
+    r = httpx.head(f"{spoke.base_url}/models",
+                   headers={"authorization": f"Bearer {keys['good']}"})
+    assert r.status_code == 200 and r.content == b""
+    rid = r.headers["x-request-id"]
+    events = _read_until(spoke.kafka_bootstrap, {rid}, rid, grace=3.0, settle=2.0)
+    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events] == [
+        (rid, "completed", 200)]

@@ -114,6 +114,8 @@ def test_every_metadata_key_a_check_writes_is_one_the_door_sends() -> None:
     written = {*handoff.allowed("r", 1, 2, "tp", SPLICE),
                *handoff.caller("k", "t", "m", "/e", True, True, True, True, True),
                *handoff.denied("r", "rps", 429, "k", "t", "m", "/e", "tp"),
+               *(head := handoff.denied("r", "unknown_url", 404, "k", "t", "", "/e")),
+               *(handoff.metered(head) or head),  # a HEAD whose event the Check emitted
                *handoff.replied("r", "k", "t", "m", "/e", "tp")}
     assert written == set(contract.METADATA_KEYS)
 
