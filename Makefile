@@ -15,7 +15,7 @@ run: $(STAMP)
 
 # Eight workers, one test file each at a time (a file's spokes start once, on its worker):
 # most tests wait on servers rather than compute, so on 2 cores eight beat four (the parallel
-# step 5 min 36 s -> 3 min 23 s, ~1.5 cores busy). Under load a killed sidecar's slow restart
+# step 5 min 36 s -> 3 min 24 s, ~1.5 cores busy). Under load a killed sidecar's slow restart
 # once lost an orphan's event (its record expired first: fixed, 2026-12-07). The tests marked
 # `serial` (timing and load judged) then run alone.
 TEST_WORKERS ?= 8
