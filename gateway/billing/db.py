@@ -117,6 +117,11 @@ def canonical_time(text: str) -> str:
     return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+# DESIGN §6's outcomes: the report's request columns. An event with another is quarantined,
+# not billed in no column (its tokens and cost counted, its request nowhere).
+OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
+
+
 def unfit(e: usage_pb2.UsageEvent) -> str:
     """Why `ingest` cannot take an event that parsed ("" if it can): what it keys, bills to
     a day or stores in a NOT NULL column must be there, and fit."""
@@ -136,6 +141,8 @@ def unfit(e: usage_pb2.UsageEvent) -> str:
         return f"cost {e.cost} is not a number"  # NaN is NULL to SQLite
     if e.cost < 0:
         return f"cost {e.cost} is negative"  # it would take money off the totals
+    if e.outcome not in OUTCOMES:  # the report counts each request under one of them
+        return f"outcome {e.outcome[:40]!r} is not one of {', '.join(OUTCOMES)}"
     return ""
 
 

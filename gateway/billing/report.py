@@ -18,12 +18,11 @@ from typing import Any
 
 import orjson
 
-from gateway.billing.db import UsageDb
+from gateway.billing.db import OUTCOMES, UsageDb
 from gateway.endpoints import billed
 from gateway.errors import ReportError
 from gateway.routes import MODELS_PATH
 
-OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
 GROUPS = {"team": "team", "key": "key_id", "model": "model"}
 PERIODS = {"day": 10, "month": 7}  # characters of `ended_at` (RFC 3339, UTC) that name one
 COST_UNITS = 10**9  # an event's cost is rounded to 1e-9 (gateway/metering/cost.py)

@@ -286,6 +286,10 @@ def test_what_ingest_cannot_take_is_unfit() -> None:
     negative.usage.completion_tokens = -5  # would take tokens off the team's totals
     assert "negative" in unfit(negative)
     assert unfit(ev(2**63 - 1)) == ""
+    for outcome in ("", "timeout", "Completed"):  # the report would count its request nowhere
+        assert "outcome" in unfit(ev(1, outcome=outcome)), outcome
+    for outcome in ("completed", "client_cancelled", "upstream_error", "denied"):
+        assert unfit(ev(1, outcome=outcome)) == "", outcome
 
 
 def test_reconcile_lists_quarantined_records_and_exits_1(
