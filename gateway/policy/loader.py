@@ -90,6 +90,7 @@ def _json_twice(text: str | bytes, source: str) -> None:
 
 _INT = "tag:yaml.org,2002:int"
 _FLOAT = "tag:yaml.org,2002:float"
+_NOT_A_NAME = {"tag:yaml.org,2002:bool": "a boolean", "tag:yaml.org,2002:null": "null"}
 _OCTAL = re.compile(r"[-+]?0[0-7_]+")  # PyYAML's (YAML 1.1) octal: 010 is 8
 
 
@@ -107,7 +108,8 @@ def _yaml_meaning(node: yaml.ScalarNode) -> str:
 
 def _yaml_checks(root: yaml.Node, source: str) -> None:
     """What YAML would read without a word as other than written, by path and line: a key
-    given twice in one mapping (the last kept), and YAML 1.1's octal (`010` is 8) and base
+    given twice in one mapping (the last kept), a key YAML 1.1 reads as a boolean or null
+    (a model named `on` or `no`), and YAML 1.1's octal (`010` is 8) and base
     60 (`1:30` is 90) numbers. Keys brought in by a merge (`<<: *anchor`) may be
     overridden: that is what a merge means."""
     problems: list[str] = []
@@ -127,6 +129,11 @@ def _yaml_checks(root: yaml.Node, source: str) -> None:
                     walk(value, path)
                     continue
                 line = key.start_mark.line + 1
+                if (what := _NOT_A_NAME.get(key.tag)) is not None:
+                    read = yaml.safe_load(key.value)
+                    problems.append(f"{_path(path)}: key {key.value!r} is {what} in YAML 1.1 "
+                                    f"({read!r}), not a name: quote it ('{key.value}') "
+                                    f"(line {line})")
                 first = seen.get((key.tag, key.value))
                 if first is None:
                     seen[key.tag, key.value] = line

@@ -480,6 +480,20 @@ def test_a_yaml_1_1_number_that_means_another_is_refused(text: str, path: str,
     assert words in info.value.problems[0] and "line 1" in info.value.problems[0]
 
 
+@pytest.mark.parametrize(("text", "path", "key"), [
+    ("models: {on: {}}", "models", "'on'"),  # YAML 1.1: True, which a name cannot be
+    ("models: {m: {}}\nteams: {t: {models: [m]}}\nkeys: {No: {team: t, sha256: x}}", "keys",
+     "'No'"),
+    ("models: {~: {}}", "models", "'~'"),  # null
+])
+def test_a_name_yaml_1_1_reads_as_a_boolean_or_null_is_refused(text: str, path: str,
+                                                             key: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    problem = next(p for p in info.value.problems if "YAML 1.1" in p)
+    assert problem.startswith(f"{path}: key {key}") and "quote it" in problem, problem
+
+
 def test_plain_and_explicit_numbers_still_read_as_written() -> None:
     doc = parse_doc("teams: {t: {limits: {concurrency: 0, tokens_per_day: 50_000_000, "
                     "tokens_per_minute: 0x10, rps: 0.5}}}")
