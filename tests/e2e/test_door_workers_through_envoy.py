@@ -104,17 +104,23 @@ def test_a_concurrency_limit_holds_across_the_door_and_the_records(
     with httpx.stream("POST", f"{spoke.base_url}/chat/completions", timeout=30,
                       headers={"authorization": f"Bearer {keys['conc1']}",
                                "x-mock-tokens-per-s": "10"},
-                      json={**BODY, "max_tokens": 90, "stream": True}) as slow:
+                      json={**BODY, "max_tokens": 120, "stream": True}) as slow:
         assert slow.status_code == 200
         chunks = slow.iter_bytes()
         next(chunks)  # streaming: the engine has it
+        t0 = time.monotonic()
         rid = slow.headers["x-request-id"]
         refused = [_post(spoke, keys["conc1"], stream=stream) for stream in (True, False)]
+        at = [time.monotonic() - t0] * 2
         assert r.zcard("gw:conc:key:conc1") == 1
-        for _ in range(5):  # 5.5 s of its 9: past its first lease (1 s), a lease (2 s), and
-            time.sleep(1.1)  # the door's giving it up unheard (3 s) and its lease after that
+        # 5.5 s of sleep in its 12 s (a loaded machine's refusals take a while too: with 9 s
+        # the stream once ended before the last): past its first lease (1 s), a lease (2 s),
+        # and the door's giving it up unheard (3 s) and its lease after that
+        for _ in range(5):
+            time.sleep(1.1)
             refused.append(_post(spoke, keys["conc1"], stream=True))
-        assert [code for code, _ in refused] == [429] * 7
+            at.append(time.monotonic() - t0)
+        assert [code for code, _ in refused] == [429] * 7, [f"{s:.2f}" for s in at]
         for _ in chunks:
             pass
     after = []
