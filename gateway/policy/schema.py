@@ -262,6 +262,27 @@ class PolicyDoc(_Strict):
                                     f"`models` ({_some(models)})")
         return problems
 
+    def acl_warnings(self) -> list[str]:
+        """A key whose own ACL shares no model of `models` with its team's: the key narrows
+        the team's ACL (both must allow), so it may use none and every request of it that
+        names a model is refused 403. Not an error: such a key may be pushed on purpose.
+        Disabled keys, and a policy with no models (refused unless asked), are not named."""
+        out = []
+        for key_id, key in self.keys.items():
+            team = self.teams.get(key.team)
+            if key.models is None or team is None or key.disabled or not self.models:
+                continue
+            if not any(_matches(m, team.models) and _matches(m, key.models)
+                       for m in self.models):
+                out.append(f"keys.{key_id}.models {key.models} shares no model with team "
+                           f"{key.team}'s {team.models}: every request of {key_id} for a "
+                           "model will be refused 403")
+        return out
+
+
+def _matches(model: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(model, p) for p in patterns)
+
 
 def _some(names: list[str], most: int = 8) -> str:
     shown = ", ".join(sorted(names)[:most]) or "none"
