@@ -52,6 +52,8 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
             raise  # Redis down: `gateway.cli.main` says so, naming GATEWAY_REDIS_URL
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    for warning in done.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"changes against revision {done.base}:")
     print("\n".join(done.diff.lines()))
     if done.revision is not None:

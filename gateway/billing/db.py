@@ -120,6 +120,11 @@ def canonical_time(text: str) -> str:
 # DESIGN §6's outcomes: the report's request columns. An event with another is quarantined,
 # not billed in no column (its tokens and cost counted, its request nowhere).
 OUTCOMES = ("completed", "client_cancelled", "upstream_error", "denied")
+# Outcomes the gateway emits only for a request a key was admitted for (billing.outcome:
+# no key_id is `denied`): without its key or team, such an event would be billed to team "".
+# Not upstream_error: the orphan sweep bills one for an admission whose stored who-and-what
+# it cannot read (handoff.orphan_facts) with no key or team, and its tokens were charged.
+_OWNED = ("completed", "client_cancelled")
 
 
 def unfit(e: usage_pb2.UsageEvent) -> str:
@@ -143,6 +148,9 @@ def unfit(e: usage_pb2.UsageEvent) -> str:
         return f"cost {e.cost} is negative"  # it would take money off the totals
     if e.outcome not in OUTCOMES:  # the report counts each request under one of them
         return f"outcome {e.outcome[:40]!r} is not one of {', '.join(OUTCOMES)}"
+    if e.outcome in _OWNED and not (e.team and e.key_id):
+        return (f"a {e.outcome} event with no {'team' if not e.team else 'key_id'}: it would "
+                "be billed to no one")
     return ""
 
 

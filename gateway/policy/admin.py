@@ -145,6 +145,7 @@ class Applied:
     diff: Diff
     base: int  # the revision it replaced
     refused: str = ""  # a dry run: why a real apply would be refused
+    warnings: tuple[str, ...] = ()  # accepted, but likely not what was meant
 
 
 async def apply(backend: Backend, text: bytes, source: str, *, prune: bool = False,
@@ -168,11 +169,12 @@ async def apply(backend: Backend, text: bytes, source: str, *, prune: bool = Fal
         doc = doc.model_copy(update={"revision": None})
     change = diff(old, doc)
     refused = _refusal(source, old, doc, change, prune=prune, allow_empty=allow_empty)
+    warnings = tuple(doc.acl_warnings())
     if dry_run:
-        return Applied(None, change, base, refused)
+        return Applied(None, change, base, refused, warnings)
     if refused:
         raise ApplyRefused(refused)
-    return Applied(await backend.write(doc, base), change, base)
+    return Applied(await backend.write(doc, base), change, base, warnings=warnings)
 
 
 def empty_refusal(source: str, new: PolicyDoc, old: PolicyDoc | None, *,

@@ -12,34 +12,38 @@ from pydantic import ValidationError
 
 from gateway.errors import PolicyError
 from gateway.policy.model import Policy
-from gateway.policy.schema import PolicyDoc, utc_text
+from gateway.policy.schema import NotANumber, PolicyDoc, utc_text
+
+Scalars = dict[tuple[str, ...], yaml.ScalarNode]  # a YAML document's values by path
 
 
 def _path(loc: tuple[int | str, ...]) -> str:
     return ".".join(str(p) for p in loc) or "(document)"
 
 
-def _read(text: str | bytes, source: str) -> Any:
+def _read(text: str | bytes, source: str) -> tuple[Any, Scalars]:
     """JSON as JSON, anything else as YAML. Not JSON through YAML: YAML 1.1 (PyYAML) refuses
     valid JSON with tab whitespace (Go's MarshalIndent, `jq --tab`) and reads an escaped
     surrogate pair (Python's json.dumps of a non-BMP character) as two lone surrogates.
     A key given twice in one mapping is refused in both: each would keep the last silently
     (a second `limits:` dropping the first's rps; a section appended at the end replacing
-    the whole first one)."""
+    the whole first one). With the data, a YAML document's scalars by path (JSON: none),
+    for errors to name their line."""
     try:
         data = orjson.loads(text)
     except orjson.JSONDecodeError:
         pass
     else:
         _json_twice(text, source)
-        return data
+        return data, {}
     try:
         loader = yaml.SafeLoader(text)
         try:
             node = loader.get_single_node()
-            if node is not None:
-                _yaml_checks(node, source)
-            return loader.construct_document(node) if node is not None else None
+            if node is None:
+                return None, {}
+            scalars = _yaml_checks(node, source)
+            return loader.construct_document(node), scalars
         finally:
             loader.dispose()
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. a timestamp of Feb 30
@@ -106,13 +110,14 @@ def _yaml_meaning(node: yaml.ScalarNode) -> str:
     return ""
 
 
-def _yaml_checks(root: yaml.Node, source: str) -> None:
+def _yaml_checks(root: yaml.Node, source: str) -> Scalars:
     """What YAML would read without a word as other than written, by path and line: a key
     given twice in one mapping (the last kept), a key YAML 1.1 reads as a boolean or null
     (a model named `on` or `no`), and YAML 1.1's octal (`010` is 8) and base
     60 (`1:30` is 90) numbers. Keys brought in by a merge (`<<: *anchor`) may be
-    overridden: that is what a merge means."""
+    overridden: that is what a merge means. Returns the scalars it walked, by path."""
     problems: list[str] = []
+    scalars: Scalars = {}
     done: set[int] = set()  # an alias is its anchor's node: walked once (and never in a loop)
 
     def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
@@ -120,6 +125,7 @@ def _yaml_checks(root: yaml.Node, source: str) -> None:
             return
         done.add(id(node))
         if isinstance(node, yaml.ScalarNode):
+            scalars[path] = node
             if meaning := _yaml_meaning(node):
                 problems.append(f"{_path(path)}: {meaning} (line {node.start_mark.line + 1})")
         elif isinstance(node, yaml.MappingNode):
@@ -150,11 +156,25 @@ def _yaml_checks(root: yaml.Node, source: str) -> None:
     walk(root, ())
     if problems:
         raise PolicyError(problems, source)
+    return scalars
+
+
+def _not_a_number(path: str, error: NotANumber, node: yaml.ScalarNode | None) -> str:
+    """`rps: 10k`: YAML 1.1 reads it as text, which spells no number. Named as written,
+    with its line in YAML, and the number it likely means."""
+    fix = f": write {error.fix}" if error.fix else ""
+    if node is None:  # JSON, or a value YAML reached through an alias
+        return f"{path}: {orjson.dumps(error.text).decode()} is text, not a number{fix}"
+    line = node.start_mark.line + 1
+    if node.style in ("'", '"'):
+        quoted = f"{node.style}{node.value}{node.style}"
+        return f"{path}: {quoted} (line {line}) is text, not a number{fix}"
+    return f"{path}: {node.value} (line {line}) is read by YAML as text, not a number{fix}"
 
 
 def parse_doc(text: str | bytes, source: str = "policy") -> PolicyDoc:
     """Parse and validate; raise PolicyError listing every problem with its path."""
-    data = _read(text, source)
+    data, scalars = _read(text, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -162,7 +182,13 @@ def parse_doc(text: str | bytes, source: str = "policy") -> PolicyDoc:
     try:
         doc = PolicyDoc.model_validate(data)
     except ValidationError as exc:
-        problems = [f"{_path(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        problems = []
+        for e in exc.errors():
+            if isinstance(error := e.get("ctx", {}).get("error"), NotANumber):
+                at = tuple(str(p) for p in e["loc"])
+                problems.append(_not_a_number(_path(e["loc"]), error, scalars.get(at)))
+            else:
+                problems.append(f"{_path(e['loc'])}: {e['msg']}")
         raise PolicyError(problems, source) from exc
     cross = doc.cross_problems()
     if cross:

@@ -10,6 +10,7 @@ import fnmatch
 import math
 import re
 from datetime import datetime
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -47,14 +48,63 @@ Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MAX_COUNT = 2**53 - 1
 
 
-def _not_bool(value: object) -> object:
-    """pydantic reads true as 1, so YAML's `concurrency: yes` (true) was a limit of 1."""
+class NotANumber(ValueError):
+    """Text where a number belongs that spells none (`10k`, `1,000`): `fix` is the number
+    it likely means, "" when none is clear. The loader names its line."""
+
+    def __init__(self, text: str, fix: str) -> None:
+        self.text, self.fix = text, fix
+        super().__init__(f"text {text!r}, not a number" + (f": write {fix}" if fix else ""))
+
+
+_SUFFIX = re.compile(r"([0-9][0-9_]*(?:\.[0-9_]+)?)\s*([kKMGBbT])")
+_SCALE = {"k": 3, "K": 3, "M": 6, "G": 9, "B": 9, "b": 9, "T": 12}
+
+
+def _digits(number: Decimal) -> str:
+    """A finite number as YAML 1.1 and JSON read it alike: `1000000`, `0.0015`."""
+    if number == number.to_integral_value():
+        return str(int(number))
+    return format(number.normalize(), "f")
+
+
+def _spelled(text: str) -> Decimal | None:
+    try:
+        number = Decimal(text.strip())
+    except InvalidOperation:
+        return None
+    return number if number.is_finite() else None
+
+
+def _not_a_number_fix(text: str) -> str:
+    """The number text that spells none likely means: `10k` 10000, `1,000,000` 1000000."""
+    if (m := _SUFFIX.fullmatch(text.strip())) and (n := _spelled(m[1])) is not None:
+        return _digits(n.scaleb(_SCALE[m[2]]))
+    if re.fullmatch(r"\s*[0-9]{1,3}(?:([, ])[0-9]{3})(?:\1[0-9]{3})*\s*", text):
+        return _digits(Decimal(re.sub(r"[, ]", "", text)))
+    return ""
+
+
+def _a_number(value: object) -> object:
+    """pydantic reads true as 1, so YAML's `concurrency: yes` (true) was a limit of 1.
+    Text is read as the number it spells, in every numeric field alike: YAML 1.1 reads
+    `1e6` (no dot, or no sign in the exponent) as text, and pydantic read that text as a
+    float (`rps: 1e6`) but not as an integer (`tokens_per_day: 1e6` was refused, "unable
+    to parse string as an integer"). Text that spells no number (`10k`) is refused by
+    `NotANumber`, with the number it likely means."""
     if isinstance(value, bool):
         raise ValueError(f"a number, not {str(value).lower()}")
+    if isinstance(value, str):
+        number = _spelled(value)
+        if number is None:
+            raise NotANumber(value, _not_a_number_fix(value))
+        if number.adjusted() > 18:  # beyond every range: no billion-digit int from 1e999999999
+            return float(number)
+        return int(number) if number == number.to_integral_value() else float(number)
     return value
 
 
-_NUMBER = BeforeValidator(_not_bool)
+_NUMBER = BeforeValidator(_a_number)
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _NUMBER]
 Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER]
 PerMillion = Annotated[float, Field(ge=0), _NUMBER]
@@ -211,6 +261,27 @@ class PolicyDoc(_Strict):
                     problems.append(f"{path}.{i}: {kind} {pattern!r} matches no model in "
                                     f"`models` ({_some(models)})")
         return problems
+
+    def acl_warnings(self) -> list[str]:
+        """A key whose own ACL shares no model of `models` with its team's: the key narrows
+        the team's ACL (both must allow), so it may use none and every request of it that
+        names a model is refused 403. Not an error: such a key may be pushed on purpose.
+        Disabled keys, and a policy with no models (refused unless asked), are not named."""
+        out = []
+        for key_id, key in self.keys.items():
+            team = self.teams.get(key.team)
+            if key.models is None or team is None or key.disabled or not self.models:
+                continue
+            if not any(_matches(m, team.models) and _matches(m, key.models)
+                       for m in self.models):
+                out.append(f"keys.{key_id}.models {key.models} shares no model with team "
+                           f"{key.team}'s {team.models}: every request of {key_id} for a "
+                           "model will be refused 403")
+        return out
+
+
+def _matches(model: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(model, p) for p in patterns)
 
 
 def _some(names: list[str], most: int = 8) -> str:

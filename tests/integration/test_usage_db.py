@@ -292,6 +292,21 @@ def test_what_ingest_cannot_take_is_unfit() -> None:
         assert unfit(ev(1, outcome=outcome)) == "", outcome
 
 
+def test_an_event_billed_to_no_one_is_unfit() -> None:
+    """A served request's event with no team (or no key_id) was billed to team "". A denied
+    one legitimately has neither (an unknown key), and so may an upstream_error: the orphan
+    sweep's, for an admission whose stored who-and-what it cannot read."""
+    for outcome in ("completed", "client_cancelled"):
+        no_team, no_key = ev(1, team="", outcome=outcome), ev(1, outcome=outcome)
+        no_key.key_id = ""
+        assert unfit(no_team) == f"a {outcome} event with no team: it would be billed to no one"
+        assert unfit(no_key) == f"a {outcome} event with no key_id: it would be billed to no one"
+    for outcome in ("denied", "upstream_error"):
+        nobody = ev(1, team="", outcome=outcome)
+        nobody.key_id = ""
+        assert unfit(nobody) == "", outcome
+
+
 def test_reconcile_lists_quarantined_records_and_exits_1(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from gateway.cli import main

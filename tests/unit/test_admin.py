@@ -302,6 +302,36 @@ def test_an_empty_document_is_refused_unless_asked(tmp_path: Path,
                "--allow-empty") == 0
 
 
+def test_a_key_whose_acl_shares_no_model_with_its_teams_is_applied_with_a_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The key narrows its team's ACL: k1 may use no model, so every request of it naming
+    one is refused 403. It was accepted without a word; it is still accepted (on purpose,
+    perhaps), with a warning naming both ACLs. k2 shares a model, k3 has no ACL of its own,
+    k4 is revoked: none of them is named."""
+    policy, src = tmp_path / "policy.yaml", tmp_path / "in.yaml"
+    src.write_text(f"""
+models: {{gpt-4o: {{}}, llama-3-8b: {{}}}}
+teams: {{t1: {{models: ['llama-*']}}}}
+keys:
+  k1: {{team: t1, sha256: "{SECRET_DIGEST}", models: ['gpt-*']}}
+  k2: {{team: t1, sha256: "{'2' * 64}", models: ['gpt-*', llama-3-8b]}}
+  k3: {{team: t1, sha256: "{'3' * 64}"}}
+  k4: {{team: t1, sha256: "{'4' * 64}", models: [gpt-4o], disabled: true}}
+""")
+    warning = ("warning: keys.k1.models ['gpt-*'] shares no model with team t1's "
+               "['llama-*']: every request of k1 for a model will be refused 403\n")
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--dry-run") == 0
+    out, err = capsys.readouterr()
+    assert err == warning and "dry run: nothing published" in out
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy)) == 0
+    out, err = capsys.readouterr()
+    assert err == warning and "applied revision 1" in out
+    assert "k1" in policy.read_text()
+    src.write_bytes(VALID)  # the fixture's keys share their teams' models: no warning
+    assert cli("policy", "apply", str(src), "--policy-file", str(policy), "--prune") == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_keys_made_with_keys_create_are_not_dropped_silently(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     policy, src = tmp_path / "policy.yaml", tmp_path / "in.yaml"

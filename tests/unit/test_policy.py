@@ -500,3 +500,45 @@ def test_plain_and_explicit_numbers_still_read_as_written() -> None:
     assert doc.teams["t"].limits == Limits(concurrency=0, tokens_per_day=50_000_000,
                                            tokens_per_minute=16, rps=0.5)
     assert parse_doc('{"teams": {"t": {"limits": {"concurrency": 10}}}}')  # JSON has no octal
+
+
+@pytest.mark.parametrize("written", ["1e6", "'1e6'", '"1e+6"', "1.0e6", "1_000_000",
+                                     "'1000000'", "1.0e+6"])
+def test_a_number_yaml_1_1_reads_as_text_is_the_number_it_spells(written: str) -> None:
+    """YAML 1.1 reads `1e6` (no dot, or no sign in its exponent) as text: pydantic read that
+    as a float (`rps: 1e6`) but refused it as an integer ("unable to parse string as an
+    integer"). Every numeric field reads it alike now, quoted or not."""
+    doc = parse_doc(f"models:\n  m1: {{limits: {{rps: {written}}}}}\nteams:\n"
+                    f"  t1: {{models: ['*'], limits: {{tokens_per_day: {written}}}}}\n")
+    assert doc.teams["t1"].limits.tokens_per_day == 1_000_000
+    assert doc.models["m1"].limits.rps == 1e6
+    assert parse_doc('{"teams": {"t": {"limits": {"tokens_per_day": "1e6", "rps": 1e6}}}}'
+                     ).teams["t"].limits == Limits(tokens_per_day=1_000_000, rps=1e6)
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("teams:\n  t1:\n    limits: {tokens_per_day: 10k}\n",
+     "teams.t1.limits.tokens_per_day: 10k (line 3) is read by YAML as text, not a number: "
+     "write 10000"),
+    ("teams:\n  t1:\n    limits:\n      rps: 1.5M\n",
+     "teams.t1.limits.rps: 1.5M (line 4) is read by YAML as text, not a number: write 1500000"),
+    ("teams: {t: {global_limits: {tokens_per_month: '2B'}}}",
+     "teams.t.global_limits.tokens_per_month: '2B' (line 1) is text, not a number: "
+     "write 2000000000"),
+    ("teams: {t: {limits: {concurrency: \"1,000\"}}}",
+     "teams.t.limits.concurrency: \"1,000\" (line 1) is text, not a number: write 1000"),
+    ("teams: {t: {limits: {rps: fast}}}",
+     "teams.t.limits.rps: fast (line 1) is read by YAML as text, not a number"),
+    ("models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2k}]}}",
+     "models.m.prices.0.output: 2k (line 1) is read by YAML as text, not a number: "
+     "write 2000"),
+    ('{"teams": {"t": {"limits": {"tokens_per_day": "10k"}}}}',
+     'teams.t.limits.tokens_per_day: "10k" is text, not a number: write 10000'),
+])
+def test_text_that_spells_no_number_is_refused_naming_its_line_and_the_fix(
+        text: str, problem: str) -> None:
+    """`tokens_per_day: 10k` was "Input should be a valid integer, unable to parse string as
+    an integer": neither the value, nor its line, nor what to write."""
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text)
+    assert info.value.problems == [problem]
