@@ -55,7 +55,8 @@ def cmd_hub_publish(args: argparse.Namespace) -> int:
         text = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
         revision = run_value(publish(bootstrap, text, args.file, args.target_spoke,
                                       idempotence=s.kafka_idempotence,
-                                      allow_empty=args.allow_empty))
+                                      allow_empty=args.allow_empty,
+                                      warn=lambda w: print(f"warning: {w}", file=sys.stderr)))
     except PolicyError as err:
         print("invalid policy, nothing published:", file=sys.stderr)
         for p in err.problems:

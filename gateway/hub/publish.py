@@ -23,6 +23,7 @@ number. Every publish then lands, the later one last, whatever the interleaving.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -45,15 +46,19 @@ ATTEMPTS = 10  # publishes racing for one number: each round at least one of the
 
 
 async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EVERY_SPOKE,
-                  *, idempotence: bool = True, allow_empty: bool = False) -> int:
+                  *, idempotence: bool = True, allow_empty: bool = False,
+                  warn: Callable[[str], None] | None = None) -> int:
     """Validate `text` (PolicyError, naming the path; ApplyRefused if it has no models or no
     keys and not `allow_empty`: nothing published) and put it on the feed for `spoke` (`*`:
-    every spoke without its own entry); its revision."""
+    every spoke without its own entry); its revision. `warn` is told, before anything is
+    published, what is accepted but likely not meant (a key that may use no model)."""
     if spoke != feed.EVERY_SPOKE and (not spoke.strip() or "/" in spoke):
         # GATEWAY_SPOKE's own rules: no spoke could follow such a key
         raise ValueError(f"--spoke: a spoke id (not blank, no '/'), or * for every spoke; "
                          f"got {spoke!r}")
     doc = parse_doc(text, source)
+    for warning in doc.acl_warnings() if warn is not None else ():
+        warn(warning)
     if refused := empty_refusal(source, doc, None, allow_empty=allow_empty):
         raise ApplyRefused(refused)  # before Kafka is asked
     data = to_data(doc)

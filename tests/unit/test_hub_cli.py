@@ -104,3 +104,18 @@ def test_hub_publish_refuses_a_document_without_models_or_keys_unless_allow_empt
     assert capsys.readouterr().out == "published revision 1 for spoke *\n"
     entry = feed.parse_value(feed.latest(hub_feed.records[POLICY_TOPIC])["*"])
     assert entry.revision == 1 and entry.policy == to_data(parse_doc(text.encode(), "p"))
+
+
+def test_hub_publish_warns_of_a_key_whose_acl_shares_no_model_with_its_teams(
+        hub_feed: _Feed, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As `policy apply`: the key may use no model (it narrows its team's ACL), so every
+    request of it naming one is refused 403. Published all the same, with the warning."""
+    doc = tmp_path / "p.yaml"
+    doc.write_text("models: {gpt-4o: {}, llama-3-8b: {}}\n"
+                   "teams: {t1: {models: ['llama-*']}}\n"
+                   "keys: {k1: {team: t1, sha256: '" + "1" * 64 + "', models: ['gpt-*']}}\n")
+    assert main(["hub", "publish", str(doc), "--bootstrap", "hub:9092"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ("warning: keys.k1.models ['gpt-*'] shares no model with team t1's "
+                   "['llama-*']: every request of k1 for a model will be refused 403\n")
+    assert out == "published revision 1 for spoke *\n"
