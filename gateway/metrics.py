@@ -33,6 +33,10 @@ SPOOL_UNREADABLE = Counter("gateway_usage_spool_unreadable_total",
                            "Spooled lines that are not an event (sent on as they are)")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
 EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])
+SPOOL_WRITABLE = Gauge(
+    "gateway_usage_spool_writable",
+    "0 while the spool's group commits fail (disk full, read-only, EIO): new requests are "
+    "refused with 503 until one succeeds; else 1", multiprocess_mode="livemin")
 SPOOL_DEPTH = Gauge("gateway_usage_spool_depth", "Events not yet delivered",
                     multiprocess_mode="livesum")
 TOKENS = Counter("gateway_tokens_total", "Tokens metered", ["model", "team", "kind"])
@@ -89,7 +93,8 @@ STORE_UP = Gauge("gateway_limiter_store_up",
 SIDECAR_GAUGES = frozenset((
     "gateway_policy_revision", "gateway_extproc_streams_active", "gateway_ready",
     "gateway_usage_spool_depth", "gateway_admissions_open",
-    "gateway_usage_spool_oldest_age_seconds", "gateway_limiter_store_up"))
+    "gateway_usage_spool_oldest_age_seconds", "gateway_limiter_store_up",
+    "gateway_usage_spool_writable"))
 
 # Hub and spokes (DESIGN §10)
 STATUS_SEND_ERRORS = Counter(

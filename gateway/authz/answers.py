@@ -303,6 +303,12 @@ def _model(model: str) -> dict[str, object]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "gateway"}
 
 
-def unavailable(message: str) -> Deny:
-    return Deny(503, "service_unavailable", message, "store_unavailable",
-                headers={"retry-after": "1"})
+def unavailable(message: str, reason: str = "store_unavailable") -> Deny:
+    return Deny(503, "service_unavailable", message, reason, headers={"retry-after": "1"})
+
+
+def usage_unrecordable(why: str) -> Deny:
+    """The spool cannot write (disk full, read-only, EIO): a new request's usage could not
+    be recorded, so it is refused as a down limiter store refuses it (fails closed)."""
+    return unavailable(f"Usage cannot be recorded (usage spool not writable: {why}); failing "
+                       "closed.", "spool_unwritable")

@@ -2,8 +2,8 @@
 failure wins (the route rules, and why they are judged on the canonical path: gateway/routes.py).
 
 Cheap checks come first, so an unknown key costs no JSON parse and no Redis call.
-The limiter store failing (down, or past its deadline) is the only way to a 503: fail
-closed, never allow unmetered.
+The limiter store failing (down, or past its deadline), or the usage spool unable to write
+(`gate`), are the only ways to a 503: fail closed, never allow unmetered.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from gateway.metering import handoff, inject
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
 from gateway.routes import Kind, canonical_path, route
+from gateway.sinks.gate import UsageGate
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ class AdmissionSettings:
 
 class Authorizer:
     """`ledger` follows what is admitted here to its end: it is told of each admission that
-    owes the store its end, and of those nobody will act on (`abandon`)."""
+    owes the store its end, and of those nobody will act on (`abandon`). While `gate` is
+    closed (the usage spool cannot write) new requests are refused with 503."""
 
     def __init__(
         self,
@@ -58,12 +60,14 @@ class Authorizer:
         settings: AdmissionSettings = AdmissionSettings(),
         *,
         ledger: Ledger,
+        gate: UsageGate | None = None,
     ) -> None:
         self._policy = policy
         self._limiter = limiter
         self._clock = clock
         self._settings = settings
         self._ledger = ledger
+        self._gate = gate if gate is not None else UsageGate()
         self._callers = Callers()  # what every allowed request of a key and model carries
 
     async def check(self, req: AuthzRequest) -> Decision:
@@ -122,6 +126,8 @@ class Authorizer:
             s.default_completion_tokens, s.reserve_cap, endpoint is None or endpoint.generates
         ) if billed else 0
         tiers = policy.tiers_for(facts.model, key)
+        if self._gate.closed:  # its usage could not be recorded: refused as it stands
+            return _who(answers.usage_unrecordable(self._gate.reason), key, facts.model, facts)
         verdict: Verdict = Admitted()  # no limits: nothing to admit, nothing owed
         if tiers and not req.request_id:  # its slots and its event would have no name
             return _who(answers.bad_request(

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
@@ -36,6 +36,7 @@ from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.gc_tuning import tune_gc_after_startup
 from gateway.server.records_service import RecordsService
 from gateway.settings import Settings
+from gateway.sinks.gate import UsageGate
 from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
@@ -77,6 +78,13 @@ class App:
     store_up: bool = False
     reporter: StatusReporter | None = None  # to the hub, when it has a Kafka
     recorder: Recorder | None = None  # the usage events (not in a door process)
+    # Closed while usage cannot be written (the spool's, or in a door process any records
+    # process's, group commits fail): the Check refuses new requests, /readyz is not ready.
+    gate: UsageGate = field(default_factory=UsageGate)
+    # With GATEWAY_DOOR_WORKERS: one flag per records process in memory shared by all the
+    # workers (gateway/server/workers.py); a records process writes its own, a door process
+    # follows them all. (Shared memory: a file flag could not be made on the full disk.)
+    shared_gate: SharedGate | None = None
 
     async def start(self, serve_http_endpoints: bool = True) -> None:
         try:
@@ -89,6 +97,8 @@ class App:
     async def _start(self, serve_http_endpoints: bool) -> None:
         s = self.settings
         clock = SystemClock()
+        self.gate.listeners.append(_gate_metric)
+        metrics.SPOOL_WRITABLE.set(1)
         self.instance_id = choose_instance(s.spool_dir, self.instance_id)
         if s.embedded:
             if s.policy_file is None:
@@ -123,6 +133,8 @@ class App:
         door_only = self.role == "door"
         recorder = self.recorder = (None if door_only
                                     else self._start_usage_pipeline(self.ledger))
+        if self.shared_gate is not None:  # after the spool opened: it can write
+            self.shared_gate.follow(self.gate, door_only, self.tasks)
         if door_only:  # no spool to watch; whether Redis answers still goes to the hub
             self.tasks.append(asyncio.create_task(self._watch([])))
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
@@ -136,7 +148,7 @@ class App:
             reserve_cap=s.reserve_cap_tokens,
             continuous_models=s.continuous_models,
             concurrency_grace_s=s.concurrency_grace_s,
-        ), ledger=self.ledger)
+        ), ledger=self.ledger, gate=self.gate)
         opts = [
             ("grpc.max_receive_message_length", s.max_message_bytes),
             ("grpc.max_send_message_length", s.max_message_bytes),
@@ -194,7 +206,7 @@ class App:
     def _start_usage_pipeline(self, ledger: Ledger) -> Recorder:
         """Spool (ours, plus any a dead instance left behind) → shipper → Kafka or JSONL."""
         s = self.settings
-        self.spool = Spool(s.spool_dir, self.instance_id).open()
+        self.spool = Spool(s.spool_dir, self.instance_id, gate=self.gate).open()
         spools = [self.spool, *orphans(s.spool_dir, self.instance_id)]
         self.producer = (
             KafkaProducer(s.kafka_bootstrap, s.usage_topic, s.kafka_idempotence)
@@ -279,10 +291,13 @@ class App:
         await self.health.set("", status)
 
     async def readyz(self) -> tuple[int, str, bytes]:
-        """Ready = a policy is held and the limiter store answers."""
+        """Ready = a policy is held, usage can be written and the limiter store answers."""
         await self._set_health()
         if self.holder.policy is None:
             return 503, "text/plain", b"no policy loaded\n"
+        if self.gate.closed:
+            return 503, "text/plain", (f"usage spool not writable ({self.gate.reason}): new "
+                                       "requests are refused\n").encode()
         assert self.limiter is not None
         if not await self.limiter.ping():
             return 503, "text/plain", b"limiter store unreachable\n"
@@ -316,6 +331,44 @@ class App:
             await self.limiter.close()
         if self.tracing:
             await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered, ≤ 2 s
+
+
+def _gate_metric(closed: bool) -> None:
+    metrics.SPOOL_WRITABLE.set(0 if closed else 1)
+
+
+class SharedGate:
+    """The records processes' spool states, shared with the door processes: `flags` holds
+    one byte per records process (1: its spool cannot write), `index` is this process's
+    (-1 in a door process). A records process writes its byte when its gate changes; a door
+    process reads them all every POLL_S into its own gate, which its Checks read."""
+
+    POLL_S = 0.05
+
+    def __init__(self, flags: Any, index: int) -> None:
+        self.flags = flags  # multiprocessing.RawArray of unsigned bytes
+        self.index = index
+
+    def follow(self, gate: UsageGate, door: bool, tasks: list[asyncio.Task[None]]) -> None:
+        if door:
+            tasks.append(asyncio.create_task(self._poll(gate)))
+        elif self.index >= 0:
+            flags, i = self.flags, self.index
+            flags[i] = 0  # a restarted records process starts writable (its spool opened)
+
+            def write(closed: bool) -> None:
+                flags[i] = 1 if closed else 0
+            gate.listeners.append(write)
+
+    async def _poll(self, gate: UsageGate) -> None:
+        while True:
+            closed = any(self.flags)
+            if closed != gate.closed:
+                gate.set(closed, "a records process's spool cannot write")
+                (log.error if closed else log.info)(
+                    "spool_admission_closed" if closed else "spool_admission_reopened",
+                    door=True)
+            await asyncio.sleep(self.POLL_S)
 
 
 def _alert(loud: dict[str, float], what: str, bad: bool, now: float, error: str, cleared: str,

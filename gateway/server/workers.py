@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import socket
 import sys
 import tempfile
 from multiprocessing.synchronize import Event as MpEvent
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.errors import ListenError
 from gateway.log import configure, log
@@ -31,10 +32,11 @@ if TYPE_CHECKING:
 CANNOT_LISTEN = 3  # a worker's exit code: its address is taken, so restarting it is futile
 
 
-def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: int) -> None:
+def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: int,
+            spool_flags: Any = None, index: int = -1) -> None:
     import uvloop
 
-    from gateway.server.app import App
+    from gateway.server.app import App, SharedGate
     from gateway.server.gc_tuning import tune_gc_after_startup
 
     configure(settings.log_level)
@@ -42,6 +44,8 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
     async def main() -> None:
         base = settings.instance_id or socket.gethostname()
         app = App(settings, f"{base}-{name}", role)  # stable: a restart keeps its spool
+        if spool_flags is not None:
+            app.shared_gate = SharedGate(spool_flags, index)
         try:
             await app.start(serve_http_endpoints=False)
         except ListenError as exc:  # a restart would fail the same: the supervisor stops
@@ -50,9 +54,10 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
         tune_gc_after_startup()
         stop = stop_on_signals()
         while not stop.is_set() and os.getppid() == parent:
-            # Ready as `App.readyz` is: a policy held and the limiter store answering (as the
-            # watch loop last saw it, every second); else every admission fails closed.
-            ok = app.holder.policy is not None and app.store_up
+            # Ready as `App.readyz` is: a policy held, usage writable and the limiter store
+            # answering (as the watch loop last saw it, every second); else every admission
+            # fails closed.
+            ok = app.holder.policy is not None and not app.gate.closed and app.store_up
             (ready.set if ok else ready.clear)()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -66,10 +71,16 @@ def run_workers(settings: Settings) -> int:
     ctx = mp.get_context("spawn")
     roles = workers_of(settings)
     procs: dict[str, tuple[mp.process.BaseProcess, MpEvent]] = {}
+    # With door processes: one byte per records process, 1 while its spool cannot write,
+    # which the door processes follow (they have no spool; gateway/server/app.py SharedGate)
+    records = [name for name, role in roles.items() if role == "records"]
+    spool_flags = ctx.RawArray(ctypes.c_ubyte, len(records)) if settings.door_workers else None
 
     def spawn(name: str) -> None:
         ready = ctx.Event()
-        p = ctx.Process(target=_worker, args=(settings, name, roles[name], ready, os.getpid()),
+        index = records.index(name) if name in records else -1
+        p = ctx.Process(target=_worker, args=(settings, name, roles[name], ready, os.getpid(),
+                                              spool_flags, index),
                         name=f"gateway-{name}")
         p.start()
         procs[name] = (p, ready)

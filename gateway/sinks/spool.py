@@ -30,6 +30,7 @@ from gateway import metrics
 from gateway.errors import SpoolLocked, SpoolUnusable
 from gateway.log import log
 from gateway.sinks.disk_thread import DiskThread
+from gateway.sinks.gate import UsageGate
 from gateway.sinks.segments import Segments
 
 T = TypeVar("T")
@@ -49,7 +50,8 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 class Spool:
-    def __init__(self, root: Path, instance_id: str, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, root: Path, instance_id: str, segment_bytes: int = SEGMENT_BYTES,
+                 gate: UsageGate | None = None) -> None:
         self.dir = root / instance_id
         self.instance_id = instance_id
         self.files = Segments(self.dir, segment_bytes)
@@ -74,6 +76,9 @@ class Spool:
         self._lock_fd: int | None = None
         self._disk: DiskThread | None = None  # started by the first group commit
         self._lingering: asyncio.Future[None] | None = None  # the writer waiting for company
+        # Closed while a group commit fails, open again at the next that succeeds: the
+        # Check refuses new requests meanwhile (fails closed: nothing unrecorded).
+        self.gate = gate if gate is not None else UsageGate()
 
     # -- opening and recovery ---------------------------------------------------------
 
@@ -230,7 +235,12 @@ class Spool:
             metrics.SPOOL_WRITE_ERRORS.inc()
             log.error("spool_write_failed", dir=str(self.dir), error=repr(exc),
                       events_in_memory=len(self._queue))
+            if self.gate.set(True, exc.strerror or repr(exc)):
+                log.error("spool_admission_closed", dir=str(self.dir), error=repr(exc),
+                          events_in_memory=len(self._queue))
             raise
+        if self.gate.closed and self.gate.set(False):
+            log.info("spool_admission_reopened", dir=str(self.dir), events_written=len(batch))
         self._keep_recent(first, batch)
         self.durable_seq = last
         self.durable.set()
