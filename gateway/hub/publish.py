@@ -57,8 +57,9 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
         raise ValueError(f"--spoke: a spoke id (not blank, no '/'), or * for every spoke; "
                          f"got {spoke!r}")
     doc = parse_doc(text, source)
-    for warning in doc.acl_warnings() if warn is not None else ():
-        warn(warning)
+    if warn is not None:
+        for warning in doc.acl_warnings():
+            warn(warning)
     if refused := empty_refusal(source, doc, None, allow_empty=allow_empty):
         raise ApplyRefused(refused)  # before Kafka is asked
     data = to_data(doc)
