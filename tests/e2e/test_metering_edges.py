@@ -160,14 +160,10 @@ def test_a_refused_head_without_a_key_gets_its_event_once(spoke: Spoke) -> None:
         (rid, "denied", 401)]
 
 
-def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str],
-                                        request: pytest.FixtureRequest) -> None:
+def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str]) -> None:
     """A HEAD the policy lets through (testkit's passthrough `HEAD /v1/models`): the engine
-    answers 200 with no body, one completed event."""
-    if spoke.metering == "ext_proc":
-        # No body either way: ext_proc (request and response headers SKIP) never opens a
-        # stream, and the Check cannot emit it (the request has not ended). README.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="no ext_proc stream"))
+    answers 200 with no body, one completed event. No body either way: under ext_proc
+    metering only the response headers (SEND) open its stream, their end_of_stream ends it."""
     r = httpx.head(f"{spoke.base_url}/models",
                    headers={"authorization": f"Bearer {keys['good']}"})
     assert r.status_code == 200 and r.content == b""
@@ -181,3 +177,26 @@ def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str],
     assert mid in {e["event_id"] for e in events}  # the topic was read far enough
     assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
             if e["event_id"] == rid] == [(rid, "completed", 200)]
+
+
+@pytest.mark.parametrize(("status", "body"), [(204, b""), (204, b'{"prompt": "a b c"}'),
+                                              (304, b"")])
+def test_a_passthrough_answer_with_no_body_gets_one_event(
+        spoke: Spoke, keys: dict[str, str], status: int, body: bytes) -> None:
+    """A pass-through path (testkit's `POST /tokenize`) the engine answers 204 or 304, with
+    no body, to a request with a body or none: one completed event with that status. Under
+    ext_proc metering, with response headers SKIP, one with no request body opened no
+    stream (no event) and one with a body a stream that never saw its end (a
+    client_cancelled event, status 0)."""
+    r = httpx.post(f"{spoke.base_url.removesuffix('/v1')}/tokenize", content=body,
+                   headers={"authorization": f"Bearer {keys['good']}",
+                            "x-mock-status": str(status)})
+    assert r.status_code == status and r.content == b""
+    rid = r.headers["x-request-id"]
+    marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
+                           headers={"authorization": f"Bearer {keys['good']}"})
+    mid = marker.headers["x-request-id"]
+    events = _read_until(spoke.kafka_bootstrap, {rid, mid}, mid, grace=3.0, settle=2.0)
+    assert mid in {e["event_id"] for e in events}  # the topic was read far enough
+    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
+            if e["event_id"] == rid] == [(rid, "completed", status)]
