@@ -132,8 +132,9 @@ def test_a_client_gone_before_the_response_headers(spoke: Spoke, keys: dict[str,
 
 def test_head_and_options_on_an_inference_path(spoke: Spoke, keys: dict[str, str]) -> None:
     """Not an inference call: refused by the Check, one denied event each. A HEAD's answer
-    has no body, so under ext_proc metering no stream sees it (request and response
-    headers SKIP): the Check emits its event itself, and exactly once (2 s settle)."""
+    has no body: under ext_proc metering the Check emits its event itself, marked `metered`,
+    and the stream its response headers open (SEND off the API's POST routes) emits none:
+    exactly once (2 s settle)."""
     auth = {"authorization": f"Bearer {keys['good']}"}
     ids = {}
     for method in ("HEAD", "OPTIONS"):
@@ -200,3 +201,26 @@ def test_a_passthrough_answer_with_no_body_gets_one_event(
     assert mid in {e["event_id"] for e in events}  # the topic was read far enough
     assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
             if e["event_id"] == rid] == [(rid, "completed", status)]
+
+
+def _response_headers_seen(spoke: Spoke) -> float:
+    text = httpx.get(f"{spoke.metrics_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('gateway_extproc_messages_total{kind="response_headers"'))
+
+
+def test_ext_proc_is_sent_response_headers_but_on_an_api_post(spoke: Spoke,
+                                                              keys: dict[str, str]) -> None:
+    """ext_proc metering: a chat completion's stream has no response_headers message (its
+    route's override, SKIP: no extra message on the inference path), an allowed HEAD's
+    one (the filter's SEND: the stream that gives it its event)."""
+    if spoke.metering != "ext_proc":
+        pytest.skip("ext_proc metering only")
+    auth = {"authorization": f"Bearer {keys['good']}"}
+    before = _response_headers_seen(spoke)
+    r = httpx.post(f"{spoke.base_url}/chat/completions?x=1", headers=auth,
+                   json={"model": "mock-model", "messages": MSG, "max_tokens": 2})
+    assert r.status_code == 200
+    assert _response_headers_seen(spoke) == before
+    assert httpx.head(f"{spoke.base_url}/models", headers=auth).status_code == 200
+    assert _response_headers_seen(spoke) == before + 1
