@@ -7,9 +7,11 @@ and /v1/messages/count_tokens), with Anthropic's usage, events and error shape.
 Per-request headers steer it through Envoy: x-mock-ttft-ms, x-mock-tokens-per-s,
 x-mock-cut-after (die after N tokens with a TCP reset), x-mock-fail-after (die after N tokens
 with a plain close) and x-mock-status (answer that status with an OpenAI-shaped error, or an
-Anthropic-shaped one on /v1/messages*). On /v1/messages only: x-mock-cache-read-tokens and
-x-mock-cache-creation-tokens (how much of the prompt the cache served or stored) and
-x-mock-error-after (after N tokens a stream ends with an `error` event, a plain answer is 529).
+Anthropic-shaped one on /v1/messages*; a 204 or 304 with no body). POST /tokenize is vLLM's
+(the token count of `prompt`, a word a token), steered by x-mock-status too. On
+/v1/messages only: x-mock-cache-read-tokens and x-mock-cache-creation-tokens (how much of
+the prompt the cache served or stored) and x-mock-error-after (after N tokens a stream
+ends with an `error` event, a plain answer is 529).
 x-mock-compress: compress answers the request accepts compressed (Accept-Encoding).
 GET /mock/stats reports what the engine saw; POST /mock/reset zeroes it.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,6 +151,19 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize (not under /v1): the prompt's tokens, a word a token."""
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except ValueError:
+        body = None
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if not isinstance(prompt, str):
+        return mh.error(request, 400, "prompt must be a string")
+    n = mt.words(prompt)
+    return web.json_response({"count": n, "max_model_len": 4096, "tokens": list(range(n))})
+
+
 async def get_stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[mh.STATS].snapshot())
 
@@ -168,6 +184,7 @@ def create_app(config: MockConfig) -> web.Application:
     app.router.add_post("/v1/messages", mock_messages.messages)
     app.router.add_post("/v1/messages/count_tokens", mock_messages.count_tokens)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/mock/stats", get_stats)
     app.router.add_post("/mock/reset", reset_stats)
     return app

@@ -38,8 +38,16 @@ STATS = web.AppKey("stats", MockStats)
 USAGE = web.RequestKey("usage", dict)
 
 
+# The paths x-mock-status and the stats apply to: the API, and vLLM's /tokenize (testkit's
+# policy lets it through as a pass-through path)
+API_PATHS = ("/v1/", "/tokenize")
+NO_BODY = (204, 304)  # statuses whose answer has no body (RFC 9110)
+
+
 def error(request: web.Request, status: int, message: str) -> web.Response:
-    """OpenAI's error shape, or Anthropic's on the Messages API."""
+    """OpenAI's error shape, or Anthropic's on the Messages API; a 204 or 304 has none."""
+    if status in NO_BODY or 100 <= status < 200:
+        return web.Response(status=status)
     if request.path.startswith("/v1/messages"):
         return web.json_response(mt.anthropic_error(status, message), status=status)
     kind = "server_error" if status >= 500 else "invalid_request_error"
@@ -79,7 +87,7 @@ def pace(request: web.Request) -> Pace:
 @web.middleware
 async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Count every API request in and out (even cut or abandoned ones) and map errors."""
-    if not request.path.startswith("/v1/"):
+    if not request.path.startswith(API_PATHS):
         return await handler(request)
     stats = request.app[STATS]
     stats.enter(request.headers)

@@ -112,9 +112,11 @@ class Check:
     """One Check: decide, count, log, trace, and answer.
 
     `bodiless` (the ext_proc metering source, in a process with a spool): Envoy's local
-    reply to a HEAD has no body, and ext_proc, asked only about bodies (request and
-    response headers SKIP), opens no stream for it, so the Check emits that request's event
-    itself. The Envoy source records every request: None there."""
+    reply to a HEAD has no body, and an ext_proc asked only about bodies (response headers
+    SKIP: the shipped configs' modes on the API's POST routes only) opens no stream for it,
+    so the Check emits that request's event itself, marked `metered`: for a HEAD the shipped
+    configs send response headers, and the stream they open for that reply emits none. The
+    Envoy source records every request: None there."""
 
     def __init__(self, authorizer: Authorizer, tracer: Tracer | None = None,
                  bodiless: BodilessMeter | None = None) -> None:

@@ -58,6 +58,7 @@ from datetime import timedelta
 import betterproto2
 import yaml
 
+from gateway.endpoints import ENDPOINTS
 from gateway.envoy_contract import (
     AUTHZ_NAMESPACE,
     CUT_FLAGS,
@@ -80,6 +81,7 @@ from gateway.envoyconf.filters import (
     EXT_PROC,
     ext_authz,
     ext_proc,
+    ext_proc_without_response_headers,
     local_replies,
 )
 from gateway.envoyconf.plain import quiet_imports, to_plain
@@ -112,6 +114,7 @@ with quiet_imports():
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
     from envoy_data_plane.envoy.config.route.v3 import (
+        HeaderMatcher,
         Route,
         RouteAction,
         RouteConfiguration,
@@ -136,6 +139,7 @@ with quiet_imports():
     from envoy_data_plane.envoy.extensions.formatter.req_without_query.v3 import (
         ReqWithoutQuery,
     )
+    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
     from envoy_data_plane.google.protobuf import Any, Struct
 
 HEADER = (
@@ -292,7 +296,7 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
     return HttpConnectionManager(
         tracing=_tracing() if traced else None,
         stat_prefix="ingress",
-        route_config=_route_config(),
+        route_config=_route_config(limits.source),
         http_filters=[
             HttpFilter(name=EXT_AUTHZ, typed_config=Any.pack(
                 ext_authz(limits.authz_timeout, limits.max_request_bytes, limits.authz_http))),
@@ -339,18 +343,31 @@ def _metering_filters(limits: _Limits) -> list[HttpFilter]:
     return filters
 
 
-def _route_config() -> RouteConfiguration:
+def _route_config(source: MeteringSource) -> RouteConfiguration:
     """Everything goes to the engine; `timeout: 0s` because generations outlive 15 s.
     Without the client's Accept-Encoding (the openai SDK asks for gzip): a compressed
-    answer cannot be metered by either source, nor its injected usage hidden."""
-    route = Route(
-        match=RouteMatch(prefix="/"),
-        route=RouteAction(cluster=ENGINE_CLUSTER, timeout=timedelta(0)),
-        request_headers_to_remove=["accept-encoding"],
-    )
+    answer cannot be metered by either source, nor its injected usage hidden.
+
+    With ext_proc metering, a POST to one of the API's paths (gateway/endpoints.py; the
+    query string is not part of the match) has its own route, the same but for ext_proc's
+    response headers, skipped there (`ext_proc_without_response_headers`); every other
+    request (a pass-through path, a HEAD) has them sent, so that an answer with no body
+    still opens a stream and gets its event."""
+    def route(match: RouteMatch, per_filter: dict[str, Any] | None = None) -> Route:
+        return Route(match=match,
+                     route=RouteAction(cluster=ENGINE_CLUSTER, timeout=timedelta(0)),
+                     request_headers_to_remove=["accept-encoding"],
+                     typed_per_filter_config=per_filter or {})
+
+    routes = []
+    if source.ext_proc_filter:
+        post = [HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST"))]
+        skip = {EXT_PROC: Any.pack(ext_proc_without_response_headers())}
+        routes = [route(RouteMatch(path=path, headers=post), skip) for path in ENDPOINTS]
     return RouteConfiguration(
         name="ingress",
-        virtual_hosts=[VirtualHost(name="llm", domains=["*"], routes=[route])],
+        virtual_hosts=[VirtualHost(name="llm", domains=["*"],
+                                   routes=[*routes, route(RouteMatch(prefix="/"))])],
     )
 
 

@@ -31,9 +31,16 @@ in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
   rides on the body message: attributes and forwarded ext_authz metadata), request body
   BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
-  response headers SKIP (one message fewer per request: the status rides as the
-  `response.code` attribute on the first body message, and SSE is recognised by its first
-  bytes), response body
+  response headers SEND, but SKIP on the API's own POST routes (`ExtProcPerRoute`, the
+  routes in gateway/envoyconf/bootstrap.py). SEND makes every answer open a stream: a
+  request with no body whose answer has none either (an allowed HEAD, a pass-through's
+  204/304) opened none with SKIP, and had no usage event; its headers give the status and,
+  from `content-type`, whether it is SSE. On an inference POST, which always has a body (so
+  a stream), SKIP saves a message per request and lets the engine's headers reach the
+  client without a sidecar round trip (with SEND, an engine that dies right after its
+  headers is Envoy's 502 instead of its 200 cut short); there the status rides as the
+  `response.code` attribute on the first body message and SSE is recognised by its first
+  bytes. Response body
   FULL_DUPLEX_STREAMED (every chunk is seen and echoed: blocking, because
   `observability_mode` silently drops streams under load and billing must not lose them;
   full duplex, because it has no per-message timeout, so a slow sidecar can slow a stream
@@ -104,6 +111,8 @@ with quiet_imports():
     )
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
+        ExtProcOverrides,
+        ExtProcPerRoute,
         MetadataOptions,
         MetadataOptionsMetadataNamespaces,
         ProcessingMode,
@@ -258,14 +267,7 @@ def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
         status_on_error=HttpStatus(code=StatusCode.ServiceUnavailable),
         message_timeout=message_timeout,
         max_message_timeout=timedelta(seconds=10),
-        processing_mode=ProcessingMode(
-            request_header_mode=ProcessingModeHeaderSendMode.SKIP,
-            request_body_mode=ProcessingModeBodySendMode.BUFFERED,
-            request_trailer_mode=ProcessingModeHeaderSendMode.SKIP,
-            response_header_mode=ProcessingModeHeaderSendMode.SKIP,
-            response_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
-            response_trailer_mode=ProcessingModeHeaderSendMode.SEND,
-        ),
+        processing_mode=_processing_mode(response_headers=True),
         request_attributes=["request.id", "request.path"],
         response_attributes=["request.id", "response.code"],
         metadata_options=MetadataOptions(
@@ -273,6 +275,27 @@ def ext_proc(message_timeout: timedelta) -> ExternalProcessor:
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[EXTPROC_NAMESPACE]),
         ),
     )
+
+
+def _processing_mode(response_headers: bool) -> ProcessingMode:
+    send, skip = ProcessingModeHeaderSendMode.SEND, ProcessingModeHeaderSendMode.SKIP
+    return ProcessingMode(
+        request_header_mode=skip,
+        request_body_mode=ProcessingModeBodySendMode.BUFFERED,
+        request_trailer_mode=skip,
+        response_header_mode=send if response_headers else skip,
+        response_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
+        response_trailer_mode=send,
+    )
+
+
+def ext_proc_without_response_headers() -> ExtProcPerRoute:
+    """The ext_proc modes of the API's own POST routes (gateway/envoyconf/bootstrap.py): the
+    filter's, but response headers SKIP. Every allowed request there has a body, so its stream
+    opens with it; the engine's headers then go to the client without waiting for the
+    sidecar. A whole mode: Envoy reads an override's unset body mode as NONE."""
+    return ExtProcPerRoute(overrides=ExtProcOverrides(
+        processing_mode=_processing_mode(response_headers=False)))
 
 
 def _sidecar_grpc(timeout: timedelta | None = None) -> GrpcService:

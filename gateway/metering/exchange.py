@@ -51,7 +51,7 @@ class Exchange:
 
     def response_start(self, status: int | None, first: bytes, end: bool = False) -> None:
         """The response's first body bytes, with the status when Envoy sent it along (response
-        headers are skipped: SSE is recognised by its first bytes)."""
+        headers skipped, as on the API's POST routes: SSE is recognised by its first bytes)."""
         if status is not None:
             self.meter.status = status
         head = first[:64].lstrip()[:6]

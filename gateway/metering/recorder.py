@@ -98,10 +98,10 @@ class Recorder:
     def answered_without_body(self, md: handoff.Metadata, status: int,
                               started: float) -> UsageEvent | None:
         """The Check answered a HEAD itself (ext_proc source): Envoy's answer has no body, and
-        ext_proc, asked only about bodies, opens no stream for it, so no stream emits its
-        event. Emitted here, once, and `md` marked `metered` so that a stream or record of
-        it (a config that sends response headers) emits none. A duplicate id: none (the
-        live request's stream bills that id)."""
+        an ext_proc asked only about bodies (response headers SKIP) opens no stream for it.
+        Emitted here, once, and `md` marked `metered` so that a stream or record of it (the
+        shipped configs send a HEAD's response headers: they open a stream) emits none. A
+        duplicate id: none (the live request's stream bills that id)."""
         facts = handoff.read(md)
         if facts.duplicate:
             return None
@@ -116,8 +116,9 @@ class Recorder:
         vs DC) and says so in an access-log record (`told`). The slot is freed now; the
         event waits for that word, or `wait_s`, then is settled with it: upstream_error or
         client_cancelled. (An Envoy without that log, a managed gateway: client_cancelled.)
-        The record's status stands for a stream cut before its first body byte: ext_proc
-        learns the status only with that byte (response headers are skipped)."""
+        The record's status stands for a stream cut before its first body byte: on the
+        API's POST routes ext_proc skips response headers and learns the status only with
+        that byte."""
         rid = facts.request_id
         if facts.leased:
             self.ledger.released(rid)  # its next request must find the slot free

@@ -1,11 +1,13 @@
 """ext_proc Process: one gRPC stream per HTTP request, turned into exactly one usage event.
 
-Modes (envoy/envoy.yaml): request body BUFFERED (one message, where `stream_options` is
-injected), response headers SKIP (the status rides as an attribute; SSE is recognised by
-its first bytes), response body FULL_DUPLEX_STREAMED: every chunk is echoed, so no
-per-message timeout can ever reset a client's stream because the sidecar was slow
-(STREAMED resets it after `message_timeout`; observability mode loses streams). Response
-headers are still handled if a config sends them.
+Modes (envoy/envoy-ext-proc.yaml): request body BUFFERED (one message, where
+`stream_options` is injected), response headers SEND (every answer opens a stream, one with
+no body too: end_of_stream on its headers ends it; the status is `:status`, SSE is told by
+`content-type`) but SKIP on the API's POST routes (the request's body opens the stream; the
+status rides as an attribute on the first body message, SSE is recognised by its first
+bytes), response body FULL_DUPLEX_STREAMED: every chunk is echoed, so no per-message
+timeout can ever reset a client's stream because the sidecar was slow (STREAMED resets it
+after `message_timeout`; observability mode loses streams).
 
 Envoy forwards ext_authz's decision as metadata on every message; only that is trusted.
 The end of a request is certain only from end_of_stream; a client disconnect or upstream
@@ -163,7 +165,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
 
         def finish(facts: RequestFacts) -> None:
             # its id is a live request's, whose stream bills it; or the Check emitted its
-            # event (a HEAD it answered: a config that sends response headers streams it)
+            # event (a HEAD it refused: its response headers open this stream)
             if facts.duplicate or facts.metered:
                 if span is not None:
                     span.end()

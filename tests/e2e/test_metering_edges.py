@@ -132,8 +132,9 @@ def test_a_client_gone_before_the_response_headers(spoke: Spoke, keys: dict[str,
 
 def test_head_and_options_on_an_inference_path(spoke: Spoke, keys: dict[str, str]) -> None:
     """Not an inference call: refused by the Check, one denied event each. A HEAD's answer
-    has no body, so under ext_proc metering no stream sees it (request and response
-    headers SKIP): the Check emits its event itself, and exactly once (2 s settle)."""
+    has no body: under ext_proc metering the Check emits its event itself, marked `metered`,
+    and the stream its response headers open (SEND off the API's POST routes) emits none:
+    exactly once (2 s settle)."""
     auth = {"authorization": f"Bearer {keys['good']}"}
     ids = {}
     for method in ("HEAD", "OPTIONS"):
@@ -160,14 +161,10 @@ def test_a_refused_head_without_a_key_gets_its_event_once(spoke: Spoke) -> None:
         (rid, "denied", 401)]
 
 
-def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str],
-                                        request: pytest.FixtureRequest) -> None:
+def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str]) -> None:
     """A HEAD the policy lets through (testkit's passthrough `HEAD /v1/models`): the engine
-    answers 200 with no body, one completed event."""
-    if spoke.metering == "ext_proc":
-        # No body either way: ext_proc (request and response headers SKIP) never opens a
-        # stream, and the Check cannot emit it (the request has not ended). README.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="no ext_proc stream"))
+    answers 200 with no body, one completed event. No body either way: under ext_proc
+    metering only the response headers (SEND) open its stream, their end_of_stream ends it."""
     r = httpx.head(f"{spoke.base_url}/models",
                    headers={"authorization": f"Bearer {keys['good']}"})
     assert r.status_code == 200 and r.content == b""
@@ -181,3 +178,49 @@ def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str],
     assert mid in {e["event_id"] for e in events}  # the topic was read far enough
     assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
             if e["event_id"] == rid] == [(rid, "completed", 200)]
+
+
+@pytest.mark.parametrize(("status", "body"), [(204, b""), (204, b'{"prompt": "a b c"}'),
+                                              (304, b"")])
+def test_a_passthrough_answer_with_no_body_gets_one_event(
+        spoke: Spoke, keys: dict[str, str], status: int, body: bytes) -> None:
+    """A pass-through path (testkit's `POST /tokenize`) the engine answers 204 or 304, with
+    no body, to a request with a body or none: one completed event with that status. Under
+    ext_proc metering, with response headers SKIP, one with no request body opened no
+    stream (no event) and one with a body a stream that never saw its end (a
+    client_cancelled event, status 0)."""
+    r = httpx.post(f"{spoke.base_url.removesuffix('/v1')}/tokenize", content=body,
+                   headers={"authorization": f"Bearer {keys['good']}",
+                            "x-mock-status": str(status)})
+    assert r.status_code == status and r.content == b""
+    rid = r.headers["x-request-id"]
+    marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
+                           headers={"authorization": f"Bearer {keys['good']}"})
+    mid = marker.headers["x-request-id"]
+    events = _read_until(spoke.kafka_bootstrap, {rid, mid}, mid, grace=3.0, settle=2.0)
+    assert mid in {e["event_id"] for e in events}  # the topic was read far enough
+    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
+            if e["event_id"] == rid] == [(rid, "completed", status)]
+
+
+def _response_headers_seen(spoke: Spoke) -> float:
+    text = httpx.get(f"{spoke.metrics_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('gateway_extproc_messages_total{kind="response_headers"'))
+
+
+def test_ext_proc_is_sent_response_headers_but_on_an_api_post(spoke: Spoke,
+                                                              keys: dict[str, str]) -> None:
+    """ext_proc metering: a chat completion's stream has no response_headers message (its
+    route's override, SKIP: no extra message on the inference path), an allowed HEAD's
+    one (the filter's SEND: the stream that gives it its event)."""
+    if spoke.metering != "ext_proc":
+        pytest.skip("ext_proc metering only")
+    auth = {"authorization": f"Bearer {keys['good']}"}
+    before = _response_headers_seen(spoke)
+    r = httpx.post(f"{spoke.base_url}/chat/completions?x=1", headers=auth,
+                   json={"model": "mock-model", "messages": MSG, "max_tokens": 2})
+    assert r.status_code == 200
+    assert _response_headers_seen(spoke) == before
+    assert httpx.head(f"{spoke.base_url}/models", headers=auth).status_code == 200
+    assert _response_headers_seen(spoke) == before + 1

@@ -26,8 +26,9 @@ from google.rpc import status_pb2
 from devspoke.envoy_proc import envoy_binary, envoy_service
 from devspoke.procs import free_port
 from gateway import cli
+from gateway.endpoints import ENDPOINTS
 from gateway.envoyconf.bootstrap import EXT_AUTHZ, HCM, EnvoyPorts, render
-from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, SIDECAR_CLUSTER
+from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, EXT_PROC, SIDECAR_CLUSTER
 from gateway.settings import METERING_SOURCES, Settings
 from testkit.envoys import access_log_entry
 
@@ -180,6 +181,30 @@ def test_every_route_goes_through_ext_authz_failing_closed(metering: str, door: 
         assert "rds" not in hcm and "scoped_routes" not in hcm, "routes must be inspectable here"
         for where, name, cfg in per_filter_configs(hcm):
             assert not (name == EXT_AUTHZ and cfg.get("disabled")), f"{where} disables ext_authz"
+
+
+def test_ext_proc_sends_response_headers_but_on_the_apis_post_routes() -> None:
+    """Response headers SEND, so an answer with no body to a request with none (an allowed
+    HEAD, a pass-through's 204) still opens a stream; SKIP on a POST to one of the API's
+    paths (always a body: the stream opens with it), in an override that is the filter's
+    mode but for that one field (Envoy reads an override's unset body mode as NONE)."""
+    (hcm,) = hcms(yaml.safe_load(render(random_ports(), metering="ext_proc")))
+    mode = next(f["typed_config"]["processing_mode"] for f in hcm["http_filters"]
+                if f["name"] == EXT_PROC)
+    assert mode["response_header_mode"] == "SEND"
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    *api, last = routes
+    assert last["match"] == {"prefix": "/"} and "typed_per_filter_config" not in last
+    assert [r["match"]["path"] for r in api] == list(ENDPOINTS)
+    for r in api:
+        assert r["match"]["headers"] == [{"name": ":method", "string_match": {"exact": "POST"}}]
+        assert {k: v for k, v in r.items() if k not in ("match", "typed_per_filter_config")} \
+            == {k: v for k, v in last.items() if k != "match"}
+        override = r["typed_per_filter_config"][EXT_PROC]["overrides"]["processing_mode"]
+        assert override == mode | {"response_header_mode": "SKIP"}
+    (envoy_hcm,) = hcms(yaml.safe_load(render(random_ports(), metering="envoy")))
+    assert [r["match"] for r in envoy_hcm["route_config"]["virtual_hosts"][0]["routes"]] == [
+        {"prefix": "/"}]
 
 
 def test_admin_interface_is_loopback_only() -> None:

@@ -69,6 +69,10 @@ def test_the_extension_policy_asks_what_the_rendered_ext_proc_does() -> None:
     mode, want = ext_proc["processingMode"], rendered["processing_mode"]
     assert mode["request"]["body"] == _MODES[want["request_body_mode"]]
     assert mode["response"]["body"] == _MODES[want["response_body_mode"]]
+    # Envoy Gateway sends a direction's headers whenever the policy names that direction:
+    # response headers, as the rendered filter sends them (an answer with no body still
+    # opens a stream; the rendered API POST routes' SKIP has no counterpart there)
+    assert want["response_header_mode"] == "SEND"
     assert mode["request"].get("attributes") == rendered["request_attributes"]
     assert mode["response"].get("attributes") == rendered["response_attributes"]
     options = rendered["metadata_options"]

@@ -284,6 +284,23 @@ async def test_forced_status(client: httpx.AsyncClient) -> None:
     assert isinstance(error["message"], str)
 
 
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_forced_status_with_no_body_has_none(client: httpx.AsyncClient,
+                                                     status: int) -> None:
+    resp = await client.post(CHAT, json={"model": "m"}, headers={"x-mock-status": str(status)})
+    assert (resp.status_code, resp.content) == (status, b"")
+
+
+async def test_tokenize_counts_words_and_takes_a_forced_status(
+        client: httpx.AsyncClient) -> None:
+    """vLLM's /tokenize (testkit's policy lets it through as a pass-through path)."""
+    resp = await client.post("/tokenize", json={"prompt": "a b c"})
+    assert resp.json() == {"count": 3, "max_model_len": 4096, "tokens": [0, 1, 2]}
+    assert (await client.post("/tokenize", content=b"")).status_code == 400
+    forced = await client.post("/tokenize", content=b"", headers={"x-mock-status": "204"})
+    assert (forced.status_code, forced.content) == (204, b"")
+
+
 @pytest.mark.parametrize(
     ("content", "fragment"),
     [(b"{not json", "invalid JSON"), (b'{"messages": []}', "model"), (b"[1]", "object")],
