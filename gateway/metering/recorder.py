@@ -58,11 +58,24 @@ class Recorder:
         Envoy still serves have run out, and only Envoy's next heartbeat renews them. So the
         first sweep waits as long as the ledger waits for a heartbeat before giving an
         admission up (`unheard_s`): a stream still heard is not claimed (an orphan event,
-        then its real one under the same id, the consumer keeping the first)."""
+        then its real one under the same id, the consumer keeping the first).
+
+        A round that comes over half an interval late (the event loop was held: a long GC
+        pause, SIGSTOP, a starved CPU) is skipped: the leases this process renews ran out
+        meanwhile, and the renewals and the streams' messages waiting since go first (a
+        stream claimed here had an orphan event of no tokens, then its real one, kept as
+        the duplicate: billed nothing)."""
         first = max(interval, self.ledger.unheard_s) if self.ledger.watches else interval
         await asyncio.sleep(first - interval)
+        due = time.monotonic() + interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            late, due = now - due, now + interval
+            if late > interval / 2:
+                log.info("orphan_sweep_deferred", late_s=round(late, 3),
+                         why="the event loop was held: renewals first")
+                continue
             try:
                 while True:  # a batch at a time, until the backlog (an Envoy crash's) is done
                     batch = await self.ledger.sweep(time.time() - grace, SWEEP_BATCH)

@@ -70,3 +70,35 @@ async def test_first_sweep_after_an_outage_waits_for_envoys_heartbeats(
         await ledger.stop()
         await lim.close()
         db.close()
+
+
+async def test_a_stream_whose_lease_ran_out_while_the_loop_was_held_is_not_claimed(
+        redis_url: str, tmp_path: Path) -> None:
+    """ext_proc metering: a stream begun here is renewed by this process alone. The event
+    loop held for over a lease (a sidecar paused under load, found by the fault tests: its
+    stream had an orphan event of no tokens, then its real one, which the consumer drops as
+    the duplicate) lets the lease run out; once the loop runs again, the renewal comes
+    before any sweep, and the stream stays held."""
+    lim = RedisLimiter(RespClient(redis_url), lease_ttl=LEASE, start_ttl=LEASE)
+    db = redis.Redis.from_url(redis_url)
+    v = await lim.admit(AdmitRequest("paused", (TIER,), 100, time.time()))
+    assert isinstance(v, Admitted) and v.owes_settlement
+    ledger = Ledger(lim, SystemClock(), LEASE, LEASE)
+    ledger.start()
+    ledger.admitted("paused")
+    ledger.begun("paused", lambda: (10, 5))
+    rec = Sweeps(ledger, tmp_path)
+    sweeper = asyncio.create_task(rec.run_sweeper(LEASE / 3))
+    try:
+        await asyncio.sleep(LEASE)
+        assert rec.claimed == []
+        time.sleep(LEASE * 2)  # the loop held: the lease runs out in Redis
+        assert db.zscore("gw:reqs", "paused") < time.time() * 1000
+        await asyncio.sleep(LEASE)
+        assert rec.claimed == []
+        assert db.zscore("gw:reqs", "paused") > time.time() * 1000  # renewed
+    finally:
+        sweeper.cancel()
+        await ledger.stop()
+        await lim.close()
+        db.close()
