@@ -161,6 +161,18 @@ def test_a_refused_head_without_a_key_gets_its_event_once(spoke: Spoke) -> None:
         (rid, "denied", 401)]
 
 
+def _events_of(spoke: Spoke, keys: dict[str, str], rid: str) -> list[tuple[str, int]]:
+    """The (outcome, status) of each event of `rid`. A refused OPTIONS sent after it (an
+    event on either source) marks how far to read: `rid`'s event, if any, comes no later
+    than 3 s after the OPTIONS's, so a missing one fails fast, not at 15 s."""
+    marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
+                           headers={"authorization": f"Bearer {keys['good']}"})
+    mid = marker.headers["x-request-id"]
+    events = _read_until(spoke.kafka_bootstrap, {rid, mid}, mid, grace=3.0, settle=2.0)
+    assert mid in {e["event_id"] for e in events}  # the topic was read far enough
+    return [(e["outcome"], e["status_code"]) for e in events if e["event_id"] == rid]
+
+
 def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str]) -> None:
     """A HEAD the policy lets through (testkit's passthrough `HEAD /v1/models`): the engine
     answers 200 with no body, one completed event. No body either way: under ext_proc
@@ -168,16 +180,7 @@ def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str]) -> N
     r = httpx.head(f"{spoke.base_url}/models",
                    headers={"authorization": f"Bearer {keys['good']}"})
     assert r.status_code == 200 and r.content == b""
-    rid = r.headers["x-request-id"]
-    # A refused OPTIONS after it (an event on either source): the HEAD's event, if any,
-    # comes no later than 3 s after the OPTIONS's, so a missing one fails fast, not at 15 s.
-    marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
-                           headers={"authorization": f"Bearer {keys['good']}"})
-    mid = marker.headers["x-request-id"]
-    events = _read_until(spoke.kafka_bootstrap, {rid, mid}, mid, grace=3.0, settle=2.0)
-    assert mid in {e["event_id"] for e in events}  # the topic was read far enough
-    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
-            if e["event_id"] == rid] == [(rid, "completed", 200)]
+    assert _events_of(spoke, keys, r.headers["x-request-id"]) == [("completed", 200)]
 
 
 @pytest.mark.parametrize(("status", "body"), [(204, b""), (204, b'{"prompt": "a b c"}'),
@@ -193,14 +196,7 @@ def test_a_passthrough_answer_with_no_body_gets_one_event(
                    headers={"authorization": f"Bearer {keys['good']}",
                             "x-mock-status": str(status)})
     assert r.status_code == status and r.content == b""
-    rid = r.headers["x-request-id"]
-    marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
-                           headers={"authorization": f"Bearer {keys['good']}"})
-    mid = marker.headers["x-request-id"]
-    events = _read_until(spoke.kafka_bootstrap, {rid, mid}, mid, grace=3.0, settle=2.0)
-    assert mid in {e["event_id"] for e in events}  # the topic was read far enough
-    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events
-            if e["event_id"] == rid] == [(rid, "completed", status)]
+    assert _events_of(spoke, keys, r.headers["x-request-id"]) == [("completed", status)]
 
 
 def _response_headers_seen(spoke: Spoke) -> float:
