@@ -52,10 +52,14 @@ async def _stream_all(spoke: Spoke, key: str, n: int) -> list[int]:
         await http.aclose()
 
 
+@pytest.mark.serial
 def test_100_streams_never_exceed_concurrency_4(spoke: Spoke, keys: dict[str, str]) -> None:
-    """100 streams at once on a key limited to 4 in flight: 25x the limit. (200 at once
-    outlasted Envoy's 500 ms ext_authz timeout on a machine 4x slower than usual: up to 84
-    gRPC Checks of a freshly started ext_proc sidecar answered 503 in a full CI run.)"""
+    """100 streams at once on a key limited to 4 in flight: 25x the limit.
+
+    Serial, because how many Checks outlast Envoy's 500 ms ext_authz timeout is a matter of
+    load: alone on 2 cores Envoy saw the burst's Checks take 20 ms (p50) to 58 ms (max), but
+    beside seven other workers' spokes 33 of 100 ext_proc-source Checks timed out (503, fail
+    closed) in a CI run (earlier: 84 of 200 on a freshly started sidecar)."""
     assert asyncio.run(_stream_all(spoke, keys["conc4"], 1)) == [200]  # a warm sidecar
     codes = asyncio.run(_stream_all(spoke, keys["conc4"], 100))
     stats = httpx.get(f"{spoke.engine_url}/mock/stats").json()
