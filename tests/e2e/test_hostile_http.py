@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 
 import httpx
+import pytest
 import redis
 
 from devspoke.stack import Spoke
@@ -28,7 +29,11 @@ def _raw(spoke: Spoke, request: bytes) -> bytes:
         return data
 
 
+@pytest.mark.serial
 def test_body_over_the_limit_is_413_not_403(spoke: Spoke, keys: dict[str, str]) -> None:
+    """Serial: with the gRPC Check the 7 MB body travels in the Check, which alone on 2 cores
+    Envoy saw take up to 36 ms, but beside seven workers' spokes once outlasted its 500 ms
+    ext_authz timeout (503, fail closed) in a full run."""
     big = b'{"model": "mock-model", "messages": [], "pad": "' + b"x" * (9 << 20) + b'"}'
     r = httpx.post(f"{spoke.base_url}/chat/completions", content=big, timeout=30,
                    headers={"authorization": f"Bearer {keys['good']}"})
@@ -36,7 +41,7 @@ def test_body_over_the_limit_is_413_not_403(spoke: Spoke, keys: dict[str, str]) 
     near = b'{"model": "mock-model", "messages": [], "pad": "' + b"x" * (7 << 20) + b'"}'
     r = httpx.post(f"{spoke.base_url}/chat/completions", content=near, timeout=30,
                    headers={"authorization": f"Bearer {keys['good']}"})
-    assert r.status_code == 200  # a long prompt under the limit is served
+    assert r.status_code == 200, r.text  # a long prompt under the limit is served
 
 
 def test_duplicate_and_mixed_case_auth_headers_are_401(spoke: Spoke, keys: dict[str, str]
