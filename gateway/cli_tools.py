@@ -36,7 +36,9 @@ from gateway.policy_commands import (
     cmd_policy_apply,
     cmd_policy_show,
     cmd_policy_status,
+    limit_number,
     limit_value,
+    whole_limit,
 )
 
 
@@ -46,14 +48,6 @@ def _float(text: str) -> float:
         return float(text)
     except ValueError:
         return math.nan
-
-
-def finite_number(text: str) -> float:
-    """A limit flag of `keys create`: a finite number (nan and inf would be published as
-    null, i.e. no limit, said nowhere); its range is the policy's to check."""
-    if not math.isfinite(value := _float(text)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
 
 
 def positive(unit: str) -> Callable[[str], float]:
@@ -166,13 +160,13 @@ def add_tools(sub: Any) -> None:
                    help="1-64 letters, digits or '_' (default: key_ + 8 random hex)")
     p.add_argument("--models", default=None, help="comma-separated globs; narrows the team's")
     p.add_argument("--expires-in", dest="expires_in", default=None, help="e.g. 30d")
-    p.add_argument("--rps", type=finite_number, default=None,
+    p.add_argument("--rps", type=limit_number, default=None,
                    help="requests per second (default: no key-tier limit)")
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--concurrency", type=whole_limit, default=None,
                    help="requests in flight (default: no key-tier limit)")
-    p.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=int, default=None,
+    p.add_argument("--tokens-per-minute", dest="tokens_per_minute", type=whole_limit, default=None,
                    help="prompt + completion tokens, sliding minute (default: no limit)")
-    p.add_argument("--tokens-per-day", dest="tokens_per_day", type=int, default=None,
+    p.add_argument("--tokens-per-day", dest="tokens_per_day", type=whole_limit, default=None,
                    help="prompt + completion tokens per UTC day (default: no limit)")
     store_flags(p)
     p.set_defaults(fn=cmd_keys_create)

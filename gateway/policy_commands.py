@@ -276,18 +276,44 @@ def cmd_keys_enable(args: argparse.Namespace) -> int:
     return _key_edit(args, admin.enable_key, "re-enabled", "is already enabled")
 
 
+def limit_number(text: str, none_removes: bool = False) -> int | float:
+    """A limit flag's number, read as the policy file reads a limit (`1e6` is 1000000, an
+    int). Text that spells none is refused naming it, with the number it likely means
+    (`'10k' is not a number: write 10000`), as `policy apply` refuses it in a file; nan
+    and inf too (they would be published as null, i.e. no limit at all)."""
+    from gateway.policy.schema import NotANumber, read_number
+    finite = f"{text!r} is not a finite number" + (" (`none` removes the limit)"
+                                                   if none_removes else "")
+    try:
+        value = read_number(text)
+    except NotANumber as exc:
+        try:
+            float(text)  # nan, inf: numbers to a float, but no limit can be one
+        except ValueError:
+            fix = f": write {exc.fix}" if exc.fix else ""
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a number{' or `none`' if none_removes else ''}{fix}"
+            ) from None
+        raise argparse.ArgumentTypeError(finite) from None
+    if not math.isfinite(value):  # 1e999: beyond a double
+        raise argparse.ArgumentTypeError(finite)
+    return value
+
+
+def whole_limit(text: str) -> int:
+    """A limit flag counting requests or tokens: a whole number (`1e6`, `2000000`)."""
+    value = limit_number(text)
+    if isinstance(value, float):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return value
+
+
 def limit_value(text: str) -> float | None:
-    """A limit flag's value: a number, or `none` to remove that limit."""
+    """A limit flag's value: a number (as `limit_number` reads it), or `none` to remove
+    that limit."""
     if text.strip().lower() == "none":
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or `none`") from None
-    if not math.isfinite(value):  # nan, inf: published as null, i.e. no limit at all
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number (`none` removes "
-                                         "the limit)")
-    return int(value) if value.is_integer() else value
+    return limit_number(text, none_removes=True)
 
 
 def cmd_keys_update(args: argparse.Namespace) -> int:

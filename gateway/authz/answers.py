@@ -48,20 +48,26 @@ ERROR_TYPES = {
 }
 
 
-# Anthropic's error.type per HTTP status (its SDK picks the exception by status).
+# Anthropic's documented error.type per HTTP status (its API reference, "Errors"; its SDK
+# picks the exception by status). 503 is not among them: `overloaded_error` is Anthropic's
+# 529, its whole API short of capacity, not this gateway's limiter store or spool away.
 ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    503: "overloaded_error",
+    500: "api_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 
 
 def anthropic_error_type(status: int) -> str:
+    """A status the table lacks: `invalid_request_error` below 500 (the docs use it "for
+    other 4XX status codes not listed"), `api_error` from 500 up (the gateway's 503)."""
     return ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 

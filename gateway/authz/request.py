@@ -280,6 +280,22 @@ PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "system")
 # window of 50,000; a URL image counted nothing. Each image part counts this instead.
 IMAGE_TOKENS = 1600
 IMAGE_PARTS = frozenset(("image", "image_url", "input_image"))  # Messages, chat, Responses
+# A document (a PDF) is read as each page's text plus each page as an image: Anthropic
+# documents 1,500-3,000 tokens of text a page, plus the page's image. Its page count is inside
+# the base64, which the request path does not decode, so a document part counts one page at
+# the top of that text range, not its base64 as text
+# (a 1 MB PDF was ~330,000 tokens, refused as "can never pass" by most windows). A document
+# of many pages is reserved less than it uses, and settled at what the engine reports. An
+# Anthropic document whose source is `text` or `content` is text, and counted as text.
+DOCUMENT_TOKENS = 3000
+DOCUMENT_PARTS = frozenset(("document", "file", "input_file"))  # Messages, chat, Responses
+DOCUMENT_TEXT = ("title", "context")  # an Anthropic document's own text, beside its source
+
+
+def _text_document(part: dict[str, Any]) -> bool:
+    """An Anthropic document whose source is plain text or content blocks, not a file."""
+    source = part.get("source")
+    return isinstance(source, dict) and source.get("type") in ("text", "content")
 
 
 def estimate_prompt_tokens(data: dict[str, Any]) -> int:
@@ -289,7 +305,8 @@ def estimate_prompt_tokens(data: dict[str, Any]) -> int:
     `tools` are prompt too (Anthropic bills their definitions as input; an OpenAI-compatible
     engine renders them into the chat template): ~4 characters a token of their whole JSON,
     since the schema's keys are rendered as much as its values. An image part (`image`,
-    `image_url`, `input_image`) counts IMAGE_TOKENS, whatever its data or URL."""
+    `image_url`, `input_image`) counts IMAGE_TOKENS, whatever its data or URL; a document part
+    (`document`, `file`, `input_file`) DOCUMENT_TOKENS, whatever its data, URL or file id."""
     chars = 0
     parts = 0
     stack: list[Any] = [data.get(f) for f in PROMPT_FIELDS]
@@ -308,8 +325,13 @@ def estimate_prompt_tokens(data: dict[str, Any]) -> int:
             stack.extend(v)
         elif isinstance(v, dict):
             kind = v.get("type")
-            if isinstance(kind, str) and kind in IMAGE_PARTS:  # (a list there: unhashable)
+            if not isinstance(kind, str):  # (a list there: unhashable)
+                stack.extend(v.values())
+            elif kind in IMAGE_PARTS:
                 chars += 4 * IMAGE_TOKENS
+            elif kind in DOCUMENT_PARTS and not _text_document(v):
+                chars += 4 * DOCUMENT_TOKENS
+                stack.extend(v.get(f) for f in DOCUMENT_TEXT)
             else:
                 stack.extend(v.values())
         elif isinstance(v, int) and not isinstance(v, bool):

@@ -202,7 +202,8 @@ def authz_error_replies() -> list[ResponseMapper]:
         name="envoy.access_loggers.extension_filters.cel", typed_config=Any.pack(
             ExpressionFilter(expression=f"response.code_details == '{AUTHZ_ERROR_DETAILS}'"))))
     return _by_api(failed, "The gateway could not check this request in time; try again.",
-                   anthropic_type="overloaded_error", openai_type="server_error",
+                   # Anthropic's type for a 503: answers.anthropic_error_type's
+                   anthropic_type="api_error", openai_type="server_error",
                    code="service_unavailable",
                    headers=(HeaderValueOption(header=HeaderValue(key="retry-after", value="1")),))
 

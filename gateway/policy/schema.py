@@ -95,13 +95,21 @@ def _a_number(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError(f"a number, not {str(value).lower()}")
     if isinstance(value, str):
-        number = _spelled(value)
-        if number is None:
-            raise NotANumber(value, _not_a_number_fix(value))
-        if number.adjusted() > 18:  # beyond every range: no billion-digit int from 1e999999999
-            return float(number)
-        return int(number) if number == number.to_integral_value() else float(number)
+        return read_number(value)
     return value
+
+
+def read_number(text: str) -> int | float:
+    """The number `text` spells, as every numeric field of the policy reads it: `1e6` and
+    `1000000` are 1000000 (an int when whole), `0.5` is 0.5. Text that spells none
+    (`10k`, `1,000`, `nan`) raises `NotANumber`, with the number it likely means. The
+    command line's limit flags read theirs with it, so a flag takes what a file takes."""
+    number = _spelled(text)
+    if number is None:
+        raise NotANumber(text, _not_a_number_fix(text))
+    if number.adjusted() > 18:  # beyond every range: no billion-digit int from 1e999999999
+        return float(number)
+    return int(number) if number == number.to_integral_value() else float(number)
 
 
 _NUMBER = BeforeValidator(_a_number)

@@ -122,7 +122,7 @@ def test_redis_killed_fails_closed_then_recovers(
         anthropic_client(spoke, keys["conc4"]).messages.create(
             model="mock-model", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
     assert aexc.value.status_code == 503
-    assert aexc.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert aexc.value.body["error"]["type"] == "api_error"  # type: ignore[index]
     # Authentication still works from the snapshot held: a bad key is 401, not 503.
     with pytest.raises(openai.AuthenticationError):
         chat(client(spoke, "sk-gw-nobody-" + "B" * 43))

@@ -64,7 +64,7 @@ def test_a_frozen_sidecar_is_a_503_at_the_timeout_and_nothing_reaches_the_engine
         assert r.json()["error"]["code"] == "service_unavailable", r.text
         assert r.json()["request_id"] == r.headers["x-request-id"]
         assert r.headers["retry-after"] == "1"
-    assert (messages.status_code, messages.json()["error"]["type"]) == (503, "overloaded_error")
+    assert (messages.status_code, messages.json()["error"]["type"]) == (503, "api_error")
     assert messages.headers["request-id"] == messages.headers["x-request-id"]  # the SDK's id
     deadline = time.monotonic() + 10
     while _post(spoke, keys["fault"])[0] != 200:  # and it serves again once thawed

@@ -265,7 +265,7 @@ def test_a_check_that_fails_is_a_json_503_in_the_routes_shape(tmp_path: Path,
             if shape == "openai":
                 assert body["error"]["code"] == "service_unavailable"
             else:
-                assert (body["type"], body["error"]["type"]) == ("error", "overloaded_error")
+                assert (body["type"], body["error"]["type"]) == ("error", "api_error")
     config = yaml.safe_load(render(random_ports(door), metering="ext_proc"))
     for hcm in hcms(config):
         assert "ext_authz_error" not in str(hcm.get("local_reply_config"))

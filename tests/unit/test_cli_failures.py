@@ -122,6 +122,65 @@ def test_a_limit_that_is_not_a_finite_number_is_refused(
     assert policy.read_bytes() == VALID  # nothing published
 
 
+@pytest.mark.parametrize("argv, limit, value", [
+    (["keys", "create", "--team", "team-a", "--tokens-per-day", "1e6"], "tokens_per_day", 10**6),
+    (["keys", "create", "--team", "team-a", "--tokens-per-minute", "2.5e4"],
+     "tokens_per_minute", 25000),
+    (["keys", "create", "--team", "team-a", "--concurrency", "1E1"], "concurrency", 10),
+    (["keys", "create", "--team", "team-a", "--rps", "1e1"], "rps", 10),
+    (["keys", "update", "key_7Hq2", "--tokens-per-month", "3e9"], "tokens_per_month", 3 * 10**9),
+    (["keys", "update", "key_7Hq2", "--burst", "1e2", "--rps", "5"], "burst", 100),
+])
+def test_a_limit_flag_takes_the_spellings_the_policy_takes(
+        argv: list[str], limit: str, value: int, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `keys create --tokens-per-day 1e6` was refused by argparse ("invalid int
+    value: '1e6'"), though `tokens_per_day: 1e6` in a policy file is 1000000."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_bytes(VALID)
+    assert main([*argv, "--policy-file", str(policy)]) == 0, capsys.readouterr().err
+    doc = parse_doc(policy.read_bytes())
+    key = next(k for k_id, k in doc.keys.items() if k_id != "key_7Hq2") \
+        if argv[1] == "create" else doc.keys["key_7Hq2"]
+    assert getattr(key.limits, limit) == value
+
+
+@pytest.mark.parametrize("command", [["keys", "create", "--team", "team-a"],
+                                     ["keys", "update", "key_7Hq2"]])
+@pytest.mark.parametrize("flag", ["--rps", "--concurrency", "--tokens-per-minute",
+                                  "--tokens-per-day"])
+@pytest.mark.parametrize("text, fix", [("10k", "10000"), ("1,000", "1000"),
+                                       ("1.5M", "1500000"), ("ten", "")])
+def test_a_limit_flag_that_spells_no_number_is_refused_naming_it(
+        command: list[str], flag: str, text: str, fix: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As `policy apply` refuses `rps: 10k`: the value as written, and the number it likely
+    means. Before: `invalid int value: '10k'` (create), or no fix (create --rps, update)."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_bytes(VALID)
+    with pytest.raises(SystemExit) as exc:
+        main([*command, flag, text, "--policy-file", str(policy)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    said = f"argument {flag}: {text!r} is not a number"
+    assert said in err and (f"{said} or `none`" in err) == (command[1] == "update"), err
+    assert err.rstrip().endswith(f": write {fix}" if fix else "not a number or `none`"
+                                 if command[1] == "update" else "not a number"), err
+    assert policy.read_bytes() == VALID  # nothing published
+
+
+@pytest.mark.parametrize("flag", ["--concurrency", "--tokens-per-minute", "--tokens-per-day"])
+def test_keys_create_refuses_a_count_that_is_not_whole(
+        flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_bytes(VALID)
+    with pytest.raises(SystemExit) as exc:
+        main(["keys", "create", "--team", "team-a", flag, "2.5", "--policy-file", str(policy)])
+    assert exc.value.code == 2
+    assert f"argument {flag}: '2.5' is not a whole number" in capsys.readouterr().err
+    assert policy.read_bytes() == VALID
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["envoy-config", "--record-heartbeat-s", "nan"], "--record-heartbeat-s"),
     (["envoy-config", "--record-heartbeat-s", "-1"], "--record-heartbeat-s"),

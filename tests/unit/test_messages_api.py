@@ -169,12 +169,37 @@ def test_the_answer_family_follows_the_path() -> None:
 def test_error_bodies_in_anthropics_shape() -> None:
     for status, kind in ((400, "invalid_request_error"), (401, "authentication_error"),
                          (403, "permission_error"), (404, "not_found_error"),
-                         (429, "rate_limit_error"), (503, "overloaded_error"),
+                         (429, "rate_limit_error"), (503, "api_error"),
                          (500, "api_error")):
         deny = Deny(status, "x", "why", "r", api=Api.ANTHROPIC)
         body = orjson.loads(answers.error_body(deny, "req-1"))
         assert body == {"type": "error", "error": {"type": kind, "message": "why"},
                         "request_id": "req-1"}
+
+
+# Every status the gateway answers on Anthropic routes: the sidecar's denials (authz/check.py,
+# request.py) and Envoy's own replies (envoyconf/filters.py: 503 Check failed, 413).
+ANSWERED = (400, 401, 403, 404, 409, 413, 415, 429, 503)
+
+
+def test_each_answered_status_has_anthropics_documented_type() -> None:
+    """Before: a 503 (limiter store, spool or sidecar away) was `overloaded_error`, which
+    Anthropic documents for 529 only (its whole API short of capacity); a status it does not
+    list is `api_error` from 500 up. The mock engine's table is its own copy of the docs."""
+    from devspoke.mock_tokens import ANTHROPIC_ERROR_TYPES, anthropic_error
+    for status in sorted({*ANSWERED, *ANTHROPIC_ERROR_TYPES}):
+        assert answers.anthropic_error_type(status) == \
+            anthropic_error(status, "m")["error"]["type"], status
+    assert answers.ANTHROPIC_TYPES == ANTHROPIC_ERROR_TYPES
+    assert answers.anthropic_error_type(503) == "api_error"
+
+
+def test_envoys_own_replies_carry_the_type_of_their_status() -> None:
+    from gateway.envoyconf import filters
+    for status, mappers in ((503, filters.authz_error_replies()),
+                            (413, filters.too_large_replies(1 << 23))):
+        body = mappers[0].body_format_override.json_format.to_dict()  # the Messages API's
+        assert body["error"]["type"] == answers.anthropic_error_type(status), status
 
 
 def test_a_429_carries_anthropics_rate_limit_headers_for_the_binding_tier() -> None:

@@ -83,6 +83,46 @@ def test_an_image_counts_a_fixed_figure_not_its_base64() -> None:
     assert estimate_prompt_tokens(two) >= 2 * IMAGE_TOKENS
 
 
+def test_a_document_counts_a_fixed_figure_not_its_base64() -> None:
+    """A 1 MB PDF as base64 counted as text was ~330,000 tokens (refused as impossible by
+    most windows). Each document part counts DOCUMENT_TOKENS, in the shapes of Messages
+    (base64, URL, file id), chat (`file`) and Responses (`input_file`); its title and
+    context are text, and a document of text is counted as text."""
+    from gateway.authz.request import DOCUMENT_TOKENS
+    data = "JVBERi0x" + "A" * 1_333_000  # ~1 MB of PDF, base64
+    text = {"type": "text", "text": "Summarize this."}
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                          "data": data}}
+    shapes = [
+        {"messages": [{"role": "user", "content": [text, pdf]}]},
+        {"messages": [{"role": "user", "content": [text, {"type": "document", "source": {
+            "type": "url", "url": "https://example.com/report.pdf"}}]}]},
+        {"messages": [{"role": "user", "content": [text, {"type": "document", "source": {
+            "type": "file", "file_id": "file_011CNha8iCJcU1wXNR6q4V8w"}}]}]},
+        {"messages": [{"role": "user", "content": [text, {"type": "file", "file": {
+            "file_data": f"data:application/pdf;base64,{data}", "filename": "a.pdf"}}]}]},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": text["text"]},
+                                                {"type": "input_file", "filename": "a.pdf",
+                                                 "file_data": f"data:application/pdf;base64,"
+                                                              f"{data}"}]}]},
+    ]
+    for body in shapes:
+        est = estimate_prompt_tokens(body)
+        assert DOCUMENT_TOKENS <= est <= DOCUMENT_TOKENS + 30, (est, str(body)[:200])
+    titled = {**pdf, "title": "t" * 400, "context": "c" * 400}
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [titled]}]}) >= (
+        DOCUMENT_TOKENS + 200)
+    plain = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                            "data": "w" * 40_000}}
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [plain]}]}) >= 10_000
+    blocks = {"type": "document", "source": {"type": "content", "content": [
+        {"type": "text", "text": "w" * 40_000}]}}
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [blocks]}]}) >= 10_000
+    a_result = {"type": "tool_result", "tool_use_id": "t1", "content": [pdf]}  # nested too
+    assert estimate_prompt_tokens({"messages": [{"role": "user", "content": [a_result]}]}) <= (
+        DOCUMENT_TOKENS + 30)
+
+
 def test_a_type_that_is_not_a_string_is_walked_as_text() -> None:
     assert estimate_prompt_tokens({"messages": [{"type": ["image"], "text": "a" * 40}]}) >= 10
     assert estimate_prompt_tokens({"messages": [{"type": {"x": 1}, "text": "a" * 40}]}) >= 10
