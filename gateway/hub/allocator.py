@@ -222,6 +222,10 @@ class Allocator:
 
     async def _send(self, pub: qt.QuotaPublisher) -> None:
         for spoke, msg in sorted(self._unsent.items()):
+            if not self.fence.may_publish(time.monotonic()):
+                # stalled mid-send (a pause, a slow Kafka) past its lease: another may lead
+                # by now. Kept; the next `_decide` pauses or withdraws it.
+                return
             try:
                 await pub.publish(qt.allowance_key(spoke), {**msg, "allocator": self.id})
             except qt.KAFKA_ERRORS as exc:

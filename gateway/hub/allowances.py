@@ -132,9 +132,11 @@ class AllowanceFollower:
         try:
             gen = int(msg["generation"])
             entries = [Allowance(str(e["scope"]), e["period"], str(e["period_id"]),
-                                 int(e["allowance"])) for e in msg["allowances"]]
-            if any(e.period not in ("day", "month") or e.tokens < 0 for e in entries):
-                raise ValueError("period must be day or month, allowance >= 0")
+                                 int(e["allowance"]), int(e.get("used") or 0))
+                       for e in msg["allowances"]]
+            if any(e.period not in ("day", "month") or e.tokens < 0 or e.known < 0
+                   for e in entries):
+                raise ValueError("period must be day or month, allowance and used >= 0")
         except (KeyError, TypeError, ValueError) as exc:
             log.error("quota_allowance_unreadable", spoke=self.spoke, error=repr(exc))
             return None

@@ -211,8 +211,13 @@ class QuotaLedger:
             uses = {s: self.use(s, cell, quota, now) for s in spokes}
             for s, allowance in allocate(quota, uses).items():
                 bound = max(allowance, uses[s].held, uses[s].used)
+                # `used`: its usage events' tokens, to which the spoke raises its counter (a
+                # quota added mid-period counts the period's earlier use there too, as
+                # `allocate` counts it here). Not its reports' `used`: that counted
+                # reservations which settling may since have given back.
                 entries[s].append({"scope": scope, "period": period, "period_id": cell[2],
-                                   "quota": quota, "allowance": allowance, "bound": bound})
+                                   "quota": quota, "allowance": allowance, "bound": bound,
+                                   "used": self._used.get((s, cell), 0)})
                 self._sample(s, cell, now, uses[s].used)
         out: dict[str, dict[str, Any]] = {}
         for s in spokes:

@@ -25,6 +25,10 @@ class Allowance:
     period: Period
     period_id: str  # UTC: YYYYMMDD for a day, YYYYMM for a month
     tokens: int
+    # The use the allocator counted for this spoke in the period (its usage events): the
+    # spoke's counter is raised to it where below, so a quota added mid-period counts the
+    # period's earlier use on the spoke as it does in the allocator.
+    known: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,8 @@ class RedisAllowances(AllowanceStore):
                                entries: Sequence[Allowance]) -> list[Applied] | None:
         args: list[object] = [generation, len(entries)]
         for e in entries:
-            args += [PERIOD_WINDOW[e.period], e.scope, e.period_id, e.tokens, _ttl_ms(e.period)]
+            args += [PERIOD_WINDOW[e.period], e.scope, e.period_id, e.tokens, _ttl_ms(e.period),
+                     e.known]
         try:
             rows = await self._apply(*args)
         except (TimeoutError, RedisReplyError, OSError) as exc:

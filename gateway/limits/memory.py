@@ -296,14 +296,18 @@ class MemoryLimiter(Limiter, AllowanceStore):
 
     async def apply_allowances(self, generation: int,
                                entries: Sequence[Allowance]) -> list[Applied] | None:
-        """As allowances.lua: an older generation is refused; never below what is used."""
+        """As allowances.lua: an older generation is refused; never below what is used,
+        the counter raised to the use the allocator knows where below."""
         if generation < self.allowance_gen:
             return None
         self.allowance_gen = generation
         out = []
         for e in entries:
             w = PERIOD_WINDOW[e.period]
-            used = int(self.tokens.get(f"g{w}:{e.scope}:{e.period_id}", 0))
+            counter = f"g{w}:{e.scope}:{e.period_id}"
+            used = int(self.tokens.get(counter, 0))
+            if used < e.known:
+                self.tokens[counter] = used = e.known
             tokens = self.allowances[f"{w}:{e.scope}:{e.period_id}"] = max(e.tokens, used)
             out.append(Applied(e.scope, e.period, e.period_id, tokens, used))
         return out

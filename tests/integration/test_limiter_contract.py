@@ -500,6 +500,31 @@ async def test_each_day_keeps_its_own_allowance_and_count_across_midnight(
                       Refused)
 
 
+async def test_an_allowance_raises_the_spokes_count_to_the_use_the_allocator_knows(
+        limiter: Limiter) -> None:
+    """A global limit added mid-day: the spoke's counter starts at 0, while the allocator
+    counts the day's whole use, and hands out allowances never below it. The spoke raised
+    its counter to nothing: a team that had used the whole new quota before it could use
+    it again every allocation round. The allocator's `used` (its events) raises the
+    counter where below, never lowers it."""
+    team = tier("team", "g", global_tokens_per_day=1000)
+    store = allowances_of(limiter)
+    applied = await store.apply_allowances(
+        1, [Allowance("team:g", "day", DAY_ID, 1000, known=1000)])
+    assert applied == [Applied("team:g", "day", DAY_ID, 1000, 1000)]
+    v = await limiter.admit(req("a", [team], reserve=1))
+    assert isinstance(v, Refused) and (v.limit, v.limit_value) == (GTPD, 1000)
+    if isinstance(allowances_of(limiter), RedisAllowances):  # the counter made has a TTL
+        redis = store.redis  # type: ignore[attr-defined]
+        ttl = await redis.call("PTTL", f"gw:gtpd:team:g:{DAY_ID}")
+        assert 86_400_000 < int(ttl) <= 172_800_000
+    applied = await store.apply_allowances(
+        2, [Allowance("team:g", "day", DAY_ID, 1500, known=200)])  # below: unchanged
+    assert applied == [Applied("team:g", "day", DAY_ID, 1500, 1000)]
+    assert isinstance(await limiter.admit(req("b", [team], reserve=500)), Admitted)
+    assert isinstance(await limiter.admit(req("c", [team], reserve=1)), Refused)
+
+
 async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: Limiter) -> None:
     """A local limit lets one oversize request through an empty window (else it could never
     run); an allowance is only a share of the quota: the request waits for more share."""

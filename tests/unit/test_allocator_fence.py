@@ -162,3 +162,27 @@ def test_a_standby_forgets_past_days_as_the_active_one_does() -> None:
     asyncio.run(alloc._decide(None, pub, 0.0))  # type: ignore[arg-type]
     assert pub.last[1]["state"] == "standby" and pub.last[1]["leader"] == "new"
     assert not alloc.ledger._seen
+
+
+def test_an_allocator_that_stalled_while_sending_sends_no_more_once_its_lease_is_out() -> None:
+    """The fence is checked once per batch, before `_send`; `_send` then awaited Kafka for
+    each spoke's message in turn. One stalled between them (a process paused, a Kafka that
+    answered late) past its lease sent the rest on waking, when the others may already
+    count it gone and a newer one publish: each message is sent only while the lease
+    holds."""
+    alloc = Allocator("127.0.0.1:1", IV, allocator_id="me")
+    alloc._claim(True)
+    alloc.fence.wrote(time.monotonic())
+    alloc.ready = True
+    alloc._unsent = {s: {"generation": g, "allowances": []}
+                     for g, s in enumerate(["east", "west"], 1)}
+    sent: list[bytes] = []
+
+    class Stalls:
+        async def publish(self, key: bytes, msg: dict[str, object]) -> None:
+            sent.append(key)
+            alloc.fence.wrote(time.monotonic() - 3 * IV)  # the send took three intervals
+
+    asyncio.run(alloc._send(Stalls()))  # type: ignore[arg-type]
+    assert sent == [b"east"]
+    assert list(alloc._unsent) == ["west"]  # kept: sent once it may publish again

@@ -121,3 +121,44 @@ def test_the_followers_line_in_policy_status() -> None:
     assert text(store_up=False, error="store: StoreUnavailable('x')") == (
         "allowances: none yet; kafka away, retrying; redis away, retrying: "
         "StoreUnavailable('x')")
+
+
+async def test_a_quota_added_mid_day_counts_the_use_before_it_on_the_spoke() -> None:
+    """A team used 1,000 tokens on a spoke this morning; a global limit of 1,000 a day is
+    added at noon. The allocator counts the morning's use (its usage events), the spoke's
+    counter for the global limit started at 0: every allowance, never below the use the
+    allocator counts, left the spoke 1,000 tokens more to serve, round after round."""
+    from gateway.hub.quota_ledger import QuotaLedger
+    from gateway.limits.types import AdmitRequest, Admitted
+    from gateway.policy.model import LimitSpec, TierLimit
+    from gateway.usage_event import rfc3339
+
+    now = 1_800_000_000.0
+    ledger = QuotaLedger()
+    ledger.on_applied("east", {"generation": 0, "applied": []})  # its follower's hello
+    store = MemoryLimiter()
+    f = AllowanceFollower("unused:9092", "east", store=store)
+    team = TierLimit("team", "g", LimitSpec(global_tokens_per_day=1000))
+
+    def event(eid: str, tokens: int) -> dict[str, Any]:
+        return {"event_id": eid, "spoke": "east", "team": "g", "key_id": "k",
+                "usage": {"total_tokens": str(tokens)}, "started_at": rfc3339(now)}
+
+    ledger.on_usage(event("morning", 1000))  # no global limit yet
+    ledger.on_policy("*", {"revision": 1, "policy": {
+        "teams": {"g": {"models": ["*"], "global_limits": {"tokens_per_day": 1000}}}}})
+    served = 0
+    for r in range(3):
+        msg = ledger.next_round(now + r).get("east")
+        if msg is not None:
+            report = await f.take(msg)
+            assert report is not None
+            ledger.on_applied("east", report)
+        n = 0
+        while isinstance(await store.admit(AdmitRequest(f"r{r}-{n}", (team,), 100, now + r)),
+                         Admitted):
+            await store.settle(f"r{r}-{n}", 100)
+            n += 1
+        served += n * 100
+        ledger.on_usage(event(f"round{r}", n * 100))
+    assert served == 0
