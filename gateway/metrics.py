@@ -33,6 +33,10 @@ SPOOL_UNREADABLE = Counter("gateway_usage_spool_unreadable_total",
                            "Spooled lines that are not an event (sent on as they are)")
 EVENTS_DELIVERED = Counter("gateway_usage_events_delivered_total", "Events the sink acknowledged")
 EVENTS = Counter("gateway_usage_events_total", "Usage events emitted", ["outcome"])
+DENIALS_DROPPED = Counter(
+    "gateway_usage_denials_dropped_total",
+    "Denied requests' events not kept: the spool could not write and already held "
+    "DENIED_HELD_MAX events in memory (they bill nothing; the billed ones are kept)")
 SPOOL_WRITABLE = Gauge(
     "gateway_usage_spool_writable",
     "0 while the spool's group commits fail (disk full, read-only, EIO): new requests are "

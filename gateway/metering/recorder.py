@@ -30,6 +30,13 @@ from gateway.usage_event import UsageEvent, event_json, rfc3339
 CUT_WAIT_S = 1.0
 TOLD_MAX = 10_000
 SWEEP_BATCH = 100  # orphans claimed per store call
+# While the spool cannot write (a full disk) nothing new is admitted, so the events waiting
+# in memory are those of requests admitted before (as many as were in flight) and the
+# denials of the requests refused meanwhile (503), which a client's retries can make without
+# end. Past this many events held, a denial's event is counted and dropped instead: it bills
+# nothing, and the memory it would take puts the held billed events at risk (an OOM kill
+# loses them all). ~0.6 KB an event: ~60 MB.
+DENIED_HELD_MAX = 100_000
 
 
 def _no_prices(model: str, at: float) -> Rates | None:
@@ -48,6 +55,8 @@ class Recorder:
         self._waiting: dict[str, tuple[Callable[[frozenset[str], int], None],
                                        asyncio.TimerHandle]] = {}
         self._told: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
+        self._dropping = False  # denials being dropped, the spool full (logged once a spell)
+        spool.gate.listeners.append(self._gate_changed)
 
     async def run_sweeper(self, interval: float, grace: float = 0.0) -> None:
         """Give every orphaned request (its sidecar died mid-request) its one event, once
@@ -181,7 +190,7 @@ class Recorder:
         rates = self.price(facts.model, started) if outcome != "denied" else None
         if facts.leased:
             self.ledger.released(facts.request_id)
-        seq = self.spool.next_seq()
+        seq = 0 if outcome == "denied" and self._drop_denial() else self.spool.next_seq()
         event = UsageEvent(
             event_id=facts.request_id, spoke=self.spoke, instance_id=self.spool.instance_id,
             seq=seq, started_at=rfc3339(started), ended_at=rfc3339(ended),
@@ -193,6 +202,8 @@ class Recorder:
             duration_ms=round((ended - started) * 1000, 3), cancellation=b.cancellation,
             cost=cost(usage, rates) if rates else 0.0,
             price_effective=rfc3339(rates.effective) if rates else "")
+        if not seq:  # dropped (DENIED_HELD_MAX): a seq of 0 is durable at once to a waiter
+            return event
         # The token counters settle to what is billed: the same rule as the event (and
         # as `settlements`, which reads it back from a spool).
         self.spool.put(seq, event_json(event), on_durable=self._settlement(
@@ -208,6 +219,25 @@ class Recorder:
         if b.tpot_ms:
             child(metrics.TPOT, facts.model).observe(b.tpot_ms / 1000)
         return event
+
+
+    def _drop_denial(self) -> bool:
+        """True when a denial's event is to be dropped: the spool cannot write and holds
+        DENIED_HELD_MAX events in memory already (logged once a spell, counted each)."""
+        spool = self.spool
+        if not spool.gate.closed or spool.in_memory < DENIED_HELD_MAX:
+            return False
+        metrics.DENIALS_DROPPED.inc()
+        if not self._dropping:
+            self._dropping = True
+            log.error("usage_denials_dropped", reason=spool.gate.reason,
+                      events_in_memory=spool.in_memory, held_max=DENIED_HELD_MAX)
+        return True
+
+
+    def _gate_changed(self, closed: bool) -> None:
+        if not closed:
+            self._dropping = False
 
 
 def settlements(lines: Iterable[bytes], since: float) -> Iterator[tuple[str, int]]:

@@ -292,6 +292,11 @@ class Spool:
     # -- reading back and delivery marks -----------------------------------------------
 
     @property
+    def in_memory(self) -> int:
+        """Events queued for the next group commit (all of them while the disk refuses)."""
+        return len(self._queue)
+
+    @property
     def depth(self) -> int:
         """Events assigned but not yet delivered (queued, on disk, or in flight)."""
         return self.last_seq - self.delivered

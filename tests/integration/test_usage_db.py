@@ -12,6 +12,7 @@ import pytest
 from gateway._proto.gateway.usage.v1 import usage_pb2
 from gateway.billing import report
 from gateway.billing.db import Rejected, UsageDb, gaps, unfit
+from gateway.sinks.gate import UsageGate
 
 PG = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -212,6 +213,7 @@ models: {m: {prices: [{effective: 2026-01-01T00:00:00Z, input: 1, output: 2},
     class Spool:
         instance_id = "i1"
         lines: list[bytes] = []
+        gate = UsageGate()
 
         def next_seq(self) -> int:
             return len(self.lines) + 1

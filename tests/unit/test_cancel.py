@@ -14,6 +14,7 @@ from gateway.metering.cancel import bill
 from gateway.metering.exchange import Exchange
 from gateway.metering.recorder import Recorder
 from gateway.policy.billing_rules import CANCEL_RULES, rule_of
+from gateway.sinks.gate import UsageGate
 from gateway.usage_event import Cancellation, Usage
 
 # The engine reported 30 completion tokens (continuous usage); 12 reached the client.
@@ -91,6 +92,7 @@ class FakeSpool:
     def __init__(self) -> None:
         self.lines: list[bytes] = []
         self.seq = 0
+        self.gate = UsageGate()
 
     def next_seq(self) -> int:
         self.seq += 1

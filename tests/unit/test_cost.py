@@ -16,6 +16,7 @@ from gateway.metering.handoff import RequestFacts
 from gateway.metering.recorder import Recorder
 from gateway.policy.loader import dump_yaml, load, parse_doc
 from gateway.policy.prices import PriceBook, Rates
+from gateway.sinks.gate import UsageGate
 from gateway.usage_event import Usage
 
 
@@ -89,6 +90,7 @@ class Spool:
 
     def __init__(self) -> None:
         self.lines: list[bytes] = []
+        self.gate = UsageGate()
 
     def next_seq(self) -> int:
         return len(self.lines) + 1

@@ -14,6 +14,7 @@ from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
+from gateway.sinks.gate import UsageGate
 from gateway.usage_event import UsageEvent
 
 
@@ -22,6 +23,7 @@ class FakeSpool:
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
+        self.gate = UsageGate()
 
     def next_seq(self) -> int:
         return len(self.events) + 1
