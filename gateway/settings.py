@@ -101,6 +101,11 @@ class Settings(BaseSettings):
 
     # Hub and spokes (DESIGN §10): the hub's Kafka, when not the usage Kafka's
     hub_bootstrap: str | None = None
+    # The replication factor of the hub's topics (llm.policy.v1, llm.gateway.status.v1,
+    # llm.quota.v1) when their first writer creates them; a topic already there is never
+    # changed. 1 suits one broker (Tansu, a dev Kafka); a production Kafka wants its
+    # brokers' usual (3), so the policy feed outlives a broker.
+    topic_replication: int = 1
     status_interval_s: Positive = 10.0  # heartbeat on llm.gateway.status.v1
     # `policy sync`: the last good revision on disk (a wiped Redis comes back serving it)
     sync_state_dir: Path = Path(".gateway-sync")
@@ -121,6 +126,15 @@ class Settings(BaseSettings):
         # A blank spoke, or '*' (every spoke's feed key), would follow no entry of its own.
         if not v.strip() or v == "*":
             raise ValueError("must name this spoke ('*' is every spoke's feed entry)")
+        return v
+
+    @field_validator("topic_replication")
+    @classmethod
+    def _topic_replication(cls, v: int) -> int:
+        # aiokafka's NewTopic refuses -1 (the broker's default.replication.factor)
+        if v < 1:
+            raise ValueError(f"must be 1 or more (the number of brokers each hub topic is "
+                             f"kept on; -1, the broker's default, cannot be asked), not {v}")
         return v
 
     @field_validator("redis_url")

@@ -34,10 +34,11 @@ class _Rebuild(Exception):
 class Allocator:
     def __init__(self, bootstrap: str, interval_s: float = 5.0, idempotence: bool = True,
                  usage_topic: str = qt.USAGE_TOPIC, retry_s: float = 1.0,
-                 allocator_id: str | None = None) -> None:
+                 allocator_id: str | None = None, replication: int = 1) -> None:
         self.bootstrap = bootstrap
         self.interval_s = interval_s
         self.idempotence = idempotence
+        self.replication = replication  # llm.quota.v1's, if this allocator creates it
         self.usage_topic = usage_topic
         self.retry_s = retry_s
         self.ledger = QuotaLedger()
@@ -115,7 +116,8 @@ class Allocator:
     async def _run(self, stop: asyncio.Event) -> None:
         c = qt.consumer(self.bootstrap, self.usage_topic, qt.POLICY_TOPIC, qt.QUOTA_TOPIC)
         await start_consumer(c)
-        pub = qt.QuotaPublisher(self.bootstrap, self.idempotence)
+        pub = qt.QuotaPublisher(self.bootstrap, self.idempotence,
+                                replication=self.replication)
         self._claim(False)
         self.ready = False
         try:

@@ -12,7 +12,8 @@ of `policy status` (`run_sync(..., allowances=follower.state)`). Applying is
 idempotent and never goes back to an older generation (gateway/limits/allowances.lua), so
 a restart re-reads the topic from its beginning without harm. Run standalone for tests:
 `python -m gateway.hub.allowances` (settings from env: GATEWAY_HUB_BOOTSTRAP or
-GATEWAY_KAFKA_BOOTSTRAP, GATEWAY_SPOKE, GATEWAY_REDIS_URL, GATEWAY_KAFKA_IDEMPOTENCE).
+GATEWAY_KAFKA_BOOTSTRAP, GATEWAY_SPOKE, GATEWAY_REDIS_URL, GATEWAY_KAFKA_IDEMPOTENCE,
+GATEWAY_TOPIC_REPLICATION).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def export(state: FollowerState) -> None:
 class AllowanceFollower:
     def __init__(self, bootstrap: str, spoke: str, redis_url: str | None = None, *,
                  store: AllowanceStore | None = None, idempotence: bool = True,
-                 deadline: float = 0.25, retry_s: float = 1.0) -> None:
+                 deadline: float = 0.25, retry_s: float = 1.0, replication: int = 1) -> None:
         if store is None:
             if not redis_url:
                 raise ValueError("AllowanceFollower needs redis_url or store")
@@ -65,6 +66,7 @@ class AllowanceFollower:
         self.spoke = spoke
         self.store = store
         self.idempotence = idempotence
+        self.replication = replication  # llm.quota.v1's, if this follower creates it
         self.retry_s = retry_s
         self.state = FollowerState()
         export(self.state)  # on /metrics from the start: Kafka not yet answered
@@ -84,7 +86,8 @@ class AllowanceFollower:
 
     async def _run(self, stop: asyncio.Event) -> None:
         c = qt.consumer(self.bootstrap, qt.QUOTA_TOPIC)
-        pub = qt.QuotaPublisher(self.bootstrap, self.idempotence)
+        pub = qt.QuotaPublisher(self.bootstrap, self.idempotence,
+                                replication=self.replication)
         try:
             hello = {**self._message(0, []), "holds": await self._held_generation()}
             await pub.publish(qt.applied_key(self.spoke), hello)
@@ -217,7 +220,8 @@ def main() -> None:
     follower = AllowanceFollower(
         bootstrap, os.environ.get("GATEWAY_SPOKE", "local"),
         redis_url=os.environ["GATEWAY_REDIS_URL"],
-        idempotence=os.environ.get("GATEWAY_KAFKA_IDEMPOTENCE", "true").lower() != "false")
+        idempotence=os.environ.get("GATEWAY_KAFKA_IDEMPOTENCE", "true").lower() != "false",
+        replication=int(os.environ.get("GATEWAY_TOPIC_REPLICATION", "1")))
     uvloop.run(follower.run())
 
 

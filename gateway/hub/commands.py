@@ -31,7 +31,8 @@ def cmd_policy_sync(args: argparse.Namespace) -> int:
     # The spoke's allowances of global quotas follow the hub beside its revisions.
     allowances = AllowanceFollower(s.feed_bootstrap, s.spoke, redis_url=s.redis_url,
                                    idempotence=s.kafka_idempotence,
-                                   deadline=s.redis_deadline_ms / 1000)
+                                   deadline=s.redis_deadline_ms / 1000,
+                                   replication=s.topic_replication)
     uvloop.run(run_sync(s, args.id or default_id(), extra=[allowances.run],
                        allowances=allowances.state))
     return 0
@@ -56,6 +57,7 @@ def cmd_hub_publish(args: argparse.Namespace) -> int:
         revision = run_value(publish(bootstrap, text, args.file, args.target_spoke,
                                       idempotence=s.kafka_idempotence,
                                       allow_empty=args.allow_empty,
+                                      replication=s.topic_replication,
                                       warn=lambda w: print(f"warning: {w}", file=sys.stderr)))
     except PolicyError as err:
         print("invalid policy, nothing published:", file=sys.stderr)
@@ -153,7 +155,8 @@ def cmd_hub_unpublish(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        done = run_value(unpublish(bootstrap, spokes, idempotence=s.kafka_idempotence))
+        done = run_value(unpublish(bootstrap, spokes, idempotence=s.kafka_idempotence,
+                                   replication=s.topic_replication))
     except Exception as exc:  # Kafka away: say it, exit non-zero
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -181,7 +184,7 @@ def cmd_hub_allocate(args: argparse.Namespace) -> int:
     if args.interval_s <= 0:
         raise SystemExit(f"--interval-s must be > 0, not {args.interval_s}")
     allocator = Allocator(bootstrap, args.interval_s, s.kafka_idempotence,
-                          usage_topic=s.usage_topic)
+                          usage_topic=s.usage_topic, replication=s.topic_replication)
 
     async def run() -> None:  # Ctrl-C or SIGTERM stops it between polls, as `policy sync`
         await allocator.run(stop_on_signals())

@@ -47,11 +47,12 @@ ATTEMPTS = 10  # publishes racing for one number: each round at least one of the
 
 async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EVERY_SPOKE,
                   *, idempotence: bool = True, allow_empty: bool = False,
-                  warn: Callable[[str], None] | None = None) -> int:
+                  warn: Callable[[str], None] | None = None, replication: int = 1) -> int:
     """Validate `text` (PolicyError, naming the path; ApplyRefused if it has no models or no
     keys and not `allow_empty`: nothing published) and put it on the feed for `spoke` (`*`:
     every spoke without its own entry); its revision. `warn` is told, before anything is
-    published, what is accepted but likely not meant (a key that may use no model)."""
+    published, what is accepted but likely not meant (a key that may use no model). The
+    feed is created on `replication` brokers (GATEWAY_TOPIC_REPLICATION) if missing."""
     if spoke != feed.EVERY_SPOKE and (not spoke.strip() or "/" in spoke):
         # GATEWAY_SPOKE's own rules: no spoke could follow such a key
         raise ValueError(f"--spoke: a spoke id (not blank, no '/'), or * for every spoke; "
@@ -63,7 +64,7 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     if refused := empty_refusal(source, doc, None, allow_empty=allow_empty):
         raise ApplyRefused(refused)  # before Kafka is asked
     data = to_data(doc)
-    await ensure_compacted(bootstrap, POLICY_TOPIC, RECORD_MAX_BYTES)
+    await ensure_compacted(bootstrap, POLICY_TOPIC, RECORD_MAX_BYTES, replication=replication)
     held = await _highest_reported(bootstrap)
     records = await read_all(bootstrap, POLICY_TOPIC)
     for _ in range(ATTEMPTS):
@@ -88,7 +89,7 @@ class Unpublished:
 
 
 async def unpublish(bootstrap: str, spokes: list[str], *,
-                    idempotence: bool = True) -> Unpublished:
+                    idempotence: bool = True, replication: int = 1) -> Unpublished:
     """Remove each spoke's own feed entry (a null value, DESIGN §10), all or none. A spoke
     never moves to a revision lower than it holds, so one that held its own entry, above
     `*`'s (the usual order: `*` first, then the exception), would keep serving the removed
@@ -110,7 +111,8 @@ async def unpublish(bootstrap: str, spokes: list[str], *,
     if every.revision > max(_revision(current[s]) for s in spokes):
         return Unpublished([], star=True)  # already above what they held: followed at once
     revision = await publish(bootstrap, orjson.dumps(every.policy), f"{POLICY_TOPIC}[*]",
-                             idempotence=idempotence, allow_empty=True)
+                             idempotence=idempotence, allow_empty=True,
+                             replication=replication)
     return Unpublished([], star=True, republished=revision)
 
 

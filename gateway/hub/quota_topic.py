@@ -65,9 +65,10 @@ class QuotaPublisher:
     """Produces to `llm.quota.v1` (acks=all). Raises SinkUnavailable while Kafka is away."""
 
     def __init__(self, bootstrap: str, idempotence: bool = True,
-                 topic: str = QUOTA_TOPIC) -> None:
+                 topic: str = QUOTA_TOPIC, replication: int = 1) -> None:
         self._producer = KafkaProducer(bootstrap, topic, idempotence)
-        self._topic = CompactedTopic(bootstrap, topic)  # its first writer creates it compacted
+        # its first writer creates it compacted, on `replication` brokers
+        self._topic = CompactedTopic(bootstrap, topic, replication=replication)
 
     async def publish(self, key: bytes, msg: dict[str, Any]) -> None:
         await self._topic.ensure()

@@ -68,11 +68,12 @@ class StatusReporter:
     the report is dropped (the next one says the same, newer) and counted; never raises."""
 
     def __init__(self, bootstrap: str, snapshot: Callable[[], Status], interval: float,
-                 idempotence: bool = True) -> None:
+                 idempotence: bool = True, replication: int = 1) -> None:
         self.snapshot = snapshot
         self.interval = interval
         self.producer = KafkaProducer(bootstrap, STATUS_TOPIC, idempotence)
-        self.topic = CompactedTopic(bootstrap, STATUS_TOPIC)  # created compacted
+        self.topic = CompactedTopic(bootstrap, STATUS_TOPIC,  # created compacted
+                                    replication=replication)
         self._wake = asyncio.Event()
         self.sent = 0
 

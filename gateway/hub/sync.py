@@ -50,7 +50,8 @@ def default_id() -> str:
 class Syncer:
     def __init__(self, spoke: str, syncer_id: str, store: PolicyStore, bootstrap: str,
                  state_dir: Path, *, interval: float = 10.0, recheck: float = 5.0,
-                 idempotence: bool = True, allowances: FollowerState | None = None) -> None:
+                 idempotence: bool = True, allowances: FollowerState | None = None,
+                 replication: int = 1) -> None:
         self.spoke = spoke
         self.allowances = allowances  # the allowance follower's, shown in our row
         self.id = syncer_id
@@ -63,7 +64,8 @@ class Syncer:
         self.redis_up = False
         self.refused: tuple[bytes, str] | None = None  # the entry refused, and why
         metrics.sync_gauges()  # shown from the start, at 0 until the first round
-        self.reporter = StatusReporter(bootstrap, self.status, interval, idempotence)
+        self.reporter = StatusReporter(bootstrap, self.status, interval, idempotence,
+                                       replication)
         self._lock = asyncio.Lock()
 
     def status(self) -> Status:
@@ -200,7 +202,8 @@ async def run_sync(settings: Settings, syncer_id: str,
     syncer = Syncer(settings.spoke, syncer_id, PolicyStore(client), bootstrap,
                     settings.sync_state_dir, interval=settings.status_interval_s,
                     recheck=settings.policy_recheck_s,
-                    idempotence=settings.kafka_idempotence, allowances=allowances)
+                    idempotence=settings.kafka_idempotence, allowances=allowances,
+                    replication=settings.topic_replication)
     http = await serve_http(host, port, {"/metrics": syncer_metrics_handler, "/healthz": healthz})
     log.info("hub_sync_started", spoke=settings.spoke, id=syncer_id, feed=bootstrap,
              last_good=syncer.last_good.revision, metrics=settings.sync_metrics_listen)

@@ -27,6 +27,7 @@ from gateway.sinks.producers import kafka_unavailable
 POLICY_TOPIC = "llm.policy.v1"
 STATUS_TOPIC = "llm.gateway.status.v1"
 _TOPIC_EXISTS = 36  # Kafka's TOPIC_ALREADY_EXISTS
+_REPLICATION_REFUSED = 38  # INVALID_REPLICATION_FACTOR (e.g. more than the brokers)
 _CONFIG_REFUSED = (40, 44)  # INVALID_CONFIG, POLICY_VIOLATION
 # The largest record `produce` writes (a policy document of ~150,000 keys; one of 10,000 is
 # already over Kafka's 1 MB default), and the topic setting `hub publish` creates the feed
@@ -39,10 +40,12 @@ RECORD_MAX_BYTES = 16 << 20
 SEGMENT_MS = 3_600_000
 
 
-async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = None) -> bool:
-    """Create `topic` compacted, one partition, if it is missing (best effort: a broker
-    that auto-creates topics works without it, uncompacted), taking records up to
-    `max_bytes` (None: the broker's default). True once the broker answered
+async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = None, *,
+                           replication: int = 1) -> bool:
+    """Create `topic` compacted, one partition, kept on `replication` brokers
+    (GATEWAY_TOPIC_REPLICATION), if it is missing (best effort: a broker that auto-creates
+    topics works without it, uncompacted; a topic already there is left as it is), taking
+    records up to `max_bytes` (None: the broker's default). True once the broker answered
     (created, already there, or refused for good: asking again would not change it); False
     when it could not be asked (Kafka away): ask again before the next write."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
@@ -50,18 +53,20 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
                **({"max.message.bytes": str(max_bytes)} if max_bytes else {})}
     try:
         await admin.start()
-        res = await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
+        res = await admin.create_topics(
+            [NewTopic(topic, 1, replication, topic_configs=configs)])
         codes = [code for _, code, *_ in res.topic_errors]
         if any(code in _CONFIG_REFUSED for code in codes):
             # a managed Kafka that caps a setting (e.g. max.message.bytes at 8 MiB): the
             # topic compacted with the broker's own sizes, rather than none made at all
             log.warning("topic_settings_refused", topic=topic, error_codes=codes, asked=configs)
             res = await admin.create_topics(
-                [NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+                [NewTopic(topic, 1, replication, topic_configs={"cleanup.policy": "compact"})])
             codes = [code for _, code, *_ in res.topic_errors]
         for code in codes:
             if code not in (0, _TOPIC_EXISTS):
-                log.warning("topic_not_created", topic=topic, error_code=code)
+                log.warning("topic_not_created", topic=topic, error_code=code,
+                            replication=replication, **_refusal(code, replication))
         return True
     except (KafkaError, OSError) as exc:
         log.warning("topic_not_created", topic=topic, error=repr(exc))
@@ -71,15 +76,34 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
             await admin.close()
 
 
+def _refusal(code: int, replication: int) -> dict[str, str]:
+    """What a refused creation likely means, for its log line: the setting to change."""
+    goes_on = ("writes go on (a broker that auto-creates topics makes it plain, "
+               "uncompacted)")
+    if code == _REPLICATION_REFUSED:
+        return {"reason": f"the broker refused replication factor {replication} "
+                          f"(INVALID_REPLICATION_FACTOR: more than it has brokers?): set "
+                          f"GATEWAY_TOPIC_REPLICATION to what it can hold, or create the "
+                          f"topic yourself, compacted; {goes_on}"}
+    if code in _CONFIG_REFUSED:  # refused even with the compaction alone asked
+        return {"reason": f"refused even with compaction alone asked: the broker's policy "
+                          f"may want another replication factor than {replication} "
+                          f"(GATEWAY_TOPIC_REPLICATION), or forbid compaction: create the "
+                          f"topic yourself, compacted; {goes_on}"}
+    return {}
+
+
 class CompactedTopic:
     """A topic its first writer creates compacted (DESIGN §10: the hub's topics are): the
     broker is asked once per process, before the first write, and again after a failure to
     ask, so a broker that auto-creates topics never makes it plain first."""
 
-    def __init__(self, bootstrap: str, topic: str, timeout: float = 5.0) -> None:
+    def __init__(self, bootstrap: str, topic: str, timeout: float = 5.0, *,
+                 replication: int = 1) -> None:
         self.bootstrap = bootstrap
         self.topic = topic
         self.timeout = timeout
+        self.replication = replication  # GATEWAY_TOPIC_REPLICATION
         self.ready = False
 
     async def ensure(self) -> None:
@@ -87,7 +111,8 @@ class CompactedTopic:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.timeout):
-                self.ready = await ensure_compacted(self.bootstrap, self.topic)
+                self.ready = await ensure_compacted(self.bootstrap, self.topic,
+                                                   replication=self.replication)
 
 
 async def produce(bootstrap: str, topic: str, key: str, value: bytes | None, *,

@@ -140,7 +140,7 @@ class App:
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
             self.store_up = await self._store_answers()
             self.reporter = StatusReporter(s.feed_bootstrap, self.status, s.status_interval_s,
-                                           s.kafka_idempotence)
+                                           s.kafka_idempotence, s.topic_replication)
             self.holder.on_change.append(self.reporter.poke)
             self.tasks.append(asyncio.create_task(self.reporter.run()))
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(

@@ -532,6 +532,54 @@ async def test_the_first_quota_message_makes_the_quota_topic_compacted(
     assert await _cleanup_policy(bs, qt.QUOTA_TOPIC, "segment.ms") == "3600000"
 
 
+async def _replicas(bs: str, topic: str) -> list[int]:
+    """The replica list of `topic`'s partition 0 as the broker describes it."""
+    from aiokafka.admin import AIOKafkaAdminClient
+    admin = AIOKafkaAdminClient(bootstrap_servers=bs)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return list(described["partitions"][0]["replicas"])
+
+
+async def test_the_hub_topics_are_created_with_the_replication_factor_asked(
+        feed_kafka: Service, capsys: pytest.CaptureFixture[str]) -> None:
+    """GATEWAY_TOPIC_REPLICATION on a real broker. Its default, 1, makes the feed compacted
+    on one replica as before. A factor of 3 reaches the broker from the status and quota
+    writers; Tansu (one broker) takes it without a word, listing its one broker three
+    times (docs/kafka-broker.md quirk 14), so the refusal a Kafka of fewer brokers gives
+    (INVALID_REPLICATION_FACTOR) is tested with a stand-in broker
+    (tests/unit/test_hub_topic_settings.py). An existing topic is never changed."""
+    from gateway.hub import quota_topic as qt
+    from gateway.hub.status import StatusReporter
+    from gateway.log import configure
+    configure("info", cache=False)
+    bs = feed_kafka.address
+    await publish(bs, _doc("m"), "p.yaml", idempotence=False)
+    assert await _cleanup_policy(bs, POLICY_TOPIC) == "compact"
+    assert len(await _replicas(bs, POLICY_TOPIC)) == 1
+
+    reporter = StatusReporter(bs, lambda: Status("s1", "i1", 1, "ack", None, now_text(), 0,
+                                                 0.0, True), 10.0, idempotence=False,
+                              replication=3)
+    pub = qt.QuotaPublisher(bs, idempotence=False, replication=3)
+    try:
+        await reporter.send_now()
+        await pub.publish(qt.applied_key("s1"), {"generation": 0, "allowances": []})
+    finally:
+        await reporter.producer.close()
+        await pub.close()
+    assert reporter.sent == 1
+    for topic in (STATUS_TOPIC, qt.QUOTA_TOPIC):
+        assert await _cleanup_policy(bs, topic) == "compact"
+        assert len(await _replicas(bs, topic)) == 3
+    await publish(bs, _doc("n"), "p.yaml", idempotence=False, replication=3)
+    assert len(await _replicas(bs, POLICY_TOPIC)) == 1  # already there: left as it is
+    assert "topic_not_created" not in capsys.readouterr().err
+
+
 async def test_a_policy_of_more_than_a_megabyte_is_published_and_read_back(
         feed_kafka: Service) -> None:
     """A platform with ~10,000 keys has a policy document over 1 MB: aiokafka's default

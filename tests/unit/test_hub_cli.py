@@ -59,10 +59,12 @@ class _Feed:
 
     def __init__(self) -> None:
         self.records: dict[str, list[tuple[str, bytes | None]]] = {}
+        self.replication: dict[str, int] = {}  # the factor each topic was created with
 
     async def ensure_compacted(self, bootstrap: str, topic: str,
-                               max_bytes: int | None = None) -> None:
+                               max_bytes: int | None = None, *, replication: int = 1) -> None:
         self.records.setdefault(topic, [])
+        self.replication.setdefault(topic, replication)
 
     async def produce(self, bootstrap: str, topic: str, key: str, value: bytes | None,
                       *, idempotence: bool = True) -> None:
@@ -119,3 +121,43 @@ def test_hub_publish_warns_of_a_key_whose_acl_shares_no_model_with_its_teams(
     assert err == ("warning: keys.k1.models ['gpt-*'] shares no model with team t1's "
                    "['llama-*']: every request of k1 for a model will be refused 403\n")
     assert out == "published revision 1 for spoke *\n"
+
+
+def test_the_hub_topics_replication_factor_is_taken_from_the_env_by_every_writer(
+        hub_feed: _Feed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """GATEWAY_TOPIC_REPLICATION reaches each command that may create a hub topic: `hub
+    publish` (the feed), `policy sync` (its status reports and its allowance follower's
+    quota messages) and `hub allocate` (the quota topic). Unset: 1, as before."""
+    from gateway.hub.allocator import Allocator
+    from gateway.hub.sync import Syncer
+    doc = tmp_path / "p.yaml"
+    doc.write_text("models: {m: {}}\nteams: {t: {models: ['*']}}\n"
+                   "keys: {k: {team: t, sha256: '" + "0" * 64 + "'}}\n")
+    assert main(["hub", "publish", str(doc), "--bootstrap", "hub:9092"]) == 0
+    assert hub_feed.replication == {POLICY_TOPIC: 1}
+    monkeypatch.setenv("GATEWAY_TOPIC_REPLICATION", "3")
+    hub_feed.replication.clear()
+    assert main(["hub", "publish", str(doc), "--bootstrap", "hub:9092"]) == 0
+    assert hub_feed.replication == {POLICY_TOPIC: 3}
+
+    seen: dict[str, Any] = {}
+
+    async def run_sync(settings: Settings, syncer_id: str,
+                       extra: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+                       allowances: Any = None) -> None:
+        seen.update(sync=settings.topic_replication,
+                    follower=getattr(extra[0], "__self__", None).replication)  # type: ignore[union-attr]
+
+    async def allocate(self: Allocator, stop: Any = None) -> None:
+        seen.update(allocator=self.replication)
+
+    monkeypatch.setattr("gateway.hub.sync.run_sync", run_sync)
+    monkeypatch.setattr(Allocator, "run", allocate)
+    monkeypatch.setenv("GATEWAY_REDIS_URL", "redis://127.0.0.1:1")
+    assert main(["policy", "sync", "--id", "s1", "--bootstrap", "hub:9092"]) == 0
+    assert main(["hub", "allocate", "--bootstrap", "hub:9092"]) == 0
+    assert seen == {"sync": 3, "follower": 3, "allocator": 3}
+    syncer = Syncer("s1", "sync-1", None, "hub:9092", tmp_path,  # type: ignore[arg-type]
+                    replication=Settings().topic_replication)
+    assert syncer.reporter.topic.replication == 3  # `run_sync` builds it so

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from pydantic import ValidationError
 
@@ -100,3 +102,25 @@ def test_workers_of_names_each_process_and_what_it_serves() -> None:
     assert workers_of(Settings(door_workers=1)) == {"w0": "records", "d0": "door"}
     assert workers_of(Settings(workers=2, door_workers=3)) == {
         "w0": "records", "w1": "records", "d0": "door", "d1": "door", "d2": "door"}
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_replication_factor_below_one_is_refused_naming_the_setting(
+        value: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub topics' replication factor: -1 (a broker's default) cannot be asked through
+    aiokafka, 0 keeps no copy. Refused at start with one line naming the setting."""
+    from gateway.settings import cli_settings
+    with pytest.raises(ValidationError) as err:
+        Settings(topic_replication=value)
+    assert "topic_replication" in str(err.value) and "must be 1 or more" in str(err.value)
+    monkeypatch.setenv("GATEWAY_TOPIC_REPLICATION", str(value))
+    with pytest.raises(SystemExit) as stop:
+        cli_settings(argparse.Namespace())
+    assert str(stop.value).startswith("gateway: bad settings: GATEWAY_TOPIC_REPLICATION: ")
+    assert "must be 1 or more" in str(stop.value) and f"not {value}" in str(stop.value)
+
+
+def test_the_replication_factor_is_one_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().topic_replication == 1  # NewTopic(topic, 1, 1), as before
+    monkeypatch.setenv("GATEWAY_TOPIC_REPLICATION", "3")
+    assert Settings().topic_replication == 3
