@@ -193,6 +193,19 @@ def local_replies(max_request_bytes: int, authz_http: bool,
 AUTHZ_ERROR_DETAILS = "ext_authz_error"
 
 
+def unanswered_check(paths: Iterable[str]) -> AccessLogFilter:
+    """A request Envoy refused itself because its Check failed (the sidecar down or slower
+    than the timeout), a POST to one of `paths`: with the ext_proc source that bodiless 503
+    opens no ext_proc stream there (response headers SKIP on those routes), so Envoy's
+    record of it is the only word the sidecar gets, and its event is made from that."""
+    listed = ", ".join(f"'{p}'" for p in paths)
+    return AccessLogFilter(extension_filter=ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel", typed_config=Any.pack(
+            ExpressionFilter(expression=(
+                f"response.code_details == '{AUTHZ_ERROR_DETAILS}' && "
+                f"request.method == 'POST' && request.url_path in [{listed}]")))))
+
+
 def authz_error_replies() -> list[ResponseMapper]:
     """ext_authz failing: Envoy answers its `status_on_error` (503) with no body at all, which
     the SDKs read as a bare status. Given the API's JSON instead (by route, as the sidecar's

@@ -47,13 +47,14 @@ from gateway.envoy_contract import (
 )
 from gateway.envoy_contract import TOTAL_TOKENS as TOTAL
 from gateway.envoyconf import lua as envoy_lua
-from gateway.envoyconf.filters import SIDECAR_CLUSTER
+from gateway.envoyconf.filters import SIDECAR_CLUSTER, unanswered_check
 from gateway.envoyconf.plain import quiet_imports
 
 with quiet_imports():
     from envoy_data_plane.envoy.config.accesslog.v3 import (
         AccessLog,
         AccessLogFilter,
+        OrFilter,
         ResponseFlagFilter,
     )
     from envoy_data_plane.envoy.config.core.v3 import (
@@ -219,16 +220,20 @@ def above_regex(limit: int) -> str:
 
 
 def record_log(only_flags: Iterable[str] = (), http: bool = False,
-               flush: timedelta = FLUSH) -> AccessLog:
+               flush: timedelta = FLUSH, unanswered_on: Iterable[str] = ()) -> AccessLog:
     """The per-request record to the sidecar: OTLP logs over gRPC, retried for ~36 s, or
     (`http`) over OTLP/HTTP, never retried.
 
     `only_flags`: send a record only for requests with one of these response flags. The
     ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
-    DC: the client), which ext_proc itself cannot see. `flush`: how often Envoy sends a
-    batch (FLUSH unless `gateway envoy-config --records-flush-ms` says otherwise)."""
+    DC: the client), which ext_proc itself cannot see; and, with `unanswered_on` (paths),
+    for a POST there whose Check failed, which no ext_proc stream sees
+    (filters.unanswered_check). `flush`: how often Envoy sends a batch (FLUSH unless
+    `gateway envoy-config --records-flush-ms` says otherwise)."""
     only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
         flags=sorted(only_flags))) if only_flags else None
+    if only is not None and (paths := tuple(unanswered_on)):
+        only = AccessLogFilter(or_filter=OrFilter(filters=[only, unanswered_check(paths)]))
     if http:
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
                          typed_config=Any.pack(_otel_http_config(flush)))

@@ -75,6 +75,12 @@ def request_id(attrs: dict[str, str]) -> str | None:
     return None if not rid or rid == "-" else rid
 
 
+def checked(attrs: dict[str, str]) -> bool:
+    """Whether the Check's word (its metadata) is in the record: not when Envoy answered
+    without it (a failed Check)."""
+    return attrs.get(c.REC_AUTHZ) not in (None, "", "-", "{}")
+
+
 def is_heartbeat(attrs: dict[str, str]) -> bool:
     return attrs.get(c.REC_TYPE) == c.PERIODIC
 

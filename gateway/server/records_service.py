@@ -114,9 +114,13 @@ class RecordsService:
         """Record one request's event; its seq, or 0 if there was nothing new to record."""
         if not self.emits:
             rid = record.request_id(attrs)
-            if rid is not None:
+            if rid is None:
+                return 0
+            if record.checked(attrs):  # a stream that ended early: who ended it
                 self.recorder.told(rid, record.flags_of(attrs), record.status_of(attrs))
-            return 0
+                return 0
+            # Envoy answered a failed Check itself (bodiless: no ext_proc stream), and
+            # this record is all there is of that request: its event is made from it
         if record.is_heartbeat(attrs):
             self._heard(attrs)
             return 0
