@@ -209,7 +209,7 @@ def test_a_denial_is_logged_with_its_request_and_key_ids(
                    json={"model": "mock-other", "messages": [], "max_tokens": 1})
     assert r.status_code == 403
     rid = r.headers["x-request-id"]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15  # a wait, not a bound: load is no failure
     while time.monotonic() < deadline:
         lines = [json.loads(line) for line in spoke["sidecar"].log_path.read_text().splitlines()
                  if rid in line]

@@ -38,7 +38,7 @@ def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path) -> None:
         t0 = time.monotonic()
         ids = send_requests(spoke, keys["good"], 20)
         assert time.monotonic() - t0 < 10  # responses did not wait on the dead broker
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15  # a wait, not a bound: load is no failure
         while _spool_depth(spoke) < 20 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _spool_depth(spoke) >= 20  # held in the spool, visible in /metrics
@@ -55,7 +55,7 @@ def test_kafka_stopped_then_restarted_loses_nothing(tmp_path: Path) -> None:
         assert len(events) == len(ids)
         seqs = sorted(int(e["seq"]) for e in events)
         assert seqs == list(range(seqs[0], seqs[0] + 20))  # in order, no gap
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15  # a wait, not a bound: load is no failure
         while _metric(spoke, "gateway_usage_spool_oldest_age_seconds") and \
                 time.monotonic() < deadline:
             time.sleep(0.2)

@@ -67,7 +67,10 @@ def test_prestop_lets_the_stream_in_flight_finish_and_its_record_arrive(
     out, took = _prestop(spoke, 20)
     assert "0 requests still in flight" in out and took < 10, (out, took)
     t.join(5)
-    [event] = read_events(spoke.kafka_bootstrap, set(rid), timeout=5)  # already delivered
+    # The record reached the sidecar: only it makes a "completed" event of 100 tokens (the
+    # orphan sweep would bill a checkpoint). Reading Kafka is a wait, not part of the claim:
+    # Envoy lives on after the hook here, so a 5 s read told nothing a 30 s one does not.
+    [event] = read_events(spoke.kafka_bootstrap, set(rid), timeout=30)
     assert event["outcome"] == "completed" and event["usage"]["completion_tokens"] == "100"
 
 

@@ -166,6 +166,8 @@ def test_concurrency_leases_hold_as_for_chat(spoke: Spoke, keys: dict[str, str])
                 return 200
             except anthropic.RateLimitError:
                 return 429
+            except anthropic.InternalServerError as exc:  # 503: fail closed, never admitted
+                return exc.status_code
 
         try:
             return await asyncio.gather(*(one() for _ in range(40)))
@@ -173,10 +175,14 @@ def test_concurrency_leases_hold_as_for_chat(spoke: Spoke, keys: dict[str, str])
             await http.aclose()
 
     codes = asyncio.run(go())
-    assert codes.count(200) >= 4 and codes.count(200) + codes.count(429) == 40
+    # A Check that outlasts Envoy's 500 ms ext_authz timeout is a 503 (fail closed: it never
+    # reached the engine). How many do is a matter of load (test_admission's 100-stream
+    # burst, serial, judges that): here they are only allowed, not counted.
+    assert codes.count(200) >= 4 and codes.count(200) + codes.count(429) + codes.count(
+        503) == 40, codes
     assert 1 <= _engine(spoke)["max_in_flight"] <= 4
     r = redis.Redis.from_url(spoke.redis_url)
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 4  # released at their ends: under a first lease (5 s)
     while r.zcard("gw:conc:key:conc4") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.zcard("gw:conc:key:conc4") == 0  # every lease released at its stream's end

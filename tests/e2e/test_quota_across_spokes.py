@@ -101,7 +101,9 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     # Team h: east uses half of it, long enough for the allocator to give east most of the
     # rest; then the allocator stops, and each spoke keeps enforcing what it holds.
     h_east = load(east, "kh", until_tokens=QUOTA // 2)().served_tokens
-    time.sleep(3 * INTERVAL_S)
+    # Its rounds follow east's use (3 intervals alone, each a read of Kafka, longer loaded):
+    # waited for, not slept for.
+    wait_for(lambda: (allowance(east, "h") or 0) > h_east, what="east given more of team h")
     alloc.stop()
     held = {n: allowance(s, "h") for n, s in spokes.items()}
     assert held["east"] is not None and held["west"] is not None

@@ -16,7 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
+from probes import until
 from proxy import SlowProxy
 
 from devspoke.stack import Spoke
@@ -100,8 +102,17 @@ def test_envoy_killed_mid_stream(envoy_spoke: tuple[Spoke, dict[str, str]]) -> N
     """No record will ever come: the heartbeats stop, the admissions are given up, and the
     sweep bills each stream what its last heartbeat had seen."""
     spoke, keys = envoy_spoke
-    streams = Streams(spoke, keys["fault"], n=3, tokens=2000)
-    time.sleep(2.5 * HEARTBEAT)  # a checkpoint or two
+    streams = Streams(spoke, keys["fault"], n=3, tokens=2000)  # 40 s each
+    # A checkpoint for each (it was a 2.5-heartbeat sleep: a loaded machine's first
+    # heartbeat can come later): the usage so far, stored with a renewal, "prompt:completion"
+    r = redis.Redis.from_url(spoke.redis_url)
+    rids = [s.request_id for s in streams.results]
+
+    def checkpointed(rid: str) -> bool:
+        u = r.hget(f"gw:req:{rid}", "u")
+        return u is not None and int(u.split(b":")[1]) > 0
+
+    until(lambda: all(checkpointed(rid) for rid in rids), 20, "a checkpoint for each stream")
     spoke["envoy"].kill()
     results = streams.join()
     events = settled_within(spoke, results, BOUND)

@@ -46,7 +46,10 @@ def test_sidecar_paused_then_resumed(spoke_keys: Spk) -> None:
     served(load)
     spoke["sidecar"].pause()  # SIGSTOP: Envoy's timeouts answer for it
     code, took = status(spoke, keys["fault"])
-    assert code == 503 and took < 1.5  # ext_authz timeout (0.5 s) → 503
+    # ext_authz timeout (0.5 s) → 503; the sidecar stays frozen until after this answer, so
+    # the bound only tells the timeout from a hang (as in test_check_unanswered), and leaves
+    # a loaded machine room (it was 1.5 s: 1 s for a loaded Envoy, client and load threads)
+    assert code == 503 and took < 5
     time.sleep(2)  # frozen for 2.5 s in all, under load
     resumed = len(load.results)
     spoke["sidecar"].resume()

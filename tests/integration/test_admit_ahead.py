@@ -42,7 +42,7 @@ def taken() -> float:
     return float(metrics.child(metrics.TICKETS, "taken")._value.get())
 
 
-async def until(cond: Callable[[], bool], timeout: float = 2.0) -> None:
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:  # a wait, not a bound
     end = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < end, "not reached in time"

@@ -58,7 +58,10 @@ async def test_first_sweep_after_an_outage_waits_for_envoys_heartbeats(
     try:
         start = time.monotonic()
         await asyncio.sleep(0.25)  # Envoy reconnects; its heartbeats of "live" resume
-        while time.monotonic() - start < UNHEARD + 1.0:
+        # Heard past UNHEARD + 1 s, and on until the sweeper claimed "dead" (unheard 1.5 s,
+        # + grace, at a 0.2 s sweep: ~2 s alone, later on a loaded machine), 15 s at most.
+        while (time.monotonic() - start < UNHEARD + 1.0
+               or ("dead" not in rec.claimed and time.monotonic() - start < 15)):
             ledger.heard("live", (10, 20))
             await asyncio.sleep(0.3)
         assert "live" not in rec.claimed
@@ -94,7 +97,13 @@ async def test_a_stream_whose_lease_ran_out_while_the_loop_was_held_is_not_claim
         assert rec.claimed == []
         time.sleep(LEASE * 2)  # the loop held: the lease runs out in Redis
         assert db.zscore("gw:reqs", "paused") < time.time() * 1000
+        # The loop runs again: polled until renewed (a renewal every 0.2 s; a loaded
+        # machine's loop can take longer than the lease it once waited), then not claimed.
+        deadline = time.monotonic() + 10
         await asyncio.sleep(LEASE)
+        while db.zscore("gw:reqs", "paused") < time.time() * 1000:
+            assert time.monotonic() < deadline, "never renewed"
+            await asyncio.sleep(0.05)
         assert rec.claimed == []
         assert db.zscore("gw:reqs", "paused") > time.time() * 1000  # renewed
     finally:
