@@ -57,6 +57,7 @@ from devspoke.usage_topic import USAGE_TOPIC, read_topic
 from gateway.metering.handoff import RequestFacts
 from gateway.metering.meter import Meter
 from gateway.metering.recorder import Recorder
+from gateway.sinks.gate import UsageGate
 from gateway.sinks.producers import KafkaProducer, Record
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
@@ -78,6 +79,7 @@ class Capture:
         self.instance_id = instance_id
         self.last_seq = 0
         self.lines: list[bytes] = []
+        self.gate = UsageGate()  # open: the spool's, which the recorder follows
 
     def next_seq(self) -> int:
         self.last_seq += 1
