@@ -50,6 +50,7 @@ async def use(bs: str, spoke: str, eid: str, tokens: int) -> None:
     await produce(bs, qt.USAGE_TOPIC, spoke, orjson.dumps(event), idempotence=False)
 
 
+@pytest.mark.serial  # its claims are deadlines of 1 s (a clean stop) and 4 s (a death)
 async def test_a_second_allocator_is_a_standby_that_takes_over_when_the_first_stops(
         kafka: Service) -> None:
     bs = kafka.address
