@@ -60,6 +60,7 @@ class Spool:
         self.delivered = 0  # acknowledged by the sink
         self._queue: list[bytes] = []
         self._queued_seq = 0
+        self._writing = 0  # lines of the group commit in progress (out of `_queue` meanwhile)
         self._persisted = 0
         self._callbacks: list[Callable[[], None]] = []
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []  # until_durable
@@ -227,6 +228,7 @@ class Spool:
         batch, last, self._queue = self._queue, self._queued_seq, []
         callbacks, self._callbacks = self._callbacks, []
         first = last - len(batch) + 1
+        self._writing = len(batch)
         try:
             await self.on_disk_thread(lambda: self._append(first, b"".join(batch)))
         except OSError as exc:  # disk full, read-only, EIO: the group waits in memory
@@ -239,6 +241,8 @@ class Spool:
                 log.error("spool_admission_closed", dir=str(self.dir), error=repr(exc),
                           events_in_memory=len(self._queue))
             raise
+        finally:
+            self._writing = 0
         if self.gate.closed and self.gate.set(False):
             log.info("spool_admission_reopened", dir=str(self.dir), events_written=len(batch))
         self._keep_recent(first, batch)
@@ -293,8 +297,9 @@ class Spool:
 
     @property
     def in_memory(self) -> int:
-        """Events queued for the next group commit (all of them while the disk refuses)."""
-        return len(self._queue)
+        """Events not yet on disk: queued, or in the group commit being written (while the
+        disk refuses, every event since the last good write, retried included)."""
+        return len(self._queue) + self._writing
 
     @property
     def depth(self) -> int:
