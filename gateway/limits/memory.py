@@ -297,7 +297,8 @@ class MemoryLimiter(Limiter, AllowanceStore):
     async def apply_allowances(self, generation: int,
                                entries: Sequence[Allowance]) -> list[Applied] | None:
         """As allowances.lua: an older generation is refused; never below what is used,
-        the counter raised to the use the allocator knows where below."""
+        the counter raised to the use the allocator knows, plus the reservations in flight
+        in it, where below."""
         if generation < self.allowance_gen:
             return None
         self.allowance_gen = generation
@@ -306,8 +307,11 @@ class MemoryLimiter(Limiter, AllowanceStore):
             w = PERIOD_WINDOW[e.period]
             counter = f"g{w}:{e.scope}:{e.period_id}"
             used = int(self.tokens.get(counter, 0))
-            if used < e.known:
-                self.tokens[counter] = used = e.known
+            if used < e.known:  # plus the reservations in flight it holds, no event's yet
+                target = e.known + sum(h.reserved for h in self.held.values()
+                                       if counter in h.token_keys)
+                if used < target:
+                    self.tokens[counter] = used = target
             tokens = self.allowances[f"{w}:{e.scope}:{e.period_id}"] = max(e.tokens, used)
             out.append(Applied(e.scope, e.period, e.period_id, tokens, used))
         return out

@@ -525,6 +525,27 @@ async def test_an_allowance_raises_the_spokes_count_to_the_use_the_allocator_kno
     assert isinstance(await limiter.admit(req("c", [team], reserve=1)), Refused)
 
 
+async def test_a_raised_count_keeps_the_reservations_in_flight(limiter: Limiter) -> None:
+    """The allocator's `used` counts settled use only (its events); the spoke's counter also
+    holds the reservations of requests in flight. Raised to `used` alone, the counter lost
+    them: a 1,000 quota added after 600 used, one request (100) in flight on the fallback
+    share, then 400 more admitted: 1,100 served, the counter at 1,000."""
+    from gateway.limits.types import Settle
+    team = tier("team", "g", global_tokens_per_day=1000)
+    store = allowances_of(limiter)
+    await store.apply_allowances(1, [Allowance("team:g", "day", DAY_ID, 1000)])
+    assert isinstance(await limiter.admit(req("a", [team], reserve=100)), Admitted)
+    applied = await store.apply_allowances(
+        2, [Allowance("team:g", "day", DAY_ID, 1000, known=600)])
+    assert applied == [Applied("team:g", "day", DAY_ID, 1000, 700)]  # 600 + a's 100
+    assert isinstance(await limiter.admit(req("b", [team], reserve=300)), Admitted)
+    assert isinstance(await limiter.admit(req("c", [team], reserve=1)), Refused)
+    await limiter.end_many([Settle("a", 100), Settle("b", 300)])
+    applied = await store.apply_allowances(  # the events of a and b now in `used`: even
+        3, [Allowance("team:g", "day", DAY_ID, 1000, known=1000)])
+    assert applied == [Applied("team:g", "day", DAY_ID, 1000, 1000)]
+
+
 async def test_an_allowance_admits_no_request_larger_than_what_is_left(limiter: Limiter) -> None:
     """A local limit lets one oversize request through an empty window (else it could never
     run); an allowance is only a share of the quota: the request waits for more share."""
