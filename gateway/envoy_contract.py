@@ -101,13 +101,17 @@ REC_ID, REC_TYPE, REC_PATH, REC_CODE, REC_FLAGS = "rid", "type", "path", "code",
 REC_START, REC_DURATION_US, REC_TOTAL_MS = "start", "duration_us", "total_ms"
 REC_TTFT_US, REC_GEN_US = "ttft_us", "gen_us"
 REC_AUTHZ, REC_USAGE, REC_COUNTED = "authz", "usage", "counted"  # metadata, as JSON
+REC_DETAILS = "details"
+# Envoy's response code details when ext_authz fails (the sidecar down, slower than the
+# timeout, or its door answering a 5xx), as against a denial's `ext_authz_denied`.
+AUTHZ_ERROR_DETAILS = "ext_authz_error"
 RECORD_ATTRIBUTES = {
     REC_ID: "%REQ(X-REQUEST-ID)%",
     REC_TYPE: "%ACCESS_LOG_TYPE%",  # PERIODIC (a heartbeat) or DownstreamEnd
     REC_PATH: "%REQ(:PATH)%",
     REC_CODE: "%RESPONSE_CODE%",
     REC_FLAGS: "%RESPONSE_FLAGS%",
-    "details": "%RESPONSE_CODE_DETAILS%",  # for people reading the record, not read here
+    REC_DETAILS: "%RESPONSE_CODE_DETAILS%",  # read for the ext_proc source's failed Checks
     REC_START: "%START_TIME(%s.%6f)%",
     REC_DURATION_US: "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
     # A cut stream never sent its last byte (no DS_TX_END): its whole life, in ms

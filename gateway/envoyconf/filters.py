@@ -64,6 +64,7 @@ from datetime import timedelta
 from gateway.endpoints import ANTHROPIC_PREFIX
 from gateway.envoy_contract import (
     ANTHROPIC_REQUEST_ID,
+    AUTHZ_ERROR_DETAILS,
     AUTHZ_NAMESPACE,
     CLIENT_HEADERS,
     CLIENT_HEADERS_ON_SUCCESS,
@@ -188,9 +189,6 @@ def local_replies(max_request_bytes: int, authz_http: bool,
     return LocalReplyConfig(mappers=[*door, *failed, *too_large_replies(max_request_bytes)])
 
 
-# Envoy's response code details when ext_authz fails (the sidecar down, slower than the
-# timeout, or its door answering a 5xx), as against a denial's `ext_authz_denied`.
-AUTHZ_ERROR_DETAILS = "ext_authz_error"
 
 
 def unanswered_check(paths: Iterable[str]) -> AccessLogFilter:

@@ -75,10 +75,12 @@ def request_id(attrs: dict[str, str]) -> str | None:
     return None if not rid or rid == "-" else rid
 
 
-def checked(attrs: dict[str, str]) -> bool:
-    """Whether the Check's word (its metadata) is in the record: not when Envoy answered
-    without it (a failed Check)."""
-    return attrs.get(c.REC_AUTHZ) not in (None, "", "-", "{}")
+def unanswered_check(attrs: dict[str, str]) -> bool:
+    """Whether Envoy answered this request itself because its Check failed (the sidecar
+    down or slower than the timeout): no Check's word (metadata) in the record, and Envoy's
+    details say so."""
+    return (attrs.get(c.REC_DETAILS) == c.AUTHZ_ERROR_DETAILS
+            and attrs.get(c.REC_AUTHZ) in (None, "", "-", "{}"))
 
 
 def is_heartbeat(attrs: dict[str, str]) -> bool:

@@ -116,11 +116,12 @@ class RecordsService:
             rid = record.request_id(attrs)
             if rid is None:
                 return 0
-            if record.checked(attrs):  # a stream that ended early: who ended it
+            if not record.unanswered_check(attrs):  # a stream that ended early: who ended it
                 self.recorder.told(rid, record.flags_of(attrs), record.status_of(attrs))
                 return 0
-            # Envoy answered a failed Check itself (bodiless: no ext_proc stream), and
-            # this record is all there is of that request: its event is made from it
+            # Envoy answered a failed Check itself (bodiless on the API's POST routes: no
+            # ext_proc stream), and this record is all there is of that request: its
+            # event is made from it, as with the Envoy source
         if record.is_heartbeat(attrs):
             self._heard(attrs)
             return 0
