@@ -157,7 +157,7 @@ def _banner(spoke: Spoke, secret: str, drain_s: float) -> None:
       -H 'authorization: Bearer {secret}' -H 'content-type: application/json' \\
       -d '{{"model":"mock-model","messages":[{{"role":"user","content":"hello there"}}]}}'
 
-    export KEY={secret} \\
+    export KEY={secret} GATEWAY_SPOKE={spoke.spoke_id} \\
            GATEWAY_REDIS_URL={spoke.redis_url} GATEWAY_KAFKA_BOOTSTRAP={spoke.kafka_bootstrap} \\
            GATEWAY_KAFKA_IDEMPOTENCE=false   # Tansu: docs/kafka-broker.md
     {gw} policy show; {gw} keys list; {gw} policy status

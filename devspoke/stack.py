@@ -78,6 +78,9 @@ def engine_service(port: int, workdir: Path, ttft_ms: float = 20, tokens_per_s: 
     return Service("engine", argv, port, workdir)
 
 
+SPOKE_ID = "dev"  # the sidecar's GATEWAY_SPOKE unless sidecar_env names another
+
+
 @dataclass
 class Spoke:
     workdir: Path
@@ -111,6 +114,11 @@ class Spoke:
     # Sentinels ("sentinel-N"); the sidecar gets the redis+sentinel:// URL
     sentinel: bool = False
 
+    @property
+    def spoke_id(self) -> str:
+        """The sidecar's GATEWAY_SPOKE."""
+        return self.sidecar_env.get("GATEWAY_SPOKE", SPOKE_ID)
+
     def start(self) -> Spoke:
         self.workdir.mkdir(parents=True, exist_ok=True)
         reserve(self.listen_port)  # Envoy binds it last
@@ -120,7 +128,7 @@ class Spoke:
         engine = (engine_service(free_port(), self.workdir, self.engine_ttft_ms,
                                  self.engine_tokens_per_s)
                   if self.engine is None else self.engine(free_port(), self.workdir))
-        env = {"GATEWAY_REDIS_URL": self._redis_url(pre), "GATEWAY_SPOKE": "dev",
+        env = {"GATEWAY_REDIS_URL": self._redis_url(pre), "GATEWAY_SPOKE": SPOKE_ID,
                "GATEWAY_POLICY_RECHECK_S": "2", "GATEWAY_SPOOL_DIR": str(self.workdir / "spool"),
                "GATEWAY_USAGE_JSONL": str(self.workdir / "usage.jsonl"),
                "GATEWAY_METERING": self.metering}

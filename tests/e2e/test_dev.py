@@ -64,6 +64,12 @@ def test_gateway_dev_runs_the_tour(tmp_path: Path) -> None:
         # with `kafka ...: UnknownError()`)
         env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
         env |= _printed_exports(out)
+        # and a `policy sync` run with them follows the feed for this spoke: without its id
+        # it reported as spoke `local` and wrote that spoke's quota allowances into this
+        # spoke's Redis
+        spoke = re.search(r'"spoke": "([^"]+)"', out)  # the demo event's
+        assert spoke is not None, out
+        assert env.get("GATEWAY_SPOKE") == spoke[1], _printed_exports(out)
         gw = cmd.split()[0]
         doc = subprocess.run([gw, "policy", "show"], env=env, capture_output=True, text=True,
                              timeout=30, check=True).stdout

@@ -181,6 +181,27 @@ def test_keys_create_refuses_a_count_that_is_not_whole(
     assert policy.read_bytes() == VALID
 
 
+@pytest.mark.parametrize("command", [["keys", "create", "--team", "team-a"],
+                                     ["keys", "update", "key_7Hq2"]])
+@pytest.mark.parametrize("text", ["1e20", "2.5e19"])
+def test_a_count_past_the_largest_limit_is_refused_as_too_large_not_as_a_fraction(
+        command: list[str], text: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """1e20 is a whole number, too large for any limit (at most 2^53 - 1, as the policy's
+    own check says). Before: "'1e20' is not a whole number" (create) and "--tokens-per-day
+    must be a whole number" (update), which sent the operator looking for a fraction."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_bytes(VALID)
+    try:
+        code = main([*command, "--tokens-per-day", text, "--policy-file", str(policy)])
+    except SystemExit as exc:  # create: argparse's refusal; update: the command's
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "whole" not in err and "at most 9007199254740991" in err, err
+    assert policy.read_bytes() == VALID
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["envoy-config", "--record-heartbeat-s", "nan"], "--record-heartbeat-s"),
     (["envoy-config", "--record-heartbeat-s", "-1"], "--record-heartbeat-s"),
