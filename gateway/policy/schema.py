@@ -99,6 +99,16 @@ def _a_number(value: object) -> object:
     return value
 
 
+def _a_count(value: object) -> object:
+    """`_a_number`, for a whole-number field: a whole number past any count (`1e20`, which
+    is read as a float) is refused as such; pydantic said "unable to parse input string as
+    an integer, exceeded maximum size"."""
+    number = _a_number(value)
+    if isinstance(number, float) and number.is_integer() and abs(number) > MAX_COUNT:
+        raise ValueError(f"{value} is more than any count: at most {MAX_COUNT}")
+    return number
+
+
 def read_number(text: str) -> int | float:
     """The number `text` spells, as every numeric field of the policy reads it: `1e6` and
     `1000000` are 1000000 (an int when whole), `0.5` is 0.5. Text that spells none
@@ -113,7 +123,8 @@ def read_number(text: str) -> int | float:
 
 
 _NUMBER = BeforeValidator(_a_number)
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _NUMBER]
+_COUNT = BeforeValidator(_a_count)
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _COUNT]
 Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER]
 PerMillion = Annotated[float, Field(ge=0), _NUMBER]
 
@@ -126,7 +137,7 @@ class Limits(_Strict):
     """Absent limit = unlimited at this tier. Tokens count prompt + completion."""
 
     rps: Rate | None = None
-    burst: Annotated[int, Field(ge=1, le=MAX_COUNT), _NUMBER] | None = None
+    burst: Annotated[int, Field(ge=1, le=MAX_COUNT), _COUNT] | None = None
     concurrency: Count | None = None
     tokens_per_minute: Count | None = None
     tokens_per_day: Count | None = None
@@ -228,7 +239,7 @@ class PassThroughPolicy(_Strict):
 
 
 class PolicyDoc(_Strict):
-    revision: Annotated[int, Field(ge=1, le=MAX_COUNT), _NUMBER] | None = None  # Redis's Lua
+    revision: Annotated[int, Field(ge=1, le=MAX_COUNT), _COUNT] | None = None  # Redis's Lua
     models: dict[Name, ModelPolicy] = Field(default_factory=dict)
     teams: dict[Name, TeamPolicy] = Field(default_factory=dict)
     keys: dict[KeyId, KeyPolicy] = Field(default_factory=dict)

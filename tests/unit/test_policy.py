@@ -516,6 +516,18 @@ def test_a_number_yaml_1_1_reads_as_text_is_the_number_it_spells(written: str) -
                      ).teams["t"].limits == Limits(tokens_per_day=1_000_000, rps=1e6)
 
 
+@pytest.mark.parametrize("field", ["tokens_per_day", "burst", "concurrency"])
+def test_a_whole_number_past_any_count_is_refused_as_such(field: str) -> None:
+    """`1e20` is read as a float (past an int64): pydantic said "Unable to parse input string
+    as an integer, exceeded maximum size", which reads as a malformed number."""
+    with pytest.raises(PolicyError) as err:
+        parse_doc(f"teams: {{t: {{limits: {{{field}: 1e20}}}}}}")
+    assert f"teams.t.limits.{field}: Value error, 1e20 is more than any count: at most " \
+           f"9007199254740991" in str(err.value)
+    assert "exceeded maximum size" not in str(err.value)
+    assert parse_doc("teams: {t: {limits: {rps: 1e6}}}")  # a rate: as before
+
+
 @pytest.mark.parametrize(("text", "problem"), [
     ("teams:\n  t1:\n    limits: {tokens_per_day: 10k}\n",
      "teams.t1.limits.tokens_per_day: 10k (line 3) is read by YAML as text, not a number: "
