@@ -19,7 +19,6 @@ GATEWAY_TOPIC_REPLICATION).
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -212,16 +211,20 @@ class AllowanceFollower:
 
 def main() -> None:
     """The follower alone, for tests and for spokes not yet running `policy sync`."""
+    import argparse
+
     import uvloop
 
     from gateway.log import configure
-    configure(os.environ.get("GATEWAY_LOG_LEVEL", "info"))
-    bootstrap = os.environ.get("GATEWAY_HUB_BOOTSTRAP") or os.environ["GATEWAY_KAFKA_BOOTSTRAP"]
-    follower = AllowanceFollower(
-        bootstrap, os.environ.get("GATEWAY_SPOKE", "local"),
-        redis_url=os.environ["GATEWAY_REDIS_URL"],
-        idempotence=os.environ.get("GATEWAY_KAFKA_IDEMPOTENCE", "true").lower() != "false",
-        replication=int(os.environ.get("GATEWAY_TOPIC_REPLICATION", "1")))
+    from gateway.settings import cli_settings
+    s = cli_settings(argparse.Namespace())  # the env, validated as every command's
+    configure(s.log_level)
+    if s.feed_bootstrap is None or s.redis_url is None:
+        raise SystemExit("gateway.hub.allowances: set GATEWAY_REDIS_URL and "
+                         "GATEWAY_HUB_BOOTSTRAP or GATEWAY_KAFKA_BOOTSTRAP")
+    follower = AllowanceFollower(s.feed_bootstrap, s.spoke, redis_url=s.redis_url,
+                                 idempotence=s.kafka_idempotence,
+                                 replication=s.topic_replication)
     uvloop.run(follower.run())
 
 
