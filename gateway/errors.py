@@ -13,6 +13,7 @@ stdlib's meaning for callers that catch that).
      ├── RevisionConflict   the policy revision moved while it was being edited
      ├── ApplyRefused       [ValueError] `policy apply`, `hub publish` would do harm unasked
      ├── SinkUnavailable    not delivered to Kafka/JSONL: try again later
+     ├── TopicRefused       the broker would not create a topic that must be compacted
      ├── SpoolLocked        the spool directory belongs to a live instance
      ├── SpoolUnusable      the spool directory cannot be made or locked (a path, permissions)
      └── ReportError        [ValueError] a usage report that cannot be answered
@@ -78,6 +79,12 @@ class ApplyRefused(GatewayError, ValueError):
 
 class SinkUnavailable(GatewayError):
     pass
+
+
+class TopicRefused(GatewayError):
+    """The broker refused to create a topic that must be compacted (the policy feed), and
+    it does not exist: nothing was written, so none is auto-created plain. An operator's act
+    (create it, or change the setting named), not a retry, is what helps."""
 
 
 class SpoolLocked(GatewayError):

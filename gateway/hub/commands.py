@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.errors import PolicyError
+from gateway.errors import PolicyError, TopicRefused
 from gateway.policy_commands import run_value
 from gateway.settings import Settings, cli_settings
 from gateway.tasks import stop_on_signals
@@ -67,6 +67,9 @@ def cmd_hub_publish(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:  # ApplyRefused (empty, no --allow-empty) included
         print(f"nothing published: {exc}", file=sys.stderr)
         return 2
+    except TopicRefused as exc:  # the feed not made, nor there: the operator's to make
+        print(f"error: nothing published: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:  # Kafka away: say it, exit non-zero
         print(f"error: {exc}", file=sys.stderr)
         return 1

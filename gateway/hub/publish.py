@@ -52,7 +52,8 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     keys and not `allow_empty`: nothing published) and put it on the feed for `spoke` (`*`:
     every spoke without its own entry); its revision. `warn` is told, before anything is
     published, what is accepted but likely not meant (a key that may use no model). The
-    feed is created on `replication` brokers (GATEWAY_TOPIC_REPLICATION) if missing."""
+    feed is created on `replication` brokers (GATEWAY_TOPIC_REPLICATION) if missing;
+    TopicRefused if the broker refuses and it does not exist: nothing published."""
     if spoke != feed.EVERY_SPOKE and (not spoke.strip() or "/" in spoke):
         # GATEWAY_SPOKE's own rules: no spoke could follow such a key
         raise ValueError(f"--spoke: a spoke id (not blank, no '/'), or * for every spoke; "
@@ -64,7 +65,10 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
     if refused := empty_refusal(source, doc, None, allow_empty=allow_empty):
         raise ApplyRefused(refused)  # before Kafka is asked
     data = to_data(doc)
-    await ensure_compacted(bootstrap, POLICY_TOPIC, RECORD_MAX_BYTES, replication=replication)
+    # a feed the broker refused to create, and not there: TopicRefused, nothing produced
+    # (a broker that auto-creates topics would make it plain; DESIGN §10: it is compacted)
+    await ensure_compacted(bootstrap, POLICY_TOPIC, RECORD_MAX_BYTES, replication=replication,
+                           required=True)
     held = await _highest_reported(bootstrap)
     records = await read_all(bootstrap, POLICY_TOPIC)
     for _ in range(ATTEMPTS):

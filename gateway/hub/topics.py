@@ -17,9 +17,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, for_code
 
-from gateway.errors import SinkUnavailable
+from gateway.errors import SinkUnavailable, TopicRefused
 from gateway.hub.feed import Record
 from gateway.log import log
 from gateway.sinks.producers import kafka_unavailable
@@ -41,13 +41,20 @@ SEGMENT_MS = 3_600_000
 
 
 async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = None, *,
-                           replication: int = 1) -> bool:
+                           replication: int = 1, required: bool = False) -> bool:
     """Create `topic` compacted, one partition, kept on `replication` brokers
     (GATEWAY_TOPIC_REPLICATION), if it is missing (best effort: a broker that auto-creates
     topics works without it, uncompacted; a topic already there is left as it is), taking
     records up to `max_bytes` (None: the broker's default). True once the broker answered
     (created, already there, or refused for good: asking again would not change it); False
-    when it could not be asked (Kafka away): ask again before the next write."""
+    when it could not be asked (Kafka away): ask again before the next write.
+
+    `required` (the policy feed: a plain topic drops its records after the retention, and
+    with them the revision new spokes start from): a refused creation is not left to
+    auto-creation. Only then is the broker asked whether the topic exists (an operator made
+    it; a managed Kafka may refuse a create, e.g. TOPIC_AUTHORIZATION_FAILED, even for a
+    topic there): it is used as it is; else TopicRefused, naming the broker's error and the
+    fix, and the caller writes nothing."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
     configs = {"cleanup.policy": "compact", "segment.ms": str(SEGMENT_MS),
                **({"max.message.bytes": str(max_bytes)} if max_bytes else {})}
@@ -63,6 +70,12 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
             res = await admin.create_topics(
                 [NewTopic(topic, 1, replication, topic_configs={"cleanup.policy": "compact"})])
             codes = [code for _, code, *_ in res.topic_errors]
+        refused = [(code, rest[0] if rest else None)
+                   for _, code, *rest in res.topic_errors if code not in (0, _TOPIC_EXISTS)]
+        if required and refused:
+            await _exists_or_refused(admin, topic, *refused[0], replication,
+                                     bool(max_bytes))
+            return True
         for code in codes:
             if code not in (0, _TOPIC_EXISTS):
                 log.warning("topic_not_created", topic=topic, error_code=code,
@@ -74,6 +87,33 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
     finally:
         with contextlib.suppress(Exception):
             await admin.close()
+
+
+async def _exists_or_refused(admin: AIOKafkaAdminClient, topic: str, code: int,
+                             message: str | None, replication: int,
+                             sized: bool) -> None:
+    """After the broker refused to create `topic`: None if it exists all the same, else
+    TopicRefused. Every topic's metadata is asked, not `topic`'s own: a Metadata request
+    naming a topic lets a broker that auto-creates topics make it (plain) in answering."""
+    name = for_code(code).message
+    said = f": {message}" if message else ""
+    try:
+        there = topic in await admin.list_topics()
+    except (KafkaError, OSError) as exc:
+        raise TopicRefused(
+            f"the broker refused to create {topic} (error {code} {name}{said}), and whether "
+            f"it exists could not be told ({exc!r}): try again") from exc
+    if there:
+        log.info("topic_create_refused_exists", topic=topic, error_code=code, error=name,
+                 note="the topic exists (made otherwise): used as it is")
+        return
+    size = ", max.message.bytes at least the largest document" if sized else ""
+    raise TopicRefused(
+        f"the broker refused to create {topic} (error {code} {name}{said}) and it does not "
+        f"exist: create {topic} yourself with cleanup.policy=compact{size}, or set "
+        f"GATEWAY_TOPIC_REPLICATION (now {replication}) to what the cluster holds; not "
+        f"written to, lest a broker that auto-creates topics make it plain (delete "
+        f"retention: the revisions would go after a week)")
 
 
 def _refusal(code: int, replication: int) -> dict[str, str]:

@@ -580,6 +580,37 @@ async def test_the_hub_topics_are_created_with_the_replication_factor_asked(
     assert "topic_not_created" not in capsys.readouterr().err
 
 
+async def test_a_refused_feed_is_looked_for_in_the_broker_s_topic_list(
+        tansu: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The existence check after a refused creation, on a real broker's metadata (Tansu
+    takes any creation, so the refusal is stood in): a topic made beforehand is found and
+    used; a missing one is TopicRefused, and the check did not make it either."""
+    from types import SimpleNamespace
+
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from gateway.errors import TopicRefused
+    from gateway.hub import topics
+    bs = tansu.address
+    await ensure_compacted(bs, "hub.pre")  # the operator's, made beforehand
+
+    class _Refusing(AIOKafkaAdminClient):
+        async def create_topics(self, new: list[Any], *_: Any, **__: Any) -> Any:
+            return SimpleNamespace(topic_errors=[(new[0].name, 29, "not authorized")])
+
+    monkeypatch.setattr(topics, "AIOKafkaAdminClient", _Refusing)
+    assert await ensure_compacted(bs, "hub.pre", required=True) is True
+    with pytest.raises(TopicRefused, match=r"hub\.absent \(error 29 TOPIC_AUTHORIZATION_FAILED"):
+        await ensure_compacted(bs, "hub.absent", required=True)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bs)
+    await admin.start()
+    try:
+        names = await admin.list_topics()
+    finally:
+        await admin.close()
+    assert "hub.pre" in names and "hub.absent" not in names
+
+
 async def test_a_policy_of_more_than_a_megabyte_is_published_and_read_back(
         feed_kafka: Service) -> None:
     """A platform with ~10,000 keys has a policy document over 1 MB: aiokafka's default

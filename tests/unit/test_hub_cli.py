@@ -62,7 +62,8 @@ class _Feed:
         self.replication: dict[str, int] = {}  # the factor each topic was created with
 
     async def ensure_compacted(self, bootstrap: str, topic: str,
-                               max_bytes: int | None = None, *, replication: int = 1) -> None:
+                               max_bytes: int | None = None, *, replication: int = 1,
+                               required: bool = False) -> None:
         self.records.setdefault(topic, [])
         self.replication.setdefault(topic, replication)
 
