@@ -220,7 +220,6 @@ class Recorder:
             child(metrics.TPOT, facts.model).observe(b.tpot_ms / 1000)
         return event
 
-
     def _drop_denial(self) -> bool:
         """True when a denial's event is to be dropped: the spool cannot write and holds
         DENIED_HELD_MAX events in memory already (logged once a spell, counted each)."""
@@ -233,7 +232,6 @@ class Recorder:
             log.error("usage_denials_dropped", reason=spool.gate.reason,
                       events_in_memory=spool.in_memory, held_max=DENIED_HELD_MAX)
         return True
-
 
     def _gate_changed(self, closed: bool) -> None:
         if not closed:
