@@ -221,14 +221,18 @@ class Engine:
         return resp
 
     async def _raw(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """HTTP/1.1 by hand: a chunked SSE answer that ends with trailers."""
+        """HTTP/1.1 by hand: a chunked SSE answer that ends with trailers, then the
+        connection closed, which its `connection: close` says (without it Envoy pooled the
+        connection, and the next request could take it as it closed: Envoy's 503, once in a
+        full run)."""
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
             test_id = next(line.split(":", 1)[1].strip() for line in head.split("\r\n")
                            if line.lower().startswith("x-test-id:"))
             script = self.scripts[test_id]
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"transfer-encoding: chunked\r\ntrailer: x-done\r\n\r\n")
+                         b"transfer-encoding: chunked\r\ntrailer: x-done\r\n"
+                         b"connection: close\r\n\r\n")
             for chunk in script.chunks:
                 writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 await writer.drain()
