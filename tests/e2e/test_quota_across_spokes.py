@@ -7,6 +7,7 @@ past their reservations: nothing here, every reservation covers its request
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 import redis
 
 from devspoke.stack import Spoke
+from gateway.hub.quota_topic import QUOTA_TOPIC
+from gateway.hub.topics import read_all
 from gateway.limits import maths
 from testkit import quota as hub
 
@@ -46,6 +49,22 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "") ->
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.1)
+
+
+def applied_all_sent(bootstrap: str, spokes: dict[str, Spoke]) -> None:
+    """Wait until each spoke has applied the last allowances the (now stopped) allocator
+    sent it: one sent just before the stop may still be on its way to the spoke's follower
+    (a loaded machine once applied it after the test had read what the spokes held)."""
+    sent: dict[str, int] = {}
+    for key, value in asyncio.run(read_all(bootstrap, QUOTA_TOPIC)):
+        if key in spokes and value is not None:
+            sent[key] = int(orjson.loads(value)["generation"])
+
+    def applied() -> bool:
+        return all(int(redis.Redis.from_url(s.redis_url).get("gw:allow:gen") or 0)
+                   >= sent.get(name, 0) for name, s in spokes.items())
+
+    wait_for(applied, what=f"the spokes applying generations {sent}")
 
 
 @pytest.fixture
@@ -105,6 +124,7 @@ def test_one_daily_quota_follows_use_across_two_spokes(fleet: hub.Fleet) -> None
     # waited for, not slept for.
     wait_for(lambda: (allowance(east, "h") or 0) > h_east, what="east given more of team h")
     alloc.stop()
+    applied_all_sent(fleet.kafka.address, spokes)
     held = {n: allowance(s, "h") for n, s in spokes.items()}
     assert held["east"] is not None and held["west"] is not None
     assert held["east"] > h_east and held["east"] + held["west"] <= QUOTA
