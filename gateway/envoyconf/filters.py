@@ -189,6 +189,11 @@ def local_replies(max_request_bytes: int, authz_http: bool,
     return LocalReplyConfig(mappers=[*door, *failed, *too_large_replies(max_request_bytes)])
 
 
+def _cel(expression: str) -> AccessLogFilter:
+    """An access-log filter on a CEL expression over the request and its answer."""
+    return AccessLogFilter(extension_filter=ExtensionFilter(
+        name="envoy.access_loggers.extension_filters.cel",
+        typed_config=Any.pack(ExpressionFilter(expression=expression))))
 
 
 def unanswered_check(paths: Iterable[str]) -> AccessLogFilter:
@@ -197,11 +202,8 @@ def unanswered_check(paths: Iterable[str]) -> AccessLogFilter:
     opens no ext_proc stream there (response headers SKIP on those routes), so Envoy's
     record of it is the only word the sidecar gets, and its event is made from that."""
     listed = ", ".join(f"'{p}'" for p in paths)
-    return AccessLogFilter(extension_filter=ExtensionFilter(
-        name="envoy.access_loggers.extension_filters.cel", typed_config=Any.pack(
-            ExpressionFilter(expression=(
-                f"response.code_details == '{AUTHZ_ERROR_DETAILS}' && "
-                f"request.method == 'POST' && request.url_path in [{listed}]")))))
+    return _cel(f"response.code_details == '{AUTHZ_ERROR_DETAILS}' && "
+                f"request.method == 'POST' && request.url_path in [{listed}]")
 
 
 def authz_error_replies() -> list[ResponseMapper]:
@@ -209,9 +211,7 @@ def authz_error_replies() -> list[ResponseMapper]:
     the SDKs read as a bare status. Given the API's JSON instead (by route, as the sidecar's
     own 503 in gateway/authz/answers.py `unavailable`) and its `retry-after: 1`. Told from
     the sidecar's own 503 denial by Envoy's response code details (a CEL filter)."""
-    failed = AccessLogFilter(extension_filter=ExtensionFilter(
-        name="envoy.access_loggers.extension_filters.cel", typed_config=Any.pack(
-            ExpressionFilter(expression=f"response.code_details == '{AUTHZ_ERROR_DETAILS}'"))))
+    failed = _cel(f"response.code_details == '{AUTHZ_ERROR_DETAILS}'")
     return _by_api(failed, "The gateway could not check this request in time; try again.",
                    # Anthropic's type for a 503: answers.anthropic_error_type's
                    anthropic_type="api_error", openai_type="server_error",

@@ -69,17 +69,15 @@ async def ensure_compacted(bootstrap: str, topic: str, max_bytes: int | None = N
             log.warning("topic_settings_refused", topic=topic, error_codes=codes, asked=configs)
             res = await admin.create_topics(
                 [NewTopic(topic, 1, replication, topic_configs={"cleanup.policy": "compact"})])
-            codes = [code for _, code, *_ in res.topic_errors]
         refused = [(code, rest[0] if rest else None)
                    for _, code, *rest in res.topic_errors if code not in (0, _TOPIC_EXISTS)]
         if required and refused:
             await _exists_or_refused(admin, topic, *refused[0], replication,
                                      bool(max_bytes))
             return True
-        for code in codes:
-            if code not in (0, _TOPIC_EXISTS):
-                log.warning("topic_not_created", topic=topic, error_code=code,
-                            replication=replication, **_refusal(code, replication))
+        for code, _ in refused:
+            log.warning("topic_not_created", topic=topic, error_code=code,
+                        replication=replication, **_refusal(code, replication))
         return True
     except (KafkaError, OSError) as exc:
         log.warning("topic_not_created", topic=topic, error=repr(exc))

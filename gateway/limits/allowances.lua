@@ -37,15 +37,12 @@ for r = 0, tonumber(ARGV[2]) - 1 do
   local known = tonumber(ARGV[8 + r * 6])
   local counter = 'gw:g' .. w .. ':' .. key .. ':' .. period
   local used = tonumber(redis.call('GET', counter) or 0)
-  if used < known then
-    local target = known + in_flight(counter)  -- its reservations: still counted in it
-    if used < target then  -- a new counter gets admission's TTL; an existing one its own
-      if redis.call('EXISTS', counter) == 1 then
-        redis.call('SET', counter, target, 'KEEPTTL')
-      else
-        redis.call('SET', counter, target, 'PX', ttl)
-      end
-      used = target
+  if used < known then  -- raised, keeping its reservations in flight (no event's yet)
+    used = known + in_flight(counter)
+    if redis.call('EXISTS', counter) == 1 then  -- an existing counter keeps its TTL
+      redis.call('SET', counter, used, 'KEEPTTL')
+    else  -- a new one gets admission's
+      redis.call('SET', counter, used, 'PX', ttl)
     end
   end
   if tokens < used then tokens = used end

@@ -26,8 +26,9 @@ class Allowance:
     period_id: str  # UTC: YYYYMMDD for a day, YYYYMM for a month
     tokens: int
     # The use the allocator counted for this spoke in the period (its usage events): the
-    # spoke's counter is raised to it where below, so a quota added mid-period counts the
-    # period's earlier use on the spoke as it does in the allocator.
+    # spoke's counter, where below, is raised to it plus the reservations in flight it
+    # holds, so a quota added mid-period counts the period's earlier use on the spoke as it
+    # does in the allocator.
     known: int = 0
 
 

@@ -308,10 +308,8 @@ class MemoryLimiter(Limiter, AllowanceStore):
             counter = f"g{w}:{e.scope}:{e.period_id}"
             used = int(self.tokens.get(counter, 0))
             if used < e.known:  # plus the reservations in flight it holds, no event's yet
-                target = e.known + sum(h.reserved for h in self.held.values()
-                                       if counter in h.token_keys)
-                if used < target:
-                    self.tokens[counter] = used = target
+                self.tokens[counter] = used = e.known + sum(
+                    h.reserved for h in self.held.values() if counter in h.token_keys)
             tokens = self.allowances[f"{w}:{e.scope}:{e.period_id}"] = max(e.tokens, used)
             out.append(Applied(e.scope, e.period, e.period_id, tokens, used))
         return out
