@@ -7,28 +7,17 @@ until the thawed sidecar answers) is what the event is made from; before, it got
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from devspoke.stack import Spoke
-from gateway.settings import METERING_SOURCES
-from testkit.spoke import read_events, start_spoke
-
-
-@pytest.fixture(params=METERING_SOURCES)
-def frozen_spoke(request: pytest.FixtureRequest,
-                 tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
-    spoke, keys = start_spoke(tmp_path / "spoke", metering=request.param)
-    yield spoke, keys
-    spoke.stop()
+from testkit.spoke import read_events
 
 
 def test_a_check_nobody_answered_gets_one_denied_event(
-        frozen_spoke: tuple[Spoke, dict[str, str]]) -> None:
-    spoke, keys = frozen_spoke
+        spoke_keys: tuple[Spoke, dict[str, str]]) -> None:
+    """Both metering sources (conftest.py's `spoke_keys`)."""
+    spoke, keys = spoke_keys
     chat = {"model": "mock-model", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 1}
     ok = httpx.post(f"{spoke.base_url}/chat/completions", json=chat, timeout=10,

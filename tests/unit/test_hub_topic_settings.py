@@ -11,10 +11,8 @@ import pytest
 from gateway.hub import topics
 
 
-class _CappingAdmin:
-    """A broker that refuses max.message.bytes over 8 MiB (as managed Kafkas cap it)."""
-
-    made: list[dict[str, str]] = []
+class _Admin:
+    """Stands in for aiokafka's admin client: connects to nothing."""
 
     def __init__(self, **_: Any) -> None:
         pass
@@ -24,6 +22,12 @@ class _CappingAdmin:
 
     async def close(self) -> None:
         pass
+
+
+class _CappingAdmin(_Admin):
+    """A broker that refuses max.message.bytes over 8 MiB (as managed Kafkas cap it)."""
+
+    made: list[dict[str, str]] = []
 
     async def create_topics(self, new: list[Any]) -> Any:
         configs = new[0].topic_configs
@@ -45,21 +49,12 @@ async def test_settings_a_broker_refuses_still_leave_the_topic_compacted(
                                      "segment.ms": str(topics.SEGMENT_MS)}
 
 
-class _FewBrokersAdmin:
+class _FewBrokersAdmin(_Admin):
     """A Kafka of `brokers` brokers: a replication factor above that is refused with
     INVALID_REPLICATION_FACTOR (38), as Apache Kafka does; every NewTopic asked is kept."""
 
     brokers = 1
     asked: list[Any] = []
-
-    def __init__(self, **_: Any) -> None:
-        pass
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     async def create_topics(self, new: list[Any]) -> Any:
         _FewBrokersAdmin.asked += new
@@ -152,7 +147,7 @@ async def test_a_policy_refusing_even_compaction_alone_names_the_replication_set
     assert '"error_code": 44' in line and "GATEWAY_TOPIC_REPLICATION" in line
 
 
-class _RefusingAdmin:
+class _RefusingAdmin(_Admin):
     """A broker that refuses every CreateTopics with `code` (INVALID_REPLICATION_FACTOR, a
     policy's, or an authorization error a managed Kafka gives even for a topic there), or
     creates the topic (`code` 0); `existing` is what its metadata lists (None: it fails)."""
@@ -161,15 +156,6 @@ class _RefusingAdmin:
     existing: list[str] | None = []
     created: list[str] = []
     listed = 0  # metadata requests for the topic list
-
-    def __init__(self, **_: Any) -> None:
-        pass
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     async def create_topics(self, new: list[Any]) -> Any:
         if self.code == 0:
