@@ -4,9 +4,11 @@ in each window, read from the limiter's counters."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.limits import maths
 from gateway.limits.standing import Counters, Standing, Window, standing
 from gateway.policy.model import Policy, TierLimit
 
@@ -38,7 +40,7 @@ async def standings(tiers: list[TierLimit], read: Read | None, now: float
         if read is None:
             full = standing(t, Counters(), now)
             out.append(Standing(t.tier, t.name, tuple(
-                Window(w.limit, w.allowed, -1, -1, None, w.per_s) for w in full.windows)))
+                replace(w, used=-1, left=-1, resets_in=None) for w in full.windows)))
         else:
             out.append(standing(t, await read(f"{t.tier}:{t.name}", now), now))
     return out
@@ -61,7 +63,8 @@ def as_data(policy: Policy, key_id: str, rows: list[Standing], now: float,
         "expires_at": _utc(key.expires_at) if key.expires_at is not None else None,
         "at": _utc(now), "counters": counters,
         "tiers": [{"tier": s.tier, "name": s.name, "windows": [
-            {"limit": w.limit, "allowed": w.allowed, "per_s": w.per_s,
+            {"limit": w.limit, "allowed": _allowed(w, counters), "per_s": w.per_s,
+             "quota": w.quota,
              "used": w.used if counters else None, "left": w.left if counters else None,
              "resets_in_s": round(w.resets_in, 3) if w.resets_in is not None else None}
             for w in s.windows]} for s in rows],
@@ -75,7 +78,7 @@ def table(data: dict[str, Any]) -> str:
              f"models: {', '.join(data['models']) or 'none'}", ""]
     head = ("TIER", "NAME", "LIMIT", "ALLOWED", "USED", "LEFT", "RESETS IN")
     rows = [(t["tier"], t["name"],
-             f"rps {_num(w['per_s'])}/s, burst" if w["per_s"] else w["limit"],
+             _limit(w),
              _num(w["allowed"]), _num(w["used"]),
              _num(w["left"]), _dur(w["resets_in_s"]))
             for t in data["tiers"] for w in t["windows"]]
@@ -85,10 +88,28 @@ def table(data: dict[str, Any]) -> str:
     for r in (head, *rows):
         lines.append("  ".join(v.ljust(w) if i < 3 else v.rjust(w)
                                for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+    if any(w["quota"] is not None for t in data["tiers"] for w in t["windows"]):
+        lines += ["", "global: a quota for all spokes together; ALLOWED is this spoke's "
+                      "allowance of it (the hub's allocator divides it; without one held, "
+                      f"the fallback share, {maths.GLOBAL_FALLBACK_SHARE:.0%}), USED this "
+                      "spoke's use"]
     if not data["counters"]:
         lines += ["", "used and left need the limiter's counters: embedded mode keeps them in "
                       "the serving process (set GATEWAY_REDIS_URL for a spoke's)"]
     return "\n".join(lines)
+
+
+def _allowed(w: Window, counters: bool) -> float | None:
+    """A global quota's allowance is the spoke's, in its store: unknown without it."""
+    return None if w.quota is not None and not counters else w.allowed
+
+
+def _limit(w: dict[str, Any]) -> str:
+    if w["per_s"]:
+        return f"rps {_num(w['per_s'])}/s, burst"
+    if w["quota"] is not None:
+        return f"{w['limit']} {_num(w['quota'])}, this spoke's"
+    return str(w["limit"])
 
 
 def _num(v: float | None) -> str:

@@ -300,22 +300,13 @@ def limit_number(text: str, none_removes: bool = False) -> int | float:
     return value
 
 
-def not_a_count(value: float) -> str:
-    """Why a limit counting requests or tokens cannot be `value`, which `read_number` gave as
-    a float: a fraction, or a whole number past any count (`1e20`: read as a float, since a
-    limit is at most 2^53 - 1 anyway)."""
-    from gateway.policy.schema import MAX_COUNT
-    if not value.is_integer():
-        return "is not a whole number"
-    return f"is too large: a limit is at most {MAX_COUNT}" if value > 0 else "is below 0"
-
-
 def whole_limit(text: str) -> int:
     """A limit flag counting requests or tokens: a whole number (`1e6`, `2000000`)."""
+    from gateway.policy.schema import not_a_count
     value = limit_number(text)
-    if isinstance(value, float):
-        raise argparse.ArgumentTypeError(f"{text!r} {not_a_count(value)}")
-    return value
+    if isinstance(value, float) and (problem := not_a_count(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}")
+    return int(value)
 
 
 def limit_value(text: str) -> float | None:
@@ -328,12 +319,12 @@ def limit_value(text: str) -> float | None:
 
 def cmd_keys_update(args: argparse.Namespace) -> int:
     from gateway.policy import admin
+    from gateway.policy.schema import not_a_count
     limits = {name: getattr(args, name) for name in admin.LIMIT_FIELDS
               if getattr(args, name) is not admin.UNSET}
     for name, value in limits.items():
-        if name != "rps" and isinstance(value, float):
-            print(f"error: --{name.replace('_', '-')} {value:g} {not_a_count(value)}",
-                  file=sys.stderr)
+        if name != "rps" and isinstance(value, float) and (problem := not_a_count(value)):
+            print(f"error: --{name.replace('_', '-')} {value:g} {problem}", file=sys.stderr)
             return 2
     models: Any = admin.UNSET
     if args.models is not None:

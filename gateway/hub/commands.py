@@ -148,7 +148,9 @@ def cmd_hub_forget(args: argparse.Namespace) -> int:
 def cmd_hub_unpublish(args: argparse.Namespace) -> int:
     """A null value on each SPOKE's own feed entry (DESIGN §10: it removes that entry); the
     spoke then follows `*`'s, published again as the next revision where the spoke would
-    otherwise hold the removed one (it never moves to a lower revision)."""
+    otherwise hold the removed one (it never moves to a lower revision). One record per
+    spoke, so not atomic: a run that fails part way says which were removed, and running
+    it again completes it (an entry already removed counts as done)."""
     from gateway.hub.feed import EVERY_SPOKE
     from gateway.hub.publish import unpublish
     s, bootstrap = _hub_bootstrap(args)
@@ -164,13 +166,14 @@ def cmd_hub_unpublish(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if done.absent:
-        print(f"nothing removed: no entry of its own for {', '.join(done.absent)} (see "
-              "`gateway hub status`)", file=sys.stderr)
+        print(f"nothing removed: no entry of its own for {', '.join(done.absent)}, now or "
+              "before (see `gateway hub status`)", file=sys.stderr)
         return 2
     follows = ("it follows '*'" if done.star else
                "no '*' entry to follow: it keeps what it holds until one is published")
     for spoke in spokes:
-        print(f"removed the feed entry of spoke {spoke}: {follows}")
+        done_before = " (already, by an earlier run)" if spoke in done.already else ""
+        print(f"removed the feed entry of spoke {spoke}{done_before}: {follows}")
     if done.republished is not None:
         print(f"published '*' again as revision {done.republished}, above the removed "
               f"{'entries' if len(spokes) > 1 else 'entry'}")

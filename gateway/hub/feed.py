@@ -74,6 +74,17 @@ def latest(records: Iterable[Record]) -> dict[str, bytes]:
     return out
 
 
+def last_values(records: Iterable[Record]) -> dict[str, bytes | None]:
+    """Each key's last value on the topic, its tombstone or not: what a spoke following its
+    own entry held before that entry was removed. None: only a tombstone is left (the value
+    before it compacted away); a key never on the topic is not there."""
+    out: dict[str, bytes | None] = {}
+    for key, value in records:
+        if value is not None or key not in out:
+            out[key] = value
+    return out
+
+
 def _revisions(records: Iterable[Record]) -> Iterator[tuple[str, bytes, int]]:
     """(key, value, revision) of each readable value, in topic order."""
     for key, value in records:

@@ -24,11 +24,11 @@ number. Every publish then lands, the later one last, whatever the interleaving.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.errors import ApplyRefused, SinkUnavailable
+from gateway.errors import ApplyRefused, GatewayError, SinkUnavailable
 from gateway.hub import feed, fleet
 from gateway.hub.topics import (
     POLICY_TOPIC,
@@ -87,42 +87,80 @@ async def publish(bootstrap: str, text: bytes, source: str, spoke: str = feed.EV
 
 @dataclass(frozen=True)
 class Unpublished:
-    absent: list[str]  # spokes with no entry of their own: nothing was removed
+    absent: list[str]  # spokes that never had an entry of their own: nothing was removed
     star: bool = False  # a readable `*` entry is there to follow
     republished: int | None = None  # the revision `*`'s document was published again as
+    already: list[str] = field(default_factory=list)  # removed before (an earlier run)
+
+
+class PartlyUnpublished(SinkUnavailable):
+    """A run failed part way: `removed` have no entry of their own any more (this run's and
+    earlier runs'), `left` still have theirs, and `*` may not be above what they held. The
+    same command, run again, completes it."""
+
+    def __init__(self, removed: list[str], left: list[str], cause: Exception) -> None:
+        self.removed, self.left = removed, left
+        done = f"removed the feed entry of {', '.join(removed)}" if removed else "removed none"
+        rest = (f"not of {', '.join(left)}" if left
+                else "'*' not published again above them")
+        super().__init__(f"{done}; {rest} ({cause}): run the same command again to "
+                         "complete it")
 
 
 async def unpublish(bootstrap: str, spokes: list[str], *,
                     idempotence: bool = True, replication: int = 1) -> Unpublished:
-    """Remove each spoke's own feed entry (a null value, DESIGN §10), all or none. A spoke
-    never moves to a revision lower than it holds, so one that held its own entry, above
-    `*`'s (the usual order: `*` first, then the exception), would keep serving the removed
-    document until `*` next changes: `*`'s document, published again as the next revision,
-    is what it follows at once."""
-    current = feed.latest(await read_all(bootstrap, POLICY_TOPIC))
-    absent = [s for s in spokes if s not in current]
+    """Remove each spoke's own feed entry (a null value, DESIGN §10). Not atomic (one
+    record per spoke), so safe to run again: a spoke whose entry is already removed counts
+    as done, and what its spokes held is read from the topic's log (the value before each
+    tombstone), so a run that failed part way (PartlyUnpublished) is completed by the same
+    command. A spoke never moves to a revision lower than it holds, so one that held its
+    own entry, above `*`'s (the usual order: `*` first, then the exception), would keep
+    serving the removed document until `*` next changes: `*`'s document, published again
+    as the next revision, is what it follows at once."""
+    records = await read_all(bootstrap, POLICY_TOPIC)
+    current, held = feed.latest(records), feed.last_values(records)
+    absent = [s for s in spokes if s not in held]
     if absent:
         return Unpublished(absent)
-    for spoke in spokes:
-        await produce(bootstrap, POLICY_TOPIC, spoke, None, idempotence=idempotence)
+    already = [s for s in spokes if s not in current]
+    removed = list(already)
+    try:
+        for spoke in spokes:
+            if spoke in current:
+                await produce(bootstrap, POLICY_TOPIC, spoke, None, idempotence=idempotence)
+                removed.append(spoke)
+        star, revision = await _star_above(bootstrap, current, [held[s] for s in spokes],
+                                           idempotence, replication)
+    except GatewayError as exc:  # Kafka away part way (or `*` not publishable again)
+        raise PartlyUnpublished(removed, [s for s in spokes if s not in removed], exc
+                                ) from exc
+    return Unpublished([], star=star, republished=revision, already=already)
+
+
+async def _star_above(bootstrap: str, current: dict[str, bytes], held: list[bytes | None],
+                      idempotence: bool, replication: int) -> tuple[bool, int | None]:
+    """Whether there is a readable `*` to follow, and the revision its document was
+    published again as, if it was not above every revision the spokes held already."""
     star = current.get(feed.EVERY_SPOKE)
     try:
         every = feed.parse_value(star) if star is not None else None
     except feed.FeedValueError:
         every = None
     if every is None:
-        return Unpublished([])  # nothing to follow: the spokes keep what they hold
-    if every.revision > max(_revision(current[s]) for s in spokes):
-        return Unpublished([], star=True)  # already above what they held: followed at once
+        return False, None  # nothing to follow: the spokes keep what they hold
+    if every.revision > max(_revision(v) for v in held):
+        return True, None  # already above what they held: followed at once
     revision = await publish(bootstrap, orjson.dumps(every.policy), f"{POLICY_TOPIC}[*]",
                              idempotence=idempotence, allow_empty=True,
                              replication=replication)
-    return Unpublished([], star=True, republished=revision)
+    return True, revision
 
 
-def _revision(value: bytes) -> int:
-    """An entry's revision; an unreadable one's counts as above everything (its spoke may
-    hold anything)."""
+def _revision(value: bytes | None) -> int:
+    """An entry's revision; an unreadable one's, or one compacted away (None), counts as
+    above everything (its spoke may hold anything)."""
+    if value is None:
+        return feed.MAX_REVISION
     try:
         return feed.parse_value(value).revision
     except feed.FeedValueError:

@@ -284,12 +284,14 @@ class MemoryLimiter(Limiter, AllowanceStore):
     async def counters(self, tier_key: str, now: float) -> Counters:
         """One tier's counters ("team:team-a"), as `RedisLimiter.counters` reads Redis's."""
         minute = maths.minute_index(now)
-        t = self.tokens
+        t, a = self.tokens, self.allowances
+        day, month = f"{tier_key}:{maths.day_id(now)}", f"{tier_key}:{maths.month_id(now)}"
         return Counters(
             self.tat.get(tier_key, 0.0), len(self._live(tier_key, now)),
             t.get(f"tpm:{tier_key}:{minute - 1}", 0.0), t.get(f"tpm:{tier_key}:{minute}", 0.0),
-            t.get(f"tpd:{tier_key}:{maths.day_id(now)}", 0.0),
-            t.get(f"tpmo:{tier_key}:{maths.month_id(now)}", 0.0))
+            t.get(f"tpd:{day}", 0.0), t.get(f"tpmo:{month}", 0.0),
+            t.get(f"gtpd:{day}", 0.0), t.get(f"gtpmo:{month}", 0.0),
+            a.get(f"tpd:{day}"), a.get(f"tpmo:{month}"))
 
     def in_flight(self, tier: str, name: str, now: float) -> int:
         return len(self._live(f"{tier}:{name}", now))

@@ -280,10 +280,13 @@ class RedisLimiter(Limiter):
             tat, live = await self.redis.call("GET", rps), await self.redis.call(
                 "ZCOUNT", conc, f"({now_ms}", "+inf")
             counts = [await self.redis.call("GET", k) for k in (prev, cur, day, month)]
+            gday, gmonth, aday, amonth = [await self.redis.call("GET", k) for k in
+                                          standing.redis_global_keys(tier_key, now)]
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         p, c, d, m = (float(v or 0) for v in counts)
-        return Counters(float(tat or 0) / 1000, int(live or 0), p, c, d, m)
+        return Counters(float(tat or 0) / 1000, int(live or 0), p, c, d, m,
+                        float(gday or 0), float(gmonth or 0), _held(aday), _held(amonth))
 
     async def ping(self) -> bool:
         """Whether the store answers; under Sentinel, also leaves a demoted primary (the
@@ -305,3 +308,8 @@ def _checkpoint(raw: object) -> tuple[int, int] | None:
     prompt, sep, completion = str(raw or "").partition(":")
     return (int(prompt), int(completion)) if sep and prompt.isdigit() and completion.isdigit() \
         else None
+
+
+def _held(allowance: Any) -> float | None:
+    """An allowance as GET returns it; nil: none held."""
+    return float(allowance) if allowance is not None else None

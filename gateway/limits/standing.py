@@ -9,7 +9,7 @@ next admission would see.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.limits import maths
 from gateway.policy.model import TierLimit
@@ -18,7 +18,9 @@ from gateway.policy.model import TierLimit
 @dataclass(frozen=True, slots=True)
 class Counters:
     """One tier's raw counters at `now`: the GCRA arrival time (seconds, 0 = none), live
-    leases, token counts of the previous and current minute, the day and the month."""
+    leases, token counts of the previous and current minute, the day and the month; and
+    for a global quota, this spoke's count of the day and the month and the allowance it
+    holds of each (None: none held, so admission enforces the fallback share)."""
 
     tat: float = 0.0
     in_flight: int = 0
@@ -26,16 +28,22 @@ class Counters:
     minute_cur: float = 0.0
     day: float = 0.0
     month: float = 0.0
+    global_day: float = 0.0
+    global_month: float = 0.0
+    allowance_day: float | None = None
+    allowance_month: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Window:
     limit: str  # rps | concurrency | tokens_per_minute | tokens_per_day | tokens_per_month
-    allowed: float  # the limit (rps: the burst, requests at once)
-    used: float
+    #             | global_tokens_per_day | global_tokens_per_month
+    allowed: float  # the limit (rps: the burst, requests at once; global: this spoke's share)
+    used: float  # global: this spoke's use
     left: float
     resets_in: float | None  # seconds until it is whole again; None: it does not reset
     per_s: float | None = None  # rps: the refill rate
+    quota: int | None = None  # global: the quota for all spokes together
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +77,21 @@ def standing(t: TierLimit, c: Counters, now: float) -> Standing:
     if s.tokens_per_month is not None:
         out.append(_tokens("tokens_per_month", s.tokens_per_month, c.month,
                            maths.seconds_to_month_end(now)))
+    if s.global_tokens_per_day is not None:
+        out.append(_global("global_tokens_per_day", s.global_tokens_per_day, c.allowance_day,
+                           c.global_day, maths.seconds_to_day_end(now)))
+    if s.global_tokens_per_month is not None:
+        out.append(_global("global_tokens_per_month", s.global_tokens_per_month,
+                           c.allowance_month, c.global_month, maths.seconds_to_month_end(now)))
     return Standing(t.tier, t.name, tuple(out))
+
+
+def _global(kind: str, quota: int, allowance: float | None, used: float,
+            resets: float) -> Window:
+    """A global quota as admission enforces it here: against this spoke's allowance, else
+    the fallback share (admit.lua)."""
+    limit = int(allowance) if allowance is not None else maths.fallback_allowance(quota)
+    return replace(_tokens(kind, limit, used, resets), quota=quota)
 
 
 def _tokens(kind: str, limit: int, used: float, resets: float) -> Window:
@@ -83,3 +105,10 @@ def redis_keys(tier_key: str, now: float) -> tuple[str, str, str, str, str, str]
     return (f"gw:rps:{tier_key}", f"gw:conc:{tier_key}", f"gw:tpm:{tier_key}:{minute - 1}",
             f"gw:tpm:{tier_key}:{minute}", f"gw:tpd:{tier_key}:{maths.day_id(now)}",
             f"gw:tpmo:{tier_key}:{maths.month_id(now)}")
+
+
+def redis_global_keys(tier_key: str, now: float) -> tuple[str, str, str, str]:
+    """A global quota's counters and allowances admit.lua reads (day, month of each)."""
+    day, month = maths.day_id(now), maths.month_id(now)
+    return (f"gw:gtpd:{tier_key}:{day}", f"gw:gtpmo:{tier_key}:{month}",
+            f"gw:allow:tpd:{tier_key}:{day}", f"gw:allow:tpmo:{tier_key}:{month}")

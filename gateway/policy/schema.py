@@ -99,13 +99,23 @@ def _a_number(value: object) -> object:
     return value
 
 
+def not_a_count(number: float) -> str | None:
+    """Why a float (as `read_number` gives a fraction, or a number too large for an int:
+    `1e20`) cannot be a count of requests or tokens, None if it can. The policy file and
+    the command line's limit flags both ask it; before, a whole number past any count was
+    refused as a malformed number (pydantic: "exceeded maximum size") or as a fraction."""
+    if not number.is_integer():
+        return "is not a whole number"
+    if number < 0:
+        return "is below 0"
+    return f"is more than any count: at most {MAX_COUNT}" if number > MAX_COUNT else None
+
+
 def _a_count(value: object) -> object:
-    """`_a_number`, for a whole-number field: a whole number past any count (`1e20`, which
-    is read as a float) is refused as such; pydantic said "unable to parse input string as
-    an integer, exceeded maximum size"."""
+    """`_a_number`, for a whole-number field, refused as `not_a_count` says."""
     number = _a_number(value)
-    if isinstance(number, float) and number.is_integer() and abs(number) > MAX_COUNT:
-        raise ValueError(f"{value} is more than any count: at most {MAX_COUNT}")
+    if isinstance(number, float) and (problem := not_a_count(number)):
+        raise ValueError(f"{value} {problem}")
     return number
 
 

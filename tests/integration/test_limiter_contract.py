@@ -572,6 +572,18 @@ async def test_counters_say_where_a_tier_stands_after_admissions_and_a_settlemen
                    "tokens_per_day": (240, 4760)}
 
 
+async def test_counters_hold_a_global_quotas_use_and_this_spokes_allowance(
+        limiter: Limiter) -> None:
+    """`keys show` reads these for a global quota: the spoke's use, and the allowance held
+    (none: None, admission enforces the fallback share)."""
+    t = tier("key", "glob", global_tokens_per_day=10_000, global_tokens_per_month=90_000)
+    await allowances_of(limiter).apply_allowances(1, [Allowance("key:glob", "day", DAY_ID, 800)])
+    assert isinstance(await limiter.admit(req("g1", [t], reserve=100)), Admitted)
+    c = await limiter.counters("key:glob", T0)
+    assert (c.global_day, c.global_month, c.allowance_day, c.allowance_month) == (
+        100, 100, 800, None)
+
+
 # --- the answers a 429 gives (issue 21) -------------------------------------------------------
 
 MINUTE_START = T0 - (T0 % 60)

@@ -554,3 +554,19 @@ def test_text_that_spells_no_number_is_refused_naming_its_line_and_the_fix(
     with pytest.raises(PolicyError) as info:
         parse_doc(text)
     assert info.value.problems == [problem]
+
+
+@pytest.mark.parametrize(("written", "problem"), [
+    ("2.5", "is not a whole number"), ("-1e20", "is below 0"),
+    ("1e20", "is more than any count: at most 9007199254740991")])
+def test_a_count_is_refused_by_the_file_as_the_flags_refuse_it(written: str,
+                                                               problem: str) -> None:
+    """One rule (schema.not_a_count) for the policy file and the limit flags."""
+    import argparse
+
+    from gateway.policy_commands import whole_limit
+    with pytest.raises(PolicyError) as err:
+        parse_doc(f"teams: {{t: {{limits: {{concurrency: {written}}}}}}}")
+    assert f"teams.t.limits.concurrency: Value error, {written} {problem}" in str(err.value)
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^'{written}' {problem}$"):
+        whole_limit(written)

@@ -102,3 +102,50 @@ async def test_the_table_and_json_say_what_is_known(counters: bool) -> None:
     text = keys_show.table(data)
     assert ("embedded mode" in text) is not counters
     assert "model  a" in text and "concurrency" in text
+
+
+def test_a_global_quota_stands_at_this_spokes_allowance_else_the_fallback_share() -> None:
+    spec = LimitSpec(global_tokens_per_day=10_000, global_tokens_per_month=50_000)
+    got = standing(TierLimit("key", "k", spec),
+                   Counters(global_day=300, global_month=700, allowance_day=2000), T0)
+    assert {w.limit: (w.allowed, w.used, w.left, w.quota) for w in got.windows} == {
+        "global_tokens_per_day": (2000, 300, 1700, 10_000),
+        "global_tokens_per_month": (5000, 700, 4300, 50_000)}  # none held: 10% of it
+
+
+GLOBAL = load("""
+models:
+  a: {}
+teams:
+  g: {models: ["a"], global_limits: {tokens_per_month: 90000}}
+keys:
+  only: {team: g, sha256: "DIGEST1", global_limits: {tokens_per_day: 1000}}
+""".replace("DIGEST1", "1" * 64), revision=3)
+
+
+@pytest.mark.parametrize("counters", [True, False])
+async def test_the_global_limits_of_a_key_and_its_team_are_shown(counters: bool) -> None:
+    async def read(tier_key: str, now: float) -> Counters:
+        return Counters(global_day=40, allowance_day=600)
+    rows = await keys_show.standings(keys_show.key_tiers(GLOBAL, "only"),
+                                     read if counters else None, T0)
+    data = keys_show.as_data(GLOBAL, "only", rows, T0, counters)
+    assert [(t["tier"], [(w["limit"], w["quota"], w["allowed"], w["used"], w["left"])
+                         for w in t["windows"]]) for t in data["tiers"]] == [
+        ("key", [("global_tokens_per_day", 1000, *((600, 40, 560) if counters
+                                                   else (None, None, None)))]),
+        ("team", [("global_tokens_per_month", 90000, *((9000, 0, 9000) if counters
+                                                       else (None, None, None)))])]
+    text = keys_show.table(data)
+    assert "unlimited" not in text
+    assert "global_tokens_per_day 1000, this spoke's" in text
+    assert "global_tokens_per_month 90000, this spoke's" in text
+    assert "allowance" in text
+
+
+async def test_the_memory_limiters_global_counters_and_allowance() -> None:
+    lim = MemoryLimiter(lease_ttl=60)
+    tier = TierLimit("key", "k", LimitSpec(global_tokens_per_day=10_000))
+    assert isinstance(await lim.admit(AdmitRequest("a", (tier,), 100, T0)), Admitted)
+    c = await lim.counters("key:k", T0)
+    assert (c.global_day, c.allowance_day, c.allowance_month) == (100, None, None)
