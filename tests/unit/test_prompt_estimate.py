@@ -1,5 +1,8 @@
 """The prompt estimate used for reservations and for cut streams' usage."""
 
+import base64
+import io
+import wave
 from typing import Any
 
 from gateway.authz.request import estimate_prompt_tokens, parse_body
@@ -126,3 +129,106 @@ def test_a_document_counts_a_fixed_figure_not_its_base64() -> None:
 def test_a_type_that_is_not_a_string_is_walked_as_text() -> None:
     assert estimate_prompt_tokens({"messages": [{"type": ["image"], "text": "a" * 40}]}) >= 10
     assert estimate_prompt_tokens({"messages": [{"type": {"x": 1}, "text": "a" * 40}]}) >= 10
+
+
+def _wav(seconds: float, rate: int = 16_000, channels: int = 1, width: int = 2,
+         junk: int = 0) -> str:
+    """A WAV of silence as base64, with a `junk`-byte chunk before its `fmt ` if asked."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(bytes(int(seconds * rate) * channels * width))
+    raw = buf.getvalue()
+    if junk:
+        raw = raw[:12] + b"JUNK" + junk.to_bytes(4, "little") + bytes(junk) + raw[12:]
+    return base64.b64encode(raw).decode()
+
+
+def _chat_audio(data: Any, fmt: Any = "wav") -> dict[str, Any]:
+    audio = {"data": data} if fmt is None else {"data": data, "format": fmt}
+    return {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Transcribe this."},
+        {"type": "input_audio", "input_audio": audio}]}]}
+
+
+def test_audio_counts_its_duration_not_its_base64() -> None:
+    """One minute of 16 kHz WAV is ~2.5 MB of base64: counted as text, ~640,000 tokens,
+    refused as "can never pass" by any window, while audio models spend 10-25 tokens a
+    second. A WAV counts its duration from its header's byte rate, in chat's and Responses'
+    `input_audio` and vLLM's `audio_url` (a data: URL)."""
+    minute = _wav(60)
+    assert len(minute) > 2_500_000
+    shapes = [
+        _chat_audio(minute),
+        _chat_audio(minute, None),  # no format: the header says WAV
+        _chat_audio(f"data:audio/wav;base64,{minute}"),
+        {"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "Transcribe this."},
+            {"type": "input_audio", "input_audio": {"data": minute, "format": "wav"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {
+            "url": f"data:audio/wav;base64,{minute}"}}]}]},
+    ]
+    for body in shapes:
+        est = estimate_prompt_tokens(body)
+        assert 300 <= est <= 3000, (est, str(body)[:200])
+    # the byte rate is read, not assumed: 10 s of 48 kHz stereo is as long as 10 s of 16 kHz
+    # mono, and a chunk before `fmt ` (Broadcast WAV's, Pro Tools' JUNK) is stepped over
+    ten = estimate_prompt_tokens(_chat_audio(_wav(10)))
+    assert 50 <= ten <= 500
+    assert estimate_prompt_tokens(_chat_audio(_wav(10, 48_000, 2))) <= ten + 5
+    assert estimate_prompt_tokens(_chat_audio(_wav(10, 48_000, 2, junk=28))) <= ten + 5
+    assert estimate_prompt_tokens(_chat_audio(_wav(120))) - ten >= 110 * 20  # it scales
+
+
+def test_compressed_audio_assumes_a_low_bitrate() -> None:
+    """An MP3's duration is not in its first bytes: a low bitrate is assumed, so one minute
+    at 128 kbps is reserved a few minutes' worth, the right order and never too little."""
+    mp3 = base64.b64encode(b"ID3\x04\x00\x00\x00\x00\x00\x00" + bytes(960_000)).decode()
+    est = estimate_prompt_tokens(_chat_audio(mp3, "mp3"))
+    assert 600 <= est <= 10_000, est
+    url = {"type": "audio_url", "audio_url": {"url": f"data:audio/mpeg;base64,{mp3}"}}
+    assert 600 <= estimate_prompt_tokens({"messages": [{"role": "user", "content": [url]}]}) <= est
+
+
+def test_audio_and_video_urls_count_a_fixed_figure() -> None:
+    """A URL cannot be sized on the request path: audio counts AUDIO_URL_TOKENS (one 30 s
+    window), a video VIDEO_TOKENS (sampled frames), whatever its URL or data."""
+    from gateway.authz.request import AUDIO_URL_TOKENS, VIDEO_TOKENS
+    for part, tokens in (
+        ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
+         AUDIO_URL_TOKENS),
+        ({"type": "audio_url", "audio_url": "https://example.com/a.wav"}, AUDIO_URL_TOKENS),
+        ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, VIDEO_TOKENS),
+        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * 4_000_000}},
+         VIDEO_TOKENS),
+    ):
+        est = estimate_prompt_tokens({"messages": [{"role": "user", "content": [part]}]})
+        assert tokens <= est <= tokens + 10, (part["type"], est)
+
+
+def test_a_malformed_audio_part_never_raises() -> None:
+    """Data not a string, no format, a header that is not base64, a truncated or lying
+    header: each counts something bounded (the engine answers its own 400)."""
+    from gateway.authz.request import VIDEO_TOKENS
+    minute = _wav(60)
+    bad = [
+        _chat_audio(12345), _chat_audio(None), _chat_audio(["x"]), _chat_audio({"a": 1}),
+        _chat_audio("!!!not base64!!!" * 1000), _chat_audio("é" * 1000), _chat_audio(""),
+        _chat_audio("UklGRg"), _chat_audio(minute[:40]), _chat_audio("data:audio/wav"),
+        _chat_audio(minute, 7), _chat_audio(minute, ["wav"]),
+        {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": None}]}]},
+    ]
+    for body in bad:
+        assert 1 <= estimate_prompt_tokens(body) <= 3000, str(body)[:120]
+    no_url = {"messages": [{"role": "user", "content": [{"type": "video_url"}]}]}
+    assert VIDEO_TOKENS <= estimate_prompt_tokens(no_url) <= VIDEO_TOKENS + 10
+    # a header that claims 1 byte a second (or 4 GB) is bounded to real rates
+    raw = bytearray(base64.b64decode(minute))
+    for rate in (1, 2**32 - 1):
+        raw[28:32] = rate.to_bytes(4, "little")
+        est = estimate_prompt_tokens(_chat_audio(base64.b64encode(raw).decode()))
+        assert 50 <= est <= 12_000, (rate, est)
