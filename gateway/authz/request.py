@@ -280,7 +280,9 @@ PROMPT_FIELDS = ("messages", "prompt", "input", "instructions", "system")
 # Counted as text, a 200 KB JPEG was ~67,000 tokens, refused as "can never pass" by a
 # window of 50,000; a URL image counted nothing. Each image part counts this instead.
 IMAGE_TOKENS = 1600
-IMAGE_PARTS = frozenset(("image", "image_url", "input_image"))  # Messages, chat, Responses
+# Messages, chat, Responses; vLLM's precomputed `image_embeds` (a base64 tensor: counted as
+# text, one LLaVA image's 576 x 4096 float16 was ~1.2 million tokens)
+IMAGE_PARTS = frozenset(("image", "image_url", "input_image", "image_embeds"))
 # A document (a PDF) is read as each page's text plus each page as an image: Anthropic
 # documents 1,500-3,000 tokens of text a page, plus the page's image. Its page count is inside
 # the base64, which the request path does not decode, so a document part counts one page at
@@ -312,7 +314,9 @@ COMPRESSED_BYTES_PER_SECOND = 4_000
 # A clip behind a URL cannot be sized without fetching it: one 30 s window, what a
 # Whisper-encoder model takes in at once (Qwen2-Audio truncates its input there).
 AUDIO_URL_TOKENS = 30 * AUDIO_TOKENS_PER_SECOND
-AUDIO_PARTS = frozenset(("input_audio", "audio_url"))  # chat and Responses; vLLM's URL form
+# chat and Responses; vLLM's URL form and its precomputed `audio_embeds` (a tensor: unsized,
+# counted as a URL's clip)
+AUDIO_PARTS = frozenset(("input_audio", "audio_url", "audio_embeds"))
 # A video is sampled into frames, each an image: vLLM's loader takes 32 frames by default,
 # LLaVA-OneVision spends 196 tokens a frame (6,272), Qwen2-VL a few hundred per frame pair
 # (up to ~12,000-24,000 at its caps). Its frame count and size are inside the file, which

@@ -195,7 +195,7 @@ def test_compressed_audio_assumes_a_low_bitrate() -> None:
 def test_audio_and_video_urls_count_a_fixed_figure() -> None:
     """A URL cannot be sized on the request path: audio counts AUDIO_URL_TOKENS (one 30 s
     window), a video VIDEO_TOKENS (sampled frames), whatever its URL or data."""
-    from gateway.authz.request import AUDIO_URL_TOKENS, VIDEO_TOKENS
+    from gateway.authz.request import AUDIO_URL_TOKENS, IMAGE_TOKENS, VIDEO_TOKENS
     for part, tokens in (
         ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
          AUDIO_URL_TOKENS),
@@ -203,6 +203,9 @@ def test_audio_and_video_urls_count_a_fixed_figure() -> None:
         ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, VIDEO_TOKENS),
         ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + "A" * 4_000_000}},
          VIDEO_TOKENS),
+        # vLLM's precomputed embeddings: a base64 tensor, not text
+        ({"type": "image_embeds", "image_embeds": "A" * 6_000_000}, IMAGE_TOKENS),
+        ({"type": "audio_embeds", "audio_embeds": "A" * 6_000_000}, AUDIO_URL_TOKENS),
     ):
         est = estimate_prompt_tokens({"messages": [{"role": "user", "content": [part]}]})
         assert tokens <= est <= tokens + 10, (part["type"], est)
