@@ -116,8 +116,9 @@ def _port_taken(port: int) -> str:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            return (f"port {port} is already in use (another spoke?); pick one with --port "
-                    "(make run ARGS='--port 10001')")
+            return (f"port {port} is already in use (another spoke?); pick one with --port, "
+                    "and a work directory of its own with --workdir (make run ARGS='--port "
+                    "10001 --workdir .gateway-dev-10001')")
     return ""
 
 

@@ -142,6 +142,33 @@ def test_gateway_dev_refuses_a_taken_port_or_work_directory(tmp_path: Path) -> N
     assert r.returncode == 2 and "in use by another spoke" in r.stderr
 
 
+def test_the_taken_port_hint_starts_a_second_spoke_from_the_same_checkout(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A taken port's message says how to run another spoke. Its hint once named `--port`
+    alone, and the second spoke, in the first's default work directory, was refused."""
+    import fcntl
+    import shlex
+    import socket
+
+    from devspoke import spoke
+    from gateway.cli import parser
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        hint = spoke._port_taken(s.getsockname()[1])
+    m = re.search(r"ARGS='([^']*)'", hint)
+    assert m, hint
+    args = parser().parse_args(["dev", *shlex.split(m.group(1))])
+    first = Path(parser().parse_args(["dev"]).workdir)
+    first.mkdir()
+    with open(first / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the first spoke, running
+        assert spoke._workdir_taken(Path(args.workdir)) == "", hint
+    spoke._LOCKS.pop().close()  # type: ignore[attr-defined]
+
+
 def test_stopping_gateway_dev_bills_a_stream_in_flight(tmp_path: Path) -> None:
     """Ctrl-C with a 10 s stream in flight: it gets the drain bound (2 s here) to finish,
     then the engine's stop cuts it, Envoy ends it and sends its record, and the sidecar turns
