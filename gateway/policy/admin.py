@@ -325,6 +325,6 @@ def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]
         rows.append({
             "key_id": key_id, "team": k.team, "state": state,
             "models": ",".join(k.models) if k.models is not None else "(team)",
-            "expires_at": k.expires_at.isoformat() if k.expires_at else "",
+            "expires_at": utc_text(k.expires_at) if k.expires_at else "",
         })
     return rows
