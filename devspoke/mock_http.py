@@ -45,8 +45,9 @@ NO_BODY = (204, 304)  # statuses whose answer has no body (RFC 9110)
 
 
 def error(request: web.Request, status: int, message: str) -> web.Response:
-    """OpenAI's error shape, or Anthropic's on the Messages API; a 204 or 304 has none."""
-    if status in NO_BODY or 100 <= status < 200:
+    """OpenAI's error shape, or Anthropic's on the Messages API; a 204 or 304 has none, nor
+    any status with x-mock-empty (content-length: 0: an empty 200, a bare 500)."""
+    if status in NO_BODY or 100 <= status < 200 or "x-mock-empty" in request.headers:
         return web.Response(status=status)
     if request.path.startswith("/v1/messages"):
         return web.json_response(mt.anthropic_error(status, message), status=status)
@@ -95,6 +96,10 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         forced = header_number(request, "x-mock-status")
         if forced is None:
             return await handler(request)
+        # Read the request first, as an engine does: an answer before the body was read can
+        # reach Envoy before ext_proc was sent that body, and then no ext_proc stream sees
+        # the request at all (no event under ext_proc metering; README, Limits)
+        await request.read()
         if not 100 <= forced < 600:
             raise RequestError(f"x-mock-status must be an HTTP status, got {forced:g}")
         return error(request, int(forced), f"mock engine failure (x-mock-status: {int(forced)})")

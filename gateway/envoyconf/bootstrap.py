@@ -263,7 +263,8 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
         access_log=[stdout_access_log(limits.source), envoy_metering.record_log(
             only_flags=() if limits.source.records_are_events else CUT_FLAGS,
             http=limits.records_http, flush=limits.records_flush,
-            # the ext_proc source: also a failed Check's, where no stream sees it
+            # the ext_proc source: also a failed Check's, where no stream sees it, and an
+            # answer's with no body, whose stream ends without its end
             unanswered_on=() if limits.source.records_are_events else ENDPOINTS)],
         # Envoy-fed metering: a heartbeat record per request in flight (metering.py)
         access_log_options=HttpConnectionManagerHcmAccessLogOptions(

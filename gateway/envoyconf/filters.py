@@ -206,6 +206,16 @@ def unanswered_check(paths: Iterable[str]) -> AccessLogFilter:
                 f"request.method == 'POST' && request.url_path in [{listed}]")
 
 
+def bodiless_answer(paths: Iterable[str]) -> AccessLogFilter:
+    """A POST to one of `paths` answered with no body at all (an engine's 204 or 304, any
+    status with content-length: 0): with the ext_proc source its stream sees no response
+    message (response headers SKIP on those routes, and no body), so it ends without its
+    end, as a cut one does; Envoy's record gives the sidecar the status and no cut flag."""
+    listed = ", ".join(f"'{p}'" for p in paths)
+    return _cel(f"request.method == 'POST' && request.url_path in [{listed}] && "
+                "response.size == 0")
+
+
 def authz_error_replies() -> list[ResponseMapper]:
     """ext_authz failing: Envoy answers its `status_on_error` (503) with no body at all, which
     the SDKs read as a bare status. Given the API's JSON instead (by route, as the sidecar's

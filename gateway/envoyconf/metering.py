@@ -47,7 +47,7 @@ from gateway.envoy_contract import (
 )
 from gateway.envoy_contract import TOTAL_TOKENS as TOTAL
 from gateway.envoyconf import lua as envoy_lua
-from gateway.envoyconf.filters import SIDECAR_CLUSTER, unanswered_check
+from gateway.envoyconf.filters import SIDECAR_CLUSTER, bodiless_answer, unanswered_check
 from gateway.envoyconf.plain import quiet_imports
 
 with quiet_imports():
@@ -228,12 +228,15 @@ def record_log(only_flags: Iterable[str] = (), http: bool = False,
     ext_proc source uses it to learn who ended a stream that ended early (UPE: the engine;
     DC: the client), which ext_proc itself cannot see; and, with `unanswered_on` (paths),
     for a POST there whose Check failed, which no ext_proc stream sees
-    (filters.unanswered_check). `flush`: how often Envoy sends a batch (FLUSH unless
-    `gateway envoy-config --records-flush-ms` says otherwise)."""
+    (filters.unanswered_check), or whose answer had no body, which ends its stream as a cut
+    does (filters.bodiless_answer: the record gives its status, with no flag). `flush`: how
+    often Envoy sends a batch (FLUSH unless `gateway envoy-config --records-flush-ms` says
+    otherwise)."""
     only = AccessLogFilter(response_flag_filter=ResponseFlagFilter(
         flags=sorted(only_flags))) if only_flags else None
     if only is not None and (paths := tuple(unanswered_on)):
-        only = AccessLogFilter(or_filter=OrFilter(filters=[only, unanswered_check(paths)]))
+        only = AccessLogFilter(or_filter=OrFilter(filters=[
+            only, unanswered_check(paths), bodiless_answer(paths)]))
     if http:
         return AccessLog(name=OTEL_ACCESS_LOG, filter=only,
                          typed_config=Any.pack(_otel_http_config(flush)))

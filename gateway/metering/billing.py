@@ -54,6 +54,10 @@ def metered(response: ResponseFacts, prompt_estimate: int) -> tuple[Usage, str]:
                      u.cached_tokens, 0, u.cache_creation_tokens), "estimated"
     if response.status >= 400 and not completion:
         return Usage(), "reported"  # an error answer: nothing was generated
+    # An answer with no status was never begun: nothing. One begun bills the prompt, a
+    # success with no body too (a 204, an empty 200: no completion): the engine accepted
+    # the request and answered it as a success, and the prompt is what the admission
+    # reserved; an engine's bodiless success is not an error the client is spared.
     prompt = prompt_estimate if response.status or completion else 0
     return Usage(prompt, completion, prompt + completion), "estimated"
 

@@ -26,9 +26,13 @@ from gateway.sinks.spool import Spool
 from gateway.usage_event import UsageEvent, event_json, rfc3339
 
 # How long a stream ext_proc saw end early waits for Envoy's word on why (its access-log
-# record, flushed every 50 ms), and how many such words are kept for streams not ended yet.
+# record, flushed every 50 ms), and how many such words are kept for streams not ended yet,
+# and how long: a word whose stream never ends early here (it saw its end after all, an
+# empty last chunk; or it had none, Envoy answered itself) is dropped then, not kept until
+# TOLD_MAX newer ones push it out.
 CUT_WAIT_S = 1.0
 TOLD_MAX = 10_000
+TOLD_KEEP_S = 30.0
 SWEEP_BATCH = 100  # orphans claimed per store call
 # While the spool cannot write (a full disk) nothing new is admitted, so the events waiting
 # in memory are those of requests admitted before (as many as were in flight) and the
@@ -54,7 +58,7 @@ class Recorder:
         # words that came before their stream's end did.
         self._waiting: dict[str, tuple[Callable[[frozenset[str], int], None],
                                        asyncio.TimerHandle]] = {}
-        self._told: OrderedDict[str, tuple[frozenset[str], int]] = OrderedDict()
+        self._told: OrderedDict[str, tuple[frozenset[str], int, float]] = OrderedDict()
         self._dropping = False  # denials being dropped, the spool full (logged once a spell)
         spool.gate.listeners.append(self._gate_changed)
 
@@ -140,7 +144,9 @@ class Recorder:
         client_cancelled. (An Envoy without that log, a managed gateway: client_cancelled.)
         The record's status stands for a stream cut before its first body byte: on the
         API's POST routes ext_proc skips response headers and learns the status only with
-        that byte."""
+        that byte. A word with a status and no flag is an answer with no body (a 204, an
+        empty 500: no response message there at all), which Envoy ended normally: the
+        response reached its end (completed, or upstream_error for a 5xx)."""
         rid = facts.request_id
         if facts.leased:
             self.ledger.released(rid)  # its next request must find the slot free
@@ -148,7 +154,8 @@ class Recorder:
 
         def emit(flags: frozenset[str], status: int) -> None:
             self._waiting.pop(rid, None)
-            event = self.finish(facts, replace(response, flags=flags,
+            whole = response.ended or (bool(status) and not flags)  # Envoy's normal end
+            event = self.finish(facts, replace(response, flags=flags, ended=whole,
                                                status=response.status or status),
                                 started, ended=ended)
             if then is not None:
@@ -156,7 +163,7 @@ class Recorder:
 
         word = self._told.pop(rid, None)
         if word is not None:
-            emit(*word)
+            emit(word[0], word[1])
             return
         timer = asyncio.get_running_loop().call_later(wait_s, emit, frozenset(), 0)
         self._waiting[rid] = (emit, timer)
@@ -171,12 +178,18 @@ class Recorder:
 
     def told(self, request_id: str, flags: frozenset[str], status: int = 0) -> None:
         """Envoy's record of how a stream ended (its flags, and the status it answered), for
-        a stream ext_proc saw end early."""
+        a stream ext_proc saw end early (or one that had no body to see). Used once: a
+        word for a stream already settled (it saw its end, or its wait ran out) is kept
+        TOLD_KEEP_S unused, never a second event."""
         waiting = self._waiting.pop(request_id, None)
         if waiting is None:  # its stream has not ended here yet: keep the word for it
-            self._told[request_id] = (flags, status)
-            if len(self._told) > TOLD_MAX:
-                self._told.popitem(last=False)
+            now = time.monotonic()
+            told = self._told
+            told.pop(request_id, None)  # a batch sent again: to the back (oldest first)
+            told[request_id] = (flags, status, now)
+            while told and (len(told) > TOLD_MAX
+                            or next(iter(told.values()))[2] < now - TOLD_KEEP_S):
+                told.popitem(last=False)
             return
         emit, timer = waiting
         timer.cancel()

@@ -53,8 +53,9 @@ def _text(v: otlp.AnyValue) -> str:
 
 class RecordsService:
     """`emits`: the records are the requests' events (GATEWAY_METERING=envoy). Otherwise
-    (ext_proc, which emits its own) Envoy sends records only for streams that ended early,
-    and each only tells the recorder who ended it (the response flags).
+    (ext_proc, which emits its own) Envoy sends records only for streams that ended early
+    (or for an API POST answered with no body, whose stream ends the same way), and each
+    only tells the recorder who ended it (the response flags) and the status.
 
     `settle_wait_s`: how long a batch's answer waits for its settlements (SETTLE_WAIT_S;
     0: not at all, for a bench of the records' CPU without a store)."""

@@ -161,16 +161,21 @@ def test_a_refused_head_without_a_key_gets_its_event_once(spoke: Spoke) -> None:
         (rid, "denied", 401)]
 
 
-def _events_of(spoke: Spoke, keys: dict[str, str], rid: str) -> list[tuple[str, int]]:
-    """The (outcome, status) of each event of `rid`. A refused OPTIONS sent after it (an
-    event on either source) marks how far to read: `rid`'s event, if any, comes no later
-    than 3 s after the OPTIONS's, so a missing one fails fast, not at 15 s."""
+def _all_events_of(spoke: Spoke, keys: dict[str, str], rid: str) -> list[dict]:
+    """Each event of `rid`. A refused OPTIONS sent after it (an event on either source)
+    marks how far to read: `rid`'s event, if any, comes no later than 3 s after the
+    OPTIONS's, so a missing one fails fast, not at 15 s."""
     marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
                            headers={"authorization": f"Bearer {keys['good']}"})
     mid = marker.headers["x-request-id"]
     events = _read_until(spoke.kafka_bootstrap, {rid, mid}, mid, grace=3.0, settle=2.0)
     assert mid in {e["event_id"] for e in events}  # the topic was read far enough
-    return [(e["outcome"], e["status_code"]) for e in events if e["event_id"] == rid]
+    return [e for e in events if e["event_id"] == rid]
+
+
+def _events_of(spoke: Spoke, keys: dict[str, str], rid: str) -> list[tuple[str, int]]:
+    """The (outcome, status) of each event of `rid` (`_all_events_of`)."""
+    return [(e["outcome"], e["status_code"]) for e in _all_events_of(spoke, keys, rid)]
 
 
 def test_an_allowed_head_gets_one_event(spoke: Spoke, keys: dict[str, str]) -> None:
@@ -197,6 +202,34 @@ def test_a_passthrough_answer_with_no_body_gets_one_event(
                             "x-mock-status": str(status)})
     assert r.status_code == status and r.content == b""
     assert _events_of(spoke, keys, r.headers["x-request-id"]) == [("completed", status)]
+
+
+@pytest.mark.parametrize(("status", "empty", "outcome"), [
+    (204, False, "completed"), (304, False, "completed"), (200, True, "completed"),
+    (404, True, "completed"), (500, True, "upstream_error")])
+def test_an_api_answer_with_no_body_gets_its_status(
+        spoke: Spoke, keys: dict[str, str], status: int, empty: bool, outcome: str) -> None:
+    """A chat completion the engine answers with no body at all (a 204 or 304, or any status
+    with content-length: 0): one event, with the engine's status and outcome; a success
+    bills the prompt (estimated) and no completion, an error nothing. Under ext_proc
+    metering (response headers SKIP on the API's POST routes) no response message opens
+    for it: the stream ended without its end, and the event said client_cancelled, status
+    0, until Envoy's record of a bodiless answer told the sidecar how it ended."""
+    headers = {"authorization": f"Bearer {keys['good']}", "x-mock-status": str(status)}
+    if empty:
+        headers["x-mock-empty"] = "1"
+    r = httpx.post(f"{spoke.base_url}/chat/completions", headers=headers,
+                   json={"model": "mock-model", "messages": MSG, "max_tokens": 5})
+    assert r.status_code == status and r.content == b""
+    events = _all_events_of(spoke, keys, r.headers["x-request-id"])
+    assert [(e["outcome"], e["status_code"]) for e in events] == [(outcome, status)]
+    [e] = events
+    usage = e["usage"]
+    assert usage["completion_tokens"] == "0"
+    if status < 400:
+        assert int(usage["prompt_tokens"]) > 0 and e["usage_source"] == "estimated"
+    else:
+        assert usage["total_tokens"] == "0" and e["usage_source"] == "reported"
 
 
 def _response_headers_seen(spoke: Spoke) -> float:

@@ -87,3 +87,63 @@ async def test_a_stream_cut_before_its_first_byte_takes_the_status_from_the_word
     [e] = got
     assert (e.outcome, e.status_code, e.usage_source) == ("upstream_error", 200, "estimated")
     assert (e.usage.prompt_tokens, e.usage.completion_tokens) == (7, 0)
+
+
+def bodiless(rid: str) -> RequestFacts:
+    return RequestFacts(request_id=rid, key_id="k", team="t", model="m",
+                        endpoint="/v1/chat/completions", stream=False, prompt_estimate=7)
+
+
+async def test_an_answer_with_no_body_takes_status_and_end_from_the_word() -> None:
+    """No response message opened for a bodiless answer (response headers SKIP on the API's
+    POST routes): Envoy's record, a status and no flag, says it ended normally, before or
+    after the stream's end. A success bills the prompt, no completion; a 4xx nothing; a
+    5xx is upstream_error. Before: client_cancelled, status 0."""
+    rec, _ = recorder()
+    got: list[UsageEvent] = []
+    rec.finish_cut(bodiless("204"), ResponseFacts(), 0.0, got.append, wait_s=5)
+    rec.told("204", frozenset(), 204)
+    rec.told("500", frozenset(), 500)  # the record before the stream's end
+    rec.finish_cut(bodiless("500"), ResponseFacts(), 0.0, got.append, wait_s=5)
+    rec.finish_cut(bodiless("404"), ResponseFacts(), 0.0, got.append, wait_s=5)
+    rec.told("404", frozenset(), 404)
+    assert [(e.event_id, e.outcome, e.status_code) for e in got] == [
+        ("204", "completed", 204), ("500", "upstream_error", 500), ("404", "completed", 404)]
+    assert [(e.usage.prompt_tokens, e.usage.completion_tokens, e.usage_source)
+            for e in got] == [(7, 0, "estimated"), (0, 0, "reported"), (0, 0, "reported")]
+    rec.told("204", frozenset(), 204)  # a batch sent again: nothing more
+    assert len(got) == 3
+
+
+async def test_a_word_for_a_stream_settled_otherwise_emits_nothing_and_expires(
+        monkeypatch: Any) -> None:
+    """A word whose stream saw its end (an empty last chunk: finish, not finish_cut) or
+    whose wait ran out is never used: no second event, and it is dropped TOLD_KEEP_S later
+    instead of held until TOLD_MAX newer words push it out."""
+    from gateway.metering import recorder as recorder_module
+
+    rec, spool = recorder()
+    rec.finish(bodiless("ended"), ResponseFacts(status=200, ended=True), 0.0)
+    rec.finish_cut(bodiless("late"), ResponseFacts(), 0.0, wait_s=0.01)
+    await asyncio.sleep(0.05)
+    assert len(spool.events) == 2
+    rec.told("ended", frozenset(), 200)
+    rec.told("late", frozenset(), 204)
+    assert len(spool.events) == 2 and len(rec._told) == 2
+    now = recorder_module.time.monotonic()
+    monkeypatch.setattr(recorder_module.time, "monotonic",
+                        lambda: now + recorder_module.TOLD_KEEP_S + 1)
+    rec.told("fresh", frozenset({"DC"}))
+    assert list(rec._told) == ["fresh"]
+
+
+async def test_a_flagged_word_or_none_keeps_its_outcome() -> None:
+    """Only a flagless word with a status is an end: a DC with a status stays a cancel."""
+    rec, _ = recorder()
+    got: list[UsageEvent] = []
+    rec.finish_cut(bodiless("dc"), ResponseFacts(), 0.0, got.append, wait_s=5)
+    rec.told("dc", frozenset({"DC"}), 200)
+    rec.finish_cut(bodiless("none"), ResponseFacts(), 0.0, got.append, wait_s=0.01)
+    await asyncio.sleep(0.05)
+    assert [(e.outcome, e.status_code) for e in got] == [
+        ("client_cancelled", 200), ("client_cancelled", 0)]

@@ -291,6 +291,15 @@ async def test_a_forced_status_with_no_body_has_none(client: httpx.AsyncClient,
     assert (resp.status_code, resp.content) == (status, b"")
 
 
+@pytest.mark.parametrize("status", [200, 404, 500])
+async def test_x_mock_empty_gives_any_status_no_body(client: httpx.AsyncClient,
+                                                     status: int) -> None:
+    resp = await client.post(CHAT, json={"model": "m"},
+                             headers={"x-mock-status": str(status), "x-mock-empty": "1"})
+    assert (resp.status_code, resp.content) == (status, b"")
+    assert resp.headers["content-length"] == "0"
+
+
 async def test_tokenize_counts_words_and_takes_a_forced_status(
         client: httpx.AsyncClient) -> None:
     """vLLM's /tokenize (testkit's policy lets it through as a pass-through path)."""
