@@ -92,11 +92,10 @@ def test_embedded_mode_serves_health_metrics_and_reloads(tmp_path: Path) -> None
         assert "gateway_policy_revision 1.0" in text
         assert "gateway_hub_feed_up" not in text  # the syncer's, not a sidecar's: no feed here
         policy.write_text(_policy(disabled=True))  # the operator edits the file
-        _until(lambda: _check_code(svc.port, SECRET) == 401, 3.0)
+        _until(lambda: _check_code(svc.port, SECRET) == 401, 10.0)  # a reload's, not a speed
         policy.write_text("keys: {k1: {team: nobody}}\n")  # invalid: the old one keeps serving
-        time.sleep(1.0)
+        _until(lambda: "policy_rejected" in svc.log_path.read_text(), 10.0)  # was a 1 s sleep
         assert _check_code(svc.port, "sk-wrong") == 401
-        assert "policy_rejected" in svc.log_path.read_text()
         assert "gc_tuned" in svc.log_path.read_text()  # the start-up heap frozen
     finally:
         svc.stop()
@@ -268,6 +267,7 @@ def _door_answers(door: int) -> bool:
         return False
 
 
+@pytest.mark.serial  # the parent's SIGKILL to its workers' exit is timed (~5.5 s, alone)
 def test_door_workers_serve_the_door_and_the_rest_serves_the_rest(tmp_path: Path,
                                                                   redis_url: str) -> None:
     """GATEWAY_DOOR_WORKERS=1: `box-d0` alone binds the HTTP door, `box-w0` alone the gRPC
@@ -303,14 +303,17 @@ def test_door_workers_serve_the_door_and_the_rest_serves_the_rest(tmp_path: Path
 
         (killed,) = doors
         os.kill(killed, signal.SIGKILL)
-        _until(lambda: exited(killed), 3)
+        _until(lambda: exited(killed), 10)  # SIGKILL: at once, but a loaded /proc read
         _until(lambda: _door_answers(door), 15)  # restarted by the supervisor
         (again,) = listening_children(svc.pid, door)
         assert again != killed and listening_children(svc.pid, svc.port) == records
         assert "worker_died" in svc.log_path.read_text()
         workers = records | {again}
 
-        svc.kill()  # SIGKILL: nobody restarts a worker now, so the workers stop too
+        # SIGKILL: nobody restarts a worker now, so the workers stop too: each sees its
+        # parent gone within a second (docs/operations.md), then stops. Timed, so serial:
+        # beside seven workers a loaded machine's clean stop has no bound of its own.
+        svc.kill()
         t0 = time.monotonic()
         _until(lambda: all(exited(p) for p in workers), 3.5)
         assert time.monotonic() - t0 < 3.5
