@@ -37,7 +37,8 @@ class FeedEntry:
     policy: dict[str, Any]
 
 
-def parse_value(raw: bytes) -> FeedEntry:
+def _envelope(raw: bytes) -> tuple[dict[str, Any], int]:
+    """The value's JSON object and its revision, whatever its policy."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -49,6 +50,11 @@ def parse_value(raw: bytes) -> FeedEntry:
         raise FeedValueError(f"revision: must be a positive integer, got {rev!r}")
     if rev > MAX_REVISION:
         raise FeedValueError(f"revision: must be at most 2**53 - 1, got {rev}")
+    return data, rev
+
+
+def parse_value(raw: bytes) -> FeedEntry:
+    data, rev = _envelope(raw)
     policy = data.get("policy")
     if not isinstance(policy, dict):
         raise FeedValueError("policy: must be a JSON object (a policy document)")
@@ -86,18 +92,20 @@ def last_values(records: Iterable[Record]) -> dict[str, bytes | None]:
 
 
 def _revisions(records: Iterable[Record]) -> Iterator[tuple[str, bytes, int]]:
-    """(key, value, revision) of each readable value, in topic order."""
+    """(key, value, revision) of each value with a readable revision, in topic order. Its
+    policy need not be a document: a value a tool produced by hand with no policy object
+    took its number as much as one whose document fails validation (both NACKed)."""
     for key, value in records:
         if value is not None:
             try:
-                yield key, value, parse_value(value).revision
+                yield key, value, _envelope(value)[1]
             except FeedValueError:
                 continue
 
 
 def max_revision(records: Iterable[Record]) -> int:
-    """The highest revision ever put on the feed (superseded and removed ones included):
-    the next publish takes this + 1, so the sequence never goes back."""
+    """The highest revision ever put on the feed (superseded, removed and refused ones
+    included): the next publish takes this + 1, so the sequence never goes back."""
     return max((rev for _, _, rev in _revisions(records)), default=0)
 
 

@@ -348,6 +348,28 @@ async def test_a_publish_goes_above_what_the_spokes_hold_when_the_feed_has_less(
     assert await publish(bs, _doc("n"), "p.yaml", idempotence=False) == 9  # then the feed's own
 
 
+def test_a_publish_goes_above_a_hand_produced_revision_whose_policy_is_no_document(
+        feed_kafka: Service, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN §10: publish gives max-so-far + 1 over the topic. A record a tool produced by
+    hand with a readable revision but no policy object is on the topic (its spoke NACKs it)
+    as much as one whose document fails validation, which counted; it was skipped, and the
+    next publish took a number below it (2, not 901)."""
+    monkeypatch.setenv("GATEWAY_KAFKA_IDEMPOTENCE", "false")  # Tansu: no idempotent producer
+    bs = feed_kafka.address
+    doc = tmp_path / "p.yaml"
+    doc.write_bytes(_doc("m"))
+    asyncio.run(ensure_compacted(bs, POLICY_TOPIC))
+    asyncio.run(produce(bs, POLICY_TOPIC, "*", feed.encode(1, _data("m")), idempotence=False))
+    envelopes = [{"revision": 900, "policy": "not a document"}, {"revision": 910},
+                 {"revision": 920, "policy": None}, {"revision": 930, "policy": [1]}]
+    for envelope in envelopes:
+        asyncio.run(produce(bs, POLICY_TOPIC, "q", orjson.dumps(envelope), idempotence=False))
+        assert main(["hub", "publish", str(doc), "--bootstrap", bs]) == 0
+        assert capsys.readouterr().out == \
+            f"published revision {envelope['revision'] + 1} for spoke *\n"
+
+
 async def test_a_status_topic_that_cannot_be_read_leaves_the_feeds_own_number(
         feed_kafka: Service, monkeypatch: pytest.MonkeyPatch) -> None:
     bs = feed_kafka.address

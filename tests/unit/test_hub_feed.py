@@ -28,6 +28,14 @@ def test_next_revision_counts_removed_superseded_and_skips_unreadable_values() -
     records = [("a", value(7)), ("a", None), ("*", value(3)), ("x", b"{not json")]
     assert feed.max_revision(records) == 7  # the sequence never goes back
     assert feed.max_revision([]) == 0
+    # a readable revision counts whatever its policy (its spoke NACKs it): the number is taken
+    for policy in (b'"x"', b"null", b"[1]", b"{}"):
+        raw = b'{"revision": 9, "policy": ' + policy + b"}"
+        assert feed.max_revision([*records, ("q", raw)]) == 9, raw
+    assert feed.max_revision([*records, ("q", b'{"revision": 9}')]) == 9
+    # not a revision at all: no number taken (a string, 0, or past 2**53 - 1: NACKed)
+    for rev in (b'"9"', b"0", b"true", str(feed.MAX_REVISION + 1).encode()):
+        assert feed.max_revision([*records, ("q", b'{"revision": ' + rev + b"}")]) == 7
 
 
 def test_the_first_record_of_a_revision_is_the_one_an_in_order_reader_took() -> None:
