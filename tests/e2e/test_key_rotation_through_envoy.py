@@ -17,7 +17,7 @@ from testkit.spoke import read_events
 
 AUTHZ_ONLY = True  # decided by the Check; the reservation counts whatever meters it after
 
-GRACE_S = 3
+GRACE_S = 8  # room for the revision to reach the sidecar on a loaded machine
 
 
 def _ask(spoke: Spoke, secret: str, max_tokens: int = 1) -> httpx.Response:
@@ -58,7 +58,7 @@ def test_a_rotated_key_keeps_its_budget_and_its_old_secret_until_the_grace_ends(
     rotated = _cli(capsys, "keys", "rotate", key_id, "--grace", f"{GRACE_S}s", *store)
     new = rotated["secret"]
     until = datetime.fromisoformat(rotated["previous"].removeprefix("valid until ")).timestamp()
-    in_grace = [_until(spoke, new, 200, 2), _ask(spoke, old)]
+    in_grace = [_until(spoke, new, 200, 6), _ask(spoke, old)]
     assert time.time() < until  # both answered within the grace
     assert [r.status_code for r in in_grace] == [200, 200], [r.text for r in in_grace]
 
