@@ -99,6 +99,7 @@ EXAMPLES = """examples:
   gateway dev                                  # the whole local spoke on 127.0.0.1:10000
   gateway policy apply policy.yaml --dry-run   # what a new revision would change
   gateway keys create --team team-a --rps 2    # a key; its secret is printed once
+  gateway keys rotate KEY_ID --grace 24h       # a new secret; the old one ends in 24 h
   gateway usage consume --until-caught-up && gateway usage report --by key -o csv
 """
 

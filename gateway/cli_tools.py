@@ -31,6 +31,7 @@ from gateway.policy_commands import (
     cmd_keys_list,
     cmd_keys_mint,
     cmd_keys_revoke,
+    cmd_keys_rotate,
     cmd_keys_show,
     cmd_keys_update,
     cmd_policy_apply,
@@ -152,8 +153,8 @@ def add_tools(sub: Any) -> None:
     p.set_defaults(fn=cmd_hub_forget)
 
     keys = sub.add_parser(
-        "keys", help="create / mint / list / show / update / revoke / enable").add_subparsers(
-        dest="sub", required=True)
+        "keys", help="create / mint / list / show / update / rotate / revoke / enable"
+    ).add_subparsers(dest="sub", required=True)
     p = keys.add_parser("create", help="make a key; prints the secret once")
     p.add_argument("--team", required=True, help="the team the key belongs to (must exist)")
     p.add_argument("--key-id", dest="key_id", default=None,
@@ -192,6 +193,14 @@ def add_tools(sub: Any) -> None:
     p.add_argument("key_id", help="the key to disable")
     store_flags(p)
     p.set_defaults(fn=cmd_keys_revoke)
+    p = keys.add_parser("rotate", help="a new secret for the key (printed once; new revision); "
+                                       "the old one stays valid for --grace")
+    p.add_argument("key_id", help="the key: same id, limits, counters and events")
+    p.add_argument("--grace", default="24h",
+                   help="how long the old secret stays valid, e.g. 2h; 0: it ends now, and "
+                        "so does any earlier one still in its grace (default: %(default)s)")
+    store_flags(p)
+    p.set_defaults(fn=cmd_keys_rotate)
     p = keys.add_parser("enable", help="re-enable a revoked key (new revision)")
     p.add_argument("key_id", help="the key to enable")
     store_flags(p)

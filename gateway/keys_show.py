@@ -61,6 +61,9 @@ def as_data(policy: Policy, key_id: str, rows: list[Standing], now: float,
         "revision": policy.revision,
         "models": policy.models_for(key),
         "expires_at": _utc(key.expires_at) if key.expires_at is not None else None,
+        # old secrets (`keys rotate`) still valid, each until then; never a secret
+        "old_secrets_until": [_utc(end.timestamp()) for end in
+                              policy.doc.keys[key_id].old_secrets_end(_at(now))],
         "at": _utc(now), "counters": counters,
         "tiers": [{"tier": s.tier, "name": s.name, "windows": [
             {"limit": w.limit, "allowed": _allowed(w, counters), "per_s": w.per_s,
@@ -75,7 +78,10 @@ def table(data: dict[str, Any]) -> str:
     lines = [f"key {data['key_id']}  team {data['team']}  {data['state']}  "
              f"expires {data['expires_at'] or 'never'}  (revision {data['revision']}, "
              f"at {data['at']})",
-             f"models: {', '.join(data['models']) or 'none'}", ""]
+             f"models: {', '.join(data['models']) or 'none'}"]
+    lines += [f"old secret still valid until {end} (keys rotate)"
+              for end in data["old_secrets_until"]]
+    lines.append("")
     head = ("TIER", "NAME", "LIMIT", "ALLOWED", "USED", "LEFT", "RESETS IN")
     rows = [(t["tier"], t["name"],
              _limit(w),
@@ -126,6 +132,10 @@ def _dur(s: float | None) -> str:
         return f"{s:.1f}s"
     h, rest = divmod(int(s), 3600)
     return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _at(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
 
 
 def _utc(ts: float) -> str:

@@ -168,6 +168,31 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keys_rotate(args: argparse.Namespace) -> int:
+    """A new secret for the key (printed once, as `keys create` prints one); the one it
+    replaces stays valid for `--grace`."""
+    from gateway.policy import admin
+    from gateway.policy.schema import utc_text
+    if _a_secret(args.key_id):
+        return 2
+    try:
+        done = run_value(admin.rotate_key(_backend(_settings(args)), args.key_id, args.grace))
+    except KeyError:
+        print(f"error: no key {args.key_id}", file=sys.stderr)
+        return 2
+    except (PolicyError, ValueError) as exc:
+        print(f"error, nothing published: {exc}", file=sys.stderr)
+        return 2
+    except admin.RevisionConflict as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    old = f"valid until {utc_text(done.old_until)}" if done.old_until else "ended now"
+    print(f"key_id:   {done.key_id}\nrevision: {done.revision}\nsecret:   {done.secret}\n"
+          f"previous: {old}")
+    print("The secret is shown once; only its SHA-256 is stored.", file=sys.stderr)
+    return 0
+
+
 def cmd_keys_mint(args: argparse.Namespace) -> int:
     """A key for a hand-written policy: the secret (shown once) and the entry to paste."""
     import re
@@ -192,9 +217,10 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(orjson.dumps(rows).decode())
         return 0
-    print(f"{'KEY_ID':20} {'TEAM':16} {'STATE':9} {'EXPIRES':26} MODELS")
+    print(f"{'KEY_ID':20} {'TEAM':16} {'STATE':9} {'EXPIRES':26} {'OLD SECRET UNTIL':22} MODELS")
     for r in rows:
-        print(f"{r['key_id']:20} {r['team']:16} {r['state']:9} {r['expires_at']:26} {r['models']}")
+        print(f"{r['key_id']:20} {r['team']:16} {r['state']:9} {r['expires_at']:26} "
+              f"{r['old_secret_until']:22} {r['models']}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Operator actions on the policy (apply, show, keys create/update/revoke/enable/list), for
+"""Operator actions on the policy (apply, show, keys create/update/rotate/revoke/enable/list), for
 Redis or a file.
 
 Each edit is read-modify-write of a whole document with a compare-and-set on the revision,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import orjson
 from gateway.errors import ApplyRefused, PolicyError
 from gateway.policy import secrets
 from gateway.policy.loader import dump_yaml, parse_doc, to_data
-from gateway.policy.schema import PolicyDoc, utc_text
+from gateway.policy.schema import MAX_PREVIOUS, PolicyDoc, utc_text
 from gateway.policy.store import RevisionConflict
 
 
@@ -309,6 +310,54 @@ async def update_key(backend: Backend, key_id: str, *, limits: dict[str, Any] | 
     return await edit_key(backend, key_id, update)
 
 
+@dataclass(frozen=True)
+class Rotated:
+    """A rotated key: its new secret (shown once), the revision, and until when the secret
+    it replaced stays valid (None: it ended at once)."""
+
+    key_id: str
+    secret: str
+    revision: int
+    old_until: datetime | None
+
+
+def grace_end(grace: str, now: datetime) -> datetime | None:
+    """`--grace 24h` as the instant the replaced secret ends (read as `--expires-in` is);
+    None for a grace of zero (`0`, `0s`, `0h`...): it ends at once."""
+    if re.fullmatch(r"0+(?:\.0*)?[smhdw]?", grace.strip()):
+        return None
+    return expiry(grace, now)
+
+
+async def rotate_key(backend: Backend, key_id: str, grace: str = "24h",
+                     now: datetime | None = None) -> Rotated:
+    """A new secret for the same key id, so its limits, counters, events and billing carry
+    on unbroken. The replaced secret stays valid until the grace ends (`previous`); entries
+    already past their `until` are pruned. A grace of zero keeps no old secret at all: only
+    the new one is valid from this revision on (a leaked secret, however many rotations ago)."""
+    now = now or datetime.now(UTC)
+    until = grace_end(grace, now)
+    secret = secrets.new_secret(key_id)
+
+    def rotate(entry: dict[str, Any]) -> None:
+        kept = [p for p in entry.get("previous", [])
+                if until is not None and datetime.fromisoformat(p["until"]) > now]
+        if until is not None:
+            kept.append({"sha256": entry["sha256"], "until": utc_text(until)})
+        if len(kept) > MAX_PREVIOUS:
+            first = min(datetime.fromisoformat(p["until"]) for p in kept)
+            raise ValueError(
+                f"{key_id} already has {MAX_PREVIOUS} old secrets in their grace (the first "
+                f"ends {utc_text(first)}): wait for it, or rotate with --grace 0")
+        entry["sha256"] = secrets.digest(secret).hex()
+        if kept:
+            entry["previous"] = kept
+        else:
+            entry.pop("previous", None)
+    done = await edit_key(backend, key_id, rotate)
+    return Rotated(key_id, secret, done.revision, until)
+
+
 def expiry(expires_in: str | None, now: datetime | None = None) -> datetime:
     """`--expires-in 30d` as the instant it names, rounded up to a whole second: never
     sooner than asked, and printed without microseconds (`keys list`, the policy)."""
@@ -326,5 +375,7 @@ def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]
             "key_id": key_id, "team": k.team, "state": state,
             "models": ",".join(k.models) if k.models is not None else "(team)",
             "expires_at": utc_text(k.expires_at) if k.expires_at else "",
+            # an old secret (`keys rotate`) still valid until then; never the secret
+            "old_secret_until": utc_text(ends[-1]) if (ends := k.old_secrets_end(now)) else "",
         })
     return rows

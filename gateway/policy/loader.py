@@ -208,6 +208,8 @@ def to_data(doc: PolicyDoc, revision: int | None = None) -> dict[str, Any]:
     for key in data.get("keys", {}).values():
         if "expires_at" in key:
             key["expires_at"] = utc_text(key["expires_at"])
+        for old in key.get("previous", []):
+            old["until"] = utc_text(old["until"])
     for model in data.get("models", {}).values():
         for price in model.get("prices", []):
             price["effective"] = utc_text(price["effective"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.prices import PriceBook, Rates
@@ -150,6 +150,10 @@ class Policy:
             )
             keys[key_id] = rec
             by_digest[bytes.fromhex(k.sha256)] = rec
+            for old in k.previous:  # the same key, ended at `until` by the usual expiry check
+                until = old.until.timestamp()
+                end = until if rec.expires_at is None else min(until, rec.expires_at)
+                by_digest[bytes.fromhex(old.sha256)] = replace(rec, expires_at=end)
         return cls(
             revision=revision,
             doc=doc,

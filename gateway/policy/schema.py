@@ -215,14 +215,35 @@ class TeamPolicy(_Strict):
     billing: Billing = Billing()  # overrides the platform's, rule by rule
 
 
+MAX_PREVIOUS = 4  # a rotation prunes the entries already past their `until`
+
+
+class PreviousSecret(_Strict):
+    """A secret the key had before `keys rotate`: still accepted, as the same key (its
+    limits, counters and events), until `until` (and never past the key's own expiry)."""
+
+    sha256: Sha256Hex
+    until: AwareDatetime
+
+
 class KeyPolicy(_Strict):
     team: Name
     sha256: Sha256Hex
+    previous: list[PreviousSecret] = Field(default_factory=list, max_length=MAX_PREVIOUS)
     models: list[Glob] | None = None
     limits: Limits = Limits()
     global_limits: GlobalLimits = GlobalLimits()
     expires_at: AwareDatetime | None = None
     disabled: bool = False
+
+    def old_secrets_end(self, now: datetime) -> list[datetime]:
+        """When each previous secret still valid at `now` stops being so (its `until`, or
+        the key's own expiry if sooner); none while the key is disabled."""
+        if self.disabled:
+            return []
+        ends = [min(p.until, self.expires_at) if self.expires_at else p.until
+                for p in self.previous]
+        return sorted(end for end in ends if end > now)
 
 
 Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -272,6 +293,12 @@ class PolicyDoc(_Strict):
             if key.sha256 in seen:
                 problems.append(f"keys.{key_id}.sha256: same digest as keys.{seen[key.sha256]}")
             seen.setdefault(key.sha256, key_id)
+        for key_id, key in self.keys.items():  # after every current digest: this names the old
+            for i, old in enumerate(key.previous):
+                if old.sha256 in seen:
+                    problems.append(f"keys.{key_id}.previous.{i}.sha256: same digest as "
+                                    f"keys.{seen[old.sha256]}")
+                seen.setdefault(old.sha256, f"{key_id}.previous.{i}")
         problems += self.acl_problems()
         return problems
 
