@@ -70,6 +70,8 @@ ENDPOINTS: dict[str, Endpoint] = {e.path: e for e in (
 )}
 
 ANTHROPIC_PREFIX = "/v1/messages"
+MODELS_PATH = "/v1/models"  # answered by the gateway itself (gateway/routes.py)
+MODEL_PREFIX = MODELS_PATH + "/"
 
 
 def api_of(path: str) -> Api:
@@ -87,5 +89,10 @@ def reader_of(path: str) -> Reader:
 
 
 def billed(path: str) -> bool:
+    """Whether a request to `path` is billed: not count_tokens, nor the gateway's own
+    read-only answers (`GET /v1/models`, `/v1/models/{id}`): their events say `reported`,
+    with no tokens. Any other path (a pass-through) is billed what its answer reports."""
     endpoint = ENDPOINTS.get(path)
-    return endpoint is None or endpoint.billed
+    if endpoint is not None:
+        return endpoint.billed
+    return path != MODELS_PATH and not path.startswith(MODEL_PREFIX)

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from enum import Enum
 from urllib.parse import unquote
 
-from gateway.endpoints import ENDPOINTS
+from gateway.endpoints import ENDPOINTS, MODEL_PREFIX, MODELS_PATH
 from gateway.errors import PathError
 
 # Endpoints whose POST body must be JSON naming a model (DESIGN §6): gateway/endpoints.py.
 INFERENCE_PATHS = frozenset(ENDPOINTS)
-MODELS_PATH = "/v1/models"
-_MODEL_PREFIX = MODELS_PATH + "/"
 _FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -105,8 +103,8 @@ def route(method: str, path: str, passthrough: tuple[PassThrough, ...] = ()) -> 
     elif method == "GET":
         if path == MODELS_PATH:
             return Route(Kind.MODELS, path)
-        if path.startswith(_MODEL_PREFIX) and len(path) > len(_MODEL_PREFIX):
-            return Route(Kind.MODEL, path, model=path[len(_MODEL_PREFIX):])
+        if path.startswith(MODEL_PREFIX) and len(path) > len(MODEL_PREFIX):
+            return Route(Kind.MODEL, path, model=path[len(MODEL_PREFIX):])
     for p in passthrough:
         if p.matches(method, path):
             return Route(Kind.PASSTHROUGH, path)

@@ -21,7 +21,6 @@ import orjson
 from gateway.billing.db import OUTCOMES, UsageDb
 from gateway.endpoints import billed
 from gateway.errors import ReportError
-from gateway.routes import MODELS_PATH
 
 GROUPS = {"team": "team", "key": "key_id", "model": "model"}
 PERIODS = {"day": 10, "month": 7}  # characters of `ended_at` (RFC 3339, UTC) that name one
@@ -68,8 +67,6 @@ class Report:
 def billable_endpoint(endpoint: str) -> bool:
     """Whether requests to `endpoint` are billable requests: not the gateway's read-only
     answers (`/v1/models`, `/v1/models/{id}`), nor endpoints that bill no tokens."""
-    if endpoint == MODELS_PATH or endpoint.startswith(MODELS_PATH + "/"):
-        return False
     return billed(endpoint)
 
 
