@@ -85,7 +85,10 @@ class _Connection(asyncio.Protocol):
             return
         deadline = self.waiting[0][1]
         if deadline <= self.loop.time():
-            self._fail(RedisLost(f"no reply within {self.timeout:g}s"))
+            # every call waiting on the connection fails with it, each perhaps sent only
+            # moments ago: the message names whose wait ran out
+            self._fail(RedisLost(f"no reply within {self.timeout:g}s to the oldest call on "
+                                 "the connection"))
         else:
             self._watchdog = self.loop.call_at(deadline, self._check_overdue)
 

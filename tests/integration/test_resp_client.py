@@ -92,6 +92,8 @@ async def test_a_stalled_redis_times_out_every_waiting_call(own_redis: Service) 
         results = await asyncio.gather(*(client.call("PING") for _ in range(10)),
                                        return_exceptions=True)
         assert all(isinstance(r, RedisGone) for r in results), results
+        # a call failed by another's wait (it reaches a client's 503) is told so
+        assert "no reply within 0.3s to the oldest call" in str(results[-1]), results[-1]
         assert 0.25 < time.monotonic() - t0 < 2.0
     finally:
         own_redis.resume()
