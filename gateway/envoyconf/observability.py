@@ -11,8 +11,9 @@ gateway/envoyconf/metering.py's).
 * **Tracing** (only when `EnvoyPorts.otlp` names a collector): Envoy's OpenTelemetry
   tracer sends its spans there over OTLP/gRPC; its gRPC calls to the sidecar carry a
   `traceparent`, so the sidecar's Check and ext_proc spans join Envoy's trace
-  (gateway/tracing.py). Sampling is Envoy's default (100 %, or the client's decision);
-  operators lower `random_sampling` for production traffic.
+  (gateway/tracing.py). Its `http.url` tag is the path without its query string (a key
+  sent in one never reaches the collector). Sampling is Envoy's default (100 %, or the
+  client's decision); operators lower `random_sampling` for production traffic.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ with quiet_imports():
     from envoy_data_plane.envoy.extensions.formatter.req_without_query.v3 import (
         ReqWithoutQuery,
     )
+    from envoy_data_plane.envoy.type.tracing.v3 import CustomTag
     from envoy_data_plane.google.protobuf import Any, Struct
 
 ACCESS_LOG_FORMAT = {
@@ -83,5 +85,8 @@ def tracing() -> HttpConnectionManagerTracing:
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=OTLP_CLUSTER)),
         service_name="envoy",
     )
-    return HttpConnectionManagerTracing(provider=TracingHttp(
-        name="envoy.tracers.opentelemetry", typed_config=Any.pack(otel)))
+    return HttpConnectionManagerTracing(
+        provider=TracingHttp(name="envoy.tracers.opentelemetry", typed_config=Any.pack(otel)),
+        # Envoy's own http.url is the whole URL, query string included: a key sent as
+        # ?api_key=... would reach the collector. The path alone replaces it.
+        custom_tags=[CustomTag(tag="http.url", value="%PATH(NQ)%")])

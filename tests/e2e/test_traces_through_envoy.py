@@ -124,3 +124,23 @@ def test_a_dead_collector_costs_requests_nothing_and_does_not_hold_up_exit(
         assert sum(1 for _ in (tmp_path / "spoke" / "usage.jsonl").open()) == 10  # billed
     finally:
         spoke.stop()
+
+
+def test_a_key_in_the_query_string_never_reaches_the_collector(
+        traced_spoke: tuple[Spoke, dict[str, str], Receiver]) -> None:
+    """Envoy's http.url tag is the whole URL by default: a client's ?api_key=... (the real
+    key) went to the collector in Envoy's ingress span."""
+    spoke, keys, receiver = traced_spoke
+    trace_id, parent = pysecrets.token_hex(16), pysecrets.token_hex(8)
+    client(spoke, keys["good"]).chat.completions.create(
+        model="mock-model", messages=MSG, max_tokens=2,
+        extra_query={"api_key": keys["good"], "key": "sk-wrong-9911"},
+        extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    deadline = time.monotonic() + 15  # Envoy exports every 5 s
+    while not (ingress := [s for s in receiver.wait_for(1, trace_id) if s.name == "ingress"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    spans = receiver.wait_for(1, trace_id)
+    assert ingress[0].attributes["http.url"] == "/v1/chat/completions"
+    values = [str(v) for s in spans for v in s.attributes.values()]
+    assert not [v for v in values if keys["good"] in v or "sk-wrong-9911" in v]
