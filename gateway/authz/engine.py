@@ -144,10 +144,16 @@ class Authorizer:
                     # other request is held to them, whatever it reserves (max_tokens 0).
                     tokens=endpoint is None or endpoint.billed))
             except StoreUnavailable as exc:
+                # The client is told which of the two it was, never the store's own error
+                # (its addresses, its exception names): that is logged (limiter_store_
+                # unreachable, with the error) and counted (gateway_limiter_store_up).
                 if isinstance(exc, StoreInDoubt):
                     self.abandon(req.request_id)  # it may still commit: undo it
+                    why = "it did not answer in time"
+                else:
+                    why = "it cannot be reached"
                 return _who(answers.unavailable(
-                    f"Rate limiter unavailable ({exc}); failing closed."), key, facts.model, facts)
+                    f"Rate limiter unavailable ({why}); failing closed."), key, facts.model, facts)
         if isinstance(verdict, DuplicateId):
             return _who(answers.duplicate_request_id(req.request_id), key, facts.model, facts)
         if isinstance(verdict, Voided):

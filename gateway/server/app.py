@@ -138,7 +138,7 @@ class App:
         if door_only:  # no spool to watch; whether Redis answers still goes to the hub
             self.tasks.append(asyncio.create_task(self._watch([])))
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
-            self.store_up = await self._store_answers()
+            self.store_up, _ = await self._store_answers()
             self.reporter = StatusReporter(s.feed_bootstrap, self.status, s.status_interval_s,
                                            s.kafka_idempotence, s.topic_replication)
             self.holder.on_change.append(self.reporter.poke)
@@ -256,14 +256,14 @@ class App:
             _alert(loud, "spool", age > threshold, now, "usage_delivery_stalled",
                    "usage_delivery_recovered", depth=depth, oldest_age_s=round(age, 1),
                    threshold_s=threshold)
-            up = await self._store_answers()
+            up, why = await self._store_answers()
             if up != self.store_up and self.reporter:
                 self.reporter.poke()  # the hub hears of a store going down at once
             self.store_up = up
             metrics.STORE_UP.set(1 if up else 0)
             await self._set_health()  # grpc.health.v1 follows the policy, /readyz polled or not
             _alert(loud, "store", not up, now, "limiter_store_unreachable",
-                   "limiter_store_recovered")
+                   "limiter_store_recovered", **({"error": why} if why else {}))
             await asyncio.sleep(1.0)
 
     def status(self) -> Status:
@@ -274,13 +274,18 @@ class App:
         return Status(self.settings.spoke, self.instance_id, held, state, error, now_text(),
                       self.spool_depth, round(self.spool_oldest_s, 1), self.store_up)
 
-    async def _store_answers(self) -> bool:
+    async def _store_answers(self) -> tuple[bool, str]:
+        """Whether the limiter's store answers a ping within a second, and why not (the
+        error that the clients' 503s do not carry)."""
         assert self.limiter is not None
         try:
             async with asyncio.timeout(1.0):
-                return await self.limiter.ping()
-        except Exception:
-            return False
+                up = await self.limiter.ping()
+        except TimeoutError:
+            return False, "no answer to a ping within 1 s"
+        except Exception as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        return up, "" if up else "the ping was refused"
 
     async def _set_health(self) -> None:
         if self.health is None:  # a door process: no gRPC, no gRPC health
@@ -373,14 +378,15 @@ class SharedGate:
             await asyncio.sleep(self.POLL_S)
 
 
-def _alert(loud: dict[str, float], what: str, bad: bool, now: float, error: str, cleared: str,
-           **facts: object) -> None:
-    """Log `error` when `what` turns bad and again every minute it stays so; `cleared` once."""
+def _alert(loud: dict[str, float], what: str, bad: bool, now: float, bad_event: str,
+           cleared_event: str, **facts: object) -> None:
+    """Log `bad_event` when `what` turns bad and again every minute it stays so;
+    `cleared_event` once."""
     if bad and now - loud[what] >= 60:
-        log.error(error, **facts)
+        log.error(bad_event, **facts)
         loud[what] = now
     elif not bad and loud[what]:
-        log.info(cleared, **facts)
+        log.info(cleared_event, **facts)
         loud[what] = 0.0
 
 

@@ -35,6 +35,9 @@ def test_redis_killed_under_load_then_restarted(spoke_keys: Spk) -> None:
     assert gauge(spoke, "gateway_limiter_store_up") == 1
     log = spoke["sidecar"].log_path.read_text()
     assert '"limiter_store_unreachable"' in log and '"limiter_store_recovered"' in log
+    # the operator's line says how (the clients' 503s do not)
+    down = next(ln for ln in log.splitlines() if '"limiter_store_unreachable"' in ln)
+    assert '"error"' in down, down
     results = load.stop()
     outage = results[during - 20:during]
     assert all(r.status in (200, 503) for r in results), {r.status for r in results}

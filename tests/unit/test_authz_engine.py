@@ -363,7 +363,8 @@ async def test_store_unavailable_fails_closed() -> None:
     gate = Gate(policy(key_limits="{rps: 100}"), BrokenLimiter())
     d = denied(await gate.check(chat()), 503, "service_unavailable")
     assert gate.limiter.calls == 1
-    assert "connection refused" in d.message
+    # which of the two, never the store's own error (addresses, exception names): logged
+    assert "cannot be reached" in d.message and "refused" not in d.message
     assert d.headers.get("retry-after") == "1"
     assert gate.ledger.stage("req-1") is None  # nothing was committed: nothing to undo
 
@@ -371,7 +372,7 @@ async def test_store_unavailable_fails_closed() -> None:
 async def test_store_past_the_deadline_fails_closed_and_voids_the_admission() -> None:
     gate = Gate(policy(key_limits="{rps: 100}"), LateLimiter())
     d = denied(await gate.check(chat()), 503, "service_unavailable")
-    assert "timed out" in d.message
+    assert "did not answer in time" in d.message and "250 ms" not in d.message
     assert gate.ledger.stage("req-1") is Stage.VOIDED  # it may commit later: voided
 
 
