@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
+
+from gateway.log import log
 
 RETRY_S = 0.05  # how long a cancelled task has to end before it is cancelled again
 
@@ -26,6 +28,22 @@ async def cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=RETRY_S)
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def watched(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    """A background task (a loop meant to run until stopped) whose crash is logged at once
+    (`background_task_crashed`), not when the task is collected: a loop that died silently
+    left, e.g., the limiter store's gauge and health stuck at their last values."""
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    task.add_done_callback(_crashed)
+    return task
+
+
+def _crashed(task: asyncio.Task[Any]) -> None:
+    if task.cancelled() or (exc := task.exception()) is None:
+        return
+    log.error("background_task_crashed", task=task.get_name(), error=repr(exc),
+              exc_info=exc)
 
 
 def stop_on_signals() -> asyncio.Event:

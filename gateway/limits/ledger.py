@@ -52,7 +52,7 @@ from gateway.limits.types import (
     first_lease,
 )
 from gateway.log import log
-from gateway.tasks import cancel_all
+from gateway.tasks import cancel_all, watched
 
 # A round of renewals goes this many ids at a time, the event loop free between two (the
 # Redis store's own batch, redis_store.MAX_BATCH: one script a chunk).
@@ -95,8 +95,8 @@ class Ledger:
         self._occupied = asyncio.Event()  # set when an admission is taken on (_hold)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self.outbox.run()),
-                       asyncio.create_task(self._renew_loop())]
+        self._tasks = [watched(self.outbox.run(), "settlement_outbox"),
+                       watched(self._renew_loop(), "lease_renewer")]
 
     async def stop(self) -> None:
         """Flush what is pending (best effort), then stop the background tasks."""

@@ -21,7 +21,7 @@ from gateway.log import log
 from gateway.policy import loader
 from gateway.policy.model import Policy
 from gateway.policy.store import ANNOUNCE, PolicyStore
-from gateway.tasks import cancel_all
+from gateway.tasks import cancel_all, watched
 
 _REDIS_DOWN = (redis_errors.RedisError, OSError, TimeoutError)
 
@@ -103,7 +103,8 @@ class RedisPolicySync:
         return self.holder.policy.revision if self.holder.policy else 0
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._poll()), asyncio.create_task(self._listen())]
+        self._tasks = [watched(self._poll(), "policy_poll"),
+                       watched(self._listen(), "policy_listen")]
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)
@@ -171,7 +172,7 @@ class FilePolicySync:
         self.holder.swap(Policy.compile(doc, self._revision))
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._poll())
+        self._task = watched(self._poll(), "policy_file_poll")
 
     async def stop(self) -> None:
         if self._task:

@@ -41,7 +41,7 @@ from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
 from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
 from gateway.sinks.spools import choose_instance, orphans
-from gateway.tasks import cancel_all, stop_on_signals
+from gateway.tasks import cancel_all, stop_on_signals, watched
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 
@@ -136,13 +136,13 @@ class App:
         if self.shared_gate is not None:  # after the spool opened: it can write
             self.shared_gate.follow(self.gate, door_only, self.tasks)
         if door_only:  # no spool to watch; whether Redis answers still goes to the hub
-            self.tasks.append(asyncio.create_task(self._watch([])))
+            self.tasks.append(watched(self._watch([]), "watch"))
         if s.feed_bootstrap:  # status up to the hub (DESIGN §10)
             self.store_up, _ = await self._store_answers()
             self.reporter = StatusReporter(s.feed_bootstrap, self.status, s.status_interval_s,
                                            s.kafka_idempotence, s.topic_replication)
             self.holder.on_change.append(self.reporter.poke)
-            self.tasks.append(asyncio.create_task(self.reporter.run()))
+            self.tasks.append(watched(self.reporter.run(), "status_reporter"))
         authorizer = Authorizer(self.holder.get, self.limiter, clock, AdmissionSettings(
             default_completion_tokens=s.default_completion_tokens,
             reserve_cap=s.reserve_cap_tokens,
@@ -211,11 +211,12 @@ class App:
         self.producer = (
             KafkaProducer(s.kafka_bootstrap, s.usage_topic, s.kafka_idempotence)
             if s.kafka_bootstrap else JsonlProducer(s.usage_jsonl))
-        self.tasks.append(asyncio.create_task(self.spool.run_writer()))
+        self.tasks.append(watched(self.spool.run_writer(), "spool_writer"))
         for sp in spools:
-            self.tasks.append(asyncio.create_task(
-                Shipper(sp, self.producer).run(until_empty=sp is not self.spool)))
-        self.tasks.append(asyncio.create_task(self._watch(spools)))
+            self.tasks.append(watched(
+                Shipper(sp, self.producer).run(until_empty=sp is not self.spool),
+                f"shipper {sp.instance_id}"))
+        self.tasks.append(watched(self._watch(spools), "watch"))
         if len(spools) > 1:
             log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
                         events=sum(sp.depth for sp in spools[1:]))
@@ -230,8 +231,8 @@ class App:
             sp.tail = []
         if resettled:
             log.info("spool_tail_resettled", settlements=resettled)
-        self.tasks.append(asyncio.create_task(recorder.run_sweeper(s.lease_ttl_s / 3,
-                                                                    s.orphan_grace_s)))
+        self.tasks.append(watched(recorder.run_sweeper(s.lease_ttl_s / 3, s.orphan_grace_s),
+                                  "orphan_sweeper"))
         return recorder
 
     def _price(self, model: str, at: float) -> Rates | None:
@@ -358,7 +359,7 @@ class SharedGate:
 
     def follow(self, gate: UsageGate, door: bool, tasks: list[asyncio.Task[None]]) -> None:
         if door:
-            tasks.append(asyncio.create_task(self._poll(gate)))
+            tasks.append(watched(self._poll(gate), "usage_gate_poll"))
         elif self.index >= 0:
             flags, i = self.flags, self.index
             flags[i] = 0  # a restarted records process starts writable (its spool opened)

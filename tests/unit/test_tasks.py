@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.tasks import cancel_all
+import pytest
+
+from gateway import log as gateway_log
+from gateway.tasks import cancel_all, watched
 
 
 async def _swallows_one_cancel(ticks: list[int]) -> None:
@@ -48,3 +51,30 @@ async def test_ended_and_failed_tasks_are_collected() -> None:
     await asyncio.sleep(0.01)
     await cancel_all([failed, finished])
     assert failed.done() and finished.done()
+
+
+async def _dies() -> None:
+    await asyncio.sleep(0)
+    raise RuntimeError("boom")
+
+
+async def _cancelled_forever() -> None:
+    await asyncio.sleep(3600)
+
+
+async def test_a_background_task_that_crashes_is_logged_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Not when the task is collected: a loop that died silently once left the store's
+    gauge and health stuck at their last values."""
+    gateway_log.configure("info", cache=False)
+    task = watched(_dies(), "watch")
+    await asyncio.wait([task])
+    await asyncio.sleep(0)  # done callbacks run on the next turn
+    err = capsys.readouterr().err
+    assert '"background_task_crashed"' in err and '"task": "watch"' in err, err
+    assert "RuntimeError" in err and "boom" in err
+    quiet = watched(_cancelled_forever(), "quiet")  # a stop is no crash
+    await asyncio.sleep(0)
+    await cancel_all([quiet])
+    await asyncio.sleep(0)
+    assert "background_task_crashed" not in capsys.readouterr().err
