@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletionUserMessageParam
 
 from devspoke.procs import free_port
 from devspoke.stack import Spoke
-from gateway.authz.request import estimate_prompt_tokens
+from gateway.authz.prompt_estimate import estimate_prompt_tokens
 from gateway.hub.quota_topic import POLICY_TOPIC
 
 PROMPT: list[ChatCompletionUserMessageParam] = [  # what `drive` sends

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from devspoke.stack import Spoke
-from gateway.authz.request import estimate_prompt_tokens
+from gateway.authz.prompt_estimate import estimate_prompt_tokens
 from testkit.spoke import chat, client, read_events
 
 AUTHZ_ONLY = True  # the answers are the Check's: one metering source proves it

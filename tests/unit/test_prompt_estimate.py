@@ -5,7 +5,8 @@ import io
 import wave
 from typing import Any
 
-from gateway.authz.request import estimate_prompt_tokens, parse_body
+from gateway.authz.prompt_estimate import estimate_prompt_tokens
+from gateway.authz.request import parse_body
 
 
 def test_counts_text_not_json_overhead() -> None:
@@ -64,7 +65,7 @@ def test_an_image_counts_a_fixed_figure_not_its_base64() -> None:
     """A 200 KB JPEG as base64 counted as text was ~67,000 tokens (refused as impossible by
     a 50,000-token window); a URL image counted nothing. Each counts IMAGE_TOKENS, in the
     shapes of Messages, chat and Responses."""
-    from gateway.authz.request import IMAGE_TOKENS
+    from gateway.authz.prompt_estimate import IMAGE_TOKENS
     data = "A" * 270_000  # ~200 KB of image, base64
     text = {"type": "text", "text": "What is in this picture?"}
     shapes = [
@@ -91,7 +92,7 @@ def test_a_document_counts_a_fixed_figure_not_its_base64() -> None:
     most windows). Each document part counts DOCUMENT_TOKENS, in the shapes of Messages
     (base64, URL, file id), chat (`file`) and Responses (`input_file`); its title and
     context are text, and a document of text is counted as text."""
-    from gateway.authz.request import DOCUMENT_TOKENS
+    from gateway.authz.prompt_estimate import DOCUMENT_TOKENS
     data = "JVBERi0x" + "A" * 1_333_000  # ~1 MB of PDF, base64
     text = {"type": "text", "text": "Summarize this."}
     pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
@@ -195,7 +196,7 @@ def test_compressed_audio_assumes_a_low_bitrate() -> None:
 def test_audio_and_video_urls_count_a_fixed_figure() -> None:
     """A URL cannot be sized on the request path: audio counts AUDIO_URL_TOKENS (one 30 s
     window), a video VIDEO_TOKENS (sampled frames), whatever its URL or data."""
-    from gateway.authz.request import AUDIO_URL_TOKENS, IMAGE_TOKENS, VIDEO_TOKENS
+    from gateway.authz.prompt_estimate import AUDIO_URL_TOKENS, IMAGE_TOKENS, VIDEO_TOKENS
     for part, tokens in (
         ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}},
          AUDIO_URL_TOKENS),
@@ -214,7 +215,7 @@ def test_audio_and_video_urls_count_a_fixed_figure() -> None:
 def test_a_malformed_audio_part_never_raises() -> None:
     """Data not a string, no format, a header that is not base64, a truncated or lying
     header: each counts something bounded (the engine answers its own 400)."""
-    from gateway.authz.request import VIDEO_TOKENS
+    from gateway.authz.prompt_estimate import VIDEO_TOKENS
     minute = _wav(60)
     bad = [
         _chat_audio(12345), _chat_audio(None), _chat_audio(["x"]), _chat_audio({"a": 1}),
