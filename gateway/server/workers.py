@@ -36,8 +36,9 @@ def _worker(settings: Settings, name: str, role: Role, ready: MpEvent, parent: i
             spool_flags: Any = None, index: int = -1) -> None:
     import uvloop
 
-    from gateway.server.app import App, SharedGate
+    from gateway.server.app import App
     from gateway.server.gc_tuning import tune_gc_after_startup
+    from gateway.server.shared_gate import SharedGate
 
     configure(settings.log_level)
 
@@ -72,7 +73,7 @@ def run_workers(settings: Settings) -> int:
     roles = workers_of(settings)
     procs: dict[str, tuple[mp.process.BaseProcess, MpEvent]] = {}
     # With door processes: one byte per records process, 1 while its spool cannot write,
-    # which the door processes follow (they have no spool; gateway/server/app.py SharedGate)
+    # which the door processes follow (they have no spool; gateway/server/shared_gate.py)
     records = [name for name, role in roles.items() if role == "records"]
     spool_flags = ctx.RawArray(ctypes.c_ubyte, len(records)) if settings.door_workers else None
 

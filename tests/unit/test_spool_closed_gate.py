@@ -18,7 +18,7 @@ import pytest
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.authz.request import AuthzRequest
 from gateway.log import configure
-from gateway.server.app import SharedGate
+from gateway.server.shared_gate import SharedGate
 from gateway.sinks.gate import UsageGate
 from gateway.sinks.segments import Segments
 from gateway.sinks.spool import Spool
