@@ -173,19 +173,10 @@ def cmd_keys_rotate(args: argparse.Namespace) -> int:
     replaces stays valid for `--grace`."""
     from gateway.policy import admin
     from gateway.policy.schema import utc_text
-    if _a_secret(args.key_id):
-        return 2
-    try:
-        done = run_value(admin.rotate_key(_backend(_settings(args)), args.key_id, args.grace))
-    except KeyError:
-        print(f"error: no key {args.key_id}", file=sys.stderr)
-        return 2
-    except (PolicyError, ValueError) as exc:
-        print(f"error, nothing published: {exc}", file=sys.stderr)
-        return 2
-    except admin.RevisionConflict as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    done, code = _edited(args, lambda backend, key_id: admin.rotate_key(backend, key_id,
+                                                                         args.grace))
+    if done is None:
+        return code
     old = f"valid until {utc_text(done.old_until)}" if done.old_until else "ended now"
     print(f"key_id:   {done.key_id}\nrevision: {done.revision}\nsecret:   {done.secret}\n"
           f"previous: {old}")
@@ -236,21 +227,29 @@ def _a_secret(key_id: str) -> bool:
     return True
 
 
-def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
+def _edited(args: argparse.Namespace, edit: Any) -> tuple[Any, int]:
+    """`edit(backend, key_id)` run on the key `args` names: (its result, 0), or (None, the
+    exit code) once the failure is said (no such key, a refused edit, a concurrent one)."""
     from gateway.policy import admin
     if _a_secret(args.key_id):
-        return 2
+        return None, 2
     try:
-        done = run_value(edit(_backend(_settings(args)), args.key_id))
+        return run_value(edit(_backend(_settings(args)), args.key_id)), 0
     except KeyError:
         print(f"error: no key {args.key_id}", file=sys.stderr)
-        return 2
+        return None, 2
     except (PolicyError, ValueError) as exc:
         print(f"error, nothing published: {exc}", file=sys.stderr)
-        return 2
+        return None, 2
     except admin.RevisionConflict as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return None, 1
+
+
+def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
+    done, code = _edited(args, edit)
+    if done is None:
+        return code
     if done.changed:
         print(f"{verb} {args.key_id} in revision {done.revision}")
     else:
