@@ -201,9 +201,7 @@ def unanswered_check(paths: Iterable[str]) -> AccessLogFilter:
     than the timeout), a POST to one of `paths`: with the ext_proc source that bodiless 503
     opens no ext_proc stream there (response headers SKIP on those routes), so Envoy's
     record of it is the only word the sidecar gets, and its event is made from that."""
-    listed = ", ".join(f"'{p}'" for p in paths)
-    return _cel(f"response.code_details == '{AUTHZ_ERROR_DETAILS}' && "
-                f"request.method == 'POST' && request.url_path in [{listed}]")
+    return _cel(f"response.code_details == '{AUTHZ_ERROR_DETAILS}' && {_posts_to(paths)}")
 
 
 def bodiless_answer(paths: Iterable[str]) -> AccessLogFilter:
@@ -211,9 +209,13 @@ def bodiless_answer(paths: Iterable[str]) -> AccessLogFilter:
     status with content-length: 0): with the ext_proc source its stream sees no response
     message (response headers SKIP on those routes, and no body), so it ends without its
     end, as a cut one does; Envoy's record gives the sidecar the status and no cut flag."""
+    return _cel(f"{_posts_to(paths)} && response.size == 0")
+
+
+def _posts_to(paths: Iterable[str]) -> str:
+    """CEL: a POST to one of `paths`."""
     listed = ", ".join(f"'{p}'" for p in paths)
-    return _cel(f"request.method == 'POST' && request.url_path in [{listed}] && "
-                "response.size == 0")
+    return f"request.method == 'POST' && request.url_path in [{listed}]"
 
 
 def authz_error_replies() -> list[ResponseMapper]:
