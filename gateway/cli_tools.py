@@ -39,6 +39,7 @@ from gateway.policy_commands import (
     cmd_policy_status,
     limit_number,
     limit_value,
+    objective_flag,
     whole_limit,
 )
 
@@ -169,6 +170,10 @@ def add_tools(sub: Any) -> None:
                    help="prompt + completion tokens, sliding minute (default: no limit)")
     p.add_argument("--tokens-per-day", dest="tokens_per_day", type=whole_limit, default=None,
                    help="prompt + completion tokens per UTC day (default: no limit)")
+    p.add_argument("--inference-objective", dest="inference_objective", type=objective_flag,
+                   default=None, metavar="NAME",
+                   help="the GIE InferenceObjective its requests name (the engine's "
+                        "scheduling priority; default: its team's, if any)")
     store_flags(p)
     p.set_defaults(fn=cmd_keys_create)
     p = keys.add_parser("mint", help="a secret and its sha256 for a hand-written policy; "
@@ -223,6 +228,13 @@ def add_tools(sub: Any) -> None:
                      help="expire this long from now, e.g. 30d (default: unchanged)")
     exp.add_argument("--no-expiry", dest="no_expiry", action="store_true",
                      help="never expire")
+    obj = p.add_mutually_exclusive_group()
+    obj.add_argument("--inference-objective", dest="inference_objective", type=objective_flag,
+                     default=None, metavar="NAME",
+                     help="the GIE InferenceObjective its requests name (default: unchanged)")
+    obj.add_argument("--no-inference-objective", dest="no_inference_objective",
+                     action="store_true",
+                     help="drop the key's own objective: its team's applies, if any")
     store_flags(p)
     p.set_defaults(fn=cmd_keys_update)
 

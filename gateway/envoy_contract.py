@@ -61,8 +61,16 @@ FIRST_CONTENT_US = "first_content_us"
 REQUEST_ID_HEADER = "x-gateway-request-id"
 KEY_ID_HEADER = "x-gateway-key-id"
 TEAM_HEADER = "x-gateway-team"
-MODEL_HEADER = "x-gateway-model"
-CONTEXT_HEADERS = (REQUEST_ID_HEADER, KEY_ID_HEADER, TEAM_HEADER, MODEL_HEADER)
+MODEL_HEADER = "x-gateway-model"  # none when the request names no model (a pass-through)
+# The Gateway API Inference Extension's (GIE, llm-d) scheduling headers: the name of an
+# InferenceObjective (its endpoint picker resolves it to a priority; none when the key and
+# its team name none), and the flow fair-share queueing shares among (the key's team).
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
+# A context header the gateway does not set on a request (no model, no objective) is removed
+# from it: a client's own value never reaches the engine (gateway/authz/decision.py Caller).
+CONTEXT_HEADERS = (REQUEST_ID_HEADER, KEY_ID_HEADER, TEAM_HEADER, MODEL_HEADER,
+                   OBJECTIVE_HEADER, FAIRNESS_ID_HEADER)
 CONTEXT_PREFIX = "x-gateway-"
 CREDENTIALS = ("authorization", "x-api-key")
 # Envoy's own flag on a Check whose body it buffered: "true" when it sent only the start of

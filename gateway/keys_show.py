@@ -56,10 +56,14 @@ def state(policy: Policy, key_id: str, now: float) -> str:
 def as_data(policy: Policy, key_id: str, rows: list[Standing], now: float,
             counters: bool) -> dict[str, Any]:
     key = policy.keys[key_id]
+    entry = policy.doc.keys[key_id]
+    objective, source = entry.objective(policy.doc.teams.get(entry.team))
     return {
         "key_id": key_id, "team": key.team, "state": state(policy, key_id, now),
         "revision": policy.revision,
         "models": policy.models_for(key),
+        # the GIE InferenceObjective its requests name, and whose it is ("key", "team")
+        "inference_objective": objective or None, "inference_objective_from": source or None,
         "expires_at": _utc(key.expires_at) if key.expires_at is not None else None,
         # old secrets (`keys rotate`) still valid, each until then; never a secret
         "old_secrets_until": [_utc(end.timestamp()) for end in
@@ -78,7 +82,8 @@ def table(data: dict[str, Any]) -> str:
     lines = [f"key {data['key_id']}  team {data['team']}  {data['state']}  "
              f"expires {data['expires_at'] or 'never'}  (revision {data['revision']}, "
              f"at {data['at']})",
-             f"models: {', '.join(data['models']) or 'none'}"]
+             f"models: {', '.join(data['models']) or 'none'}",
+             f"inference objective: {_objective(data)}"]
     lines += [f"old secret still valid until {end} (keys rotate)"
               for end in data["old_secrets_until"]]
     lines.append("")
@@ -103,6 +108,14 @@ def table(data: dict[str, Any]) -> str:
         lines += ["", "used and left need the limiter's counters: embedded mode keeps them in "
                       "the serving process (set GATEWAY_REDIS_URL for a spoke's)"]
     return "\n".join(lines)
+
+
+def _objective(data: dict[str, Any]) -> str:
+    if not data["inference_objective"]:
+        return "none (x-gateway-inference-objective not sent)"
+    whose = "the key's own" if data["inference_objective_from"] == "key" else \
+        f"team {data['team']}'s"
+    return f"{data['inference_objective']} ({whose})"
 
 
 def _allowed(w: Window, counters: bool) -> float | None:

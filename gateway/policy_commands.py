@@ -159,7 +159,8 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     try:
         new = run_value(admin.create_key(
             _backend(_settings(args)), args.team, key_id=args.key_id, models=models,
-            expires_in=args.expires_in, limits=limits))
+            expires_in=args.expires_in, limits=limits,
+            inference_objective=args.inference_objective))
     except (PolicyError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -334,6 +335,15 @@ def whole_limit(text: str) -> int:
     return int(value)
 
 
+def objective_flag(text: str) -> str:
+    """--inference-objective's name, refused at once as the policy would refuse it."""
+    from gateway.policy.schema import objective_name
+    try:
+        return objective_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def limit_value(text: str) -> float | None:
     """A limit flag's value: a number (as `limit_number` reads it), or `none` to remove
     that limit."""
@@ -363,12 +373,19 @@ def cmd_keys_update(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not limits and models is admin.UNSET and expires is admin.UNSET:
-        print("error: nothing to update: give limits (--rps ...), --models, --expires-in or "
-              "--no-expiry", file=sys.stderr)
+    objective: Any = admin.UNSET
+    if args.no_inference_objective:
+        objective = None
+    elif args.inference_objective is not None:
+        objective = args.inference_objective
+    if not limits and models is admin.UNSET and expires is admin.UNSET \
+            and objective is admin.UNSET:
+        print("error: nothing to update: give limits (--rps ...), --models, --expires-in, "
+              "--no-expiry, --inference-objective or --no-inference-objective",
+              file=sys.stderr)
         return 2
 
     def edit(backend: Any, key_id: str) -> Any:
         return admin.update_key(backend, key_id, limits=limits, models=models,
-                                expires_at=expires)
+                                expires_at=expires, inference_objective=objective)
     return _key_edit(args, edit, "updated", "already has these settings")

@@ -16,7 +16,6 @@ from gateway.authz.decision import Deny, Reply
 from gateway.endpoints import Api
 from gateway.envoy_contract import (
     ANTHROPIC_REQUEST_ID,
-    CONTEXT_HEADERS,
     CONTEXT_PREFIX,
     CREDENTIALS,
 )
@@ -133,12 +132,13 @@ def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str
     return out
 
 
-def removed_headers(request_headers: Iterable[str]) -> list[str]:
+def removed_headers(request_headers: Iterable[str], keeps: frozenset[str]) -> list[str]:
     """What an allowed request loses before the engine: the credentials, and a client's own
-    x-gateway-* headers (forged context: the CONTEXT_HEADERS it may not name are overwritten
-    with ours)."""
+    x-gateway-* headers (forged context) but those in `keeps`, which ours overwrite: its
+    Caller's (`Caller.keeps`), so a context header the gateway does not set on this request
+    (no model, no objective) is removed too, never left with the client's value."""
     return [*CREDENTIALS, *(h for h in request_headers
-                            if h.startswith(CONTEXT_PREFIX) and h not in CONTEXT_HEADERS)]
+                            if h.startswith(CONTEXT_PREFIX) and h not in keeps)]
 
 
 def allowed_headers(rate: RateInfo, api: Api, request_id: str = "") -> dict[str, str]:

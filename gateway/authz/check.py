@@ -73,7 +73,7 @@ def answer(decision: Decision, req: AuthzRequest, traceparent: str = "") -> Answ
             ((REQUEST_ID_HEADER, c.request_id),),
             c.caller.shared(c.endpoint, c.stream, c.leased, c.stream_options, c.include_usage,
                             c.continuous_usage),
-            answers.removed_headers(req.headers),
+            answers.removed_headers(req.headers, c.caller.keeps),
             answers.allowed_headers(decision.rate, api_of(c.endpoint), c.request_id),
             handoff.allowed(c.request_id, c.reserved, c.prompt_estimate, traceparent, c.splice),
             c.leased)

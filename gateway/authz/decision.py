@@ -35,18 +35,32 @@ _ENDPOINTS = 64  # the endpoints one caller's Shared are kept for (passthrough p
 
 class Caller:
     """Who asked, for which model (one per policy revision, key and model: `Callers`), with
-    the Shared part of its requests' answers, per endpoint and flags."""
+    the Shared part of its requests' answers, per endpoint and flags.
 
-    __slots__ = ("_shared", "cancelled", "key_id", "model", "team", "upstream")
+    `upstream` is the context headers its requests carry to the engine (the request id
+    aside): the key, team, model (none without one), the key's InferenceObjective (none
+    without one) and the team as GIE's fairness id. `keeps` names the x-gateway-* headers a
+    request of it may keep from the client because ours overwrite them; every other one,
+    an unset context header included, is removed (answers.removed_headers)."""
+
+    __slots__ = ("_shared", "cancelled", "keeps", "key_id", "model", "objective", "team",
+                 "upstream")
 
     def __init__(self, key_id: str, team: str, model: str,
-                 cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> None:
+                 cancelled: CancelRule = DEFAULT_CANCEL_RULE, objective: str = "") -> None:
         self.key_id = key_id
         self.team = team
         self.model = model
         self.cancelled = cancelled
-        self.upstream = ((contract.KEY_ID_HEADER, key_id), (contract.TEAM_HEADER, team),
-                         (contract.MODEL_HEADER, model))
+        self.objective = objective
+        upstream = [(contract.KEY_ID_HEADER, key_id), (contract.TEAM_HEADER, team)]
+        if model:
+            upstream.append((contract.MODEL_HEADER, model))
+        if objective:
+            upstream.append((contract.OBJECTIVE_HEADER, objective))
+        upstream.append((contract.FAIRNESS_ID_HEADER, team))
+        self.upstream = tuple(upstream)
+        self.keeps = frozenset((contract.REQUEST_ID_HEADER, *(k for k, _ in upstream)))
         self._shared: dict[str, list[Shared | None]] = {}
 
     def shared(self, endpoint: str, stream: bool, leased: bool, stream_options: bool,
@@ -67,12 +81,13 @@ class Caller:
         return found
 
     def __repr__(self) -> str:
-        return f"Caller({self.key_id!r}, {self.team!r}, {self.model!r}, {self.cancelled!r})"
+        return (f"Caller({self.key_id!r}, {self.team!r}, {self.model!r}, {self.cancelled!r}, "
+                f"{self.objective!r})")
 
 
 class Callers:
     """The Caller of each (policy revision, key, model): a new revision starts afresh (its
-    key may have moved team, or changed billing rule); the size is bounded."""
+    key may have moved team, or changed billing rule or objective); the size is bounded."""
 
     MAX = 4096
 
@@ -82,7 +97,7 @@ class Callers:
         self._size = 0
 
     def get(self, revision: int, key_id: str, team: str, model: str,
-            cancelled: CancelRule) -> Caller:
+            cancelled: CancelRule, objective: str = "") -> Caller:
         if revision != self._revision or self._size >= self.MAX:
             self._revision, self._by_key, self._size = revision, {}, 0
         models = self._by_key.get(key_id)
@@ -90,7 +105,7 @@ class Callers:
             models = self._by_key[key_id] = {}
         caller = models.get(model)
         if caller is None:
-            caller = models[model] = Caller(key_id, team, model, cancelled)
+            caller = models[model] = Caller(key_id, team, model, cancelled, objective)
             self._size += 1
         return caller
 

@@ -167,7 +167,7 @@ class Authorizer:
         ctx = Context(
             req.request_id,
             self._callers.get(policy.revision, key.key_id, key.team, facts.model or "",
-                              key.cancelled),
+                              key.cancelled, key.inference_objective),
             facts.stream, reserve if owed else 0, owed, endpoint=path,
             prompt_estimate=facts.prompt_tokens if billed else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,

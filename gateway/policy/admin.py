@@ -213,6 +213,7 @@ async def create_key(
     models: list[str] | None = None,
     expires_in: str | None = None,
     limits: dict[str, Any] | None = None,
+    inference_objective: str | None = None,
 ) -> NewKey:
     rev, doc = await backend.read()
     key_id = key_id or secrets.new_key_id()
@@ -228,6 +229,8 @@ async def create_key(
         entry["limits"] = {k: v for k, v in limits.items() if v is not None}
     if expires_in:
         entry["expires_at"] = expiry(expires_in).isoformat()
+    if inference_objective:
+        entry["inference_objective"] = inference_objective
     keys[key_id] = entry
     new = await backend.write(_validated(data), rev)
     return NewKey(key_id, secret, new)
@@ -277,9 +280,11 @@ async def enable_key(backend: Backend, key_id: str) -> KeyEdit:
 
 
 async def update_key(backend: Backend, key_id: str, *, limits: dict[str, Any] | None = None,
-                     models: Any = UNSET, expires_at: Any = UNSET) -> KeyEdit:
+                     models: Any = UNSET, expires_at: Any = UNSET,
+                     inference_objective: Any = UNSET) -> KeyEdit:
     """Change a key's limits (a value of None removes that limit), its models (None: the
-    team's, no narrowing) or its expiry (None: never). What is not given is kept."""
+    team's, no narrowing), its expiry (None: never) or its InferenceObjective (None: its
+    team's, if any). What is not given is kept."""
     def update(entry: dict[str, Any]) -> None:
         lim = dict(entry.get("limits", {}))
         for name, value in (limits or {}).items():
@@ -307,6 +312,11 @@ async def update_key(backend: Backend, key_id: str, *, limits: dict[str, Any] | 
                 entry.pop("expires_at", None)
             else:
                 entry["expires_at"] = utc_text(expires_at)
+        if inference_objective is not UNSET:
+            if inference_objective is None:
+                entry.pop("inference_objective", None)
+            else:
+                entry["inference_objective"] = inference_objective
     return await edit_key(backend, key_id, update)
 
 

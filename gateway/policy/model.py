@@ -110,6 +110,9 @@ class KeyRecord:
     expires_at: float | None
     disabled: bool
     cancelled: CancelRule = DEFAULT_CANCEL_RULE  # its team's rule for client-cancelled streams
+    # The GIE InferenceObjective its requests name (x-gateway-inference-objective): its own,
+    # else its team's; "" = none.
+    inference_objective: str = ""
 
     def may_use(self, model: str) -> bool:
         """The key narrows the team's ACL, never widens it: both must allow."""
@@ -147,6 +150,7 @@ class Policy:
                 expires_at=k.expires_at.timestamp() if k.expires_at else None,
                 disabled=k.disabled,
                 cancelled=doc.cancel_rule(k.team),
+                inference_objective=k.objective(doc.teams.get(k.team))[0],
             )
             keys[key_id] = rec
             by_digest[bytes.fromhex(k.sha256)] = rec

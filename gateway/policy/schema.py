@@ -40,6 +40,29 @@ def _key_id(value: str) -> str:
 
 
 KeyId = Annotated[str, AfterValidator(_key_id)]
+
+# A Kubernetes object name (DNS-1123 subdomain), as an InferenceObjective resource's is.
+_DNS1123_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+_DNS1123_SUBDOMAIN = re.compile(rf"{_DNS1123_LABEL}(?:\.{_DNS1123_LABEL})*")
+
+
+def objective_name(value: str) -> str:
+    """`value`, if it can name an InferenceObjective (a Kubernetes object name, DNS-1123
+    subdomain); else ValueError saying why. The CLI's --inference-objective reads it too."""
+    if len(value) > 253:
+        raise ValueError(f"{value[:40]!r}... is {len(value)} characters long: a Kubernetes "
+                         "object name (an InferenceObjective's) has at most 253")
+    if not _DNS1123_SUBDOMAIN.fullmatch(value):
+        raise ValueError(
+            f"{value[:80]!r} is not a Kubernetes object name (an InferenceObjective's): at "
+            "most 253 characters, lowercase letters, digits, '-' and '.', each '.'-separated "
+            "part starting and ending with a letter or digit")
+    return value
+
+
+# The name of a Gateway API Inference Extension InferenceObjective: sent to the engine's
+# endpoint picker as x-gateway-inference-objective, which resolves it to a priority.
+ObjectiveName = Annotated[str, AfterValidator(objective_name)]
 Sha256Hex = Annotated[
     str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(str.lower)]
 Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -213,6 +236,7 @@ class TeamPolicy(_Strict):
     limits: Limits = Limits()
     global_limits: GlobalLimits = GlobalLimits()
     billing: Billing = Billing()  # overrides the platform's, rule by rule
+    inference_objective: ObjectiveName | None = None  # its keys' unless a key names its own
 
 
 MAX_PREVIOUS = 4  # a rotation prunes the entries already past their `until`
@@ -235,6 +259,16 @@ class KeyPolicy(_Strict):
     global_limits: GlobalLimits = GlobalLimits()
     expires_at: AwareDatetime | None = None
     disabled: bool = False
+    inference_objective: ObjectiveName | None = None  # wins over its team's
+
+    def objective(self, team: TeamPolicy | None) -> tuple[str, str]:
+        """(the InferenceObjective this key's requests name, where from: "key", "team"),
+        ("", "") when neither names one."""
+        if self.inference_objective:
+            return self.inference_objective, "key"
+        if team is not None and team.inference_objective:
+            return team.inference_objective, "team"
+        return "", ""
 
     def old_secrets_end(self, now: datetime) -> list[datetime]:
         """When each previous secret still valid at `now` stops being so (its `until`, or

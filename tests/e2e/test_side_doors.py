@@ -184,6 +184,8 @@ def test_a_passthrough_request_carries_no_forged_context_and_no_key(
             "authorization": f"Bearer {keys['narrow']}", "x-api-key": keys["good"],
             "x-gateway-model": "mock-other", "x-gateway-team": "evil",
             "x-gateway-key-id": "admin", "x-gateway-extra": "1",
+            "x-gateway-inference-objective": "critical",
+            "x-gateway-inference-fairness-id": "evil",
             # what a WSGI/CGI server behind would read as the same names
             "x_gateway_team": "evil", "x_gateway_key_id": "admin", "x_api_key": keys["good"]})
         assert conn.getresponse().status == 200
@@ -198,6 +200,9 @@ def test_a_passthrough_request_carries_no_forged_context_and_no_key(
     assert sorted(names.count(k) for k in gateway) == [1] * len(gateway), headers
     assert gateway.get("x-gateway-team") == "t1" and gateway.get("x-gateway-key-id") == "narrow"
     assert gateway.get("x-gateway-model", "") == "" and "x-gateway-extra" not in gateway
+    assert "x-gateway-model" not in gateway  # none at all, not an empty one
+    assert "x-gateway-inference-objective" not in gateway  # 'narrow' names none
+    assert gateway.get("x-gateway-inference-fairness-id") == "t1"
 
 
 def test_models_are_listed_for_the_keys_own_models(spoke: Spoke, keys: dict[str, str]) -> None:

@@ -56,7 +56,8 @@ def test_the_shared_part_is_found_per_endpoint_and_flags() -> None:
     assert shared.metadata == handoff.caller("k1", "team-a", "m", "/v1/chat/completions",
                                              True, True, False, True, False)
     assert dict(shared.upstream) == {"x-gateway-key-id": "k1", "x-gateway-team": "team-a",
-                                     "x-gateway-model": "m"}
+                                     "x-gateway-model": "m",
+                                     "x-gateway-inference-fairness-id": "team-a"}
 
 
 def via_grpc(a: Allowed | LocalReply) -> tuple[int, dict[str, str], bytes, dict[str, object]]:
@@ -129,7 +130,7 @@ def test_a_check_request_from_an_envoy_set_otherwise_reads_the_same() -> None:
     assert (req.request_id, req.path, req.body) == ("r9", "/v1/chat/completions",
                                                      b'{"model":"m"}')
     assert api_key(req.headers) == "sk-1"
-    assert "x-gateway-spoof" in answers.removed_headers(req.headers)
+    assert "x-gateway-spoof" in answers.removed_headers(req.headers, CALLER.keeps)
     # a header sent twice is two entries: joined as Envoy's `headers` joins them, no key
     assert api_key(check(("authorization", "Bearer sk-1"),
                          ("authorization", "Bearer sk-2")).headers) is None
