@@ -37,6 +37,9 @@ KEY_LIMITS: dict[str, dict[str, Any]] = {
     "slide": {"limits": {"tokens_per_minute": 1000}},
     "wide": {"team": "metered"},  # for tight-model, whose model tier has the limits
     "teamtpm": {"team": "teamtpm"},  # its team has rps 1 and a token limit
+    # a 429 carries both families when any tier has them: a tokens_per_day-only key whose
+    # team has an rps
+    "tpdteamrps": {"team": "rpsonly", "limits": {"tokens_per_day": 400}},
     # the 429 names the limit that binds the wait; count_tokens past a spent token window
     "slowtpd": {"limits": {"rps": 0.05, "burst": 1, "tokens_per_day": 400}},
     "counttpd": {"limits": {"rps": 20, "burst": 20, "tokens_per_day": 400}},
@@ -57,6 +60,7 @@ def policy_doc(keys: dict[str, str]) -> dict[str, Any]:
             "metered": {"models": ["*"]},
             "teamtpm": {"models": ["mock-*"], "limits": {"rps": 1, "burst": 1,
                                                          "tokens_per_minute": 200000}},
+            "rpsonly": {"models": ["mock-*"], "limits": {"rps": 2, "burst": 2}},
         },
         "keys": {},
         "passthrough": [{"path": "/tokenize", "methods": ["POST"]},

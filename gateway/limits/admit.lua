@@ -23,7 +23,8 @@
 -- Returns per request: {code, tier_index, retry_ms, req_limit, req_remaining, req_reset_ms,
 --                       tok_limit, tok_remaining, tok_reset_ms, leased}; -1 = absent
 -- (retry_ms -1: never, the reservation is larger than the whole limit). A denial's numbers
--- are the binding tier's own, both families, as they stand (it consumed nothing).
+-- are the binding tier's own, and for a family it lacks the tightest other tier's, as they
+-- stand (it consumed nothing): denial_numbers.
 -- code: 0 allowed, 1 rps, 2 concurrency, 3 tokens_per_minute, 4 tokens_per_day,
 --       5 tokens_per_month, 6 voided (its caller already gave up: see settle.lua),
 --       7 global_tokens_per_day, 8 global_tokens_per_month (this spoke's allowance)
@@ -89,30 +90,46 @@ local function window_use(key, w)
   return prev * (1 - into) + cur, reset, prev, cur
 end
 
--- The numbers of the tier that refused (code), both families, as they stand: its rps (or
--- its concurrency, full), and the token window named (code), else its tightest, from what
--- the checks read (x.tat, each window's w[6], w[7]); a request that skips the token
--- windows (free) reports none. Only a denial pays for this second look.
-local function tier_numbers(x, code, free)
+-- A tier's rps as it stands (from x.tat, which the checks read), offered to `best`.
+local function rps_stands(x, best)
+  local interval = 1000 / x.rps
+  local left = (now - x.tat - interval + x.burst * interval) / interval + 1e-4
+  offer(best, x.burst, math.floor(left) + 1, x.tat - now)
+end
+
+-- A denial's numbers, both families, as they stand (from what the checks read: x.tat, each
+-- window's w[6], w[7]). The tier that refused (at) gives its own: its rps (or its
+-- concurrency, full), and the token window named (code), else its tightest. A family that
+-- tier has no limit for is the tightest of every tier that has one, as an allowed answer
+-- picks it; none: absent. A request that skips the token windows (free) reports no tokens.
+-- Only a denial pays for this second look.
+local function denial_numbers(tiers, at, code, free)
+  local x = tiers[at]
   local rq, tk, refused = {-1, -1, -1}, {-1, -1, -1}, nil
   if code == 2 then
     rq = {x.conc, 0, 1000}
   elseif x.rps then
-    local interval = 1000 / x.rps
-    local tat = x.tat
-    local left = (now - tat - interval + x.burst * interval) / interval + 1e-4
-    rq = {x.burst, math.max(0, math.floor(left) + 1), math.ceil(tat - now)}
+    rps_stands(x, rq)
   end
-  for _, w in ipairs(x.windows) do
-    local limit = w[2]
-    if limit and not free then
-      local used, reset = w[6], w[7]
+  if not free then
+    for _, w in ipairs(x.windows) do
+      local limit, used, reset = w[2], w[6], w[7]
       local mine = {limit, math.max(0, math.floor(limit - used)), math.ceil(reset)}
       if w[1] == code then refused = mine end
       offer(tk, mine[1], mine[2], mine[3])
     end
   end
   if refused then tk = refused end
+  local more_rq, more_tk = rq[1] < 0, tk[1] < 0 and not free
+  if more_rq or more_tk then  -- from the other tiers (this one has none to offer)
+    for t = 1, #tiers do
+      local y = tiers[t]
+      if more_rq and y.rps then rps_stands(y, rq) end
+      if more_tk then
+        for _, w in ipairs(y.windows) do offer(tk, w[2], w[2] - w[6], w[7]) end
+      end
+    end
+  end
   return rq, tk
 end
 
@@ -231,8 +248,8 @@ for r = 1, n do
     end
   end
   if code == 0 and short then code, at = 10, short end
-  if code >= 1 and code <= 8 and code ~= 6 then  -- the binding tier's own numbers, both families
-    rq, tk = tier_numbers(tiers[at], code, free)
+  if code >= 1 and code <= 8 and code ~= 6 then  -- both families (denial_numbers)
+    rq, tk = denial_numbers(tiers, at, code, free)
   end
 
   local leased = 0

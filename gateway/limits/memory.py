@@ -71,11 +71,14 @@ class _Refusal:
 
     def numbers(self, tier: TierLimit, rq: Tightest, tk: Tightest,
                 refused: dict[str, tuple[int, float, float]]) -> None:
-        """A tier's own numbers as they stand, should it be the one that says no: its rps,
-        its tightest token window and each token window that refused it, by kind."""
+        """A tier's own numbers as they stand, should it be the one that says no (or fill a
+        family that one lacks): its rps, its tightest token window and each token window
+        that refused it, by kind."""
         self.own[id(tier)] = (rq, tk, refused)
 
     def verdict(self) -> Refused:
+        """The refusing tier's own numbers; a family it has no limit for is the tightest
+        of every tier that has one (as an allowed answer picks it), else absent."""
         assert self.tier is not None
         rq, tk, refused = self.own[id(self.tier)]
         if self.limit == CONCURRENCY:
@@ -83,9 +86,22 @@ class _Refusal:
         if self.limit in refused:
             tk = Tightest()
             tk.offer(*refused[self.limit])
+        if rq.limit is None:
+            rq = self._tightest([own[0] for own in self.own.values()])
+        if tk.limit is None:
+            tk = self._tightest([own[1] for own in self.own.values()])
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
         return Refused(self.tier.tier, self.limit, self.value, 0.0 if self.never else self.wait,
                        rate, impossible=self.never)
+
+    @staticmethod
+    def _tightest(tiers: list[Tightest]) -> Tightest:
+        """Of the tiers' own numbers for one family, the fewest remaining."""
+        best = Tightest()
+        for t in tiers:
+            if t.limit is not None and t.remaining is not None and t.reset is not None:
+                best.offer(t.limit, t.remaining, t.reset)
+        return best
 
 
 @dataclass

@@ -160,7 +160,8 @@ def test_429_tokens_per_minute_is_rate_limit(spoke: Spoke, keys: dict[str, str],
     e = _limited(spoke, keys["tpm"], api, tries=5, max_tokens=300)  # ~300 + prompt of 400/min
     assert "tokens_per_minute" in e.message
     assert _rate_header(api, "tokens", "limit") in e.response.headers
-    assert _rate_header(api, "requests", "limit") not in e.response.headers  # binding tier
+    # no tier of this key (nor its team t1, nor the model) has an rps: no requests family
+    assert _rate_header(api, "requests", "limit") not in e.response.headers
     if api == "openai":
         assert isinstance(e, openai.RateLimitError)
         assert e.code == "rate_limit_exceeded" and e.type == "tokens"
@@ -318,6 +319,28 @@ def test_a_token_429_says_its_tiers_requests(spoke: Spoke, keys: dict[str, str],
     for name in ("remaining", "reset"):
         assert _rate_header(api, "requests", name) in h
         assert _rate_header(api, "tokens", name) in h
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_quota_429_of_a_key_without_rps_says_its_teams_requests(
+        spoke: Spoke, keys: dict[str, str], api: str) -> None:
+    """A key whose only limit is tokens_per_day, in a team with an rps: its quota 429 has
+    both families, the key's tokens and the team's requests, as they stand."""
+    e = _limited(spoke, keys["tpdteamrps"], api, tries=5, max_tokens=300)
+    h = e.response.headers
+    assert "Quota exhausted" in e.message and "tokens_per_day=400" in e.message
+    assert h["x-gateway-limit-tier"] == "key"
+    assert h[_rate_header(api, "tokens", "limit")] == "400"
+    assert int(h[_rate_header(api, "tokens", "remaining")]) < 400
+    assert h[_rate_header(api, "requests", "limit")] == "2"  # the team's rps
+    assert int(h[_rate_header(api, "requests", "remaining")]) <= 2
+    for what in ("requests", "tokens"):
+        assert _rate_header(api, what, "reset") in h
+    if api == "anthropic":
+        assert not any(k.startswith("x-ratelimit-") for k in h)  # one family of headers
+        for kind in ("input-tokens", "output-tokens"):
+            assert h[f"anthropic-ratelimit-{kind}-limit"] == "400"
+        datetime.strptime(h["anthropic-ratelimit-requests-reset"], "%Y-%m-%dT%H:%M:%SZ")
 
 
 @pytest.mark.parametrize("api", APIS)

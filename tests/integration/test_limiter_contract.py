@@ -122,19 +122,22 @@ async def test_renew_keeps_long_streams_leased(limiter: Limiter) -> None:
     assert isinstance(await limiter.admit(req("x", [key], T0 + 111)), Admitted)
 
 
-async def test_a_denial_carries_only_the_binding_tiers_numbers(limiter: Limiter) -> None:
-    """The 429's x-ratelimit-* headers are the tier that said no, not a looser one's."""
+async def test_a_denial_fills_a_family_its_tier_lacks_from_the_others(limiter: Limiter) -> None:
+    """The 429's x-ratelimit-* headers are the tier that said no, for each family it has;
+    a family it has no limit for comes from the tier that has one, as it stands."""
     team = tier("team", "t1", tokens_per_minute=10_000, rps=100)
     key = tier("key", "k1", rps=1, burst=1)
     assert isinstance(await limiter.admit(req("a", [team, key], reserve=10)), Admitted)
     v = await limiter.admit(req("b", [team, key], reserve=10))
     assert (v.tier, v.limit) == ("key", "rps")
-    assert v.rate.tok_limit is None and v.rate.req_limit == 1
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (10_000, 9_990) and v.rate.req_limit == 1
+    assert v.rate.tok_reset == pytest.approx(120, abs=0.002)  # this minute's 10 slide out next
     tight = tier("key", "k2", tokens_per_minute=5)
     assert isinstance(await limiter.admit(req("c0", [team, tight], reserve=3)), Admitted)
     v = await limiter.admit(req("c", [team, tight], reserve=3))
     assert (v.tier, v.limit) == ("key", "tokens_per_minute")
-    assert v.rate.req_limit is None and v.rate.tok_limit == 5
+    assert (v.rate.req_limit, v.rate.req_remaining) == (100, 98) and v.rate.tok_limit == 5
+    assert v.rate.req_reset == pytest.approx(0.02, abs=0.002)
 
 
 async def test_renew_names_the_requests_that_hold_nothing_any_more(limiter: Limiter) -> None:
@@ -732,3 +735,48 @@ async def test_a_reservation_larger_than_a_whole_window_is_impossible(limiter: L
     assert (v.tier, v.limit, v.limit_value) == ("model", "tokens_per_minute", 1000)
     assert v.rate.tok_limit == 1000 and v.rate.tok_remaining == 990
     assert isinstance(await limiter.admit(req("whole", tiers, T0 + 1, 990)), Admitted)
+
+
+async def test_a_429_has_both_families_when_any_tier_limits_them(limiter: Limiter) -> None:
+    """DESIGN §4: a family the refusing tier has no limit for is the tightest of every tier
+    that has one, as an allowed answer picks it, as it stands (the denial consumed
+    nothing); the refusing tier's own numbers are unchanged; no tier with it: absent."""
+    now = MINUTE_START + 30
+    # a key whose only limit is tokens_per_day, in a team with an rps
+    tiers = [tier("team", "fam-t-rps", rps=2, burst=2),
+             tier("key", "fam-k-tpd", tokens_per_day=1000)]
+    assert isinstance(await limiter.admit(req("q-1", tiers, now, 900)), Admitted)
+    v = await limiter.admit(req("q-2", tiers, now, 200))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "tokens_per_day")
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 100)
+    assert v.rate.tok_reset == pytest.approx(maths.seconds_to_day_end(now), abs=0.002)
+    assert (v.rate.req_limit, v.rate.req_remaining) == (2, 1)  # the team's, as q-1 left it
+    assert v.rate.req_reset == pytest.approx(0.5, abs=0.002)
+    # a key's rps refuses; the model's minute is the tightest of two token tiers
+    tiers = [tier("model", "fam-m-tpm", tokens_per_minute=1000),
+             tier("team", "fam-t-tpd", tokens_per_day=10_000),
+             tier("key", "fam-k-rps", rps=1, burst=1)]
+    assert isinstance(await limiter.admit(req("r-1", tiers, now, 300)), Admitted)
+    v = await limiter.admit(req("r-2", tiers, now, 300))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "rps")
+    assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (1000, 700)
+    assert v.rate.tok_reset == pytest.approx(90, abs=0.002)  # this minute's 300 slide out next
+    # a key's concurrency refuses: its requests family stays its own (not the team's rps)
+    tiers = [tier("team", "fam-t-tpm", rps=100, tokens_per_minute=5000),
+             tier("key", "fam-k-conc", concurrency=1)]
+    assert isinstance(await limiter.admit(req("c-1", tiers, now, 100)), Admitted)
+    v = await limiter.admit(req("c-2", tiers, now, 100))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "concurrency")
+    assert (v.rate.req_limit, v.rate.req_remaining) == (1, 0)
+    assert v.rate.req_reset == pytest.approx(1.0, abs=0.002)
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (5000, 4900)
+    # no tier with an rps: no requests family
+    tiers = [tier("team", "fam-t-none", concurrency=10),
+             tier("key", "fam-k-tpm", tokens_per_minute=500)]
+    assert isinstance(await limiter.admit(req("n-1", tiers, now, 400)), Admitted)
+    v = await limiter.admit(req("n-2", tiers, now, 200))
+    assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "tokens_per_minute")
+    assert (v.rate.tok_limit, v.rate.tok_remaining) == (500, 100)
+    assert v.rate.req_limit is None and v.rate.req_remaining is None
+    assert v.rate.req_reset is None
