@@ -232,6 +232,14 @@ async def create_key(
     limits: dict[str, Any] | None = None,
 ) -> NewKey:
     rev, doc = await backend.read()
+    if team not in doc.teams:  # said here: validation would name the drawn key id's path
+        if not (rev or doc.models or doc.teams or doc.keys):
+            raise ValueError(f"no team {team!r}: no policy yet (revision 0): `gateway policy "
+                             f"apply FILE` makes one, with its teams")
+        have = ", ".join(sorted(doc.teams)) or "none"
+        raise ValueError(f"no team {team!r} in {f'revision {rev}' if rev else 'the policy'} "
+                         f"(its teams: {have}): add it with `gateway policy apply`, or pick "
+                         f"one of those")
     key_id = key_id or secrets.new_key_id()
     secret = secrets.new_secret(key_id)
     data = to_data(doc)
