@@ -27,7 +27,10 @@ def _backend(s: Settings) -> Any:
         return RedisBackend(PolicyStore(policy_client(s.redis_url, s.redis_deadline_ms / 1000)))
     if s.policy_file:
         return FileBackend(s.policy_file)
-    raise SystemExit("set GATEWAY_REDIS_URL (spoke) or GATEWAY_POLICY_FILE (embedded)")
+    # A usage error (argparse's exit 2), not exit 1: that is a Redis that does not answer.
+    print("error: no policy store: set GATEWAY_REDIS_URL or --redis-url (a spoke), or "
+          "GATEWAY_POLICY_FILE or --policy-file (embedded mode)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def cmd_policy_apply(args: argparse.Namespace) -> int:
