@@ -335,3 +335,20 @@ def test_a_policy_command_with_no_store_named_is_a_usage_error(command: list[str
     assert done.stderr.decode().splitlines() == [
         "error: no policy store: set GATEWAY_REDIS_URL or --redis-url (a spoke), or "
         "GATEWAY_POLICY_FILE or --policy-file (embedded mode)"]
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    ([], "{serve,dev,policy,hub,keys,usage,envoy-config}"),
+    (["policy"], "{apply,show,status,sync}"),
+    (["keys"], "{create,mint,list,show,revoke,rotate,enable,update}"),
+    (["usage"], "{tail,consume,report,reconcile}"),
+])
+def test_a_missing_command_is_named_by_its_choices(
+        argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse named the parser's internal dest: `the following arguments are required:
+    sub` (or `cmd`), a word in no help text."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: the following arguments are required: {names}")
