@@ -38,6 +38,11 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
         text = sys.stdin.buffer.read() if args.file == "-" else path.read_bytes()
+    except OSError as exc:  # the file named: absent, a directory, unreadable
+        print(f"nothing published: cannot read {args.file}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    try:
         done = run_value(admin.apply(_backend(_settings(args)), text, str(path),
                                       prune=args.prune, allow_empty=args.allow_empty,
                                       dry_run=args.dry_run))
@@ -46,7 +51,7 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
         for p in err.problems:
             print(f"  {err.source}: {p}", file=sys.stderr)
         return 2
-    except (admin.ApplyRefused, OSError) as exc:
+    except (admin.ApplyRefused, OSError) as exc:  # OSError: embedded mode's file unwritable
         print(f"nothing published: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # e.g. a revision conflict: say it, exit non-zero

@@ -352,3 +352,16 @@ def test_a_missing_command_is_named_by_its_choices(
     assert done.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"error: the following arguments are required: {names}")
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("absent.yaml", "No such file or directory"),
+    (".", "Is a directory"),
+])
+def test_a_policy_file_that_cannot_be_read_is_named_with_why(
+        name: str, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was `nothing published: [Errno 2] No such file or directory: 'absent.yaml'`."""
+    path = tmp_path / name
+    assert main(["policy", "apply", str(path), "--policy-file", str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"nothing published: cannot read {path}: {why}"]
