@@ -188,7 +188,20 @@ def parser() -> argparse.ArgumentParser:
                         "a live duplicate is refused with 409 (default: Envoy's own ids)")
     _metering_flag(p)
     p.set_defaults(fn=cmd_envoy_config)
+    _name_commands(ap)
     return ap
+
+
+def _name_commands(ap: argparse.ArgumentParser) -> None:
+    """Each command group's metavar is its choices, as its help already shows them, so a
+    missing command is named by them (`required: {apply,show,status,sync}`), not by the
+    internal dest (`required: sub`)."""
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            if action.metavar is None:
+                action.metavar = "{" + ",".join(action.choices) + "}"
+            for sub in dict.fromkeys(action.choices.values()):
+                _name_commands(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,10 @@ def _backend(s: Settings) -> Any:
         return RedisBackend(PolicyStore(policy_client(s.redis_url, s.redis_deadline_ms / 1000)))
     if s.policy_file:
         return FileBackend(s.policy_file)
-    raise SystemExit("set GATEWAY_REDIS_URL (spoke) or GATEWAY_POLICY_FILE (embedded)")
+    # A usage error (argparse's exit 2), not exit 1: that is a Redis that does not answer.
+    print("error: no policy store: set GATEWAY_REDIS_URL or --redis-url (a spoke), or "
+          "GATEWAY_POLICY_FILE or --policy-file (embedded mode)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def cmd_policy_apply(args: argparse.Namespace) -> int:
@@ -35,6 +38,11 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
         text = sys.stdin.buffer.read() if args.file == "-" else path.read_bytes()
+    except OSError as exc:  # the file named: absent, a directory, unreadable
+        print(f"nothing published: cannot read {args.file}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
+    try:
         done = run_value(admin.apply(_backend(_settings(args)), text, str(path),
                                       prune=args.prune, allow_empty=args.allow_empty,
                                       dry_run=args.dry_run))
@@ -43,7 +51,7 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
         for p in err.problems:
             print(f"  {err.source}: {p}", file=sys.stderr)
         return 2
-    except (admin.ApplyRefused, OSError) as exc:
+    except (admin.ApplyRefused, OSError) as exc:  # OSError: embedded mode's file unwritable
         print(f"nothing published: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # e.g. a revision conflict: say it, exit non-zero

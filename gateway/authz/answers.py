@@ -109,14 +109,17 @@ def rate_headers(rate: RateInfo) -> dict[str, str]:
     return out
 
 
+_LAST_SECOND = 253_402_300_799  # 9999-12-31T23:59:59Z: a reset past it (an rps of 1e-12) says it
+
+
 def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str, str]:
     """Anthropic's anthropic-ratelimit-* headers, resets as RFC 3339 times. The gateway's
     token limits count input and output together: the input- and output-tokens headers
     repeat that one budget, the most either may use."""
     now = time.time() if now is None else now
 
-    def at(seconds: float | None) -> str:
-        t = datetime.fromtimestamp(math.ceil(now + (seconds or 0.0)), UTC)
+    def at(seconds: float | None) -> str:  # no later than RFC 3339's last second
+        t = datetime.fromtimestamp(min(math.ceil(now + (seconds or 0.0)), _LAST_SECOND), UTC)
         return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
     out = {}

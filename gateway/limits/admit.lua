@@ -43,6 +43,7 @@ local n = tonumber(ARGV[8])
 local minute = math.floor(now / 60000)
 local into = (now % 60000) / 60000
 local to_minute = 60000 - (now % 60000)
+local MAX_PX = 1e13  -- the longest TTL of an rps key: about 317 years
 local KEEP_FREE, FLOOR = 0.25, 16  -- tickets: the share of each limit left free; no
                                    -- ticket under a limit of FLOOR (reservations)
 -- The windows' key suffixes, built once per call.
@@ -258,7 +259,10 @@ for r = 1, n do
     for t = 1, nt do
       local x = tiers[t]
       if x.new_tat then
-        redis.call('SET', 'gw:rps:' .. x.key, x.new_tat, 'PX', math.ceil(x.new_tat - now) + 1000)
+        -- At most MAX_PX: Lua writes a number in 14 digits, and a TTL past them (a rate
+        -- of 1e-11/s and below) would be `1e+14`, which SET refuses as no integer.
+        redis.call('SET', 'gw:rps:' .. x.key, x.new_tat, 'PX',
+                   math.min(math.ceil(x.new_tat - now) + 1000, MAX_PX))
       end
       if x.conc then
         local zk = 'gw:conc:' .. x.key

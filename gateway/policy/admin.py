@@ -160,7 +160,7 @@ async def apply(backend: Backend, text: bytes, source: str, *, prune: bool = Fal
     create` adds keys to the stored document that a hand-kept file does not have.
     """
     doc = parse_doc(text, source)  # raises PolicyError naming the path; nothing published
-    base, old = await backend.read()
+    base, old, unreadable = await _current(backend)
     if doc.revision is not None and doc.revision < base:
         raise ApplyRefused(
             f"{source} is based on revision {doc.revision}, but revision {base} was published "
@@ -170,12 +170,29 @@ async def apply(backend: Backend, text: bytes, source: str, *, prune: bool = Fal
         doc = doc.model_copy(update={"revision": None})
     change = diff(old, doc)
     refused = _refusal(source, old, doc, change, prune=prune, allow_empty=allow_empty)
-    warnings = tuple(doc.acl_warnings())
+    warnings = (*unreadable, *doc.acl_warnings())
     if dry_run:
         return Applied(None, change, base, refused, warnings)
     if refused:
         raise ApplyRefused(refused)
     return Applied(await backend.write(doc, base), change, base, warnings=warnings)
+
+
+async def _current(backend: Backend) -> tuple[int, PolicyDoc, tuple[str, ...]]:
+    """The revision an apply replaces. One in Redis that does not validate (a buggy hub, a
+    hand edit: every instance NACKed it and serves an older one) is replaced as if empty,
+    with a warning: a new revision is the way out of a NACK, so it must not stop one."""
+    try:
+        base, old = await backend.read()
+        return base, old, ()
+    except PolicyError as err:
+        if not isinstance(backend, RedisBackend):
+            raise
+        base = await backend.store.current_revision()
+        return base, PolicyDoc(), (
+            f"revision {base} in Redis is invalid ({'; '.join(err.problems)}): instances "
+            f"NACKed it and serve an older one; this document replaces it (its changes are "
+            f"listed against an empty policy)",)
 
 
 def empty_refusal(source: str, new: PolicyDoc, old: PolicyDoc | None, *,
@@ -216,6 +233,14 @@ async def create_key(
     inference_objective: str | None = None,
 ) -> NewKey:
     rev, doc = await backend.read()
+    if team not in doc.teams:  # said here: validation would name the drawn key id's path
+        if not (rev or doc.models or doc.teams or doc.keys):
+            raise ValueError(f"no team {team!r}: no policy yet (revision 0): `gateway policy "
+                             f"apply FILE` makes one, with its teams")
+        have = ", ".join(sorted(doc.teams)) or "none"
+        raise ValueError(f"no team {team!r} in {f'revision {rev}' if rev else 'the policy'} "
+                         f"(its teams: {have}): add it with `gateway policy apply`, or pick "
+                         f"one of those")
     key_id = key_id or secrets.new_key_id()
     secret = secrets.new_secret(key_id)
     data = to_data(doc)

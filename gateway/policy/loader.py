@@ -38,6 +38,7 @@ def _read(text: str | bytes, source: str) -> tuple[Any, Scalars]:
         return data, {}
     try:
         loader = yaml.SafeLoader(text)
+        loader.name = source  # its errors' marks name the file, not "<byte string>"
         try:
             node = loader.get_single_node()
             if node is None:
@@ -46,8 +47,24 @@ def _read(text: str | bytes, source: str) -> tuple[Any, Scalars]:
             return loader.construct_document(node), scalars
         finally:
             loader.dispose()
+    except yaml.reader.ReaderError as exc:  # not text: a byte or character YAML refuses
+        raise PolicyError([_not_text(text, exc)], source) from exc
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. a timestamp of Feb 30
         raise PolicyError([f"(document): not valid YAML/JSON: {exc}"], source) from exc
+
+
+def _not_text(text: str | bytes, exc: yaml.reader.ReaderError) -> str:
+    """Where a document stops being text YAML reads, by line: a byte that is not UTF-8 (a
+    file saved as Latin-1), or a control character."""
+    at = exc.position
+    if exc.encoding != "unicode" and isinstance(text, bytes):  # a byte it cannot decode
+        line = text[:at].count(b"\n") + 1
+        return (f"(document): not UTF-8 text: byte 0x{exc.character:02x} at line {line}, "
+                f"byte offset {at} ({exc.reason}): save the file as UTF-8")
+    chars = text if isinstance(text, str) else text.decode("utf-8", "replace")
+    line = chars[:at].count("\n") + 1  # `at` counts characters here (encoding "unicode")
+    return (f"(document): character U+{int(exc.character):04X} at line {line} is a "
+            f"control character, which YAML does not allow: remove it")
 
 
 class _Twice(Exception):

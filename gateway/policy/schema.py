@@ -159,7 +159,7 @@ _NUMBER = BeforeValidator(_a_number)
 _COUNT = BeforeValidator(_a_count)
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _COUNT]
 Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER]
-PerMillion = Annotated[float, Field(ge=0), _NUMBER]
+PerMillion = Annotated[float, Field(ge=0, allow_inf_nan=False), _NUMBER]
 
 
 class _Strict(BaseModel):

@@ -102,6 +102,17 @@ async def test_rps_burst_then_retry_after(limiter: Limiter) -> None:
     assert isinstance(await limiter.admit(req("d", [key], T0 + 0.5)), Admitted)
 
 
+async def test_a_rate_of_one_request_in_millennia_is_still_a_rate(limiter: Limiter) -> None:
+    """Any `rps` above 0 is a valid policy. Redis's Lua prints a number with 14 digits, so a
+    rate whose interval passed 10^14 ms (about 1e-11/s) gave its TAT key a TTL written
+    `1e+14`, which SET refused: every request of that tier was a 503, the store "down"."""
+    for n, rps in enumerate((1e-11, 1e-300)):
+        key = tier("key", f"slow{n}", rps=rps)
+        assert isinstance(await limiter.admit(req(f"a{n}", [key])), Admitted)
+        v = await limiter.admit(req(f"b{n}", [key], T0 + 3600))
+        assert isinstance(v, Refused) and (v.tier, v.limit) == ("key", "rps")
+
+
 async def test_lease_released_on_settle_and_expires_after_crash(limiter: Limiter) -> None:
     key = tier("key", "k1", concurrency=2)
     for rid in ("a", "b"):

@@ -122,6 +122,25 @@ async def test_create_key_for_unknown_team_is_refused(backend: admin.FileBackend
     await backend.read()  # still readable
 
 
+async def test_create_key_for_a_team_the_policy_lacks_says_which_teams_it_has(
+        backend: admin.FileBackend) -> None:
+    """The README's first steps (`keys create` needs a team the policy names): the refusal
+    named the random key id the command had drawn (`edited policy:
+    keys.key_62d3ccc6.team: unknown team 'nope'`), a path in no file the operator has."""
+    with pytest.raises(ValueError) as none_yet:
+        await admin.create_key(backend, "team-a")
+    assert str(none_yet.value) == (
+        "no team 'team-a': no policy yet (revision 0): `gateway policy apply FILE` makes "
+        "one, with its teams")
+    await admin.apply(backend, VALID, "valid.yaml")
+    with pytest.raises(ValueError) as missing:
+        await admin.create_key(backend, "no-such-team")
+    assert str(missing.value) == (
+        "no team 'no-such-team' in revision 1 (its teams: team-a): add it with "
+        "`gateway policy apply`, or pick one of those")
+    assert (await backend.read())[0] == 1
+
+
 async def test_revoke_key_disables_and_bumps_revision(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     assert await admin.revoke_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 2, True)

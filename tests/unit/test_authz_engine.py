@@ -491,6 +491,18 @@ def test_duration_format(seconds: float, text: str) -> None:
     assert answers.duration(seconds) == text
 
 
+def test_a_reset_past_year_9999_is_the_last_instant_anthropic_headers_can_say() -> None:
+    """A valid `rps` as small as 1e-12 (any float > 0 is a limit) makes its bucket whole
+    again after more than 8,000 years: the Anthropic headers' RFC 3339 time raised
+    OverflowError, and the Check of every such request failed."""
+    from gateway.limits.types import RateInfo
+    rate = RateInfo(req_limit=1, req_remaining=0, req_reset=1e300, tok_limit=5,
+                    tok_remaining=0, tok_reset=1e12)
+    out = answers.anthropic_rate_headers(rate, now=1_800_000_000.0)
+    assert out["anthropic-ratelimit-requests-reset"] == "9999-12-31T23:59:59Z"
+    assert out["anthropic-ratelimit-tokens-reset"] == "9999-12-31T23:59:59Z"
+
+
 # --- no side door (gateway/routes.py) ------------------------------------------------------
 
 

@@ -314,3 +314,54 @@ def test_reading_a_policy_that_is_not_there_says_so(tmp_path: Path,
     assert parse_doc(VALID, "valid").revision is None
     assert main(["keys", "list", "--policy-file", str(by_hand)]) == 0
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("command", [
+    ["policy", "show"],
+    ["policy", "apply", "-"],
+    ["keys", "list"],
+    ["keys", "create", "--team", "t"],
+])
+def test_a_policy_command_with_no_store_named_is_a_usage_error(command: list[str]) -> None:
+    """Neither GATEWAY_REDIS_URL nor GATEWAY_POLICY_FILE (nor their flags): a usage error,
+    exit 2 as argparse's own, with an `error:` line. It was a bare line and exit 1, the code
+    of a Redis that does not answer."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GATEWAY_REDIS_URL", "GATEWAY_POLICY_FILE")}
+    done = subprocess.run([sys.executable, "-m", "gateway", *command], cwd=ROOT,
+                          env={**env, "PYTHONPATH": str(ROOT)}, input=VALID,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.decode().splitlines() == [
+        "error: no policy store: set GATEWAY_REDIS_URL or --redis-url (a spoke), or "
+        "GATEWAY_POLICY_FILE or --policy-file (embedded mode)"]
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    ([], "{serve,dev,policy,hub,keys,usage,envoy-config}"),
+    (["policy"], "{apply,show,status,sync}"),
+    (["keys"], "{create,mint,list,show,revoke,rotate,enable,update}"),
+    (["usage"], "{tail,consume,report,reconcile}"),
+])
+def test_a_missing_command_is_named_by_its_choices(
+        argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse named the parser's internal dest: `the following arguments are required:
+    sub` (or `cmd`), a word in no help text."""
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: the following arguments are required: {names}")
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("absent.yaml", "No such file or directory"),
+    (".", "Is a directory"),
+])
+def test_a_policy_file_that_cannot_be_read_is_named_with_why(
+        name: str, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was `nothing published: [Errno 2] No such file or directory: 'absent.yaml'`."""
+    path = tmp_path / name
+    assert main(["policy", "apply", str(path), "--policy-file", str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"nothing published: cannot read {path}: {why}"]

@@ -79,6 +79,24 @@ def test_a_bad_price_names_its_path(price: str, path: str) -> None:
     assert info.value.problems[0].startswith(f"{path}:"), info.value.problems
 
 
+@pytest.mark.parametrize(("price", "path"), [
+    ("{effective: 2026-01-01T00:00:00Z, input: .inf, output: 1}", "models.m.prices.0.input"),
+    ("{effective: 2026-01-01T00:00:00Z, input: 1, output: .nan}", "models.m.prices.0.output"),
+    ("{effective: 2026-01-01T00:00:00Z, input: 1, cached_input: .inf, output: 1}",
+     "models.m.prices.0.cached_input"),
+    ("{effective: 2026-01-01T00:00:00Z, input: 1, cache_creation: -.inf, output: 1}",
+     "models.m.prices.0.cache_creation"),
+])
+def test_a_price_that_is_no_finite_number_is_refused_as_such(price: str, path: str) -> None:
+    """An infinite price was taken (`ge=0` only), and priced every request of the model at
+    an infinite or NaN cost, which JSON cannot carry and billing quarantines; NaN was refused
+    as not "greater than or equal to 0", which is not what is wrong with it."""
+    with pytest.raises(PolicyError) as info:
+        parse_doc(f"models: {{m: {{prices: [{price}]}}}}")
+    assert info.value.problems[0].startswith(f"{path}: Input should be a finite number"), (
+        info.value.problems)
+
+
 def test_two_prices_for_one_instant_are_refused() -> None:
     same = "{effective: 2026-01-01T00:00:00Z, input: 1, output: 1}"
     with pytest.raises(PolicyError, match=r"models.m: .*same `effective`"):

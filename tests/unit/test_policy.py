@@ -226,6 +226,27 @@ def test_any_valid_json_is_read_as_json(dumps: Any) -> None:
     assert doc == parse_doc(json.dumps(data, ensure_ascii=False))
 
 
+@pytest.mark.parametrize(("text", "problem"), [
+    (b"models: {m\xff: {}}\n", "(document): not UTF-8 text: byte 0xff at line 1, byte "
+     "offset 10 (invalid start byte): save the file as UTF-8"),
+    (b"models: {}\nteams: {t\x07: {}}\n", "(document): character U+0007 at line 2 is a "
+     "control character, which YAML does not allow: remove it"),
+])
+def test_a_file_that_is_not_text_says_which_byte_and_line(text: bytes, problem: str) -> None:
+    """Was PyYAML's `unacceptable character #x00ff: invalid start byte in "<byte string>",
+    position 10`: no line, and a name that is not the file's."""
+    with pytest.raises(PolicyError) as info:
+        parse_doc(text, "p.yaml")
+    assert info.value.problems == [problem]
+
+
+def test_a_yaml_syntax_error_names_the_file_not_a_byte_string() -> None:
+    with pytest.raises(PolicyError) as info:
+        parse_doc(b"models:\n\tm: {}\n", "p.yaml")
+    assert 'in "p.yaml", line 2, column 1' in info.value.problems[0]
+    assert "<byte string>" not in info.value.problems[0]
+
+
 def test_json_input_errors_name_the_path() -> None:
     with pytest.raises(PolicyError) as info:
         parse_doc(json.dumps({"models": {"m": {"limits": {"rps": -1}}}}))
