@@ -337,30 +337,39 @@ class PolicyDoc(_Strict):
         return problems
 
     def acl_problems(self) -> list[str]:
-        """An ACL entry that matches no model is a typo or a model since removed: the key
-        would get 403 on what it was meant to use. `*` ("all") is exempt: it may match none."""
+        """An ACL entry naming one model that `models` lacks is a typo or a model since
+        removed: the key would get 403 on what it was meant to use. A glob that matches
+        none is only a warning (acl_warnings): it may grant a family ahead of its first
+        model (DESIGN §2's own `"llama-*"`)."""
+        return [f"{path}.{i}: model {pattern!r} matches no model in `models` "
+                f"({_some(list(self.models))})"
+                for path, i, pattern in self._unmatched_acl() if not _is_glob(pattern)]
+
+    def _unmatched_acl(self) -> list[tuple[str, int, str]]:
+        """(path, index, entry) of each ACL entry that matches no model of `models`."""
         models = list(self.models)
         lists = [(f"teams.{name}.models", t.models) for name, t in self.teams.items()]
         lists += [(f"keys.{kid}.models", k.models) for kid, k in self.keys.items()
                   if k.models is not None]
-        problems = []
-        for path, patterns in lists:
-            for i, pattern in enumerate(patterns):
-                if pattern != "*" and not any(fnmatch.fnmatchcase(m, pattern) for m in models):
-                    kind = "glob" if any(c in pattern for c in "*?[") else "model"
-                    problems.append(f"{path}.{i}: {kind} {pattern!r} matches no model in "
-                                    f"`models` ({_some(models)})")
-        return problems
+        return [(path, i, pattern) for path, patterns in lists
+                for i, pattern in enumerate(patterns)
+                if pattern != "*" and not any(fnmatch.fnmatchcase(m, pattern) for m in models)]
 
     def acl_warnings(self) -> list[str]:
-        """A key whose own ACL shares no model of `models` with its team's: the key narrows
-        the team's ACL (both must allow), so it may use none and every request of it that
-        names a model is refused 403. Not an error: such a key may be pushed on purpose.
-        Disabled keys, and a policy with no models (refused unless asked), are not named."""
-        out = []
+        """What is worth a look but not an error: a glob that matches no model yet (a grant
+        ahead of a family's first model, or a typo), and a key whose own ACL shares no model
+        of `models` with its team's (the key narrows the team's ACL, both must allow, so
+        every request of it that names a model is refused 403; such a key may be pushed on
+        purpose). Disabled keys, and a policy with no models (refused unless asked), are
+        not named."""
+        if not self.models:
+            return []
+        out = [f"{path}.{i}: glob {pattern!r} matches no model in `models` "
+               f"({_some(list(self.models))}) yet"
+               for path, i, pattern in self._unmatched_acl() if _is_glob(pattern)]
         for key_id, key in self.keys.items():
             team = self.teams.get(key.team)
-            if key.models is None or team is None or key.disabled or not self.models:
+            if key.models is None or team is None or key.disabled:
                 continue
             if not any(_matches(m, team.models) and _matches(m, key.models)
                        for m in self.models):
@@ -368,6 +377,10 @@ class PolicyDoc(_Strict):
                            f"{key.team}'s {team.models}: every request of {key_id} for a "
                            "model will be refused 403")
         return out
+
+
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
 def _matches(model: str, patterns: list[str]) -> bool:

@@ -304,6 +304,18 @@ def cli(*argv: str) -> int:
     return main(list(argv))
 
 
+def test_designs_example_applies_and_its_glob_ahead_of_any_model_is_a_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "policy.yaml"
+    assert cli("policy", "apply", str(FIXTURES / "design_example.yaml"),
+               "--policy-file", str(policy)) == 0
+    captured = capsys.readouterr()
+    assert "applied revision 1" in captured.out
+    assert ("warning: teams.team-a.models.1: glob 'llama-*' matches no model in `models` "
+            "(qwen3-coder) yet") in captured.err
+    assert parse_doc(policy.read_bytes()).teams["team-a"].models == ["qwen3-coder", "llama-*"]
+
+
 def test_an_empty_document_is_refused_unless_asked(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "policy.yaml"

@@ -49,6 +49,32 @@ def test_valid_fixture_loads_into_runtime_policy() -> None:
     assert policy.keys["key_7Hq2"] is key
 
 
+def test_designs_own_example_loads_its_glob_ahead_of_any_model_a_warning() -> None:
+    """DESIGN §2's example grants team-a "llama-*" with no llama model in `models`: a grant
+    ahead of a family's first model is valid, and named as a warning (it may be a typo)."""
+    doc = parse_doc(fixture("design_example.yaml"), source="design_example.yaml")
+    policy = load(fixture("design_example.yaml"), revision=1)
+    key = policy.keys["key_7Hq2"]
+    assert key.may_use("qwen3-coder") and not key.team_acl.allows("mistral-7b")
+    assert key.team_acl.allows("llama-3-70b")  # a llama model added later is granted
+    assert doc.acl_warnings() == [
+        "teams.team-a.models.1: glob 'llama-*' matches no model in `models` (qwen3-coder) yet"]
+
+
+def test_a_glob_that_matches_no_model_is_a_warning_an_unknown_model_an_error() -> None:
+    doc = parse_doc(fixture("acl_glob_matches_nothing.yaml"))
+    assert doc.acl_warnings() == [
+        "teams.team-a.models.1: glob 'mistral-*' matches no model in `models` "
+        "(llama-3-8b, qwen3-coder) yet"]
+    assert parse_doc(fixture("valid.yaml")).acl_warnings() == []
+    with pytest.raises(PolicyError) as info:
+        parse_doc(fixture("acl_glob_matches_nothing.yaml").replace(b'"mistral-*"',
+                                                                    b'"mistral-7b"'))
+    assert info.value.problems == [
+        "teams.team-a.models.1: model 'mistral-7b' matches no model in `models` "
+        "(llama-3-8b, qwen3-coder)"]
+
+
 def test_revision_comes_from_document_unless_given() -> None:
     text = fixture("valid.yaml") + b"revision: 9\n"
     assert load(text).revision == 9
@@ -85,9 +111,7 @@ BAD = [
     ("bad_yaml_syntax.yaml", "(document)", "not valid YAML"),
     # pydantic marks a bad dict *key* with '[key]' after the offending key id
     ("bad_key_id.yaml", "keys.key-7Hq2!.[key]", "letters, digits or '_' (no '-'"),
-    # an ACL entry that matches no model would 403 every request meant for it
-    ("bad_acl_glob_matches_nothing.yaml", "teams.team-a.models.1",
-     "glob 'mistral-*' matches no model in `models` (llama-3-8b, qwen3-coder)"),
+    # an ACL entry naming a model `models` lacks would 403 every request meant for it
     ("bad_key_acl_names_unknown_model.yaml", "keys.key_7Hq2.models.1",
      "model 'qwen3-coderr' matches no model"),
 ]
@@ -111,8 +135,10 @@ def test_star_acl_is_valid_even_with_no_models() -> None:
 
 
 def test_acl_globs_match_case_sensitively_as_requests_do() -> None:
+    doc = parse_doc("models: {Qwen3: {}}\nteams: {t: {models: ['qwen*']}}")
+    assert [w.split(": ", 1)[0] for w in doc.acl_warnings()] == ["teams.t.models.0"]
     with pytest.raises(PolicyError) as info:
-        parse_doc("models: {Qwen3: {}}\nteams: {t: {models: ['qwen*']}}")
+        parse_doc("models: {Qwen3: {}}\nteams: {t: {models: ['qwen3']}}")
     assert problem_paths(info.value) == ["teams.t.models.0"]
 
 
