@@ -24,6 +24,9 @@ REFERENCE_LISTEN = "127.0.0.1:9001"
 REFERENCE_AUTHZ_HTTP = "127.0.0.1:9002"
 
 
+# GATEWAY_LOG_LEVEL's names, in any case (gateway/log.py maps them to logging's levels)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
 # A duration or a size that must be more than nothing (0 would spin a loop or refuse all).
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
@@ -135,6 +138,14 @@ class Settings(BaseSettings):
         if v < 1:
             raise ValueError(f"must be 1 or more (the number of brokers each hub topic is "
                              f"kept on; -1, the broker's default, cannot be asked), not {v}")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        # gateway/log.py took a name it does not know as info: a misspelt "debg" said nothing
+        if v.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, not {v!r}")
         return v
 
     @field_validator("redis_url")

@@ -124,3 +124,17 @@ def test_the_replication_factor_is_one_unless_set(monkeypatch: pytest.MonkeyPatc
     assert Settings().topic_replication == 1  # NewTopic(topic, 1, 1), as before
     monkeypatch.setenv("GATEWAY_TOPIC_REPLICATION", "3")
     assert Settings().topic_replication == 3
+
+
+@pytest.mark.parametrize("value", ["loud", "verbose", "", "5"])
+def test_a_log_level_that_names_no_level_is_refused(value: str) -> None:
+    """GATEWAY_LOG_LEVEL=loud was taken as `info` without a word: an operator asking for
+    debug logs by a misspelt name got none and no hint why."""
+    with pytest.raises(ValidationError) as err:
+        Settings(log_level=value)
+    assert "log_level" in str(err.value) and "debug, info, warning, error" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["debug", "INFO", "Warning", "error", "critical"])
+def test_the_log_levels_by_name_in_any_case_are_taken(value: str) -> None:
+    assert Settings(log_level=value).log_level == value
