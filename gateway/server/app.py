@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway import metrics, redis_clients
-from gateway.addresses import binding
+from gateway.addresses import binding, can_bind
 from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
@@ -176,7 +176,8 @@ class App:
             records.register(self.server)
             self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-            with binding(s.listen, "GATEWAY_LISTEN"):
+            with binding(s.listen, "GATEWAY_LISTEN") as (host, port):
+                can_bind(host, port)  # a taken port: its reason, before gRPC's bare failure
                 self.server.add_insecure_port(s.listen)
             await self.server.start()
         if serves_door:
