@@ -54,6 +54,10 @@ from gateway.tracing import from_env as tracing_from_env
 # process's renewal then finds gone (renew.lua), as between any two instances.
 Role = Literal["all", "records", "door"]
 
+# At a stop, the longest the shipper is given to deliver what the spool holds (a sink that
+# answers takes milliseconds; one that does not leaves them spooled for the next start).
+LAST_DELIVERY_S = 1.0
+
 
 @dataclass
 class App:
@@ -327,6 +331,8 @@ class App:
                 await self.spool.commit()
         if self.ledger:
             await self.ledger.stop()  # ... which are flushed here
+        if self.spool and self.producer:
+            await self._deliver_spooled(LAST_DELIVERY_S)
         await cancel_all(self.tasks)
         if self.producer:
             with contextlib.suppress(Exception):
@@ -339,6 +345,19 @@ class App:
             await self.limiter.close()
         if self.tracing:
             await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered, ≤ 2 s
+
+
+    async def _deliver_spooled(self, within: float) -> None:
+        """Let the shipper deliver what the spool holds, for up to `within`: a stopping
+        sidecar whose sink answers leaves nothing behind. (Its last events waited for the
+        same instance's next start: a pod replaced in a rolling update has a new name, and
+        a spool left behind is adopted only when an instance starts.) A sink that does not
+        answer: they wait in the spool, as before."""
+        spool = self.spool
+        assert spool is not None
+        deadline = time.monotonic() + within
+        while spool.delivered < spool.durable_seq and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
 
 def _gate_metric(closed: bool) -> None:
