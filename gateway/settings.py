@@ -140,6 +140,21 @@ class Settings(BaseSettings):
                              f"kept on; -1, the broker's default, cannot be asked), not {v}")
         return v
 
+    @field_validator("policy_file", mode="before")
+    @classmethod
+    def _policy_file(cls, v: object) -> object:
+        # set but empty (`GATEWAY_POLICY_FILE=`) is unset, as for the URLs: not the path '.'
+        return None if v == "" else v
+
+    @field_validator("spool_dir", "usage_jsonl", "sync_state_dir", mode="before")
+    @classmethod
+    def _a_path(cls, v: object) -> object:
+        # '' would be '.': the working directory as the spool, or as the JSONL sink (a
+        # directory: every delivery failing for ever)
+        if v == "":
+            raise ValueError("must name a path, not be empty")
+        return v
+
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, v: str) -> str:

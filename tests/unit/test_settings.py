@@ -138,3 +138,19 @@ def test_a_log_level_that_names_no_level_is_refused(value: str) -> None:
 @pytest.mark.parametrize("value", ["debug", "INFO", "Warning", "error", "critical"])
 def test_the_log_levels_by_name_in_any_case_are_taken(value: str) -> None:
     assert Settings(log_level=value).log_level == value
+
+
+def test_an_empty_policy_file_setting_is_unset() -> None:
+    """GATEWAY_POLICY_FILE= (set, empty) was the path '.': serve started reading the
+    working directory as its policy, logging `policy_file_unreadable` every poll. Empty is
+    unset, as for GATEWAY_REDIS_URL and GATEWAY_KAFKA_BOOTSTRAP."""
+    assert Settings(policy_file="").policy_file is None
+
+
+@pytest.mark.parametrize("field", ["spool_dir", "usage_jsonl", "sync_state_dir"])
+def test_an_empty_path_is_refused(field: str) -> None:
+    """An empty GATEWAY_USAGE_JSONL was the path '.', a directory: every delivery failed for
+    ever; an empty spool or state directory was the working directory itself."""
+    with pytest.raises(ValidationError) as err:
+        Settings(**{field: ""})
+    assert field in str(err.value) and "must name a path" in str(err.value)
