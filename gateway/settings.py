@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,6 +24,8 @@ DEFAULT_METERING: Metering = "envoy"  # the cheaper one, with every guarantee (R
 REFERENCE_LISTEN = "127.0.0.1:9001"
 REFERENCE_AUTHZ_HTTP = "127.0.0.1:9002"
 
+
+_KAFKA_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 
 # GATEWAY_LOG_LEVEL's names, in any case (gateway/log.py maps them to logging's levels)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -153,6 +156,15 @@ class Settings(BaseSettings):
         # directory: every delivery failing for ever)
         if v == "":
             raise ValueError("must name a path, not be empty")
+        return v
+
+    @field_validator("usage_topic")
+    @classmethod
+    def _usage_topic(cls, v: str) -> str:
+        # one Kafka would refuse: every delivery of every event failing for ever
+        if not _KAFKA_TOPIC.fullmatch(v):
+            raise ValueError(f"must be a Kafka topic name (1 to 249 of a-z, A-Z, 0-9, '.', "
+                             f"'_', '-'), not {v!r}")
         return v
 
     @field_validator("log_level")

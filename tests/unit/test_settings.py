@@ -154,3 +154,16 @@ def test_an_empty_path_is_refused(field: str) -> None:
     with pytest.raises(ValidationError) as err:
         Settings(**{field: ""})
     assert field in str(err.value) and "must name a path" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["", "llm usage", "llm/usage", "x" * 250])
+def test_a_usage_topic_kafka_cannot_name_is_refused(value: str) -> None:
+    """GATEWAY_USAGE_TOPIC= (empty) or with a space started serving, and every delivery of
+    every event then failed for ever: Kafka names a topic with 1 to 249 of [a-zA-Z0-9._-]."""
+    with pytest.raises(ValidationError) as err:
+        Settings(usage_topic=value)
+    assert "usage_topic" in str(err.value) and "Kafka topic name" in str(err.value)
+
+
+def test_a_usage_topic_of_kafkas_characters_is_taken() -> None:
+    assert Settings(usage_topic="llm.usage_v1-eu").usage_topic == "llm.usage_v1-eu"
