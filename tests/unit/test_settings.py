@@ -167,3 +167,28 @@ def test_a_usage_topic_kafka_cannot_name_is_refused(value: str) -> None:
 
 def test_a_usage_topic_of_kafkas_characters_is_taken() -> None:
     assert Settings(usage_topic="llm.usage_v1-eu").usage_topic == "llm.usage_v1-eu"
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://:secret-pw@127.0.0.1:6379/notadb", "database"),
+    ("redis://127.0.0.1:6379/0/1", "database"),
+    ("rediss://:secret-pw@/0", "names no host"),
+    ("redis://", "names no host"),
+])
+def test_a_redis_url_redis_py_would_read_otherwise_is_refused(url: str, says: str) -> None:
+    """redis-py takes a database path that is not a number as database 0, and a URL with no
+    host as localhost:6379: an operator's typo served another Redis, or another database of
+    it, without a word. Refused at start; the password is never repeated."""
+    with pytest.raises(ValidationError) as err:
+        Settings(redis_url=url)
+    assert "redis_url" in str(err.value) and says in str(err.value)
+    assert "secret-pw" not in str(err.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://h:1/15",
+    "rediss://user:pw@h:1/0?ssl_cert_reqs=none", "redis://h:1?db=3",
+    "unix:///tmp/redis.sock?db=2", "unix:///tmp/redis.sock",
+])
+def test_the_redis_url_forms_the_readme_lists_are_taken(url: str) -> None:
+    assert Settings(redis_url=url).redis_url == url
