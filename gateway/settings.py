@@ -27,6 +27,15 @@ REFERENCE_AUTHZ_HTTP = "127.0.0.1:9002"
 
 _KAFKA_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 
+_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+)(?::([0-9]{1,5}))?")
+
+
+def _bootstrap_server(text: str) -> bool:
+    """One Kafka bootstrap server: a host name or IP ('[v6]'), with a port or without."""
+    m = _HOST_PORT.fullmatch(text)
+    return m is not None and (m[2] is None or 0 < int(m[2]) < 65536)
+
+
 # GATEWAY_LOG_LEVEL's names, in any case (gateway/log.py maps them to logging's levels)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -156,6 +165,16 @@ class Settings(BaseSettings):
         # directory: every delivery failing for ever)
         if v == "":
             raise ValueError("must name a path, not be empty")
+        return v
+
+    @field_validator("kafka_bootstrap", "hub_bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: str | None) -> str | None:
+        # aiokafka reads these only when it first connects: a bad port crashed the status
+        # reporter, and every delivery would fail for ever (empty: unset)
+        if v and not all(_bootstrap_server(part.strip()) for part in v.split(",")):
+            raise ValueError("must be HOST[:PORT] or a comma-separated list of them "
+                             "(PORT 1 to 65535, default 9092)")
         return v
 
     @field_validator("usage_topic")

@@ -192,3 +192,20 @@ def test_a_redis_url_redis_py_would_read_otherwise_is_refused(url: str, says: st
 ])
 def test_the_redis_url_forms_the_readme_lists_are_taken(url: str) -> None:
     assert Settings(redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize("field", ["kafka_bootstrap", "hub_bootstrap"])
+@pytest.mark.parametrize("value", ["127.0.0.1:abc", "h:1:2", "h:0", "h:70000", "a:9092,,b:9092",
+                                   "kafka one:9092"])
+def test_a_bootstrap_that_is_not_hosts_and_ports_is_refused(field: str, value: str) -> None:
+    """GATEWAY_KAFKA_BOOTSTRAP=127.0.0.1:abc started serving: the status reporter crashed on
+    it (`background_task_crashed`) and every delivery would have failed for ever."""
+    with pytest.raises(ValidationError) as err:
+        Settings(**{field: value})
+    assert field in str(err.value) and "HOST[:PORT]" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:9092", "k1:9092, k2:9093", "kafka", "[::1]:9092",
+                                   "broker-0.kafka.svc.cluster.local:9094"])
+def test_a_bootstrap_of_hosts_and_ports_is_taken(value: str) -> None:
+    assert Settings(kafka_bootstrap=value, hub_bootstrap=value).kafka_bootstrap == value
