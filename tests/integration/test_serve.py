@@ -170,6 +170,30 @@ def test_a_taken_grpc_port_says_why_in_one_line(tmp_path: Path) -> None:
                       "Address already in use"], proc.stderr
 
 
+@pytest.mark.parametrize("taken", ["GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN"])
+def test_a_taken_port_with_workers_is_said_once(tmp_path: Path, redis_url: str,
+                                                taken: str) -> None:
+    """With GATEWAY_WORKERS=2 and a shared port held by another process, every worker said
+    the same error line: the supervisor tries the address before it starts any (as it does
+    for its own GATEWAY_METRICS_LISTEN), so it is said once."""
+    import socket
+    import subprocess
+    env = {**os.environ, "GATEWAY_REDIS_URL": redis_url, "GATEWAY_WORKERS": "2",
+           "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
+           **{k: f"127.0.0.1:{free_port()}" for k in (
+               "GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN", "GATEWAY_METRICS_LISTEN")}}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        env[taken] = f"127.0.0.1:{holder.getsockname()[1]}"
+        proc = subprocess.run([sys.executable, "-m", "gateway", "serve"], env=env, timeout=60,
+                              capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("{")]
+    assert errors == [f"error: cannot listen on {env[taken]} ({taken}): "
+                      "Address already in use"], proc.stderr
+
+
 @pytest.mark.parametrize("setting", [
     "GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN", "GATEWAY_METRICS_LISTEN"])
 def test_a_listen_host_that_does_not_resolve_says_so_in_one_line(
