@@ -12,6 +12,7 @@ clients (gateway/redis_clients.py) read the result.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlsplit
 
@@ -32,7 +33,23 @@ def check_redis_url(url: str) -> str:
         except ValueError as exc:
             raise ValueError(f"{exc}; or redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
                              f" (rediss+sentinel:// for TLS)") from None
+        _check_plain(url)
     return url
+
+
+def _check_plain(url: str) -> None:
+    """What redis-py reads without a word but not as written: a `redis[s]://` URL with no
+    host (localhost:6379) or a database path that is not one number ('/notadb' is database
+    0, '/0/1' database 1). The URL, which may hold a password, is not repeated."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in ("redis", "rediss"):
+        return  # unix://: a socket path, its database in ?db=
+    if not parts.hostname:
+        raise ValueError(f"{parts.scheme}:// URL names no host ({parts.scheme}://HOST[:PORT]"
+                         f"[/DB])")
+    if not re.fullmatch(r"/?[0-9]*", parts.path):
+        raise ValueError("the database, the URL's path, must be one number (/0 to /15 on a "
+                         "default Redis)")
 
 
 def is_sentinel(url: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -23,6 +24,20 @@ DEFAULT_METERING: Metering = "envoy"  # the cheaper one, with every guarantee (R
 REFERENCE_LISTEN = "127.0.0.1:9001"
 REFERENCE_AUTHZ_HTTP = "127.0.0.1:9002"
 
+
+_KAFKA_TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+
+_HOST_PORT = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+)(?::([0-9]{1,5}))?")
+
+
+def _bootstrap_server(text: str) -> bool:
+    """One Kafka bootstrap server: a host name or IP ('[v6]'), with a port or without."""
+    m = _HOST_PORT.fullmatch(text)
+    return m is not None and (m[2] is None or 0 < int(m[2]) < 65536)
+
+
+# GATEWAY_LOG_LEVEL's names, in any case (gateway/log.py maps them to logging's levels)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 # A duration or a size that must be more than nothing (0 would spin a loop or refuse all).
 Positive = Annotated[float, Field(gt=0)]
@@ -135,6 +150,48 @@ class Settings(BaseSettings):
         if v < 1:
             raise ValueError(f"must be 1 or more (the number of brokers each hub topic is "
                              f"kept on; -1, the broker's default, cannot be asked), not {v}")
+        return v
+
+    @field_validator("policy_file", mode="before")
+    @classmethod
+    def _policy_file(cls, v: object) -> object:
+        # set but empty (`GATEWAY_POLICY_FILE=`) is unset, as for the URLs: not the path '.'
+        return None if v == "" else v
+
+    @field_validator("spool_dir", "usage_jsonl", "sync_state_dir", mode="before")
+    @classmethod
+    def _a_path(cls, v: object) -> object:
+        # '' would be '.': the working directory as the spool, or as the JSONL sink (a
+        # directory: every delivery failing for ever)
+        if v == "":
+            raise ValueError("must name a path, not be empty")
+        return v
+
+    @field_validator("kafka_bootstrap", "hub_bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: str | None) -> str | None:
+        # aiokafka reads these only when it first connects: a bad port crashed the status
+        # reporter, and every delivery would fail for ever (empty: unset)
+        if v and not all(_bootstrap_server(part.strip()) for part in v.split(",")):
+            raise ValueError("must be HOST[:PORT] or a comma-separated list of them "
+                             "(PORT 1 to 65535, default 9092)")
+        return v
+
+    @field_validator("usage_topic")
+    @classmethod
+    def _usage_topic(cls, v: str) -> str:
+        # one Kafka would refuse: every delivery of every event failing for ever
+        if not _KAFKA_TOPIC.fullmatch(v):
+            raise ValueError(f"must be a Kafka topic name (1 to 249 of a-z, A-Z, 0-9, '.', "
+                             f"'_', '-'), not {v!r}")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        # gateway/log.py took a name it does not know as info: a misspelt "debg" said nothing
+        if v.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, not {v!r}")
         return v
 
     @field_validator("redis_url")

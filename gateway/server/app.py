@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway import metrics, redis_clients
-from gateway.addresses import binding
+from gateway.addresses import binding, can_bind
 from gateway.authz.check import Check
 from gateway.authz.engine import AdmissionSettings, Authorizer
 from gateway.clock import SystemClock
@@ -53,6 +53,10 @@ from gateway.tracing import from_env as tracing_from_env
 # in a door process is ended by the records process's settlement in Redis, which the door
 # process's renewal then finds gone (renew.lua), as between any two instances.
 Role = Literal["all", "records", "door"]
+
+# At a stop, the longest the shipper is given to deliver what the spool holds (a sink that
+# answers takes milliseconds; one that does not leaves them spooled for the next start).
+LAST_DELIVERY_S = 1.0
 
 
 @dataclass
@@ -176,7 +180,8 @@ class App:
             records.register(self.server)
             self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-            with binding(s.listen, "GATEWAY_LISTEN"):
+            with binding(s.listen, "GATEWAY_LISTEN") as (host, port):
+                can_bind(host, port)  # a taken port: its reason, before gRPC's bare failure
                 self.server.add_insecure_port(s.listen)
             await self.server.start()
         if serves_door:
@@ -326,6 +331,8 @@ class App:
                 await self.spool.commit()
         if self.ledger:
             await self.ledger.stop()  # ... which are flushed here
+        if self.spool and self.producer:
+            await self._deliver_spooled(LAST_DELIVERY_S)
         await cancel_all(self.tasks)
         if self.producer:
             with contextlib.suppress(Exception):
@@ -338,6 +345,19 @@ class App:
             await self.limiter.close()
         if self.tracing:
             await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered, ≤ 2 s
+
+
+    async def _deliver_spooled(self, within: float) -> None:
+        """Let the shipper deliver what the spool holds, for up to `within`: a stopping
+        sidecar whose sink answers leaves nothing behind. (Its last events waited for the
+        same instance's next start: a pod replaced in a rolling update has a new name, and
+        a spool left behind is adopted only when an instance starts.) A sink that does not
+        answer: they wait in the spool, as before."""
+        spool = self.spool
+        assert spool is not None
+        deadline = time.monotonic() + within
+        while spool.delivered < spool.durable_seq and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
 
 def _gate_metric(closed: bool) -> None:

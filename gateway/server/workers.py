@@ -89,7 +89,7 @@ def run_workers(settings: Settings) -> int:
     async def supervise() -> int:
         from prometheus_client import multiprocess
 
-        from gateway.addresses import binding
+        from gateway.addresses import binding, can_bind
         from gateway.ops_http import healthz, metrics_handler, serve_http
 
         async def readyz() -> tuple[int, str, bytes]:
@@ -100,6 +100,13 @@ def run_workers(settings: Settings) -> int:
         with binding(settings.metrics_listen, "GATEWAY_METRICS_LISTEN") as (host, port):
             server = await serve_http(host, port, {
                 "/metrics": metrics_handler, "/healthz": healthz, "/readyz": readyz})
+        # the workers' shared ports, tried once here: a taken one would be said by each
+        for address, setting in ((settings.listen, "GATEWAY_LISTEN"),
+                                 (settings.authz_http_listen, "GATEWAY_AUTHZ_HTTP_LISTEN"),
+                                 (settings.records_http_listen, "GATEWAY_RECORDS_HTTP_LISTEN")):
+            if address:
+                with binding(address, setting) as (host, port):
+                    can_bind(host, port)
         for name in roles:
             spawn(name)
         stop = stop_on_signals()

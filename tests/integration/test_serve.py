@@ -147,6 +147,77 @@ def test_a_taken_port_is_one_clear_line_naming_its_setting(
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
 
 
+def test_a_taken_grpc_port_says_why_in_one_line(tmp_path: Path) -> None:
+    """GATEWAY_LISTEN held by another process: the one error line says why ("Address already
+    in use"), as the HTTP listeners' do, not gRPC's "Failed to bind ...; set
+    GRPC_VERBOSITY=debug" after a line of gRPC's own C++ log."""
+    import socket
+    import subprocess
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy())
+    env = {**os.environ, "GATEWAY_POLICY_FILE": str(policy),
+           "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"), "GATEWAY_AUTHZ_HTTP_LISTEN": "",
+           "GATEWAY_METRICS_LISTEN": f"127.0.0.1:{free_port()}"}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        env["GATEWAY_LISTEN"] = f"127.0.0.1:{holder.getsockname()[1]}"
+        proc = subprocess.run([sys.executable, "-m", "gateway", "serve"], env=env, timeout=60,
+                              capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("{")]
+    assert errors == [f"error: cannot listen on {env['GATEWAY_LISTEN']} (GATEWAY_LISTEN): "
+                      "Address already in use"], proc.stderr
+
+
+@pytest.mark.parametrize("taken", ["GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN"])
+def test_a_taken_port_with_workers_is_said_once(tmp_path: Path, redis_url: str,
+                                                taken: str) -> None:
+    """With GATEWAY_WORKERS=2 and a shared port held by another process, every worker said
+    the same error line: the supervisor tries the address before it starts any (as it does
+    for its own GATEWAY_METRICS_LISTEN), so it is said once."""
+    import socket
+    import subprocess
+    env = {**os.environ, "GATEWAY_REDIS_URL": redis_url, "GATEWAY_WORKERS": "2",
+           "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
+           **{k: f"127.0.0.1:{free_port()}" for k in (
+               "GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN", "GATEWAY_METRICS_LISTEN")}}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        env[taken] = f"127.0.0.1:{holder.getsockname()[1]}"
+        proc = subprocess.run([sys.executable, "-m", "gateway", "serve"], env=env, timeout=60,
+                              capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("{")]
+    assert errors == [f"error: cannot listen on {env[taken]} ({taken}): "
+                      "Address already in use"], proc.stderr
+
+
+@pytest.mark.parametrize("setting", [
+    "GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN", "GATEWAY_METRICS_LISTEN"])
+def test_a_listen_host_that_does_not_resolve_says_so_in_one_line(
+        tmp_path: Path, setting: str) -> None:
+    """A listen address whose host name does not resolve (a typo): one line with the
+    resolver's reason, not 'Unknown error -2' (asyncio) or gRPC's 'Failed to bind'."""
+    import subprocess
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy())
+    env = {**os.environ, "GATEWAY_POLICY_FILE": str(policy),
+           "GATEWAY_SPOOL_DIR": str(tmp_path / "spool"),
+           **{k: f"127.0.0.1:{free_port()}" for k in (
+               "GATEWAY_LISTEN", "GATEWAY_AUTHZ_HTTP_LISTEN", "GATEWAY_METRICS_LISTEN")},
+           setting: "no-such-host.invalid:9001"}
+    proc = subprocess.run([sys.executable, "-m", "gateway", "serve"], env=env, timeout=60,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("{")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith(
+        f"error: cannot listen on no-such-host.invalid:9001 ({setting}): "), errors
+    assert "Unknown error" not in errors[0] and "GRPC_VERBOSITY" not in errors[0], errors
+
+
 def test_serve_without_a_policy_refuses_and_says_why(tmp_path: Path, redis_url: str) -> None:
     """An operator who starts `serve` before `policy apply` sees every request refused (fail
     closed) and is told why in the log and on /readyz, then served once a policy is held."""

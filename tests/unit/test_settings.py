@@ -124,3 +124,88 @@ def test_the_replication_factor_is_one_unless_set(monkeypatch: pytest.MonkeyPatc
     assert Settings().topic_replication == 1  # NewTopic(topic, 1, 1), as before
     monkeypatch.setenv("GATEWAY_TOPIC_REPLICATION", "3")
     assert Settings().topic_replication == 3
+
+
+@pytest.mark.parametrize("value", ["loud", "verbose", "", "5"])
+def test_a_log_level_that_names_no_level_is_refused(value: str) -> None:
+    """GATEWAY_LOG_LEVEL=loud was taken as `info` without a word: an operator asking for
+    debug logs by a misspelt name got none and no hint why."""
+    with pytest.raises(ValidationError) as err:
+        Settings(log_level=value)
+    assert "log_level" in str(err.value) and "debug, info, warning, error" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["debug", "INFO", "Warning", "error", "critical"])
+def test_the_log_levels_by_name_in_any_case_are_taken(value: str) -> None:
+    assert Settings(log_level=value).log_level == value
+
+
+def test_an_empty_policy_file_setting_is_unset() -> None:
+    """GATEWAY_POLICY_FILE= (set, empty) was the path '.': serve started reading the
+    working directory as its policy, logging `policy_file_unreadable` every poll. Empty is
+    unset, as for GATEWAY_REDIS_URL and GATEWAY_KAFKA_BOOTSTRAP."""
+    assert Settings(policy_file="").policy_file is None
+
+
+@pytest.mark.parametrize("field", ["spool_dir", "usage_jsonl", "sync_state_dir"])
+def test_an_empty_path_is_refused(field: str) -> None:
+    """An empty GATEWAY_USAGE_JSONL was the path '.', a directory: every delivery failed for
+    ever; an empty spool or state directory was the working directory itself."""
+    with pytest.raises(ValidationError) as err:
+        Settings(**{field: ""})
+    assert field in str(err.value) and "must name a path" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["", "llm usage", "llm/usage", "x" * 250])
+def test_a_usage_topic_kafka_cannot_name_is_refused(value: str) -> None:
+    """GATEWAY_USAGE_TOPIC= (empty) or with a space started serving, and every delivery of
+    every event then failed for ever: Kafka names a topic with 1 to 249 of [a-zA-Z0-9._-]."""
+    with pytest.raises(ValidationError) as err:
+        Settings(usage_topic=value)
+    assert "usage_topic" in str(err.value) and "Kafka topic name" in str(err.value)
+
+
+def test_a_usage_topic_of_kafkas_characters_is_taken() -> None:
+    assert Settings(usage_topic="llm.usage_v1-eu").usage_topic == "llm.usage_v1-eu"
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis://:secret-pw@127.0.0.1:6379/notadb", "database"),
+    ("redis://127.0.0.1:6379/0/1", "database"),
+    ("rediss://:secret-pw@/0", "names no host"),
+    ("redis://", "names no host"),
+])
+def test_a_redis_url_redis_py_would_read_otherwise_is_refused(url: str, says: str) -> None:
+    """redis-py takes a database path that is not a number as database 0, and a URL with no
+    host as localhost:6379: an operator's typo served another Redis, or another database of
+    it, without a word. Refused at start; the password is never repeated."""
+    with pytest.raises(ValidationError) as err:
+        Settings(redis_url=url)
+    assert "redis_url" in str(err.value) and says in str(err.value)
+    assert "secret-pw" not in str(err.value)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://h:1/15",
+    "rediss://user:pw@h:1/0?ssl_cert_reqs=none", "redis://h:1?db=3",
+    "unix:///tmp/redis.sock?db=2", "unix:///tmp/redis.sock",
+])
+def test_the_redis_url_forms_the_readme_lists_are_taken(url: str) -> None:
+    assert Settings(redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize("field", ["kafka_bootstrap", "hub_bootstrap"])
+@pytest.mark.parametrize("value", ["127.0.0.1:abc", "h:1:2", "h:0", "h:70000", "a:9092,,b:9092",
+                                   "kafka one:9092"])
+def test_a_bootstrap_that_is_not_hosts_and_ports_is_refused(field: str, value: str) -> None:
+    """GATEWAY_KAFKA_BOOTSTRAP=127.0.0.1:abc started serving: the status reporter crashed on
+    it (`background_task_crashed`) and every delivery would have failed for ever."""
+    with pytest.raises(ValidationError) as err:
+        Settings(**{field: value})
+    assert field in str(err.value) and "HOST[:PORT]" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["127.0.0.1:9092", "k1:9092, k2:9093", "kafka", "[::1]:9092",
+                                   "broker-0.kafka.svc.cluster.local:9094"])
+def test_a_bootstrap_of_hosts_and_ports_is_taken(value: str) -> None:
+    assert Settings(kafka_bootstrap=value, hub_bootstrap=value).kafka_bootstrap == value
