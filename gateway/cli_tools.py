@@ -210,7 +210,8 @@ def add_tools(sub: Any) -> None:
     p.add_argument("key_id", help="the key to enable")
     store_flags(p)
     p.set_defaults(fn=cmd_keys_enable)
-    p = keys.add_parser("update", help="change a key's limits, models or expiry (new revision)")
+    p = keys.add_parser("update", help="change a key's limits, models, expiry or inference "
+                                        "objective (new revision)")
     p.add_argument("key_id", help="the key to change")
     for name, kind in (("rps", "requests per second"), ("burst", "requests at once (rps)"),
                        ("concurrency", "requests in flight"),
