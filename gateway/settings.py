@@ -181,9 +181,9 @@ class Settings(BaseSettings):
     @classmethod
     def _usage_topic(cls, v: str) -> str:
         # one Kafka would refuse: every delivery of every event failing for ever
-        if not _KAFKA_TOPIC.fullmatch(v):
+        if not _KAFKA_TOPIC.fullmatch(v) or v in (".", ".."):  # Kafka refuses those two
             raise ValueError(f"must be a Kafka topic name (1 to 249 of a-z, A-Z, 0-9, '.', "
-                             f"'_', '-'), not {v!r}")
+                             f"'_', '-'; not '.' or '..'), not {v!r}")
         return v
 
     @field_validator("log_level")

@@ -30,11 +30,16 @@ from gateway.limits.types import (
     Verdict,
     Voided,
 )
+from gateway.log import log
 from gateway.metering import handoff, inject
 from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
 from gateway.routes import Kind, canonical_path, route
 from gateway.sinks.gate import UsageGate
+
+# An admission the store fails logs its error at most this often (limiter_admission_failed):
+# every Check of an outage fails the same way.
+STORE_FAILED_LOG_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,15 @@ class Authorizer:
         self._ledger = ledger
         self._gate = gate if gate is not None else UsageGate()
         self._callers = Callers()  # what every allowed request of a key and model carries
+        self._store_failed_logged = -STORE_FAILED_LOG_S  # monotonic: the last such line
+
+    def _log_store_failure(self, exc: StoreUnavailable) -> None:
+        """The store's error for an admission it failed, at most once a STORE_FAILED_LOG_S."""
+        at = time.monotonic()
+        if at - self._store_failed_logged >= STORE_FAILED_LOG_S:
+            self._store_failed_logged = at
+            log.error("limiter_admission_failed", error=str(exc),
+                      in_doubt=isinstance(exc, StoreInDoubt))
 
     async def check(self, req: AuthzRequest) -> Decision:
         decision = await self._check(req)
@@ -145,8 +159,11 @@ class Authorizer:
                     tokens=endpoint is None or endpoint.billed))
             except StoreUnavailable as exc:
                 # The client is told which of the two it was, never the store's own error
-                # (its addresses, its exception names): that is logged (limiter_store_
-                # unreachable, with the error) and counted (gateway_limiter_store_up).
+                # (its addresses, its exception names): that is logged here (limiter_
+                # admission_failed, once a minute at most: also a store that answers the
+                # probe's ping yet fails admissions, a script error or OOM), and a store
+                # that does not answer by the probe (limiter_store_unreachable).
+                self._log_store_failure(exc)
                 if isinstance(exc, StoreInDoubt):
                     self.abandon(req.request_id)  # it may still commit: undo it
                     why = "it did not answer in time"

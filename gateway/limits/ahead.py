@@ -210,6 +210,9 @@ class AheadLimiter(Limiter):
     async def ping(self) -> bool:
         return await self.inner.ping()
 
+    async def ping_failure(self) -> str:
+        return await self.inner.ping_failure()
+
     async def close(self) -> None:
         for t in self._shelf.values():
             if t.expiry is not None:

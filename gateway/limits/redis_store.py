@@ -291,12 +291,18 @@ class RedisLimiter(Limiter):
     async def ping(self) -> bool:
         """Whether the store answers; under Sentinel, also leaves a demoted primary (the
         app pings every second)."""
+        return not await self.ping_failure()
+
+    async def ping_failure(self) -> str:
+        """`ping`, saying why not: the connection's error (its address, errno), or the
+        reply that was not PONG; "" when the store answers."""
         with contextlib.suppress(*REDIS_ERRORS):  # Sentinels away: the primary may answer
             await self.redis.follow()
         try:
-            return await self.redis.call("PING") == b"PONG"
-        except REDIS_ERRORS:
-            return False
+            reply = await self.redis.call("PING")
+        except REDIS_ERRORS as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "" if reply == b"PONG" else f"PING answered {reply!r}"
 
     async def close(self) -> None:
         if self._pump is not None:

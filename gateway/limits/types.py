@@ -182,4 +182,9 @@ class Limiter(Protocol):
 
     async def ping(self) -> bool: ...
 
+    async def ping_failure(self) -> str:
+        """Why the store does not answer a ping ("" when it does), for the operator's log
+        (`limiter_store_unreachable`): a store whose `ping` swallows its error says it."""
+        return "" if await self.ping() else "the ping was refused"
+
     async def close(self) -> None: ...

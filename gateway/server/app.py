@@ -287,12 +287,12 @@ class App:
         assert self.limiter is not None
         try:
             async with asyncio.timeout(1.0):
-                up = await self.limiter.ping()
+                why = await self.limiter.ping_failure()
         except TimeoutError:
             return False, "no answer to a ping within 1 s"
         except Exception as exc:
             return False, f"{type(exc).__name__}: {exc}"
-        return up, "" if up else "the ping was refused"
+        return not why, why
 
     async def _set_health(self) -> None:
         if self.health is None:  # a door process: no gRPC, no gRPC health

@@ -165,6 +165,15 @@ def test_a_usage_topic_kafka_cannot_name_is_refused(value: str) -> None:
     assert "usage_topic" in str(err.value) and "Kafka topic name" in str(err.value)
 
 
+@pytest.mark.parametrize("value", [".", ".."])
+def test_a_usage_topic_of_dots_alone_is_refused(value: str) -> None:
+    """Kafka refuses a topic named '.' or '..' (InvalidTopicException), though each is made
+    of its characters: it started serving, and every delivery then failed for ever."""
+    with pytest.raises(ValidationError) as err:
+        Settings(usage_topic=value)
+    assert "usage_topic" in str(err.value) and "Kafka topic name" in str(err.value)
+
+
 def test_a_usage_topic_of_kafkas_characters_is_taken() -> None:
     assert Settings(usage_topic="llm.usage_v1-eu").usage_topic == "llm.usage_v1-eu"
 
