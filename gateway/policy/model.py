@@ -154,10 +154,9 @@ class Policy:
             )
             keys[key_id] = rec
             by_digest[bytes.fromhex(k.sha256)] = rec
-            for old in k.previous:  # the same key, ended at `until` by the usual expiry check
-                until = old.until.timestamp()
-                end = until if rec.expires_at is None else min(until, rec.expires_at)
-                by_digest[bytes.fromhex(old.sha256)] = replace(rec, expires_at=end)
+            for old in k.previous:  # the same key, ended by the usual expiry check
+                by_digest[bytes.fromhex(old.sha256)] = replace(
+                    rec, expires_at=k.old_secret_end(old).timestamp())
         return cls(
             revision=revision,
             doc=doc,

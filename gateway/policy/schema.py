@@ -275,9 +275,12 @@ class KeyPolicy(_Strict):
         the key's own expiry if sooner); none while the key is disabled."""
         if self.disabled:
             return []
-        ends = [min(p.until, self.expires_at) if self.expires_at else p.until
-                for p in self.previous]
-        return sorted(end for end in ends if end > now)
+        return sorted(end for end in map(self.old_secret_end, self.previous) if end > now)
+
+    def old_secret_end(self, old: PreviousSecret) -> datetime:
+        """When a previous secret stops being this key: its `until`, or the key's own expiry
+        if sooner."""
+        return min(old.until, self.expires_at) if self.expires_at else old.until
 
 
 Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
