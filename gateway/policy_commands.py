@@ -60,8 +60,7 @@ def cmd_policy_apply(args: argparse.Namespace) -> int:
             raise  # Redis down: `gateway.cli.main` says so, naming GATEWAY_REDIS_URL
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for warning in done.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+    _warn(done.warnings)
     print(f"changes against revision {done.base}:")
     print("\n".join(done.diff.lines()))
     if done.revision is not None:
@@ -174,7 +173,13 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
         return 2
     print(f"key_id:   {new.key_id}\nrevision: {new.revision}\nsecret:   {new.secret}")
     print("The secret is shown once; only its SHA-256 is stored.", file=sys.stderr)
+    _warn(new.warnings)
     return 0
+
+
+def _warn(warnings: tuple[str, ...]) -> None:
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def cmd_keys_rotate(args: argparse.Namespace) -> int:
@@ -261,6 +266,7 @@ def _key_edit(args: argparse.Namespace, edit: Any, verb: str, same: str) -> int:
         return code
     if done.changed:
         print(f"{verb} {args.key_id} in revision {done.revision}")
+        _warn(done.warnings)
     else:
         print(f"{args.key_id} {same}: nothing changed (revision {done.revision})")
     return 0

@@ -89,11 +89,19 @@ def _validated(data: dict[str, Any]) -> PolicyDoc:
     return parse_doc(orjson.dumps(data), "edited policy")
 
 
+def key_warnings(doc: PolicyDoc, key_id: str) -> tuple[str, ...]:
+    """The document's ACL warnings about one key (`policy apply` prints them all): what a
+    key edit prints, not its neighbours' (a team's glob ahead of its models)."""
+    mine = f"keys.{key_id}."
+    return tuple(w for w in doc.acl_warnings() if w.startswith(mine))
+
+
 @dataclass
 class NewKey:
     key_id: str
     secret: str
     revision: int
+    warnings: tuple[str, ...] = ()  # key_warnings
 
 
 @dataclass(frozen=True)
@@ -257,8 +265,8 @@ async def create_key(
     if inference_objective:
         entry["inference_objective"] = inference_objective
     keys[key_id] = entry
-    new = await backend.write(_validated(data), rev)
-    return NewKey(key_id, secret, new)
+    valid = _validated(data)
+    return NewKey(key_id, secret, await backend.write(valid, rev), key_warnings(valid, key_id))
 
 
 @dataclass(frozen=True)
@@ -269,6 +277,7 @@ class KeyEdit:
     key_id: str
     revision: int
     changed: bool
+    warnings: tuple[str, ...] = ()  # key_warnings, of the revision it made
 
 
 LIMIT_FIELDS = ("rps", "burst", "concurrency", "tokens_per_minute", "tokens_per_day",
@@ -288,7 +297,8 @@ async def edit_key(backend: Backend, key_id: str,
     change(data["keys"][key_id])
     if data["keys"][key_id] == before:
         return KeyEdit(key_id, rev, False)
-    return KeyEdit(key_id, await backend.write(_validated(data), rev), True)
+    valid = _validated(data)
+    return KeyEdit(key_id, await backend.write(valid, rev), True, key_warnings(valid, key_id))
 
 
 async def revoke_key(backend: Backend, key_id: str) -> KeyEdit:

@@ -316,6 +316,28 @@ def test_designs_example_applies_and_its_glob_ahead_of_any_model_is_a_warning(
     assert parse_doc(policy.read_bytes()).teams["team-a"].models == ["qwen3-coder", "llama-*"]
 
 
+def test_a_key_edit_warns_of_its_own_acl_glob_not_of_its_neighbours(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """keys create/update name a glob of the key's own that matches no model yet (a typo,
+    perhaps), as policy apply does; a team's such glob is policy apply's to name."""
+    policy = tmp_path / "policy.yaml"
+    assert cli("policy", "apply", str(FIXTURES / "design_example.yaml"),
+               "--policy-file", str(policy)) == 0
+    capsys.readouterr()
+    assert cli("keys", "create", "--team", "team-a", "--key-id", "key_g", "--models",
+               "qwen3-*,mistral-*", "--policy-file", str(policy)) == 0
+    err = capsys.readouterr().err
+    assert ("warning: keys.key_g.models.1: glob 'mistral-*' matches no model in `models` "
+            "(qwen3-coder) yet") in err
+    assert "llama" not in err
+    assert cli("keys", "update", "key_g", "--models", "qwen3-coder", "--policy-file",
+               str(policy)) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert cli("keys", "update", "key_g", "--models", "llama-*", "--policy-file",
+               str(policy)) == 0
+    assert "warning: keys.key_g.models.0: glob 'llama-*'" in capsys.readouterr().err
+
+
 def test_an_empty_document_is_refused_unless_asked(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     policy = tmp_path / "policy.yaml"
