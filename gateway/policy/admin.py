@@ -378,14 +378,17 @@ async def rotate_key(backend: Backend, key_id: str, grace: str = "24h",
                      now: datetime | None = None) -> Rotated:
     """A new secret for the same key id, so its limits, counters, events and billing carry
     on unbroken. The replaced secret stays valid until the grace ends (`previous`); entries
-    already past their `until` are pruned. A grace of zero keeps no old secret at all: only
-    the new one is valid from this revision on (a leaked secret, however many rotations ago)."""
+    already past their `until` are pruned, and none outlives this grace (a rotation with a
+    shorter grace than the last one's is a hurry: the older secrets end by then too). A
+    grace of zero keeps no old secret at all: only the new one is valid from this revision
+    on (a leaked secret, however many rotations ago)."""
     now = now or datetime.now(UTC)
     until = grace_end(grace, now)
     secret = secrets.new_secret(key_id)
 
     def rotate(entry: dict[str, Any]) -> None:
-        kept = [p for p in entry.get("previous", [])
+        kept = [{**p, "until": utc_text(min(datetime.fromisoformat(p["until"]), until))}
+                for p in entry.get("previous", [])
                 if until is not None and datetime.fromisoformat(p["until"]) > now]
         if until is not None:
             kept.append({"sha256": entry["sha256"], "until": utc_text(until)})

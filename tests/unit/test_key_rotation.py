@@ -215,6 +215,22 @@ async def test_rotate_prunes_the_secrets_whose_grace_ended(
     assert d.keys["k"].sha256 == sha(third.secret)
 
 
+async def test_no_old_secret_outlives_the_last_rotations_grace(
+        backend: admin.FileBackend) -> None:
+    """Rotating again with a shorter grace ends the older secrets by then too: the newest
+    old secret never ends before an older one."""
+    first = await admin.rotate_key(backend, "k", "24h", now=NOW)
+    await admin.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=10))
+    _, d = await backend.read()
+    end = NOW + timedelta(minutes=70)
+    assert [(p.sha256, p.until) for p in d.keys["k"].previous] == [
+        (sha(NEW), end), (sha(first.secret), end)]
+    await admin.rotate_key(backend, "k", "48h", now=NOW + timedelta(minutes=20))
+    _, d = await backend.read()
+    assert [p.until for p in d.keys["k"].previous] == [
+        end, end, NOW + timedelta(minutes=20, hours=48)]  # a longer grace extends none
+
+
 async def test_a_grace_of_zero_ends_every_old_secret_at_once(
         backend: admin.FileBackend) -> None:
     await admin.rotate_key(backend, "k", "1h", now=NOW)
