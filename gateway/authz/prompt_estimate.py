@@ -151,10 +151,11 @@ def estimate_prompt_tokens(data: dict[str, Any]) -> int:
     `tools` are prompt too (Anthropic bills their definitions as input; an OpenAI-compatible
     engine renders them into the chat template): ~4 characters a token of their whole JSON,
     since the schema's keys are rendered as much as its values. An image part (`image`,
-    `image_url`, `input_image`) counts IMAGE_TOKENS, whatever its data or URL; a document part
-    (`document`, `file`, `input_file`) DOCUMENT_TOKENS, whatever its data, URL or file id;
-    an audio part (`input_audio`, `audio_url`) its duration's tokens (`_audio_tokens`); a
-    video part (`video_url`) VIDEO_TOKENS."""
+    `image_url`, `input_image`, vLLM's `image_embeds`) counts IMAGE_TOKENS, whatever its data
+    or URL; a document part (`document`, `file`, `input_file`) DOCUMENT_TOKENS, whatever its
+    data, URL or file id;
+    an audio part (`input_audio`, `audio_url`) its duration's tokens (`_audio_tokens`), vLLM's
+    `audio_embeds` an audio URL's; a video part (`video_url`) VIDEO_TOKENS."""
     chars = 0
     parts = 0
     stack: list[Any] = [data.get(f) for f in PROMPT_FIELDS]

@@ -64,12 +64,6 @@ class Report:
         return ((self.per,) if self.per else ()) + self.by
 
 
-def billable_endpoint(endpoint: str) -> bool:
-    """Whether requests to `endpoint` are billable requests: not the gateway's read-only
-    answers (`/v1/models`, `/v1/models/{id}`), nor endpoints that bill no tokens."""
-    return billed(endpoint)
-
-
 def parse_by(text: str) -> tuple[str, ...]:
     """`--by team,model`: one or more of team, key, model, each once."""
     names = tuple(n.strip() for n in text.split(","))
@@ -122,7 +116,7 @@ def fold(raw: list[tuple[Any, ...]], ndims: int, per: bool) -> list[Row]:
         if outcome == "denied":
             row.denied += int(n)
             continue
-        if not billable_endpoint(str(endpoint)):
+        if not billed(str(endpoint)):  # /v1/models, count_tokens: not billed requests
             row.not_billed += int(n)
         elif outcome in OUTCOMES:
             setattr(row, outcome, getattr(row, outcome) + int(n))

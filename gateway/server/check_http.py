@@ -7,9 +7,9 @@ sidecar ~350-400 µs of CPU before any of our code runs, and a keep-alive HTTP/1
 Check does once its config names the headers, and gateway/envoyconf/filters.py takes the
 names from gateway/envoy_contract.py, as this does, so the two cannot drift apart:
 
-* **200 allows.** The CONTEXT_HEADERS are set on the request to the engine,
-  REMOVE_HEADER names the credentials and forged x-gateway-* headers to drop, and the
-  RATE_PREFIXES headers are added to the client's response.
+* **200 allows.** The caller's context headers (those of CONTEXT_HEADERS it sets) are set
+  on the request to the engine, REMOVE_HEADER names the credentials and forged x-gateway-*
+  headers to drop, and the RATE_PREFIXES headers are added to the client's response.
 * **Any other status denies**, and Envoy sends it to the client with our body and the
   CLIENT_HEADERS. Envoy reads an answer >= 500 as the door failing (its `status_on_error`,
   no body, no metadata) and a 200 as an allow, so a 503 denial and the gateway's own 200
