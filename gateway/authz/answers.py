@@ -115,8 +115,9 @@ _LAST_SECOND = 253_402_300_799  # 9999-12-31T23:59:59Z: a reset past it (an rps 
 
 def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str, str]:
     """Anthropic's anthropic-ratelimit-* headers, resets as RFC 3339 times. The gateway's
-    token limits count input and output together: the input- and output-tokens headers
-    repeat that one budget, the most either may use."""
+    token limits count input and output together (weighted, for a model with
+    token_weights): the input- and output-tokens headers repeat that one budget, the most
+    either may use."""
     now = time.time() if now is None else now
 
     def at(seconds: float | None) -> str:  # no later than RFC 3339's last second
