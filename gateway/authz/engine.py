@@ -139,8 +139,9 @@ class Authorizer:
         reserve = facts.reserve(  # no model, or an endpoint that bills none: no tokens
             s.default_completion_tokens, s.reserve_cap, endpoint is None or endpoint.generates
         ) if billed else 0
-        # The model's token weights (none: its tokens count raw, and nothing here changes)
-        weights = policy.token_weights(facts.model) if facts.model is not None else None
+        # The model's token weights (none: its tokens count raw, and nothing here changes;
+        # a policy without any costs one truth test)
+        weights = policy.weights.get(facts.model) if policy.weights and facts.model else None
         bound = 0
         if weights is not None and billed:
             bound = facts.completion_bound(s.default_completion_tokens, s.reserve_cap,

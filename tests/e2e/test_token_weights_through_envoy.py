@@ -22,6 +22,7 @@ from gateway.cli import main
 from gateway.policy import secrets
 from testkit.spoke import policy_doc, publish, read_events
 
+ALSO_GRPC_CHECK = True  # the weights ride the gRPC Check's metadata as the HTTP door's
 TPM = 10**6
 WEIGHTS = {"input": 1, "cached_input": 0.1, "cache_creation": 1.25, "output": 4}
 WORDS = " ".join(f"word{i}" for i in range(60))  # a prompt long enough for its cache split
