@@ -15,6 +15,8 @@ import pytest
 from gateway import keys_show
 from gateway.authz import answers
 from gateway.authz.decision import Allow, Caller
+from gateway.hub.quota_ledger import QuotaLedger
+from gateway.limits import maths
 from gateway.limits.types import Refused
 from gateway.metering import billing, handoff
 from gateway.metering.facts import ResponseFacts
@@ -23,7 +25,7 @@ from gateway.metering.recorder import Recorder, settlements
 from gateway.policy.loader import load
 from gateway.sinks.spool import Spool
 from gateway.token_weights import TokenWeights, limit_tokens
-from gateway.usage_event import Usage
+from gateway.usage_event import Usage, rfc3339
 from tests.unit.test_authz_engine import SECRETS, Gate, chat, denied, sha
 
 W = TokenWeights(input=1, cached_input=0.1, cache_creation=1.25, output=4)
@@ -241,3 +243,25 @@ async def test_keys_show_says_when_the_token_windows_are_weighted() -> None:
 def test_a_zero_limit_message_is_unchanged_by_weights() -> None:
     d = answers.limit_denial(Refused("key", "tokens_per_day", 0, 3600), 50, 5, W, 10)
     assert "never pass" in d.message and "weighted" not in d.message
+
+
+# --- the hub's allocator ----------------------------------------------------------------------
+
+def test_the_allocator_counts_a_weighted_models_events_as_its_spokes_do() -> None:
+    """A spoke charges its global quota a weighted model's limit tokens: the allocator's
+    ledger counts that model's events so too (the others' at their total)."""
+    doc = {"revision": 3, "policy": {
+        "models": {"m": {"token_weights": {"cached_input": 0.1, "cache_creation": 1.25,
+                                           "output": 4}}, "plain": {}},
+        "teams": {"g": {"models": ["*"], "global_limits": {"tokens_per_day": 1000}}}}}
+    ledger = QuotaLedger()
+    ledger.on_policy("*", doc)
+    ts = 1_800_000_000.0
+    for eid, model in (("e1", "m"), ("e2", "plain")):
+        ledger.on_usage({"event_id": eid, "spoke": "a", "team": "g", "key_id": "k",
+                         "model": model, "started_at": rfc3339(ts), "usage": {
+                             "prompt_tokens": "100", "completion_tokens": "7",
+                             "total_tokens": "107", "cached_tokens": "40",
+                             "cache_creation_tokens": "8"}})
+    cell = ("team:g", "day", maths.day_id(ts))
+    assert ledger.use("a", cell, 1000).used == 94 + 107
