@@ -31,10 +31,13 @@ HIDE_CONTINUOUS = "hide_continuous"
 METERED = "metered"
 # Every key a Check may write (the HTTP door sends each as a header of this name, and
 # Envoy's `dynamic_metadata_from_headers` lists exactly these).
+# The model's token weights, "input:cached_input:cache_creation:output", only when it has
+# weights other than all 1 (gateway/token_weights.py): metering weighs the settlement by them.
+TOKEN_WEIGHTS = "token_weights"
 METADATA_KEYS = ("request_id", "reserved", "prompt_estimate", "traceparent", SPLICE,
                  SPLICE_AT, SPLICE_CUT, HIDE_USAGE, HIDE_CONTINUOUS, "key_id", "team",
                  "model", "stream", "leased", "endpoint", "stream_options", "include_usage",
-                 "continuous_usage", "cancelled", "denied", "status", METERED)
+                 "continuous_usage", "cancelled", "denied", "status", METERED, TOKEN_WEIGHTS)
 
 # -- what the Lua filter writes (USAGE_NAMESPACE, STREAM_NAMESPACE) ------------------------
 

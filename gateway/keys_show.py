@@ -69,6 +69,12 @@ def as_data(policy: Policy, key_id: str, rows: list[Standing], now: float,
         "old_secrets_until": [_utc(end.timestamp()) for end in
                               policy.doc.keys[key_id].old_secrets_end(_at(now))],
         "at": _utc(now), "counters": counters,
+        # the key's models whose tokens count weighted toward every token window (each
+        # model's weights); its token windows' numbers are then weighted tokens
+        "token_weights": {m: {"input": w.input, "cached_input": w.cached_input,
+                              "cache_creation": w.cache_creation, "output": w.output}
+                          for m in policy.models_for(key)
+                          if (w := policy.token_weights(m)) is not None},
         "tiers": [{"tier": s.tier, "name": s.name, "windows": [
             {"limit": w.limit, "allowed": _allowed(w, counters), "per_s": w.per_s,
              "quota": w.quota,
@@ -104,6 +110,16 @@ def table(data: dict[str, Any]) -> str:
                       "allowance of it (the hub's allocator divides it; without one held, "
                       f"the fallback share, {maths.GLOBAL_FALLBACK_SHARE:.0%}), USED this "
                       "spoke's use"]
+    if data.get("token_weights"):
+        lines += ["", "weighted tokens: the token windows count the weighted tokens of "
+                      "requests for " + ", ".join(
+                          f"{m} (input {_num(float(w['input']))}, cached_input "
+                          f"{_num(float(w['cached_input']))}, cache_creation "
+                          f"{_num(float(w['cache_creation']))}, output "
+                          f"{_num(float(w['output']))})"
+                          for m, w in sorted(data["token_weights"].items()))
+                      + "; other models' tokens count as prompt + completion "
+                        "(docs/policy.md, Weighted tokens)"]
     if not data["counters"]:
         lines += ["", "used and left need the limiter's counters: embedded mode keeps them in "
                       "the serving process (set GATEWAY_REDIS_URL for a spoke's)"]

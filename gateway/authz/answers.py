@@ -31,6 +31,7 @@ from gateway.limits.types import (
     Refused,
 )
 from gateway.metering.handoff import DUPLICATE_ID
+from gateway.token_weights import TokenWeights
 
 # error.type per error.code, as OpenAI uses them, so SDKs map them to their usual exceptions.
 ERROR_TYPES = {
@@ -114,8 +115,9 @@ _LAST_SECOND = 253_402_300_799  # 9999-12-31T23:59:59Z: a reset past it (an rps 
 
 def anthropic_rate_headers(rate: RateInfo, now: float | None = None) -> dict[str, str]:
     """Anthropic's anthropic-ratelimit-* headers, resets as RFC 3339 times. The gateway's
-    token limits count input and output together: the input- and output-tokens headers
-    repeat that one budget, the most either may use."""
+    token limits count input and output together (weighted, for a model with
+    token_weights): the input- and output-tokens headers repeat that one budget, the most
+    either may use."""
     now = time.time() if now is None else now
 
     def at(seconds: float | None) -> str:  # no later than RFC 3339's last second
@@ -187,7 +189,8 @@ _LIMIT_WORDS = {
 SDK_RETRY_MAX_S = 60
 
 
-def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None) -> Deny:
+def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None,
+                 weights: TokenWeights | None = None, completion: int = 0) -> Deny:
     """A 429 naming the tier and the limit, with retry-after and the x-ratelimit-* headers.
 
     A request that can never pass (the limit is 0, or it asks for more tokens than the
@@ -196,7 +199,9 @@ def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None) -> D
     retrying in vain. One that must wait longer than SDK_RETRY_MAX_S (a spent daily or
     monthly quota) keeps its retry-after, for the client to schedule, and says
     `x-should-retry: false` too, so no SDK blocks a call for hours or retries in vain.
-    `requested` is its reservation, `prompt` the prompt's share of it.
+    `requested` is its reservation, `prompt` the prompt's share of it; with the model's
+    token `weights`, `requested` is in weighted tokens (gateway/token_weights.py), and it
+    says so, with the raw prompt estimate and `completion` bound it weighs.
     """
     quota = v.limit in (TPD, TPMO, GTPD, GTPMO)
     tokens = quota or v.limit == TPM
@@ -208,9 +213,17 @@ def limit_denial(v: Refused, requested: int = 0, prompt: int | None = None) -> D
     if never:
         oversize = ""
         if tokens and v.impossible:
-            parts = (f"prompt estimate {prompt} + completion {requested - prompt}"
-                     if prompt is not None else "prompt estimate + completion")
-            oversize = (f" It needs {requested} tokens ({parts}), more than the whole limit "
+            if weights is not None:
+                top = max(weights.input, weights.cached_input, weights.cache_creation)
+                parts = (f"prompt estimate {prompt or 0} x {top:g} + completion {completion} x "
+                         f"{weights.output:g}: the model's token_weights, the prompt at its "
+                         "largest input weight")
+                need = f"{requested} weighted tokens"
+            else:
+                parts = (f"prompt estimate {prompt} + completion {requested - prompt}"
+                         if prompt is not None else "prompt estimate + completion")
+                need = f"{requested} tokens"
+            oversize = (f" It needs {need} ({parts}), more than the whole limit "
                         f"of {shown}: lower max_tokens or shorten the prompt.")
         message = f"This request can never pass: {what}.{oversize} Retrying will not help."
         headers = {"x-should-retry": "false", "x-gateway-limit-tier": v.tier}

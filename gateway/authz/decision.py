@@ -12,6 +12,7 @@ from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Splice
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
+from gateway.token_weights import TokenWeights
 
 
 class Shared:
@@ -44,11 +45,13 @@ class Caller:
     an unset context header included, is removed (answers.removed_headers)."""
 
     __slots__ = ("_shared", "cancelled", "keeps", "key_id", "model", "objective", "team",
-                 "upstream")
+                 "upstream", "weights")
 
     def __init__(self, key_id: str, team: str, model: str,
-                 cancelled: CancelRule = DEFAULT_CANCEL_RULE, objective: str = "") -> None:
+                 cancelled: CancelRule = DEFAULT_CANCEL_RULE, objective: str = "",
+                 weights: TokenWeights | None = None) -> None:
         self.key_id = key_id
+        self.weights = weights  # the model's token weights (None: raw tokens)
         self.team = team
         self.model = model
         self.cancelled = cancelled
@@ -77,7 +80,7 @@ class Caller:
         if found is None:
             found = shapes[i] = Shared(self.upstream, handoff.caller(
                 self.key_id, self.team, self.model, endpoint, stream, leased, stream_options,
-                include_usage, continuous_usage, self.cancelled))
+                include_usage, continuous_usage, self.cancelled, self.weights))
         return found
 
     def __repr__(self) -> str:
@@ -97,7 +100,8 @@ class Callers:
         self._size = 0
 
     def get(self, revision: int, key_id: str, team: str, model: str,
-            cancelled: CancelRule, objective: str = "") -> Caller:
+            cancelled: CancelRule, objective: str = "",
+            weights: TokenWeights | None = None) -> Caller:
         if revision != self._revision or self._size >= self.MAX:
             self._revision, self._by_key, self._size = revision, {}, 0
         models = self._by_key.get(key_id)
@@ -105,7 +109,8 @@ class Callers:
             models = self._by_key[key_id] = {}
         caller = models.get(model)
         if caller is None:
-            caller = models[model] = Caller(key_id, team, model, cancelled, objective)
+            caller = models[model] = Caller(key_id, team, model, cancelled, objective,
+                                            weights)
             self._size += 1
         return caller
 

@@ -139,6 +139,14 @@ class Authorizer:
         reserve = facts.reserve(  # no model, or an endpoint that bills none: no tokens
             s.default_completion_tokens, s.reserve_cap, endpoint is None or endpoint.generates
         ) if billed else 0
+        # The model's token weights (none: its tokens count raw, and nothing here changes;
+        # a policy without any costs one truth test)
+        weights = policy.weights.get(facts.model) if policy.weights and facts.model else None
+        bound = 0
+        if weights is not None and billed:
+            bound = facts.completion_bound(s.default_completion_tokens, s.reserve_cap,
+                                           endpoint is None or endpoint.generates)
+            reserve = weights.reserve(facts.prompt_tokens, bound)
         tiers = policy.tiers_for(facts.model, key)
         if self._gate.closed:  # its usage could not be recorded: refused as it stands
             return _who(answers.usage_unrecordable(self._gate.reason), key, facts.model, facts)
@@ -177,14 +185,15 @@ class Authorizer:
             return _who(answers.voided_request_id(req.request_id), key, facts.model, facts)
         if isinstance(verdict, Refused):
             return _who(answers.limit_denial(verdict, reserve, facts.prompt_tokens if billed
-                                             else None), key, facts.model, facts)
+                                             else None, weights, bound), key, facts.model,
+                        facts)
         owed = verdict.owes_settlement
         if owed:
             self._ledger.admitted(req.request_id)
         ctx = Context(
             req.request_id,
             self._callers.get(policy.revision, key.key_id, key.team, facts.model or "",
-                              key.cancelled, key.inference_objective),
+                              key.cancelled, key.inference_objective, weights),
             facts.stream, reserve if owed else 0, owed, endpoint=path,
             prompt_estimate=facts.prompt_tokens if billed else 0,
             stream_options=facts.stream_options, include_usage=facts.include_usage,

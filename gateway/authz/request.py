@@ -59,6 +59,15 @@ class BodyFacts:
         bound = default_completion if self.max_tokens is None else self.max_tokens  # 0 too
         return self.prompt_tokens + min(bound * self.sequences, cap)
 
+    def completion_bound(self, default_completion: int, cap: int, generates: bool = True
+                         ) -> int:
+        """The completion side of `reserve` alone (0 where nothing is generated): what a
+        model's output weight multiplies (gateway/token_weights.py)."""
+        if not generates:
+            return 0
+        bound = default_completion if self.max_tokens is None else self.max_tokens
+        return min(bound * self.sequences, cap)
+
 
 # Every API's completion cap, for a body on a path no endpoint entry describes (a
 # pass-through): the first given.

@@ -18,7 +18,10 @@ from pydantic import ValidationError
 
 from gateway.hub.allocation import SpokeUse, allocate
 from gateway.limits import maths
+from gateway.policy.model import Policy
 from gateway.policy.schema import PolicyDoc
+from gateway.token_weights import TokenWeights, limit_tokens
+from gateway.usage_event import Usage
 
 Cell = tuple[str, str, str]  # (scope 'team:<name>' | 'key:<id>', 'day' | 'month', period id)
 Quota = tuple[str, str]  # (scope, period)
@@ -30,7 +33,16 @@ def period_id(period: str, ts: float) -> str:
 
 def quotas_of(policy: Mapping[str, Any]) -> dict[Quota, int]:
     """The global limits one policy document names (raises ValidationError if invalid)."""
-    doc = PolicyDoc.model_validate(policy)
+    return _quotas(PolicyDoc.model_validate(policy))
+
+
+def _weights(doc: PolicyDoc) -> dict[str, TokenWeights]:
+    """The models whose tokens count weighted (`token_weights` other than all 1)."""
+    return Policy.compile(doc, 0).weights if any(
+        m.token_weights is not None for m in doc.models.values()) else {}
+
+
+def _quotas(doc: PolicyDoc) -> dict[Quota, int]:
     out: dict[Quota, int] = {}
     sources = [(f"team:{n}", t.global_limits) for n, t in doc.teams.items()]
     sources += [(f"key:{k}", key.global_limits) for k, key in doc.keys.items()]
@@ -61,6 +73,9 @@ class QuotaLedger:
         self.spokes: set[str] = set()
         self._following: set[str] = set()  # spokes whose follower has reported (hello too)
         self._feed: dict[str, dict[Quota, int]] = {}  # per policy feed key ('*' or a spoke)
+        # ... and the token weights of its models: a spoke counts those models' tokens
+        # weighted toward its global quotas, so their events count so here too
+        self._weights: dict[str, dict[str, TokenWeights]] = {}
         self._used: dict[tuple[str, Cell], int] = defaultdict(int)  # from usage events
         self._seen: dict[str, set[str]] = defaultdict(set)  # event ids per day id (dedup)
         self._issued: dict[str, tuple[int, dict[Cell, tuple[int, int]]]] = {}  # (allowance, bound)
@@ -81,18 +96,30 @@ class QuotaLedger:
         the entry's previous quotas (the spokes NACK it and keep their revision too)."""
         if value is None:
             self._feed.pop(feed_key, None)
+            self._weights.pop(feed_key, None)
             return
         try:
-            self._feed[feed_key] = quotas_of(value["policy"])
+            doc = PolicyDoc.model_validate(value["policy"])
+            self._feed[feed_key] = _quotas(doc)
+            self._weights[feed_key] = _weights(doc)
             self.rejected_policies.pop(feed_key, None)
         except (ValidationError, KeyError, TypeError) as exc:
             self.rejected_policies[feed_key] = str(exc).splitlines()[0]
 
     def on_usage(self, event: Mapping[str, Any]) -> None:
-        """One usage event; a duplicate (same event_id) counts once."""
+        """One usage event; a duplicate (same event_id) counts once. A model with token
+        weights in the spoke's feed entry (its own, else '*') counts its limit tokens, as
+        the spoke's counters do; any other, its total."""
         try:
             spoke, eid = str(event["spoke"]), str(event["event_id"])
-            tokens = int((event.get("usage") or {}).get("total_tokens") or 0)
+            u = event.get("usage") or {}
+            tokens = int(u.get("total_tokens") or 0)
+            weights = self._weights.get(spoke, self._weights.get("*")) or {}
+            if weights and (w := weights.get(str(event.get("model")))) is not None:
+                tokens = limit_tokens(Usage(
+                    int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0),
+                    tokens, int(u.get("cached_tokens") or 0), 0,
+                    int(u.get("cache_creation_tokens") or 0)), w)
             started = _ts(str(event["started_at"]))
         except (KeyError, TypeError, ValueError):
             return

@@ -33,6 +33,7 @@ from gateway.limits.types import (
     TICKET,
     AdmitRequest,
     Admitted,
+    Checkpoint,
     Ending,
     Limiter,
     Orphan,
@@ -198,7 +199,7 @@ class AheadLimiter(Limiter):
         await self.inner.end_many(ends)
 
     async def renew(self, request_ids: list[str], now: float,
-                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
+                    checkpoints: Mapping[str, Checkpoint] | None = None) -> list[str]:
         return await self.inner.renew(request_ids, now, checkpoints)
 
     async def sweep(self, now: float, limit: int = 100) -> list[Orphan]:

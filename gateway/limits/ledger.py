@@ -44,6 +44,7 @@ from gateway.limits.outbox import Outbox
 from gateway.limits.stages import FROM, GIVEN_UP, REPEATS, Admission, Progress, Stage
 from gateway.limits.types import (
     Abandon,
+    Checkpoint,
     Limiter,
     Orphan,
     Release,
@@ -125,7 +126,8 @@ class Ledger:
 
     def begun(self, request_id: str, progress: Progress | None = None) -> None:
         """Its metering stream began: renew its lease from now on; `progress` (prompt,
-        completion tokens so far) is checkpointed with each renewal."""
+        completion tokens so far, and the weighted count for a model with token weights) is
+        checkpointed with each renewal."""
         a = self._followed.find(request_id)
         if not self._may("begun", request_id, a):
             return
@@ -136,7 +138,7 @@ class Ledger:
         # admitted by another process (or a new request)
         self._hold(request_id, Admission(Stage.BEGUN, self._clock.now(), progress=progress))
 
-    def heard(self, request_id: str, checkpoint: tuple[int, int] | None) -> None:
+    def heard(self, request_id: str, checkpoint: Checkpoint | None) -> None:
         """Envoy's heartbeat record of a request still in flight (perhaps admitted by another
         instance, or before a restart): renew it, checkpointing its usage so far. One given
         up as unheard is taken back (within its lifetime); an expired one only stays known."""
@@ -256,12 +258,12 @@ class Ledger:
         self._occupied.set()
 
     def _due(self, now: float, rids: list[str], unheard: list[str], expired: list[str]
-             ) -> tuple[list[str], dict[str, tuple[int, int]], list[tuple[str, Admission]]]:
+             ) -> tuple[list[str], dict[str, Checkpoint], list[tuple[str, Admission]]]:
         """Of `rids`, those still renewed here that are due a renewal now, their usage so
         far, and the fresh ones among them; those past their lifetime or unheard are given
         up instead (added to `unheard`, `expired`)."""
         ids: list[str] = []
-        checkpoints: dict[str, tuple[int, int]] = {}
+        checkpoints: dict[str, Checkpoint] = {}
         fresh: list[tuple[str, Admission]] = []
         for rid in rids:
             if (a := self._followed.renewed.get(rid)) is None:

@@ -20,6 +20,7 @@ from gateway.limits.types import (
     Abandon,
     AdmitRequest,
     Admitted,
+    Checkpoint,
     DuplicateId,
     Ending,
     Limiter,
@@ -43,7 +44,7 @@ class _Held:
     reserved: int
     meta: str = ""
     until: float = 0.0  # its lease's end: past it, unsettled, the sweep claims it
-    checkpoint: tuple[int, int] | None = None
+    checkpoint: Checkpoint | None = None
 
 
 @dataclass
@@ -281,7 +282,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
                 self.tokens[wk] = max(0.0, self.tokens.get(wk, 0) + delta)
 
     async def renew(self, request_ids: list[str], now: float,
-                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
+                    checkpoints: Mapping[str, Checkpoint] | None = None) -> list[str]:
         gone = []
         for rid in request_ids:
             held = self.held.get(rid)
@@ -341,9 +342,11 @@ class MemoryLimiter(Limiter, AllowanceStore):
         out = []
         for rid in [r for r, h in self.held.items() if h.until <= now][:limit]:
             held = self.held[rid]
-            charged = sum(held.checkpoint) if held.checkpoint else 0
+            ck = held.checkpoint
+            # its weighted count when it has one (sweep.lua's third field), else its tokens
+            charged = (ck[2] if len(ck) > 2 else ck[0] + ck[1]) if ck else 0
             self._settle(rid, charged)
-            out.append(Orphan(rid, held.meta, charged, held.checkpoint))
+            out.append(Orphan(rid, held.meta, charged, (ck[0], ck[1]) if ck else None))
         return out
 
     async def ping(self) -> bool:

@@ -31,6 +31,7 @@ from gateway.limits.types import (
     Abandon,
     AdmitRequest,
     Admitted,
+    Checkpoint,
     DuplicateId,
     Ending,
     Limiter,
@@ -241,11 +242,12 @@ class RedisLimiter(Limiter):
             raise StoreUnavailable(f"redis: {exc}") from exc
 
     async def renew(self, request_ids: list[str], now: float,
-                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
+                    checkpoints: Mapping[str, Checkpoint] | None = None) -> list[str]:
         if not request_ids:
             return []
         ck = checkpoints or {}
-        args = [f"{rid}\x1f{ck[rid][0]}:{ck[rid][1]}" if rid in ck else rid
+        # "rid\x1fprompt:completion", and ":weighted" only for a model with token weights
+        args = [f"{rid}\x1f{':'.join(map(str, ck[rid]))}" if rid in ck else rid
                 for rid in request_ids]
         # At most MAX_BATCH ids a call (~1.5 ms of Redis), each answered before the next is
         # sent: renewing thousands of live streams in one script held Redis past the
@@ -311,9 +313,12 @@ class RedisLimiter(Limiter):
 
 
 def _checkpoint(raw: object) -> tuple[int, int] | None:
-    prompt, sep, completion = str(raw or "").partition(":")
+    """A checkpoint's (prompt, completion), "prompt:completion[:weighted]" as renew.lua
+    stored it (the weighted count is sweep.lua's, for `charged`)."""
+    prompt, sep, rest = str(raw or "").partition(":")
+    completion, _, weighted = rest.partition(":")
     return (int(prompt), int(completion)) if sep and prompt.isdigit() and completion.isdigit() \
-        else None
+        and (not weighted or weighted.isdigit()) else None
 
 
 def _held(allowance: Any) -> float | None:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-Progress = Callable[[], tuple[int, int] | None]  # (prompt, completion) tokens so far
+# (prompt, completion[, weighted]) tokens so far: gateway/limits/types.py Checkpoint
+Progress = Callable[[], tuple[int, int] | tuple[int, int, int] | None]
 
 
 class Stage(Enum):

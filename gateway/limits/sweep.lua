@@ -1,8 +1,8 @@
 -- sweep.lua: claim requests whose lease ran out without a settlement: the sidecar that
 -- followed them died (or the client left between the Check and ext_proc). Each is claimed by
 -- exactly one caller (ZREM) and released. Its reservation is replaced by the usage of its
--- last checkpoint (renew.lua), or cancelled when it has none: the platform lost track of it,
--- so the customer is charged only what was seen. The caller emits its one usage event.
+-- last checkpoint (renew.lua; its weighted count when it has one), or cancelled when it has
+-- none: the platform lost track of it, so the customer is charged only what was seen. The caller emits its one usage event.
 -- ARGV[1] now_ms  ARGV[2] limit
 -- Returns a flat list: rid, meta, charged, checkpoint, rid, meta, charged, checkpoint, ...
 -- A claimed id whose record is gone (it outlived its TTL unswept) comes back with charged
@@ -16,9 +16,11 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT'
     if rec[1] then
       for zk in string.gmatch(rec[2] or '', '[^\n]+') do redis.call('ZREM', zk, rid) end
       local charged = 0
-      local p, c = string.match(rec[5] or '', '^(%d+):(%d+)$')
+      -- "prompt:completion", and ":weighted" for a model with token weights: its limits
+      -- are charged the weighted count (gateway/token_weights.py)
+      local p, c, w = string.match(rec[5] or '', '^(%d+):(%d+):?(%d*)$')
       if p then
-        charged = tonumber(p) + tonumber(c)
+        if w ~= '' then charged = tonumber(w) else charged = tonumber(p) + tonumber(c) end
       end
       local delta = charged - tonumber(rec[1])
       for tk in string.gmatch(rec[3] or '', '[^\n]+') do

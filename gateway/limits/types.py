@@ -40,11 +40,17 @@ class AdmitRequest:
     tokens: bool = True
 
 
+# A request's usage so far, checkpointed with its lease (the orphan sweep bills it):
+# (prompt, completion) tokens, and, for a model with token weights only, the weighted count
+# its token limits are charged (gateway/token_weights.py); without it, prompt + completion.
+Checkpoint = tuple[int, int] | tuple[int, int, int]
+
+
 @dataclass(frozen=True, slots=True)
 class Orphan:
     """An admitted request nobody settled: its sidecar died, or its client left before
-    ext_proc saw it. Its reservation is replaced by its last checkpoint's tokens (`charged`),
-    or cancelled (0) when it has none."""
+    ext_proc saw it. Its reservation is replaced by its last checkpoint's tokens (`charged`:
+    weighted, for a model with token weights), or cancelled (0) when it has none."""
 
     request_id: str
     meta: str
@@ -166,9 +172,10 @@ class Limiter(Protocol):
         await self.end_many([Void(request_id)])
 
     async def renew(self, request_ids: list[str], now: float,
-                    checkpoints: Mapping[str, tuple[int, int]] | None = None) -> list[str]:
+                    checkpoints: Mapping[str, Checkpoint] | None = None) -> list[str]:
         """Extend the leases of requests still streaming, keeping each one's usage so far
-        (`checkpoints`: prompt, completion) for the orphan sweep; return those that hold
+        (`checkpoints`: prompt, completion[, weighted]) for the orphan sweep; return those
+        that hold
         nothing any more (settled, perhaps by another instance): stop renewing them."""
         ...
 

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from gateway.endpoints import billed
 from gateway.envoy_contract import UPSTREAM_FLAGS
+from gateway.limits.types import Checkpoint
 from gateway.metering.cancel import bill
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts
+from gateway.token_weights import TokenWeights, limit_tokens
 from gateway.usage_event import NOT_CANCELLED, Cancellation, Usage
 
 
@@ -62,13 +64,23 @@ def metered(response: ResponseFacts, prompt_estimate: int) -> tuple[Usage, str]:
     return Usage(prompt, completion, prompt + completion), "estimated"
 
 
-def checkpoint(request: RequestFacts, response: ResponseFacts) -> tuple[int, int] | None:
+def checkpoint(request: RequestFacts, response: ResponseFacts) -> Checkpoint | None:
     """(prompt, completion) tokens a request in flight has used so far, for its admission's
-    checkpoint; None for one denied (it holds none)."""
+    checkpoint, and the weighted count for a model with token weights; None for one denied
+    (it holds none)."""
     if outcome(request, response) == "denied":
         return None
     u, _ = metered(response, request.prompt_estimate)
-    return u.prompt_tokens, u.completion_tokens
+    return progress(u, request.weights)
+
+
+def progress(u: Usage, weights: TokenWeights | None) -> Checkpoint:
+    """A checkpoint of usage so far: (prompt, completion), and the count the token limits
+    are charged (limit_tokens) only when the model has weights (the default checkpoint is
+    what it always was)."""
+    if weights is None:
+        return u.prompt_tokens, u.completion_tokens
+    return u.prompt_tokens, u.completion_tokens, limit_tokens(u, weights)
 
 
 def settle(request: RequestFacts, response: ResponseFacts) -> Billed:
@@ -96,7 +108,8 @@ def settle(request: RequestFacts, response: ResponseFacts) -> Billed:
 def orphaned(request: RequestFacts, checkpoint: tuple[int, int] | None,
              charged: int) -> Billed:
     """A request whose sidecar died mid-request: no response facts, only what its admission
-    stored. Billed what its stream had used at its last lease renewal (`checkpoint`), else
+    stored. Billed what its stream had used at its last lease renewal (`checkpoint`: raw
+    tokens; its limits were charged `charged`, weighted for a model with weights), else
     `charged`: what the sweep left charged to its quotas, 0 without a checkpoint (sweep.lua:
     the platform lost track of it, so only what was seen is billed)."""
     if not billed(request.endpoint):

@@ -38,7 +38,7 @@ class Exchange:
     def learn(self, facts: RequestFacts) -> None:
         self.facts = facts
         self.meter = Meter(endpoint=facts.endpoint, stream=facts.stream,
-                           prompt_estimate=facts.prompt_estimate)
+                           prompt_estimate=facts.prompt_estimate, weights=facts.weights)
 
     def request_body(self, body: bytes) -> bytes | None:
         """The body with the splice the Check planned (gateway/metering/inject.py) applied,

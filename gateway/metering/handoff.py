@@ -24,9 +24,11 @@ from gateway.envoy_contract import (
     SPLICE,
     SPLICE_AT,
     SPLICE_CUT,
+    TOKEN_WEIGHTS,
 )
 from gateway.metering.inject import Injected, Splice
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule, rule_of
+from gateway.token_weights import TokenWeights
 
 DUPLICATE_ID = "duplicate_request_id"  # the denial reason of a request id already in flight
 
@@ -59,6 +61,8 @@ class RequestFacts:
     traceparent: str = ""  # the W3C trace context of a traced request
     splice: Splice | None = None  # what the Check planned to splice into the request
     cancelled: CancelRule = DEFAULT_CANCEL_RULE  # the team's billing rule, as admitted
+    # The model's token weights, as admitted; None: its tokens count raw toward the limits
+    weights: TokenWeights | None = None
 
 
 # -- written by the Check (gateway/authz/check.py) ----------------------------------------
@@ -81,15 +85,21 @@ def allowed(request_id: str, reserved: int, prompt_estimate: int, traceparent: s
 
 def caller(key_id: str, team: str, model: str, endpoint: str, stream: bool, leased: bool,
            stream_options: bool, include_usage: bool, continuous_usage: bool,
-           cancelled: CancelRule = DEFAULT_CANCEL_RULE) -> Metadata:
+           cancelled: CancelRule = DEFAULT_CANCEL_RULE,
+           weights: TokenWeights | None = None) -> Metadata:
     """An allowed request's entries that repeat for every request of a caller and request
     shape (the Check builds and encodes them once: gateway/authz/decision.py Shared).
     `cancelled`: how the team bills a stream its client cancels
-    (gateway/policy/billing_rules.py), fixed at admission."""
-    return {"key_id": key_id, "team": team, "model": model, "stream": stream,
-            "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
-            "include_usage": include_usage, "continuous_usage": continuous_usage,
-            "cancelled": cancelled}
+    (gateway/policy/billing_rules.py), fixed at admission. `weights`: the model's token
+    weights, an entry only when it has some (a model without them: the same entries as
+    before weights existed)."""
+    md: Metadata = {"key_id": key_id, "team": team, "model": model, "stream": stream,
+                    "leased": leased, "endpoint": endpoint, "stream_options": stream_options,
+                    "include_usage": include_usage, "continuous_usage": continuous_usage,
+                    "cancelled": cancelled}
+    if weights is not None:
+        md[TOKEN_WEIGHTS] = weights.text()
+    return md
 
 
 def denied(request_id: str, reason: str, status: int, key_id: str, team: str, model: str,
@@ -155,6 +165,7 @@ def read(md: Mapping[str, object], path: str = "", request_id: str = "") -> Requ
                       Injected(flag(HIDE_USAGE), flag(HIDE_CONTINUOUS)))
         if SPLICE in md else None,
         cancelled=rule_of(md.get("cancelled")),
+        weights=TokenWeights.parse(text(TOKEN_WEIGHTS)) if TOKEN_WEIGHTS in md else None,
     )
 
 

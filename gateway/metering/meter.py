@@ -16,12 +16,14 @@ from typing import Any
 import orjson
 
 from gateway.endpoints import ENDPOINTS, Reader, reader_of
+from gateway.limits.types import Checkpoint
 from gateway.metering import usage as usage_mod
-from gateway.metering.billing import metered
+from gateway.metering.billing import metered, progress
 from gateway.metering.facts import ResponseFacts
 from gateway.metering.inject import Injected
 from gateway.metering.sse import SseDecoder, SseEvent
 from gateway.metering.usage import ChoicesStream, MessagesStream
+from gateway.token_weights import TokenWeights
 from gateway.usage_event import Usage
 
 __all__ = ["Injected", "Meter"]
@@ -74,6 +76,7 @@ class Meter:
     stream: bool
     injected: Injected = field(default_factory=Injected)
     prompt_estimate: int = 0
+    weights: TokenWeights | None = None  # the model's token weights, as admitted
     started: float = field(default_factory=time.monotonic)
     status: int = 0
     sse: bool = False
@@ -263,13 +266,14 @@ class Meter:
                 pass
             self._body = []
 
-    def checkpoint(self) -> tuple[int, int] | None:
-        """(prompt, completion) tokens used so far by a stream, for its lease's checkpoint;
-        None before its first byte, or for a whole-JSON answer (read only at its end)."""
+    def checkpoint(self) -> Checkpoint | None:
+        """(prompt, completion) tokens used so far by a stream, for its lease's checkpoint
+        (and the weighted count, for a model with token weights: billing.progress); None
+        before its first byte, or for a whole-JSON answer (read only at its end)."""
         if not self.sse:
             return None
         u, _ = metered(self.facts(), self.prompt_estimate)
-        return u.prompt_tokens, u.completion_tokens
+        return progress(u, self.weights)
 
     def facts(self, ended: bool = False, flags: frozenset[str] = frozenset()) -> ResponseFacts:
         """The response as observed so far. `ended`: its end reached the proxy

@@ -23,7 +23,8 @@ from gateway.metering.facts import ResponseFacts
 from gateway.metering.handoff import RequestFacts, orphan_facts
 from gateway.policy.prices import Rates
 from gateway.sinks.spool import Spool
-from gateway.usage_event import UsageEvent, event_json, rfc3339
+from gateway.token_weights import TokenWeights, limit_tokens
+from gateway.usage_event import Usage, UsageEvent, event_json, rfc3339
 
 # How long a stream ext_proc saw end early waits for Envoy's word on why (its access-log
 # record, flushed every 50 ms), and how many such words are kept for streams not ended yet,
@@ -218,9 +219,10 @@ class Recorder:
         if not seq:  # dropped (DENIED_HELD_MAX): a seq of 0 is durable at once to a waiter
             return event
         # The token counters settle to what is billed: the same rule as the event (and
-        # as `settlements`, which reads it back from a spool).
+        # as `settlements`, which reads it back from a spool), weighted by the model's token
+        # weights when the Check handed some over (the event's usage stays raw).
         self.spool.put(seq, event_json(event), on_durable=self._settlement(
-            facts, usage.total_tokens if outcome != "denied" else 0))
+            facts, limit_tokens(usage, facts.weights) if outcome != "denied" else 0))
         child = metrics.child  # each label set looked up once, not per event
         child(metrics.EVENTS, outcome).inc()
         if usage.total_tokens:
@@ -251,15 +253,27 @@ class Recorder:
             self._dropping = False
 
 
-def settlements(lines: Iterable[bytes], since: float) -> Iterator[tuple[str, int]]:
+def _no_weights(model: str) -> TokenWeights | None:
+    return None
+
+
+def settlements(lines: Iterable[bytes], since: float,
+                weights: Callable[[str], TokenWeights | None] = _no_weights
+                ) -> Iterator[tuple[str, int]]:
     """The settlements of spooled events that ended at or after `since` (epoch seconds),
-    as `Recorder.emit` made them: (request id, the tokens billed). A denial settles nothing
-    (it was not admitted); a line that is not an event is skipped."""
+    as `Recorder.emit` made them: (request id, the tokens billed, weighted by the event's
+    model's token `weights` as the policy held at start-up has them). A denial settles
+    nothing (it was not admitted); a line that is not an event is skipped."""
     for line in lines:
         try:
             e = orjson.loads(line)
             if (e["outcome"] != "denied"
                     and datetime.fromisoformat(e["ended_at"]).timestamp() >= since):
-                yield str(e["event_id"]), int(e["usage"]["total_tokens"])
+                u = e["usage"]
+                w = weights(str(e["model"]))
+                yield str(e["event_id"]), int(u["total_tokens"]) if w is None else limit_tokens(
+                    Usage(int(u["prompt_tokens"]), int(u["completion_tokens"]),
+                          int(u["total_tokens"]), int(u["cached_tokens"]), 0,
+                          int(u["cache_creation_tokens"])), w)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             continue

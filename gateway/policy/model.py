@@ -14,6 +14,7 @@ from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.prices import PriceBook, Rates
 from gateway.policy.schema import GlobalLimits, Limits, PolicyDoc
 from gateway.routes import PassThrough
+from gateway.token_weights import TokenWeights
 
 TIERS = ("model", "team", "key")
 
@@ -131,6 +132,8 @@ class Policy:
     keys: dict[str, KeyRecord] = field(default_factory=dict)
     passthrough: tuple[PassThrough, ...] = ()
     prices: dict[str, PriceBook] = field(default_factory=dict, compare=False)  # from doc
+    # The models with token weights other than all 1 (from doc); the rest count raw tokens
+    weights: dict[str, TokenWeights] = field(default_factory=dict, compare=False)
     _tiers: dict[tuple[str | None, str], tuple[TierLimit, ...]] = field(
         default_factory=dict, compare=False, repr=False)
 
@@ -168,7 +171,12 @@ class Policy:
                               for p in doc.passthrough),
             prices={name: PriceBook([Rates.of(p) for p in m.prices])
                     for name, m in doc.models.items() if m.prices},
+            weights=_weights(doc),
         )
+
+    def token_weights(self, model: str) -> TokenWeights | None:
+        """The model's token weights; None: its tokens count raw (prompt + completion)."""
+        return self.weights.get(model) if self.weights else None
 
     def price(self, model: str, at: float) -> Rates | None:
         """The model's prices in force at `at` (Unix seconds); None: it has none then."""
@@ -202,3 +210,13 @@ class Policy:
         if not key.limits.empty:
             out.append(TierLimit("key", key.key_id, key.limits))
         return out
+
+
+def _weights(doc: PolicyDoc) -> dict[str, TokenWeights]:
+    out = {}
+    for name, m in doc.models.items():
+        if (t := m.token_weights) is not None:
+            w = TokenWeights(t.input, t.cached_input, t.cache_creation, t.output)
+            if not w.default:
+                out[name] = w
+    return out

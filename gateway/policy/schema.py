@@ -160,6 +160,7 @@ _COUNT = BeforeValidator(_a_count)
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _COUNT]
 Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER]
 PerMillion = Annotated[float, Field(ge=0, allow_inf_nan=False), _NUMBER]
+Weight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False), _NUMBER]
 
 
 class _Strict(BaseModel):
@@ -167,7 +168,8 @@ class _Strict(BaseModel):
 
 
 class Limits(_Strict):
-    """Absent limit = unlimited at this tier. Tokens count prompt + completion."""
+    """Absent limit = unlimited at this tier. Tokens count prompt + completion, weighted by
+    the model's `token_weights` when it has them."""
 
     rps: Rate | None = None
     burst: Annotated[int, Field(ge=1, le=MAX_COUNT), _COUNT] | None = None
@@ -217,8 +219,19 @@ class Price(_Strict):
     output: PerMillion
 
 
+class TokenWeights(_Strict):
+    """What one token of each kind counts toward the token limits, every tier's (the same
+    kinds as `prices`); each defaults to 1. Absent, or all 1: prompt + completion."""
+
+    input: Weight = 1.0
+    cached_input: Weight = 1.0
+    cache_creation: Weight = 1.0
+    output: Weight = 1.0
+
+
 class ModelPolicy(_Strict):
     limits: Limits = Limits()
+    token_weights: TokenWeights | None = None
     # The price history: a revision adds an entry rather than editing one, so what was
     # billed before its date stays billed at the old price.
     prices: list[Price] = Field(default_factory=list)

@@ -43,6 +43,7 @@ from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
 from gateway.sinks.spools import choose_instance, orphans
 from gateway.tasks import cancel_all, stop_on_signals, watched
+from gateway.token_weights import TokenWeights
 from gateway.tracing import Tracing
 from gateway.tracing import from_env as tracing_from_env
 
@@ -233,13 +234,19 @@ class App:
         # out long before, and a request id reused since must not be settled by them.
         window, resettled = 2 * s.lease_ttl_s + s.orphan_grace_s, 0
         for sp in spools:
-            resettled += ledger.settled_before(settlements(sp.tail, sp.tail_written_at - window))
+            resettled += ledger.settled_before(settlements(sp.tail, sp.tail_written_at - window,
+                                                           self._weights))
             sp.tail = []
         if resettled:
             log.info("spool_tail_resettled", settlements=resettled)
         self.tasks.append(watched(recorder.run_sweeper(s.lease_ttl_s / 3, s.orphan_grace_s),
                                   "orphan_sweeper"))
         return recorder
+
+    def _weights(self, model: str) -> TokenWeights | None:
+        """A model's token weights in the policy held now (none held yet: raw tokens)."""
+        policy = self.holder.policy
+        return policy.token_weights(model) if policy is not None else None
 
     def _price(self, model: str, at: float) -> Rates | None:
         """A model's price at an instant, from the policy held now (its entries carry their

@@ -25,6 +25,7 @@ from gateway.limits.types import RateInfo
 from gateway.metering import handoff
 from gateway.metering.inject import Injected, Splice
 from gateway.server import authz_http, check_http, http1
+from gateway.token_weights import TokenWeights
 from testkit.check_requests import HeldAuthorizer
 
 SPLICE = Splice(1, 0, b'"stream_options":{"include_usage":true},', Injected(True, False))
@@ -114,6 +115,8 @@ def test_no_value_can_end_its_header_line(model: str) -> None:
 def test_every_metadata_key_a_check_writes_is_one_the_door_sends() -> None:
     written = {*handoff.allowed("r", 1, 2, "tp", SPLICE),
                *handoff.caller("k", "t", "m", "/e", True, True, True, True, True),
+               *handoff.caller("k", "t", "m", "/e", True, True, True, True, True,
+                               weights=TokenWeights(output=4)),  # a model with token weights
                *handoff.denied("r", "rps", 429, "k", "t", "m", "/e", "tp"),
                *(head := handoff.denied("r", "unknown_url", 404, "k", "t", "", "/e")),
                *(handoff.metered(head) or head),  # a HEAD whose event the Check emitted
