@@ -40,7 +40,11 @@ def sentinel_spoke(tmp_path: Path) -> Iterator[tuple[Spoke, dict[str, str]]]:
 class Writers:
     """Who, other than the Sentinels, holds a connection to a Redis, sampled every 50 ms
     on one connection of our own (CLIENT LIST shows it running `client|list`); a client
-    writing to a replica would show here. Its ROLE, on the same connection."""
+    writing to a replica would show here. Its ROLE, on the same connection. A connection
+    that has sent no command yet (`cmd=NULL`) has written nothing: a Sentinel's own, just
+    accepted, shows so with no name until its CLIENT SETNAME (seen once in a full suite,
+    two of them: its command and pub/sub links); one that then writes shows its command
+    in the next sample."""
 
     def __init__(self, svc: Service) -> None:
         self.svc = svc
@@ -67,7 +71,8 @@ class Writers:
             except redis.RedisError:
                 continue
             self.seen += [f"{c['addr']} name={c['name']} cmd={c['cmd']}" for c in clients
-                          if c["cmd"] != "client|list" and not c["name"].startswith("sentinel-")]
+                          if c["cmd"] not in ("client|list", "NULL")
+                          and not c["name"].startswith("sentinel-")]
 
 
 def _until(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
