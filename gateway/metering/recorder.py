@@ -60,6 +60,7 @@ class Recorder:
         self._waiting: dict[str, tuple[Callable[[frozenset[str], int], None],
                                        asyncio.TimerHandle]] = {}
         self._told: OrderedDict[str, tuple[frozenset[str], int, float]] = OrderedDict()
+        self._stopping = False  # end_waits was called: a cut stream waits for no word
         self._dropping = False  # denials being dropped, the spool full (logged once a spell)
         spool.gate.listeners.append(self._gate_changed)
 
@@ -166,13 +167,18 @@ class Recorder:
         if word is not None:
             emit(word[0], word[1])
             return
+        if self._stopping:  # the spool's last commit comes next: no waiting for a word
+            emit(frozenset(), 0)
+            return
         timer = asyncio.get_running_loop().call_later(wait_s, emit, frozenset(), 0)
         self._waiting[rid] = (emit, timer)
 
     def end_waits(self) -> None:
         """Emit now every cut stream still waiting for Envoy's word: the sidecar is stopping,
         and an event emitted after its spool's last commit would be lost (left to the orphan
-        sweep a lease later, without what had streamed). No word: client_cancelled."""
+        sweep a lease later, without what had streamed). No word: client_cancelled. A stream
+        cut after this (its handler's `finally` ran late) is emitted at once too."""
+        self._stopping = True
         for emit, timer in list(self._waiting.values()):
             timer.cancel()
             emit(frozenset(), 0)

@@ -58,6 +58,9 @@ Role = Literal["all", "records", "door"]
 # At a stop, the longest the shipper is given to deliver what the spool holds (a sink that
 # answers takes milliseconds; one that does not leaves them spooled for the next start).
 LAST_DELIVERY_S = 1.0
+# ... and the ext_proc streams its gRPC server's stop cancelled, to run their handlers to the
+# end (each emits its event there): at most this long.
+STREAMS_DRAIN_S = 1.0
 
 
 @dataclass
@@ -84,6 +87,7 @@ class App:
     store_up: bool = False
     reporter: StatusReporter | None = None  # to the hub, when it has a Kafka
     recorder: Recorder | None = None  # the usage events (not in a door process)
+    extproc: ExternalProcessorService | None = None  # its streams, drained at a stop
     # Closed while usage cannot be written (the spool's, or in a door process any records
     # process's, group commits fail): the Check refuses new requests, /readyz is not ready.
     gate: UsageGate = field(default_factory=UsageGate)
@@ -171,8 +175,9 @@ class App:
         if recorder is not None:
             self.server = grpc.aio.server(options=opts)
             AuthorizationService(check).register(self.server)
+            self.extproc = ExternalProcessorService(recorder, self.ledger, self.tracing)
             external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(
-                ExternalProcessorService(recorder, self.ledger, self.tracing), self.server)
+                self.extproc, self.server)
             # Envoy-fed metering's records; with ext_proc, Envoy's word on how a cut stream
             # ended. Read in slices only while a Check of this process's door waits.
             records = RecordsService(recorder, self.ledger, emits=s.source.records_are_events,
@@ -331,6 +336,8 @@ class App:
             self.records_http.close()
         if self.server:
             await self.server.stop(grace)
+        if self.extproc:  # the streams it cut end in their handlers, which may run late
+            await self.extproc.drained(STREAMS_DRAIN_S)
         if self.recorder:  # streams the stop cut: their events, before the last commit
             self.recorder.end_waits()
         if self.spool:  # events reach the disk, and queue their settlements, ...

@@ -17,6 +17,8 @@ reset just ends the gRPC stream, so the event is emitted in `finally`, without a
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -147,6 +149,17 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
         self.recorder = recorder
         self.ledger = ledger
         self.tracing = tracer
+        self.open = 0  # streams whose handler has not finished (its `finally` included)
+
+    async def drained(self, within: float) -> None:
+        """Wait, up to `within`, for every stream's handler to finish. A stopping server
+        cancels its streams, and each emits its event in its handler's `finally`, which
+        may run after the server's stop returns: before the spool's last commit, that
+        event is kept; after it, it would be lost (left to the orphan sweep a lease later,
+        without what had streamed)."""
+        deadline = time.monotonic() + within
+        while self.open and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     async def Process(
         self,
@@ -155,6 +168,7 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[ep.ProcessingResponse]:
         stream = RequestStream()
         metrics.STREAMS_ACTIVE.inc()
+        self.open += 1
         finished = False
         span: tracing.Span | None = None
 
@@ -197,5 +211,8 @@ class ExternalProcessorService(ep_grpc.ExternalProcessorServicer):
                 yield response
         finally:
             metrics.STREAMS_ACTIVE.dec()
-            if not finished and stream.facts is not None:
-                finish(stream.facts)
+            try:
+                if not finished and stream.facts is not None:
+                    finish(stream.facts)
+            finally:
+                self.open -= 1

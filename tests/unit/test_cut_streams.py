@@ -147,3 +147,15 @@ async def test_a_flagged_word_or_none_keeps_its_outcome() -> None:
     await asyncio.sleep(0.05)
     assert [(e.outcome, e.status_code) for e in got] == [
         ("client_cancelled", 200), ("client_cancelled", 0)]
+
+
+async def test_a_stream_cut_after_end_waits_is_emitted_at_once() -> None:
+    """A stopping sidecar's gRPC stop cancels its streams, and a handler's `finally` may run
+    after end_waits: its event must not wait for a word past the spool's last commit."""
+    rec, spool = recorder()
+    rec.finish_cut(facts("before"), meter(), 0.0, wait_s=5)
+    rec.end_waits()
+    assert len(spool.events) == 1  # the one waiting
+    rec.finish_cut(facts("late"), meter(), 0.0, wait_s=5)
+    assert len(spool.events) == 2 and b'"late"' in spool.events[1]
+    assert b'"client_cancelled"' in spool.events[1]
