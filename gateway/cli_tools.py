@@ -25,7 +25,7 @@ from gateway.hub.commands import (
     cmd_hub_unpublish,
     cmd_policy_sync,
 )
-from gateway.policy_commands import (
+from gateway.key_commands import (
     cmd_keys_create,
     cmd_keys_enable,
     cmd_keys_list,
@@ -34,14 +34,12 @@ from gateway.policy_commands import (
     cmd_keys_rotate,
     cmd_keys_show,
     cmd_keys_update,
-    cmd_policy_apply,
-    cmd_policy_show,
-    cmd_policy_status,
     limit_number,
     limit_value,
     objective_flag,
     whole_limit,
 )
+from gateway.policy_commands import cmd_policy_apply, cmd_policy_show, cmd_policy_status
 
 
 def _float(text: str) -> float:

@@ -611,7 +611,7 @@ def test_a_count_is_refused_by_the_file_as_the_flags_refuse_it(written: str,
     """One rule (schema.not_a_count) for the policy file and the limit flags."""
     import argparse
 
-    from gateway.policy_commands import whole_limit
+    from gateway.key_commands import whole_limit
     with pytest.raises(PolicyError) as err:
         parse_doc(f"teams: {{t: {{limits: {{concurrency: {written}}}}}}}")
     assert f"teams.t.limits.concurrency: Value error, {written} {problem}" in str(err.value)
