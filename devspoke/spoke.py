@@ -17,15 +17,15 @@ from types import FrameType
 from devspoke.publish import policy_backend
 from devspoke.stack import Spoke
 from devspoke.usage_topic import USAGE_TOPIC, find_event
-from gateway.policy import admin
+from gateway.policy import admin, key_edits
 from gateway.settings import DEFAULT_METERING, Metering
 
 
-async def apply_demo_policy(redis_url: str) -> admin.NewKey:
+async def apply_demo_policy(redis_url: str) -> key_edits.NewKey:
     text = resources.files("devspoke").joinpath("demo_policy.yaml").read_bytes()
     async with policy_backend(redis_url) as backend:
         await admin.apply(backend, text, "demo_policy.yaml")
-        return await admin.create_key(backend, "demo", key_id="demo",
+        return await key_edits.create_key(backend, "demo", key_id="demo",
                                       limits={"rps": 20, "concurrency": 8})
 
 

@@ -76,7 +76,7 @@ def _hub_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _admin_unset() -> Any:
-    from gateway.policy.admin import UNSET
+    from gateway.policy.key_edits import UNSET
     return UNSET
 
 

@@ -17,12 +17,12 @@ from gateway.settings import cli_settings as _settings
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
+    from gateway.policy import key_edits
     limits = {"rps": args.rps, "concurrency": args.concurrency,
               "tokens_per_day": args.tokens_per_day, "tokens_per_minute": args.tokens_per_minute}
     models = [m for m in (args.models or "").split(",") if m] or None
     try:
-        new = run_value(admin.create_key(
+        new = run_value(key_edits.create_key(
             policy_backend(_settings(args)), args.team, key_id=args.key_id, models=models,
             expires_in=args.expires_in, limits=limits,
             inference_objective=args.inference_objective))
@@ -38,9 +38,9 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
 def cmd_keys_rotate(args: argparse.Namespace) -> int:
     """A new secret for the key (printed once, as `keys create` prints one); the one it
     replaces stays valid for `--grace`."""
-    from gateway.policy import admin
+    from gateway.policy import key_edits
     from gateway.policy.schema import utc_text
-    done, code = _edited(args, lambda backend, key_id: admin.rotate_key(backend, key_id,
+    done, code = _edited(args, lambda backend, key_id: key_edits.rotate_key(backend, key_id,
                                                                          args.grace))
     if done is None:
         return code
@@ -69,9 +69,9 @@ def cmd_keys_mint(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_list(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
+    from gateway.policy import key_edits
     _, doc = read_policy(args)
-    rows = admin.key_rows(doc)
+    rows = key_edits.key_rows(doc)
     if args.output == "json":
         print(orjson.dumps(rows).decode())
         return 0
@@ -160,13 +160,13 @@ def cmd_keys_show(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_revoke(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    return _key_edit(args, admin.revoke_key, "revoked", "is already revoked")
+    from gateway.policy import key_edits
+    return _key_edit(args, key_edits.revoke_key, "revoked", "is already revoked")
 
 
 def cmd_keys_enable(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
-    return _key_edit(args, admin.enable_key, "re-enabled", "is already enabled")
+    from gateway.policy import key_edits
+    return _key_edit(args, key_edits.enable_key, "re-enabled", "is already enabled")
 
 
 def limit_number(text: str, none_removes: bool = False) -> int | float:
@@ -220,39 +220,39 @@ def limit_value(text: str) -> float | None:
 
 
 def cmd_keys_update(args: argparse.Namespace) -> int:
-    from gateway.policy import admin
+    from gateway.policy import key_edits
     from gateway.policy.schema import not_a_count
-    limits = {name: getattr(args, name) for name in admin.LIMIT_FIELDS
-              if getattr(args, name) is not admin.UNSET}
+    limits = {name: getattr(args, name) for name in key_edits.LIMIT_FIELDS
+              if getattr(args, name) is not key_edits.UNSET}
     for name, value in limits.items():
         if name != "rps" and isinstance(value, float) and (problem := not_a_count(value)):
             print(f"error: --{name.replace('_', '-')} {value:g} {problem}", file=sys.stderr)
             return 2
-    models: Any = admin.UNSET
+    models: Any = key_edits.UNSET
     if args.models is not None:
         models = None if args.models == "team" else [m for m in args.models.split(",") if m]
-    expires: Any = admin.UNSET
+    expires: Any = key_edits.UNSET
     try:
         if args.no_expiry:
             expires = None
         elif args.expires_in:
-            expires = admin.expiry(args.expires_in)
+            expires = key_edits.expiry(args.expires_in)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    objective: Any = admin.UNSET
+    objective: Any = key_edits.UNSET
     if args.no_inference_objective:
         objective = None
     elif args.inference_objective is not None:
         objective = args.inference_objective
-    if not limits and models is admin.UNSET and expires is admin.UNSET \
-            and objective is admin.UNSET:
+    if not limits and models is key_edits.UNSET and expires is key_edits.UNSET \
+            and objective is key_edits.UNSET:
         print("error: nothing to update: give limits (--rps ...), --models, --expires-in, "
               "--no-expiry, --inference-objective or --no-inference-objective",
               file=sys.stderr)
         return 2
 
     def edit(backend: Any, key_id: str) -> Any:
-        return admin.update_key(backend, key_id, limits=limits, models=models,
+        return key_edits.update_key(backend, key_id, limits=limits, models=models,
                                 expires_at=expires, inference_objective=objective)
     return _key_edit(args, edit, "updated", "already has these settings")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from gateway.errors import PolicyError
-from gateway.policy import admin, secrets
+from gateway.policy import admin, key_edits, secrets
 from gateway.policy.loader import load, parse_doc
 from gateway.policy.store import RevisionConflict
 
@@ -65,7 +65,7 @@ async def test_apply_invalid_publishes_nothing(backend: admin.FileBackend) -> No
 
 async def test_create_key(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
-    new = await admin.create_key(backend, "team-a", models=["llama-*"],
+    new = await key_edits.create_key(backend, "team-a", models=["llama-*"],
                                  limits={"rps": 3, "concurrency": None, "tokens_per_day": 10})
 
     assert new.revision == 2
@@ -89,7 +89,7 @@ async def test_create_key(backend: admin.FileBackend) -> None:
 async def test_create_key_with_id_and_expiry(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     before = datetime.now(UTC)
-    new = await admin.create_key(backend, "team-a", key_id="ci_bot", expires_in="30d")
+    new = await key_edits.create_key(backend, "team-a", key_id="ci_bot", expires_in="30d")
     assert new.key_id == "ci_bot" and new.secret.startswith("sk-gw-ci_bot-")
     expires = (await backend.read())[1].keys["ci_bot"].expires_at
     assert expires is not None
@@ -100,15 +100,15 @@ async def test_create_key_with_id_and_expiry(backend: admin.FileBackend) -> None
 
 def test_expiry_rounds_up_to_a_whole_second() -> None:
     now = datetime(2026, 12, 6, 20, 44, 58, 445770, tzinfo=UTC)
-    assert admin.expiry("30d", now) == datetime(2027, 1, 5, 20, 44, 59, tzinfo=UTC)
-    assert admin.expiry("1h", now.replace(microsecond=0)) == datetime(2026, 12, 6, 21, 44, 58,
+    assert key_edits.expiry("30d", now) == datetime(2027, 1, 5, 20, 44, 59, tzinfo=UTC)
+    assert key_edits.expiry("1h", now.replace(microsecond=0)) == datetime(2026, 12, 6, 21, 44, 58,
                                                                        tzinfo=UTC)
 
 
 async def test_create_key_twice_with_same_id_fails(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     with pytest.raises(ValueError, match="key_7Hq2 already exists"):
-        await admin.create_key(backend, "team-a", key_id="key_7Hq2")
+        await key_edits.create_key(backend, "team-a", key_id="key_7Hq2")
     assert (await backend.read())[0] == 1
 
 
@@ -117,7 +117,7 @@ async def test_create_key_for_unknown_team_is_refused(backend: admin.FileBackend
     await admin.apply(backend, VALID, "valid.yaml")
     before = backend.path.read_bytes()
     with pytest.raises((PolicyError, ValueError)):
-        await admin.create_key(backend, "no-such-team")
+        await key_edits.create_key(backend, "no-such-team")
     assert backend.path.read_bytes() == before
     await backend.read()  # still readable
 
@@ -128,13 +128,13 @@ async def test_create_key_for_a_team_the_policy_lacks_says_which_teams_it_has(
     named the random key id the command had drawn (`edited policy:
     keys.key_62d3ccc6.team: unknown team 'nope'`), a path in no file the operator has."""
     with pytest.raises(ValueError) as none_yet:
-        await admin.create_key(backend, "team-a")
+        await key_edits.create_key(backend, "team-a")
     assert str(none_yet.value) == (
         "no team 'team-a': no policy yet (revision 0): `gateway policy apply FILE` makes "
         "one, with its teams")
     await admin.apply(backend, VALID, "valid.yaml")
     with pytest.raises(ValueError) as missing:
-        await admin.create_key(backend, "no-such-team")
+        await key_edits.create_key(backend, "no-such-team")
     assert str(missing.value) == (
         "no team 'no-such-team' in revision 1 (its teams: team-a): add it with "
         "`gateway policy apply`, or pick one of those")
@@ -143,7 +143,7 @@ async def test_create_key_for_a_team_the_policy_lacks_says_which_teams_it_has(
 
 async def test_revoke_key_disables_and_bumps_revision(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
-    assert await admin.revoke_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 2, True)
+    assert await key_edits.revoke_key(backend, "key_7Hq2") == key_edits.KeyEdit("key_7Hq2", 2, True)
     rev, doc = await backend.read()
     assert rev == 2 and doc.keys["key_7Hq2"].disabled is True
     assert doc.keys["key_7Hq2"].sha256 == SECRET_DIGEST  # the entry stays, disabled
@@ -152,73 +152,74 @@ async def test_revoke_key_disables_and_bumps_revision(backend: admin.FileBackend
 
 async def test_revoking_a_revoked_key_changes_nothing(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
-    await admin.revoke_key(backend, "key_7Hq2")
+    await key_edits.revoke_key(backend, "key_7Hq2")
     before = backend.path.read_bytes()
-    assert await admin.revoke_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 2, False)
+    assert await key_edits.revoke_key(backend, "key_7Hq2") == key_edits.KeyEdit(
+        "key_7Hq2", 2, False)
     assert backend.path.read_bytes() == before  # no new revision
 
 
 async def test_enable_brings_a_revoked_key_back(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
-    await admin.revoke_key(backend, "key_7Hq2")
-    assert await admin.enable_key(backend, "key_7Hq2") == admin.KeyEdit("key_7Hq2", 3, True)
+    await key_edits.revoke_key(backend, "key_7Hq2")
+    assert await key_edits.enable_key(backend, "key_7Hq2") == key_edits.KeyEdit("key_7Hq2", 3, True)
     policy = load(backend.path.read_bytes())
     assert not policy.keys["key_7Hq2"].disabled
     assert policy.keys["key_7Hq2"].key_id == "key_7Hq2"
-    assert (await admin.enable_key(backend, "key_7Hq2")).changed is False
+    assert (await key_edits.enable_key(backend, "key_7Hq2")).changed is False
 
 
 async def test_update_key_limits_models_and_expiry(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")  # key_7Hq2: rps 2, concurrency 4, tpd 2M
     when = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
-    done = await admin.update_key(backend, "key_7Hq2",
+    done = await key_edits.update_key(backend, "key_7Hq2",
                                   limits={"rps": 5, "concurrency": None, "tokens_per_minute": 900},
                                   models=["llama-*"], expires_at=when)
-    assert done == admin.KeyEdit("key_7Hq2", 2, True)
+    assert done == key_edits.KeyEdit("key_7Hq2", 2, True)
     key = (await backend.read())[1].keys["key_7Hq2"]
     assert (key.limits.rps, key.limits.concurrency, key.limits.tokens_per_minute,
             key.limits.tokens_per_day) == (5, None, 900, 2000000)  # what was not named is kept
     assert (key.models, key.expires_at) == (["llama-*"], when)
     assert key.sha256 == SECRET_DIGEST  # the same secret still works
 
-    done = await admin.update_key(backend, "key_7Hq2", models=None, expires_at=None)
+    done = await key_edits.update_key(backend, "key_7Hq2", models=None, expires_at=None)
     key = (await backend.read())[1].keys["key_7Hq2"]
     assert done.revision == 3 and key.models is None and key.expires_at is None
-    assert (await admin.update_key(backend, "key_7Hq2", limits={"rps": 5})).changed is False
+    assert (await key_edits.update_key(backend, "key_7Hq2", limits={"rps": 5})).changed is False
 
 
 async def test_update_key_is_validated_as_apply_is(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     before = backend.path.read_bytes()
     with pytest.raises(PolicyError, match=r"keys.key_7Hq2.models.0: model 'gpt-9' matches no"):
-        await admin.update_key(backend, "key_7Hq2", models=["gpt-9"])
+        await key_edits.update_key(backend, "key_7Hq2", models=["gpt-9"])
     with pytest.raises(PolicyError, match=r"keys.key_7Hq2.limits.rps"):
-        await admin.update_key(backend, "key_7Hq2", limits={"rps": -1})
+        await key_edits.update_key(backend, "key_7Hq2", limits={"rps": -1})
     with pytest.raises(ValueError, match="unknown limit 'rsp'"):
-        await admin.update_key(backend, "key_7Hq2", limits={"rsp": 1})
+        await key_edits.update_key(backend, "key_7Hq2", limits={"rsp": 1})
     with pytest.raises(KeyError):
-        await admin.update_key(backend, "key_nope", limits={"rps": 1})
+        await key_edits.update_key(backend, "key_nope", limits={"rps": 1})
     # a burst asked for where there is no rate: said, not dropped ("nothing changed")
     with pytest.raises(ValueError, match="a burst needs an rps limit"):
-        await admin.update_key(backend, "key_7Hq2", limits={"rps": None, "burst": 3})
+        await key_edits.update_key(backend, "key_7Hq2", limits={"rps": None, "burst": 3})
     assert backend.path.read_bytes() == before
     # the rate removed, its burst goes with it
-    await admin.update_key(backend, "key_7Hq2", limits={"rps": 5, "burst": 3})
-    await admin.update_key(backend, "key_7Hq2", limits={"rps": None})
+    await key_edits.update_key(backend, "key_7Hq2", limits={"rps": 5, "burst": 3})
+    await key_edits.update_key(backend, "key_7Hq2", limits={"rps": None})
     assert (await backend.read())[1].keys["key_7Hq2"].limits.burst is None
 
 
 async def test_create_key_naming_an_unknown_model_is_refused(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     with pytest.raises(PolicyError, match=r"keys\.\w+\.models\.0: model 'qwen3' matches no"):
-        await admin.create_key(backend, "team-a", models=["qwen3"])
+        await key_edits.create_key(backend, "team-a", models=["qwen3"])
     assert (await backend.read())[0] == 1
 
 
 async def test_revoke_unknown_key(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     with pytest.raises(KeyError):
-        await admin.revoke_key(backend, "key_nope")
+        await key_edits.revoke_key(backend, "key_nope")
     assert (await backend.read())[0] == 1
 
 
@@ -226,7 +227,7 @@ async def test_revoke_unknown_key(backend: admin.FileBackend) -> None:
 async def test_file_write_from_stale_read_is_a_conflict(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
     rev, doc = await backend.read()  # operator 1 reads revision 1
-    await admin.create_key(backend, "team-a", key_id="other_op")  # operator 2 -> revision 2
+    await key_edits.create_key(backend, "team-a", key_id="other_op")  # operator 2 -> revision 2
     with pytest.raises(RevisionConflict):
         await backend.write(doc, rev)  # operator 1 writes what it read: would drop other_op
 
@@ -243,7 +244,7 @@ def test_key_rows_never_show_secrets_or_digests() -> None:
     sha256: "{"2" * 64}"
     expires_at: 2030-01-01T00:00:00Z
 """.encode())
-    rows = admin.key_rows(doc, now=datetime(2028, 1, 1, tzinfo=UTC))
+    rows = key_edits.key_rows(doc, now=datetime(2028, 1, 1, tzinfo=UTC))
 
     by_id = {r["key_id"]: r for r in rows}
     assert set(by_id) == {"key_7Hq2", "key_off", "key_new"}
@@ -262,8 +263,8 @@ def test_key_rows_never_show_secrets_or_digests() -> None:
 
 async def test_key_rows_after_create_never_show_the_secret(backend: admin.FileBackend) -> None:
     await admin.apply(backend, VALID, "valid.yaml")
-    new = await admin.create_key(backend, "team-a")
-    rows = admin.key_rows((await backend.read())[1])
+    new = await key_edits.create_key(backend, "team-a")
+    rows = key_edits.key_rows((await backend.read())[1])
     text = repr(rows)
     assert new.key_id in text
     assert new.secret not in text
@@ -280,20 +281,20 @@ async def test_key_rows_after_create_never_show_the_secret(backend: admin.FileBa
     ("1.5h", timedelta(minutes=90)),
 ])
 def test_parse_duration(text: str, delta: timedelta) -> None:
-    assert admin.parse_duration(text) == delta
+    assert key_edits.parse_duration(text) == delta
 
 
 @pytest.mark.parametrize("text", ["", "30", "d", "30x", "thirty days", "3 0d", "nand"])
 def test_parse_duration_rejects_garbage(text: str) -> None:
     with pytest.raises(ValueError, match="bad duration"):
-        admin.parse_duration(text)
+        key_edits.parse_duration(text)
 
 
 
 @pytest.mark.parametrize("text", ["-1d", "infd", "1e12d"])
 def test_parse_duration_rejects_negative_and_unbounded(text: str) -> None:
     with pytest.raises(ValueError, match="bad duration"):
-        admin.parse_duration(text)
+        key_edits.parse_duration(text)
 
 
 # --- policy apply through the CLI: no spoke taken down by accident (issue 11) ----------------
@@ -473,8 +474,8 @@ def test_every_flag_of_every_command_says_what_it_is_and_its_default() -> None:
 
 
 def test_diff_names_billing_rule_changes() -> None:
-    old = admin._validated({"teams": {"t": {}}})
-    new = admin._validated({"billing": {"cancelled": "none"},
+    old = admin.validated({"teams": {"t": {}}})
+    new = admin.validated({"billing": {"cancelled": "none"},
                             "teams": {"t": {"billing": {"cancelled": "delivered"}}}})
     assert admin.diff(old, new).lines() == ["  ~ teams.t", "  + billing.cancelled"]
     assert admin.diff(new, new).empty
@@ -483,11 +484,11 @@ def test_diff_names_billing_rule_changes() -> None:
 def test_diff_of_a_pass_through_path_listed_twice_is_what_requests_get() -> None:
     """The routes allow a path listed twice by either entry's methods: the diff said "no
     change" when a second entry opened GET on a POST-only path (the first one's dropped)."""
-    old = admin._validated({"passthrough": [{"path": "/tokenize", "methods": ["POST"]}]})
-    new = admin._validated({"passthrough": [{"path": "/tokenize", "methods": ["GET"]},
+    old = admin.validated({"passthrough": [{"path": "/tokenize", "methods": ["POST"]}]})
+    new = admin.validated({"passthrough": [{"path": "/tokenize", "methods": ["GET"]},
                                             {"path": "/tokenize", "methods": ["POST"]}]})
     assert admin.diff(old, new).lines() == ["  ~ passthrough./tokenize"]
-    same = admin._validated({"passthrough": [{"path": "/tokenize", "methods": ["POST"]},
+    same = admin.validated({"passthrough": [{"path": "/tokenize", "methods": ["POST"]},
                                              {"path": "/tokenize", "methods": ["POST"]}]})
     assert admin.diff(old, same).empty
 

@@ -18,7 +18,7 @@ from gateway.clock import FakeClock
 from gateway.errors import PolicyError
 from gateway.limits.ledger import Ledger
 from gateway.limits.memory import MemoryLimiter
-from gateway.policy import admin, secrets
+from gateway.policy import admin, key_edits, secrets
 from gateway.policy.loader import dump_yaml, load, parse_doc, to_data
 from gateway.policy.model import Policy
 
@@ -187,7 +187,7 @@ async def backend(tmp_path: Path) -> admin.FileBackend:
 
 async def test_rotate_gives_a_new_secret_and_keeps_the_old_for_the_grace(
         backend: admin.FileBackend) -> None:
-    done = await admin.rotate_key(backend, "k", "24h", now=NOW + timedelta(microseconds=5))
+    done = await key_edits.rotate_key(backend, "k", "24h", now=NOW + timedelta(microseconds=5))
     assert done.key_id == "k" and done.revision == 2
     assert done.old_until == NOW + timedelta(hours=24, seconds=1)  # rounded up, as expiry
     assert done.secret.startswith("sk-gw-k-") and len(secrets.random_part(done.secret)) == 43
@@ -203,11 +203,11 @@ async def test_rotate_gives_a_new_secret_and_keeps_the_old_for_the_grace(
 
 async def test_rotate_prunes_the_secrets_whose_grace_ended(
         backend: admin.FileBackend) -> None:
-    first = await admin.rotate_key(backend, "k", "1h", now=NOW)
-    second = await admin.rotate_key(backend, "k", "2h", now=NOW + timedelta(minutes=30))
+    first = await key_edits.rotate_key(backend, "k", "1h", now=NOW)
+    second = await key_edits.rotate_key(backend, "k", "2h", now=NOW + timedelta(minutes=30))
     _, d = await backend.read()
     assert [p.sha256 for p in d.keys["k"].previous] == [sha(NEW), sha(first.secret)]
-    third = await admin.rotate_key(backend, "k", "2h", now=NOW + timedelta(minutes=61))
+    third = await key_edits.rotate_key(backend, "k", "2h", now=NOW + timedelta(minutes=61))
     rev, d = await backend.read()
     assert rev == 4  # each rotation its own revision
     assert [p.sha256 for p in d.keys["k"].previous] == [sha(first.secret),
@@ -219,13 +219,13 @@ async def test_no_old_secret_outlives_the_last_rotations_grace(
         backend: admin.FileBackend) -> None:
     """Rotating again with a shorter grace ends the older secrets by then too: the newest
     old secret never ends before an older one."""
-    first = await admin.rotate_key(backend, "k", "24h", now=NOW)
-    await admin.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=10))
+    first = await key_edits.rotate_key(backend, "k", "24h", now=NOW)
+    await key_edits.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=10))
     _, d = await backend.read()
     end = NOW + timedelta(minutes=70)
     assert [(p.sha256, p.until) for p in d.keys["k"].previous] == [
         (sha(NEW), end), (sha(first.secret), end)]
-    await admin.rotate_key(backend, "k", "48h", now=NOW + timedelta(minutes=20))
+    await key_edits.rotate_key(backend, "k", "48h", now=NOW + timedelta(minutes=20))
     _, d = await backend.read()
     assert [p.until for p in d.keys["k"].previous] == [
         end, end, NOW + timedelta(minutes=20, hours=48)]  # a longer grace extends none
@@ -233,9 +233,9 @@ async def test_no_old_secret_outlives_the_last_rotations_grace(
 
 async def test_a_grace_of_zero_ends_every_old_secret_at_once(
         backend: admin.FileBackend) -> None:
-    await admin.rotate_key(backend, "k", "1h", now=NOW)
+    await key_edits.rotate_key(backend, "k", "1h", now=NOW)
     for grace in ("0", "0s"):
-        done = await admin.rotate_key(backend, "k", grace, now=NOW)
+        done = await key_edits.rotate_key(backend, "k", grace, now=NOW)
         assert done.old_until is None
         _, d = await backend.read()
         assert d.keys["k"].previous == [] and d.keys["k"].sha256 == sha(done.secret)
@@ -246,22 +246,22 @@ async def test_a_grace_of_zero_ends_every_old_secret_at_once(
 
 async def test_a_fifth_old_secret_in_its_grace_is_refused(backend: admin.FileBackend) -> None:
     for i in range(4):
-        await admin.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=i))
+        await key_edits.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=i))
     before = backend.path.read_bytes()
     with pytest.raises(ValueError, match=r"already has 4 old secrets .* ends "
                                          r"2027-01-15T09:00:00Z.*--grace 0"):
-        await admin.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=5))
+        await key_edits.rotate_key(backend, "k", "1h", now=NOW + timedelta(minutes=5))
     assert backend.path.read_bytes() == before  # nothing published
 
 
 async def test_rotate_refuses_a_bad_grace_or_an_unknown_key(
         backend: admin.FileBackend) -> None:
     with pytest.raises(ValueError, match="bad duration"):
-        await admin.rotate_key(backend, "k", "soon")
+        await key_edits.rotate_key(backend, "k", "soon")
     with pytest.raises(ValueError, match="bad duration"):
-        await admin.rotate_key(backend, "k", "-1h")
+        await key_edits.rotate_key(backend, "k", "-1h")
     with pytest.raises(KeyError):
-        await admin.rotate_key(backend, "nope", "1h")
+        await key_edits.rotate_key(backend, "nope", "1h")
 
 
 # --- what the operator sees: never a secret ----------------------------------------------------
@@ -270,11 +270,11 @@ async def test_rotate_refuses_a_bad_grace_or_an_unknown_key(
 async def test_keys_list_and_show_say_until_when_an_old_secret_is_valid(
         backend: admin.FileBackend) -> None:
     from gateway import keys_show
-    done = await admin.rotate_key(backend, "k", "1h", now=NOW)
+    done = await key_edits.rotate_key(backend, "k", "1h", now=NOW)
     rev, d = await backend.read()
-    [row] = admin.key_rows(d, now=NOW)
+    [row] = key_edits.key_rows(d, now=NOW)
     assert row["old_secret_until"] == "2027-01-15T09:00:00Z"
-    assert admin.key_rows(d, now=NOW + timedelta(hours=1))[0]["old_secret_until"] == ""
+    assert key_edits.key_rows(d, now=NOW + timedelta(hours=1))[0]["old_secret_until"] == ""
     policy = Policy.compile(d, rev)
     data = keys_show.as_data(policy, "k", [], NOW.timestamp(), counters=False)
     assert data["old_secrets_until"] == ["2027-01-15T09:00:00Z"]
