@@ -174,7 +174,7 @@ def limit_number(text: str, none_removes: bool = False) -> int | float:
     int). Text that spells none is refused naming it, with the number it likely means
     (`'10k' is not a number: write 10000`), as `policy apply` refuses it in a file; nan
     and inf too (they would be published as null, i.e. no limit at all)."""
-    from gateway.policy.schema import NotANumber, read_number
+    from gateway.policy.fields import NotANumber, read_number
     finite = f"{text!r} is not a finite number" + (" (`none` removes the limit)"
                                                    if none_removes else "")
     try:
@@ -195,7 +195,7 @@ def limit_number(text: str, none_removes: bool = False) -> int | float:
 
 def whole_limit(text: str) -> int:
     """A limit flag counting requests or tokens: a whole number (`1e6`, `2000000`)."""
-    from gateway.policy.schema import not_a_count
+    from gateway.policy.fields import not_a_count
     value = limit_number(text)
     if isinstance(value, float) and (problem := not_a_count(value)):
         raise argparse.ArgumentTypeError(f"{text!r} {problem}")
@@ -204,7 +204,7 @@ def whole_limit(text: str) -> int:
 
 def objective_flag(text: str) -> str:
     """--inference-objective's name, refused at once as the policy would refuse it."""
-    from gateway.policy.schema import objective_name
+    from gateway.policy.fields import objective_name
     try:
         return objective_name(text)
     except ValueError as exc:
@@ -221,7 +221,7 @@ def limit_value(text: str) -> float | None:
 
 def cmd_keys_update(args: argparse.Namespace) -> int:
     from gateway.policy import key_edits
-    from gateway.policy.schema import not_a_count
+    from gateway.policy.fields import not_a_count
     limits = {name: getattr(args, name) for name in key_edits.LIMIT_FIELDS
               if getattr(args, name) is not key_edits.UNSET}
     for name, value in limits.items():

@@ -14,8 +14,9 @@ from typing import Any
 import orjson
 
 from gateway.errors import PolicyError
+from gateway.policy.fields import MAX_COUNT
 from gateway.policy.loader import parse_doc
-from gateway.policy.schema import MAX_COUNT, PolicyDoc
+from gateway.policy.schema import PolicyDoc
 
 EVERY_SPOKE = "*"
 

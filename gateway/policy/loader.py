@@ -11,8 +11,9 @@ import yaml
 from pydantic import ValidationError
 
 from gateway.errors import PolicyError
+from gateway.policy.fields import NotANumber
 from gateway.policy.model import Policy
-from gateway.policy.schema import NotANumber, PolicyDoc, utc_text
+from gateway.policy.schema import PolicyDoc, utc_text
 
 Scalars = dict[tuple[str, ...], yaml.ScalarNode]  # a YAML document's values by path
 

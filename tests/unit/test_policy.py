@@ -608,7 +608,7 @@ def test_text_that_spells_no_number_is_refused_naming_its_line_and_the_fix(
     ("1e20", "is more than any count: at most 9007199254740991")])
 def test_a_count_is_refused_by_the_file_as_the_flags_refuse_it(written: str,
                                                                problem: str) -> None:
-    """One rule (schema.not_a_count) for the policy file and the limit flags."""
+    """One rule (fields.not_a_count) for the policy file and the limit flags."""
     import argparse
 
     from gateway.key_commands import whole_limit
