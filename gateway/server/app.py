@@ -36,12 +36,11 @@ from gateway.server.extproc_service import ExternalProcessorService
 from gateway.server.gc_tuning import tune_gc_after_startup
 from gateway.server.records_service import RecordsService
 from gateway.server.shared_gate import SharedGate
+from gateway.server.usage_pipeline import UsagePipeline
 from gateway.settings import Settings
 from gateway.sinks.gate import UsageGate
-from gateway.sinks.producers import JsonlProducer, KafkaProducer, Producer
-from gateway.sinks.shipper import Shipper
 from gateway.sinks.spool import Spool
-from gateway.sinks.spools import choose_instance, orphans
+from gateway.sinks.spools import choose_instance
 from gateway.tasks import cancel_all, stop_on_signals, watched
 from gateway.token_weights import TokenWeights
 from gateway.tracing import Tracing
@@ -55,11 +54,8 @@ from gateway.tracing import from_env as tracing_from_env
 # process's renewal then finds gone (renew.lua), as between any two instances.
 Role = Literal["all", "records", "door"]
 
-# At a stop, the longest the shipper is given to deliver what the spool holds (a sink that
-# answers takes milliseconds; one that does not leaves them spooled for the next start).
-LAST_DELIVERY_S = 1.0
-# ... and the ext_proc streams its gRPC server's stop cancelled, to run their handlers to the
-# end (each emits its event there): at most this long.
+# At a stop, the longest the ext_proc streams its gRPC server's stop cancelled are given to
+# run their handlers to the end (each emits its event there).
 STREAMS_DRAIN_S = 1.0
 
 
@@ -77,8 +73,7 @@ class App:
     authz_http: asyncio.Server | None = None  # ext_authz's HTTP door, when configured
     records_http: asyncio.Server | None = None  # Envoy's records over OTLP/HTTP, when configured
     health: health.aio.HealthServicer | None = None  # type: ignore[name-defined]
-    spool: Spool | None = None
-    producer: Producer | None = None
+    usage: UsagePipeline | None = None  # spool → shipper → Kafka (not in a door process)
     tracing: Tracing | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # what the watch loop last saw: spool depth, its oldest event's age, the store answering
@@ -216,32 +211,17 @@ class App:
                         "`gateway policy sync`")
 
     def _start_usage_pipeline(self, ledger: Ledger) -> Recorder:
-        """Spool (ours, plus any a dead instance left behind) → shipper → Kafka or JSONL."""
+        """The usage pipeline, and the Recorder that writes into its spool."""
         s = self.settings
-        self.spool = Spool(s.spool_dir, self.instance_id, gate=self.gate).open()
-        spools = [self.spool, *orphans(s.spool_dir, self.instance_id)]
-        self.producer = (
-            KafkaProducer(s.kafka_bootstrap, s.usage_topic, s.kafka_idempotence)
-            if s.kafka_bootstrap else JsonlProducer(s.usage_jsonl))
-        self.tasks.append(watched(self.spool.run_writer(), "spool_writer"))
-        for sp in spools:
-            self.tasks.append(watched(
-                Shipper(sp, self.producer).run(until_empty=sp is not self.spool),
-                f"shipper {sp.instance_id}"))
-        self.tasks.append(watched(self._watch(spools), "watch"))
-        if len(spools) > 1:
-            log.warning("adopted_spools", spools=[sp.instance_id for sp in spools[1:]],
-                        events=sum(sp.depth for sp in spools[1:]))
-        recorder = Recorder(self.spool, s.spoke, ledger, price=self._price)
-        # The last run may have been killed between an event's fsync and its settlement:
-        # the events of its last moments (its spool's tail) are settled again; the store
-        # ignores what it no longer holds. Earlier ones were settled, or their leases ran
-        # out long before, and a request id reused since must not be settled by them.
-        window, resettled = 2 * s.lease_ttl_s + s.orphan_grace_s, 0
-        for sp in spools:
-            resettled += ledger.settled_before(settlements(sp.tail, sp.tail_written_at - window,
-                                                           self._weights))
-            sp.tail = []
+        usage = self.usage = UsagePipeline.start(s, self.instance_id, self.gate, self.tasks)
+        self.tasks.append(watched(self._watch(usage.spools), "watch"))
+        recorder = Recorder(usage.spool, s.spoke, ledger, price=self._price)
+        # Earlier events than the spools' tails were settled, or their leases ran out long
+        # before, and a request id reused since must not be settled by them.
+        resettled = usage.resettle(
+            2 * s.lease_ttl_s + s.orphan_grace_s,
+            lambda lines, since: ledger.settled_before(settlements(lines, since,
+                                                                   self._weights)))
         if resettled:
             log.info("spool_tail_resettled", settlements=resettled)
         self.tasks.append(watched(recorder.run_sweeper(s.lease_ttl_s / 3, s.orphan_grace_s),
@@ -340,38 +320,22 @@ class App:
             await self.extproc.drained(STREAMS_DRAIN_S)
         if self.recorder:  # streams the stop cut: their events, before the last commit
             self.recorder.end_waits()
-        if self.spool:  # events reach the disk, and queue their settlements, ...
+        if self.usage:  # events reach the disk, and queue their settlements, ...
             with contextlib.suppress(OSError):  # (a full disk: logged with what it keeps)
-                await self.spool.commit()
+                await self.usage.spool.commit()
         if self.ledger:
             await self.ledger.stop()  # ... which are flushed here
-        if self.spool and self.producer:
-            await self._deliver_spooled(LAST_DELIVERY_S)
+        if self.usage:
+            await self.usage.deliver()
         await cancel_all(self.tasks)
-        if self.producer:
-            with contextlib.suppress(Exception):
-                await self.producer.close()
-        if self.spool:
-            self.spool.close()
+        if self.usage:
+            await self.usage.close()
         if self.sync:
             await self.sync.stop()
         if self.limiter:
             await self.limiter.close()
         if self.tracing:
             await asyncio.to_thread(self.tracing.shutdown)  # exports what is buffered, ≤ 2 s
-
-
-    async def _deliver_spooled(self, within: float) -> None:
-        """Let the shipper deliver what the spool holds, for up to `within`: a stopping
-        sidecar whose sink answers leaves nothing behind. (Its last events waited for the
-        same instance's next start: a pod replaced in a rolling update has a new name, and
-        a spool left behind is adopted only when an instance starts.) A sink that does not
-        answer: they wait in the spool, as before."""
-        spool = self.spool
-        assert spool is not None
-        deadline = time.monotonic() + within
-        while spool.delivered < spool.durable_seq and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
 
 
 def _gate_metric(closed: bool) -> None:

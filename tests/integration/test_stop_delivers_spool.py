@@ -26,8 +26,8 @@ def test_a_stop_delivers_the_events_it_spooled_just_before(tmp_path: Path) -> No
     async def run() -> int:
         app = App(settings, "i-1")
         await app.start()
-        spool = app.spool
-        assert spool is not None
+        assert app.usage is not None
+        spool = app.usage.spool
         seqs = [spool.next_seq() for _ in range(3)]
         for seq in seqs:
             spool.put(seq, json.dumps({"seq": str(seq), "event_id": f"e{seq}"}).encode())
