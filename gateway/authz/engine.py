@@ -36,6 +36,7 @@ from gateway.policy import secrets
 from gateway.policy.model import KeyRecord, Policy
 from gateway.routes import Kind, canonical_path, route
 from gateway.sinks.gate import UsageGate
+from gateway.token_weights import TokenWeights
 
 # An admission the store fails logs its error at most this often (limiter_admission_failed):
 # every Check of an outage fails the same way.
@@ -136,17 +137,17 @@ class Authorizer:
                 return _who(answers.model_not_allowed(facts.model), key, facts.model, facts)
         s = self._settings
         billed = facts.model is not None and (endpoint is None or endpoint.billed)
-        reserve = facts.reserve(  # no model, or an endpoint that bills none: no tokens
-            s.default_completion_tokens, s.reserve_cap, endpoint is None or endpoint.generates
-        ) if billed else 0
-        # The model's token weights (none: its tokens count raw, and nothing here changes;
-        # a policy without any costs one truth test)
-        weights = policy.weights.get(facts.model) if policy.weights and facts.model else None
-        bound = 0
-        if weights is not None and billed:
+        # No model, or an endpoint that bills none: no tokens. A model with token weights
+        # reserves its weighted count; without (the policy has none: one truth test), the
+        # prompt estimate + the completion bound.
+        weights: TokenWeights | None = None
+        bound = reserve = 0
+        if billed:
             bound = facts.completion_bound(s.default_completion_tokens, s.reserve_cap,
                                            endpoint is None or endpoint.generates)
-            reserve = weights.reserve(facts.prompt_tokens, bound)
+            weights = policy.token_weights(facts.model or "")
+            reserve = (facts.prompt_tokens + bound if weights is None
+                       else weights.reserve(facts.prompt_tokens, bound))
         tiers = policy.tiers_for(facts.model, key)
         if self._gate.closed:  # its usage could not be recorded: refused as it stands
             return _who(answers.usage_unrecordable(self._gate.reason), key, facts.model, facts)

@@ -54,10 +54,7 @@ class BodyFacts:
 
         Only the completion side is capped: the prompt is sent whatever max_tokens says, so
         a huge prompt reserves (and must fit) all of itself."""
-        if not generates:
-            return self.prompt_tokens
-        bound = default_completion if self.max_tokens is None else self.max_tokens  # 0 too
-        return self.prompt_tokens + min(bound * self.sequences, cap)
+        return self.prompt_tokens + self.completion_bound(default_completion, cap, generates)
 
     def completion_bound(self, default_completion: int, cap: int, generates: bool = True
                          ) -> int:
@@ -65,7 +62,7 @@ class BodyFacts:
         model's output weight multiplies (gateway/token_weights.py)."""
         if not generates:
             return 0
-        bound = default_completion if self.max_tokens is None else self.max_tokens
+        bound = default_completion if self.max_tokens is None else self.max_tokens  # 0 too
         return min(bound * self.sequences, cap)
 
 

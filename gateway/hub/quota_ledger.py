@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from gateway.hub.allocation import SpokeUse, allocate
 from gateway.limits import maths
-from gateway.policy.model import Policy
+from gateway.policy.model import weights_of
 from gateway.policy.schema import PolicyDoc
 from gateway.token_weights import TokenWeights, limit_tokens
 from gateway.usage_event import Usage
@@ -34,12 +34,6 @@ def period_id(period: str, ts: float) -> str:
 def quotas_of(policy: Mapping[str, Any]) -> dict[Quota, int]:
     """The global limits one policy document names (raises ValidationError if invalid)."""
     return _quotas(PolicyDoc.model_validate(policy))
-
-
-def _weights(doc: PolicyDoc) -> dict[str, TokenWeights]:
-    """The models whose tokens count weighted (`token_weights` other than all 1)."""
-    return Policy.compile(doc, 0).weights if any(
-        m.token_weights is not None for m in doc.models.values()) else {}
 
 
 def _quotas(doc: PolicyDoc) -> dict[Quota, int]:
@@ -101,7 +95,7 @@ class QuotaLedger:
         try:
             doc = PolicyDoc.model_validate(value["policy"])
             self._feed[feed_key] = _quotas(doc)
-            self._weights[feed_key] = _weights(doc)
+            self._weights[feed_key] = weights_of(doc)
             self.rejected_policies.pop(feed_key, None)
         except (ValidationError, KeyError, TypeError) as exc:
             self.rejected_policies[feed_key] = str(exc).splitlines()[0]

@@ -171,7 +171,7 @@ class Policy:
                               for p in doc.passthrough),
             prices={name: PriceBook([Rates.of(p) for p in m.prices])
                     for name, m in doc.models.items() if m.prices},
-            weights=_weights(doc),
+            weights=weights_of(doc),
         )
 
     def token_weights(self, model: str) -> TokenWeights | None:
@@ -212,7 +212,8 @@ class Policy:
         return out
 
 
-def _weights(doc: PolicyDoc) -> dict[str, TokenWeights]:
+def weights_of(doc: PolicyDoc) -> dict[str, TokenWeights]:
+    """The models whose token weights are not all 1 (the rest count raw tokens)."""
     out = {}
     for name, m in doc.models.items():
         if (t := m.token_weights) is not None:

@@ -94,8 +94,9 @@ class Price(_Strict):
     output: PerMillion
 
 
-class TokenWeights(_Strict):
-    """What one token of each kind counts toward the token limits, every tier's (the same
+class TokenWeightsPolicy(_Strict):
+    """What one token of each kind counts toward the token limits, every tier's, as written
+    (compiled into gateway/token_weights.py TokenWeights by model.weights_of; the same
     kinds as `prices`); each defaults to 1. Absent, or all 1: prompt + completion."""
 
     input: Weight = 1.0
@@ -106,7 +107,7 @@ class TokenWeights(_Strict):
 
 class ModelPolicy(_Strict):
     limits: Limits = Limits()
-    token_weights: TokenWeights | None = None
+    token_weights: TokenWeightsPolicy | None = None
     # The price history: a revision adds an entry rather than editing one, so what was
     # billed before its date stays billed at the old price.
     prices: list[Price] = Field(default_factory=list)
