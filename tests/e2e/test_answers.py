@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import datetime
 
@@ -384,6 +385,14 @@ def _to_midnight() -> float:
     return 86400 - time.time() % 86400
 
 
+def _duration_s(text: str) -> float:
+    """'3h2m1s', '59m48s', '48s' (answers.duration) in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text)
+    assert parts is not None and text, text
+    h, m, sec = (int(x or 0) for x in parts.groups())
+    return h * 3600 + m * 60 + sec
+
+
 def test_the_429_names_the_limit_that_binds_the_wait(spoke: Spoke, keys: dict[str, str]) -> None:
     """The key's rps (one request in 20 s) and its day quota (until midnight UTC) both
     refuse: both SDKs are told the quota, its numbers and its wait, not the rps checked
@@ -412,7 +421,8 @@ def test_the_429_names_the_limit_that_binds_the_wait(spoke: Spoke, keys: dict[st
     h = oa.value.response.headers
     assert h["x-ratelimit-limit-tokens"] == "400"
     assert int(h["x-ratelimit-remaining-tokens"]) < 100
-    assert h["x-ratelimit-reset-tokens"].startswith(f"{int(_to_midnight() // 3600)}h")
+    # OpenAI's reset format ('3h2m1s'; '59m48s' in the last hour before midnight, UTC)
+    assert abs(_duration_s(h["x-ratelimit-reset-tokens"]) - _to_midnight()) < 5, h
     assert _error_type(an.value) == "rate_limit_error"
     h = an.value.response.headers
     assert h["anthropic-ratelimit-tokens-limit"] == "400"
