@@ -75,10 +75,11 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(orjson.dumps(rows).decode())
         return 0
-    print(f"{'KEY_ID':20} {'TEAM':16} {'STATE':9} {'EXPIRES':26} {'OLD SECRET UNTIL':22} MODELS")
+    print(f"{'KEY_ID':20} {'TEAM':16} {'STATE':9} {'EXPIRES':26} {'OLD SECRET UNTIL':22} "
+          f"{'OBJECTIVE':20} MODELS")
     for r in rows:
         print(f"{r['key_id']:20} {r['team']:16} {r['state']:9} {r['expires_at']:26} "
-              f"{r['old_secret_until']:22} {r['models']}")
+              f"{r['old_secret_until']:22} {r['inference_objective'] or '-':20} {r['models']}")
     return 0
 
 

@@ -177,6 +177,8 @@ def cmd_hub_unpublish(args: argparse.Namespace) -> int:
     if done.republished is not None:
         print(f"published '*' again as revision {done.republished}, above the removed "
               f"{'entries' if len(spokes) > 1 else 'entry'}")
+    elif len(done.already) == len(spokes):
+        print("nothing changed: an earlier run completed it")
     return 0
 
 

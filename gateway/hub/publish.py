@@ -116,28 +116,42 @@ async def unpublish(bootstrap: str, spokes: list[str], *,
     command. A spoke never moves to a revision lower than it holds, so one that held its
     own entry, above `*`'s (the usual order: `*` first, then the exception), would keep
     serving the removed document until `*` next changes: `*`'s document, published again
-    as the next revision, is what it follows at once."""
+    as the next revision, is what it follows at once.
+
+    Once compaction drops the value before a removed entry's tombstone (or that value has
+    no readable revision), what its spoke held is unknown; it counts as above `*`, unless
+    `*`'s entry was written after that tombstone (compaction keeps the log's order). That
+    `*` was published (by a run of this, or `hub publish`) after the entry was removed, so
+    above every revision then on the feed, the removed value too unless already compacted
+    away, and above every revision an instance reported (the spoke holding it, if up):
+    `*` published again now would know no more. So a run again after a completed one
+    changes nothing, and says so. A `*` before the tombstone (above the entry already when
+    it was removed, or a run that failed before publishing `*` again) may be below what
+    the spoke held: it goes out again, once (after that it is after the tombstone)."""
     records = await read_all(bootstrap, POLICY_TOPIC)
     current, held = feed.latest(records), feed.last_values(records)
     absent = [s for s in spokes if s not in held]
     if absent:
         return Unpublished(absent)
     already = [s for s in spokes if s not in current]
+    star_after = _written_after(records, feed.EVERY_SPOKE)
     removed = list(already)
     try:
         for spoke in spokes:
             if spoke in current:
                 await produce(bootstrap, POLICY_TOPIC, spoke, None, idempotence=idempotence)
                 removed.append(spoke)
-        star, revision = await _star_above(bootstrap, current, [held[s] for s in spokes],
-                                           idempotence, replication)
+        star, revision = await _star_above(
+            bootstrap, current,
+            [0 if s in already and s in star_after else _revision(held[s]) for s in spokes],
+            idempotence, replication)
     except GatewayError as exc:  # Kafka away part way (or `*` not publishable again)
         raise PartlyUnpublished(removed, [s for s in spokes if s not in removed], exc
                                 ) from exc
     return Unpublished([], star=star, republished=revision, already=already)
 
 
-async def _star_above(bootstrap: str, current: dict[str, bytes], held: list[bytes | None],
+async def _star_above(bootstrap: str, current: dict[str, bytes], held: list[int],
                       idempotence: bool, replication: int) -> tuple[bool, int | None]:
     """Whether there is a readable `*` to follow, and the revision its document was
     published again as, if it was not above every revision the spokes held already."""
@@ -148,12 +162,22 @@ async def _star_above(bootstrap: str, current: dict[str, bytes], held: list[byte
         every = None
     if every is None:
         return False, None  # nothing to follow: the spokes keep what they hold
-    if every.revision > max(_revision(v) for v in held):
+    if every.revision > max(held):
         return True, None  # already above what they held: followed at once
     revision = await publish(bootstrap, orjson.dumps(every.policy), f"{POLICY_TOPIC}[*]",
                              idempotence=idempotence, allow_empty=True,
                              replication=replication)
     return True, revision
+
+
+def _written_after(records: list[feed.Record], key: str) -> set[str]:
+    """The keys whose last record (for a removed entry, its tombstone) is before `key`'s
+    current value on the topic (compaction keeps the order): none if `key` has no value."""
+    last = {k: at for at, (k, _) in enumerate(records)}
+    at = last.get(key)
+    if at is None or records[at][1] is None:
+        return set()
+    return {k for k, i in last.items() if i < at}
 
 
 def _revision(value: bytes | None) -> int:

@@ -236,11 +236,14 @@ def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]
     for key_id, k in doc.keys.items():
         state = "disabled" if k.disabled else (
             "expired" if k.expires_at and k.expires_at <= now else "active")
+        objective, source = k.objective(doc.teams.get(k.team))
         rows.append({
             "key_id": key_id, "team": k.team, "state": state,
             "models": ",".join(k.models) if k.models is not None else "(team)",
             "expires_at": utc_text(k.expires_at) if k.expires_at else "",
             # an old secret (`keys rotate`) still valid until then; never the secret
             "old_secret_until": utc_text(ends[-1]) if (ends := k.old_secrets_end(now)) else "",
+            # the InferenceObjective that applies and whose it is ("key", "team"); "" if none
+            "inference_objective": objective, "inference_objective_from": source,
         })
     return rows

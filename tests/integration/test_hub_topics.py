@@ -736,3 +736,33 @@ async def test_a_feed_record_a_foreign_producer_compressed_is_read(
     decision = feed.decide(f"{POLICY_TOPIC}[*]",
                            feed.latest(await read_all(bs, POLICY_TOPIC))["*"], held=0)
     assert isinstance(decision, feed.Apply) and decision.revision == 7
+
+
+def test_hub_unpublish_run_again_after_compaction_changes_nothing_and_says_so(
+        feed_kafka: Service, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Compaction drops a removed spoke's value and keeps its tombstone (produced here by
+    hand, a tombstone with no value before it): what the spoke held is unknown, and every
+    run again published '*' once more, as a new revision. A '*' written after the tombstone
+    is above it; one written before goes out again once."""
+    monkeypatch.setenv("GATEWAY_KAFKA_IDEMPOTENCE", "false")  # Tansu: no idempotent producer
+    bs = feed_kafka.address
+    doc = tmp_path / "p.yaml"
+    doc.write_bytes(_doc("m"))
+    asyncio.run(ensure_compacted(bs, POLICY_TOPIC, required=True))
+    asyncio.run(produce(bs, POLICY_TOPIC, "a", None, idempotence=False))
+    assert main(["hub", "publish", str(doc), "--bootstrap", bs]) == 0  # '*' after a's
+    asyncio.run(produce(bs, POLICY_TOPIC, "b", None, idempotence=False))  # '*' before b's
+    first = feed.max_revision(asyncio.run(read_all(bs, POLICY_TOPIC)))
+    capsys.readouterr()
+    assert main(["hub", "unpublish", "a", "--bootstrap", bs]) == 0
+    assert capsys.readouterr().out == (
+        "removed the feed entry of spoke a (already, by an earlier run): it follows '*'\n"
+        "nothing changed: an earlier run completed it\n")
+    assert main(["hub", "unpublish", "a", "b", "--bootstrap", bs]) == 0
+    assert capsys.readouterr().out.endswith(
+        f"published '*' again as revision {first + 1}, above the removed entries\n")
+    for _ in range(2):
+        assert main(["hub", "unpublish", "b", "a", "--bootstrap", bs]) == 0
+        assert "nothing changed: an earlier run completed it" in capsys.readouterr().out
+    assert feed.max_revision(asyncio.run(read_all(bs, POLICY_TOPIC))) == first + 1

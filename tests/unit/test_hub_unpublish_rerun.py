@@ -66,3 +66,36 @@ async def test_a_failure_part_way_names_what_was_removed_and_a_rerun_completes_i
 async def test_absent_is_a_spoke_that_never_had_an_entry(topic: list[feed.Record]) -> None:
     topic.append(("a", None))
     assert (await unpublish("kafka:9092", ["a", "c"])).absent == ["c"]
+
+
+# --- after compaction: a removed spoke's tombstone left, the value before it gone ----------
+
+
+@pytest.mark.parametrize("spokes", [["a"], ["a", "b"]])
+async def test_a_completed_unpublish_run_again_after_compaction_changes_nothing(
+        topic: list[feed.Record], monkeypatch: pytest.MonkeyPatch, spokes: list[str]) -> None:
+    """What a spoke held is unknown once compaction drops the value before its tombstone;
+    it counted as above '*', so each run again published '*' once more. A '*' written after
+    the tombstone was published after the entry was removed, above what the feed held."""
+    monkeypatch.setattr(publish_module, "produce", producing(topic, 0))
+    assert (await unpublish("kafka:9092", ["a", "b"])).republished == 4
+    topic[:] = [("a", None), ("b", None), ("*", feed.encode(4, DOC))]  # compacted
+    assert await unpublish("kafka:9092", spokes) == Unpublished(
+        [], star=True, already=spokes)
+    assert topic == [("a", None), ("b", None), ("*", feed.encode(4, DOC))]
+
+
+async def test_a_star_before_the_tombstone_still_goes_out_again_once(
+        topic: list[feed.Record], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guarantee: '*' written before a's tombstone may be below what a held (the value
+    compacted away): published again, once; the run after that changes nothing."""
+    monkeypatch.setattr(publish_module, "produce", producing(topic, 0))
+    topic[:] = [("*", feed.encode(1, DOC)), ("a", None)]
+    assert await unpublish("kafka:9092", ["a"]) == Unpublished(
+        [], star=True, republished=2, already=["a"])
+    assert await unpublish("kafka:9092", ["a"]) == Unpublished([], star=True, already=["a"])
+    assert feed.max_revision(topic) == 2
+    # one of them after '*', one before: '*' goes out again for the one before
+    topic[:] = [("b", None), ("*", feed.encode(5, DOC)), ("a", None)]
+    assert (await unpublish("kafka:9092", ["a", "b"])).republished == 6
+    assert (await unpublish("kafka:9092", ["a", "b"])).republished is None

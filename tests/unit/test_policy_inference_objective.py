@@ -149,3 +149,23 @@ def test_keys_show_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["keys", "show", "inherits", "-o", "json", *flags]) == 0
     data = orjson.loads(capsys.readouterr().out)
     assert (data["inference_objective"], data["inference_objective_from"]) == ("batch", "team")
+
+
+def test_keys_list_says_the_objective_that_applies(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`keys list` had no objective: the one that applies (the key's own, else its team's;
+    `-` in the table, "" in the JSON, as its other empty fields, when neither names one)."""
+    path = tmp_path / "policy.yaml"
+    path.write_text(json.dumps(doc()))
+    flags = ["--policy-file", str(path)]
+    assert main(["keys", "list", *flags]) == 0
+    head, *rows = capsys.readouterr().out.splitlines()
+    assert head.split()[-2:] == ["OBJECTIVE", "MODELS"]
+    at = head.index("OBJECTIVE")
+    assert {r.split()[0]: r[at:].split()[0] for r in rows} == {
+        "own": "interactive", "inherits": "batch", "plain": "-"}
+    assert main(["keys", "list", "-o", "json", *flags]) == 0
+    listed = {r["key_id"]: (r["inference_objective"], r["inference_objective_from"])
+              for r in orjson.loads(capsys.readouterr().out)}
+    assert listed == {"own": ("interactive", "key"), "inherits": ("batch", "team"),
+                      "plain": ("", "")}
