@@ -57,7 +57,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     from gateway.envoyconf.bootstrap import EnvoyPorts, render
+    from gateway.metering.sources import source_named
     door = None if args.grpc_check else args.authz_http
+    if args.records_http and not source_named(args.metering).records_are_events:
+        print("note: --records-http is the Envoy source's: with ext_proc the early-end "
+              "records go over gRPC to --sidecar, with the streams", file=sys.stderr)
     sys.stdout.write(render(EnvoyPorts(listen=args.listen, sidecar=args.sidecar,
                                        engine=args.engine, admin=args.admin, otlp=args.otlp,
                                        authz_http=door, records_http=args.records_http),
@@ -176,7 +180,9 @@ def parser() -> argparse.ArgumentParser:
                    help="Envoy's records go over OTLP/HTTP to the sidecar's "
                         "GATEWAY_RECORDS_HTTP_LISTEN there: cheaper than gRPC, but Envoy "
                         "never retries them, so a sidecar crash loses a batch in flight "
-                        "(default: gRPC to --sidecar, retried)")
+                        "(default: gRPC to --sidecar, retried). Envoy source only: with "
+                        "ext_proc the records go over gRPC, on the connection of the "
+                        "streams they tell about")
     p.add_argument("--records-flush-ms", dest="records_flush_ms", type=positive("milliseconds"),
                    default=RECORDS_FLUSH_MS, metavar="MS",
                    help="Envoy sends its records every MS milliseconds: shorter frees "

@@ -218,7 +218,8 @@ def bootstrap(
         message_timeout=timedelta(seconds=message_timeout_s),
         source=source_named(metering),
         authz_http=bool(ports.authz_http),
-        records_http=bool(ports.records_http),
+        # ext_proc's early-end records go over gRPC whatever `records_http` says (below)
+        records_http=bool(ports.records_http) and source_named(metering).records_are_events,
         heartbeat=timedelta(seconds=heartbeat_s),
         keep_request_ids=keep_request_ids,
         records_flush=timedelta(seconds=records_flush_s),
@@ -226,7 +227,15 @@ def bootstrap(
     clusters = [sidecar_cluster(ports.sidecar), engine_cluster(ports.engine, _buffer_limit(limits))]
     if ports.authz_http:
         clusters.append(authz_http_cluster(ports.authz_http))
-    if ports.records_http:
+    # With the ext_proc source the records only say who ended a stream that ended early,
+    # and that word is paired, in memory, with the stream in the sidecar process that ran
+    # it. Over gRPC it shares the sidecar cluster's HTTP/2 connection of the Envoy worker
+    # that served the request, so with GATEWAY_WORKERS it reaches that same process; over
+    # OTLP/HTTP (a connection of its own, to any worker) it often did not: an engine's cut
+    # was billed as client_cancelled, a 204 as a client_cancelled with status 0
+    # (tests/e2e/test_workers_ext_proc_metering.py). So `records_http` is the Envoy
+    # source's only.
+    if limits.records_http and ports.records_http:
         clusters.append(records_http_cluster(ports.records_http))
     if ports.otlp:
         clusters.append(http2_cluster(OTLP_CLUSTER, ports.otlp))

@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from gateway.envoyconf.bootstrap import bootstrap
+from gateway.envoyconf.bootstrap import EnvoyPorts, bootstrap, render
+from gateway.envoyconf.filters import SIDECAR_CLUSTER
+from gateway.envoyconf.metering import OTEL_ACCESS_LOG, RECORDS_HTTP_CLUSTER
 from gateway.metering.sources import ENVOY, EXT_PROC, SOURCES, source_named
 from gateway.settings import DEFAULT_METERING, METERING_SOURCES, Settings
 
@@ -74,3 +77,21 @@ def test_settings_keep_refusing_an_unknown_source(monkeypatch: pytest.MonkeyPatc
 def test_the_envoy_config_refuses_an_unknown_source() -> None:
     with pytest.raises(ValueError, match="metering: 'lua' is not one of envoy, ext_proc"):
         bootstrap(metering="lua")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "over_http"), [("envoy", True), ("ext_proc", False)])
+def test_only_the_envoy_source_sends_its_records_over_otlp_http(name: str,
+                                                                over_http: bool) -> None:
+    """`--records-http` is the Envoy source's: ext_proc's early-end records must reach the
+    sidecar process that ran the stream, so they stay on the gRPC connection the ext_proc
+    streams use (tests/e2e/test_workers_ext_proc_metering.py); no records_http cluster."""
+    doc = yaml.safe_load(render(EnvoyPorts(records_http="127.0.0.1:9003"), metering=name))
+    clusters = {c["name"] for c in doc["static_resources"]["clusters"]}
+    [hcm] = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    [log] = [a for a in hcm["typed_config"]["access_log"] if a["name"] == OTEL_ACCESS_LOG]
+    config = log["typed_config"]
+    assert (RECORDS_HTTP_CLUSTER in clusters) is over_http
+    assert ("http_service" in config) is over_http
+    if not over_http:
+        grpc = config["common_config"]["grpc_service"]["envoy_grpc"]
+        assert grpc["cluster_name"] == SIDECAR_CLUSTER
