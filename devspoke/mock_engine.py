@@ -8,7 +8,8 @@ Per-request headers steer it through Envoy: x-mock-ttft-ms, x-mock-tokens-per-s,
 x-mock-cut-after (die after N tokens with a TCP reset), x-mock-fail-after (die after N tokens
 with a plain close) and x-mock-status (answer that status with an OpenAI-shaped error, or an
 Anthropic-shaped one on /v1/messages*; a 204 or 304 with no body, and any status with no
-body with x-mock-empty). POST /tokenize is vLLM's
+body with x-mock-empty; before reading the request's body with x-mock-early). POST
+/tokenize is vLLM's
 (the token count of `prompt`, a word a token), steered by x-mock-status too. On
 /v1/messages only: x-mock-cache-read-tokens and x-mock-cache-creation-tokens (how much of
 the prompt the cache served or stored) and x-mock-error-after (after N tokens a stream

@@ -96,10 +96,10 @@ async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
         forced = header_number(request, "x-mock-status")
         if forced is None:
             return await handler(request)
-        # Read the request first, as an engine does: an answer before the body was read can
-        # reach Envoy before ext_proc was sent that body, and then no ext_proc stream sees
-        # the request at all (no event under ext_proc metering; README, Limits)
-        await request.read()
+        # Read the request first, as an engine does, unless x-mock-early says answer before
+        # reading it (as an engine or a proxy refusing a request by its headers alone)
+        if "x-mock-early" not in request.headers:
+            await request.read()
         if not 100 <= forced < 600:
             raise RequestError(f"x-mock-status must be an HTTP status, got {forced:g}")
         return error(request, int(forced), f"mock engine failure (x-mock-status: {int(forced)})")

@@ -100,6 +100,7 @@ with quiet_imports():
         RouteMatch,
         VirtualHost,
     )
+    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
     from envoy_data_plane.envoy.extensions.filters.http.ext_authz.v3 import ExtAuthz
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
@@ -120,6 +121,7 @@ HEADER = (
 )
 
 ROUTER = "envoy.filters.http.router"
+BUFFER = "envoy.filters.http.buffer"
 HCM = "envoy.filters.network.http_connection_manager"
 BUFFER_HEADROOM_BYTES = 64 * 1024  # request headers and framing on top of the largest body
 
@@ -297,11 +299,25 @@ def _http_connection_manager(limits: _Limits, traced: bool) -> HttpConnectionMan
 
 def _metering_filters(limits: _Limits) -> list[HttpFilter]:
     """ext_proc sees every chunk; the Envoy source does the byte work in Envoy's own
-    filters (gateway/envoyconf/metering.py)."""
+    filters (gateway/envoyconf/metering.py).
+
+    After ext_proc, a buffer filter: with request headers SKIP, ext_proc lets the headers
+    on to the engine at once and holds only the body until the sidecar has answered it, so
+    an engine (or a proxy before it) that answers from the headers alone, with no body,
+    ended the request before its body message reached the sidecar (a few MB take a while
+    on the gRPC stream): Envoy reset that stream, and no stream had the request's facts
+    (no event, or the orphan sweep's with status 0, seconds later). Held here until the
+    body has passed ext_proc, the engine sees the request only once the sidecar has it,
+    without the extra sidecar message per request that request headers SEND would cost.
+    The body is whole already (ext_authz buffered it), so this holds nothing new; the
+    engine gets a content-length instead of `transfer-encoding: chunked`."""
     filters: list[HttpFilter] = []
     if limits.source.ext_proc_filter:
-        filters.append(
-            HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout))))
+        filters += [
+            HttpFilter(name=EXT_PROC, typed_config=Any.pack(ext_proc(limits.message_timeout))),
+            HttpFilter(name=BUFFER, typed_config=Any.pack(
+                Buffer(max_request_bytes=_buffer_limit(limits)))),
+        ]
     if limits.source.lua_filters:
         filters += [
             HttpFilter(name=envoy_metering.LUA, typed_config=Any.pack(envoy_metering.lua())),

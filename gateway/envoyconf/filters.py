@@ -29,7 +29,9 @@ in gateway/envoyconf/bootstrap.py; Envoy 1.40 behaviour in docs/envoy.md):
   (least privilege, and a smaller CheckRequest: an SDK sends a dozen more); method, path
   and body travel in their own fields.
 * **ext_proc processing modes**: request headers SKIP (everything the sidecar needs
-  rides on the body message: attributes and forwarded ext_authz metadata), request body
+  rides on the body message: attributes and forwarded ext_authz metadata; the buffer
+  filter after ext_proc keeps the headers from the engine until the sidecar has had that
+  message: gateway/envoyconf/bootstrap.py `_metering_filters`), request body
   BUFFERED (one message to rewrite, e.g. to inject `stream_options.include_usage`),
   response headers SEND, but SKIP on the API's own POST routes (`ExtProcPerRoute`, the
   routes in gateway/envoyconf/bootstrap.py). SEND makes every answer open a stream: a

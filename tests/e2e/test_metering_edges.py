@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import redis
 
 from devspoke.stack import Spoke
 from devspoke.usage_topic import read_topic
@@ -253,3 +254,58 @@ def test_ext_proc_is_sent_response_headers_but_on_an_api_post(spoke: Spoke,
     assert _response_headers_seen(spoke) == before
     assert httpx.head(f"{spoke.base_url}/models", headers=auth).status_code == 200
     assert _response_headers_seen(spoke) == before + 1
+
+
+
+LEASES = "gw:conc:key:conc4"  # conc4's concurrency leases, by request id
+
+
+@pytest.mark.parametrize(("status", "empty", "outcome"), [
+    (400, True, "completed"), (204, False, "completed"), (500, True, "upstream_error"),
+    (413, False, "completed")], ids=["400-empty", "204", "500-empty", "413-json"])
+def test_an_answer_before_the_engine_read_the_body_gets_its_status(
+        spoke: Spoke, keys: dict[str, str], status: int, empty: bool, outcome: str) -> None:
+    """The engine (or a proxy before it) answers a 3 MB chat completion from its headers
+    alone, before it read the body (the mock's x-mock-early), with no body or with its JSON
+    error: each request one event, with that status and outcome, at its answer (not the
+    orphan sweep's, a lease later), and its concurrency lease released at once; a key with
+    no lease too. Under ext_proc metering (request headers SKIP) Envoy let the headers on
+    to the engine before the sidecar had the body: a bodiless answer then reset the stream
+    before its body message arrived, and about a third of such requests had no event (the
+    orphan sweep's, upstream_error with status 0, ~10 s later, for a leased key). Four
+    requests, so that a race lost a third of the time shows."""
+    body = {"model": "mock-model", "messages": MSG, "max_tokens": 5, "user": "x" * (3 << 20)}
+    leases = redis.Redis.from_url(spoke.redis_url)
+    rids = []
+    for key in ("conc4", "good", "conc4", "good"):
+        headers = {"authorization": f"Bearer {keys[key]}", "x-mock-status": str(status),
+                   "x-mock-early": "1"}
+        if empty:
+            headers["x-mock-empty"] = "1"
+        r = httpx.post(f"{spoke.base_url}/chat/completions", headers=headers, json=body,
+                       timeout=10.0)
+        assert r.status_code == status
+        assert (r.content == b"") == (empty or status == 204)
+        rids.append(rid := r.headers["x-request-id"])
+        deadline = time.monotonic() + 2.0
+        while leases.zscore(LEASES, rid) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert leases.zscore(LEASES, rid) is None, key  # released, not left to the sweep
+    marker = httpx.request("OPTIONS", f"{spoke.base_url}/chat/completions",
+                           headers={"authorization": f"Bearer {keys['good']}"})
+    mid = marker.headers["x-request-id"]
+    events = _read_until(spoke.kafka_bootstrap, {*rids, mid}, mid, grace=3.0, settle=2.0)
+    assert mid in {e["event_id"] for e in events}  # the topic was read far enough
+    events = sorted((e for e in events if e["event_id"] != mid),
+                    key=lambda e: rids.index(e["event_id"]))
+    assert [(e["event_id"], e["outcome"], e["status_code"]) for e in events] == [
+        (rid, outcome, status) for rid in rids]
+    for e in events:
+        took = datetime.fromisoformat(e["ended_at"]) - datetime.fromisoformat(e["started_at"])
+        assert took.total_seconds() < 2.0  # at its answer, not the orphan sweep's
+        usage = e["usage"]
+        assert usage["completion_tokens"] == "0"
+        if status < 400:
+            assert int(usage["prompt_tokens"]) > 0 and e["usage_source"] == "estimated"
+        else:
+            assert usage["total_tokens"] == "0"

@@ -27,7 +27,7 @@ from devspoke.envoy_proc import envoy_binary, envoy_service
 from devspoke.procs import free_port
 from gateway import cli
 from gateway.endpoints import ENDPOINTS
-from gateway.envoyconf.bootstrap import EXT_AUTHZ, HCM, EnvoyPorts, render
+from gateway.envoyconf.bootstrap import BUFFER, EXT_AUTHZ, HCM, EnvoyPorts, render
 from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, EXT_PROC, SIDECAR_CLUSTER
 from gateway.settings import METERING_SOURCES, Settings
 from testkit.envoys import access_log_entry
@@ -181,6 +181,22 @@ def test_every_route_goes_through_ext_authz_failing_closed(metering: str, door: 
         assert "rds" not in hcm and "scoped_routes" not in hcm, "routes must be inspectable here"
         for where, name, cfg in per_filter_configs(hcm):
             assert not (name == EXT_AUTHZ and cfg.get("disabled")), f"{where} disables ext_authz"
+
+
+def test_ext_proc_is_followed_by_a_buffer_filter() -> None:
+    """With the ext_proc source, a buffer filter right after ext_proc holds the request's
+    headers until its body has passed ext_proc (request headers SKIP let them on at once):
+    an engine answering from the headers alone, with no body, reset the stream before the
+    sidecar had the body, and the request had no event (docs/envoy.md §4.7). Its limit
+    takes any body ext_authz takes; the Envoy source has no ext_proc and no buffer."""
+    (hcm,) = hcms(yaml.safe_load(render(random_ports(), metering="ext_proc")))
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names[names.index(EXT_PROC) + 1] == BUFFER
+    authz, buffer = (next(f["typed_config"] for f in hcm["http_filters"] if f["name"] == n)
+                     for n in (EXT_AUTHZ, BUFFER))
+    assert buffer["max_request_bytes"] >= authz["with_request_body"]["max_request_bytes"]
+    (hcm,) = hcms(yaml.safe_load(render(random_ports(), metering="envoy")))
+    assert BUFFER not in [f["name"] for f in hcm["http_filters"]]
 
 
 def test_ext_proc_sends_response_headers_but_on_the_apis_post_routes() -> None:

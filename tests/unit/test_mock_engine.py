@@ -291,6 +291,26 @@ async def test_a_forced_status_with_no_body_has_none(client: httpx.AsyncClient,
     assert (resp.status_code, resp.content) == (status, b"")
 
 
+@pytest.mark.parametrize("empty", [True, False])
+async def test_x_mock_early_answers_before_the_body_came(base_url: str, empty: bool) -> None:
+    """x-mock-early: the forced status is answered from the headers alone, while the body
+    (1 MB announced, a few bytes sent) is still on its way; empty or with its JSON."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n"
+                 f"x-mock-status: 413\r\nx-mock-early: 1\r\n"
+                 f"{'x-mock-empty: 1' if empty else 'x-mock-none: 1'}\r\n\r\n{{".encode())
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+    finally:
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 413 ")
+    lengths = [line.split(b":", 1)[1].strip() for line in head.lower().split(b"\r\n")
+               if line.startswith(b"content-length:")]
+    assert (lengths == [b"0"]) == empty
+
+
 @pytest.mark.parametrize("status", [200, 404, 500])
 async def test_x_mock_empty_gives_any_status_no_body(client: httpx.AsyncClient,
                                                      status: int) -> None:
