@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import promql_parser
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,14 +83,10 @@ def test_the_rules_file_is_well_formed_and_each_alert_has_a_runbook() -> None:
         expr = str(r.get("expr", ""))
         if not METRIC.search(expr) and "up{" not in expr:
             bad.append(f"{name}: expr names no metric")
-        for op, cl in ("()", "[]", "{}"):  # a PromQL sanity subset: balanced brackets
-            depth = 0
-            for ch in expr:
-                depth += (ch == op) - (ch == cl)
-                if depth < 0:
-                    break
-            if depth:
-                bad.append(f"{name}: unbalanced {op}{cl} in {expr!r}")
+        try:  # Prometheus's own grammar (promql-parser: the Rust port Greptime maintains)
+            promql_parser.parse(expr)
+        except Exception as exc:
+            bad.append(f"{name}: not PromQL ({exc}): {expr!r}")
     assert not bad, bad
     assert len(rules) == table.count("| <a id=")  # no row for an alert that is gone
 
