@@ -75,6 +75,17 @@ def test_reading_a_database_that_is_not_there_creates_none(
     assert not (tmp_path / "typo.db").exists()
 
 
+def test_a_postgresql_db_without_psycopg_names_the_extra_that_installs_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain `pip install .` has no psycopg (it is the `postgres` extra): before, the
+    operator read only `cannot open: No module named 'psycopg'`."""
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg: ImportError
+    assert main(["usage", "report", "--db", "postgresql://u:pw@127.0.0.1:1/billing"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --db postgresql://127.0.0.1:1/billing: " in err, err
+    assert "pip install 'gateway[postgres]'" in err and "pw" not in err, err
+
+
 def test_consume_refuses_a_negative_count(capsys: pytest.CaptureFixture[str]) -> None:
     """Before: --count -1 stopped at once, exit 0, having read nothing."""
     assert main(["usage", "consume", "--kafka", CLOSED, "--count", "-1"]) == 2
