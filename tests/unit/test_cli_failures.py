@@ -228,6 +228,17 @@ def test_a_period_that_is_not_a_positive_number_is_refused(
     assert f"argument {flag}: not a positive number of seconds" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--listen", "--admin"])
+def test_a_listener_named_by_host_name_is_one_line_not_a_traceback(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `envoy-config --listen localhost:10000` was a ValueError traceback, exit 1,
+    where a bad --engine or --sidecar is one `error:` line naming the flag, exit 2."""
+    assert main(["envoy-config", flag, "localhost:10000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag.removeprefix('--')}: 'localhost:10000' must be an IP"), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("command", [["keys", "revoke"], ["keys", "enable"], ["keys", "show"],
                                      ["keys", "update", "--rps", "2"]])
 def test_a_secret_given_for_a_key_id_is_said_and_not_echoed(
