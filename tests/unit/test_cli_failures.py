@@ -265,6 +265,18 @@ def test_policy_apply_says_redis_is_what_does_not_answer(
     assert err.startswith("error: redis: ") and "GATEWAY_REDIS_URL" in err, err
 
 
+def test_sentinels_that_do_not_answer_are_one_short_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `error: redis: No master found for 'spoke-a' : <redis.asyncio.client.Redis(
+    <...ConnectionPool(<...Connection(db=0,username=<REDACTED>,...` on for ~2,000
+    characters, the repr of every Sentinel's client."""
+    url = f"redis+sentinel://:s3cret@{CLOSED}/spoke-a/0"
+    assert main(["policy", "status", "--redis-url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: redis: No master found for 'spoke-a'"), err
+    assert len(err) < 300 and "<redis" not in err and "s3cret" not in err, err
+
+
 @pytest.mark.parametrize("command", [
     ["envoy-config"],
     ["policy", "show", "--policy-file", str(FIXTURES / "valid.yaml")],
