@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except _redis_error() as exc:  # the spoke's Redis away, refusing, or no primary known
-        print(f"error: redis: {exc} (is GATEWAY_REDIS_URL / --redis-url right, and Redis up?)",
+        # redis-py's MasterNotFoundError ends in the repr of every Sentinel's client: cut it
+        said = str(exc).split(" : <redis", 1)[0]
+        print(f"error: redis: {said} (is GATEWAY_REDIS_URL / --redis-url right, and Redis up?)",
               file=sys.stderr)
         return 1
 

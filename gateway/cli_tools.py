@@ -257,7 +257,9 @@ def add_tools(sub: Any) -> None:
                    help="sqlite:///FILE or postgresql://... (default: %(default)s)")
     p.add_argument("--group", default="gateway-billing",
                    help="Kafka consumer group (default: %(default)s)")
-    p.add_argument("--count", type=int, default=0, help="stop after N new events")
+    p.add_argument("--count", type=int, default=0,
+                   help="stop once N or more new events are in: after the batch that reaches "
+                        "N, not cut short (default: 0, no limit)")
     p.add_argument("--until-caught-up", dest="until_caught_up", action="store_true",
                    help="stop once the topic has nothing more for this group (cron jobs); "
                         "progress goes to stderr either way")

@@ -158,7 +158,11 @@ class UsageDb:
     def __init__(self, url: str) -> None:
         self.url = url
         if url.startswith(("postgresql://", "postgres://")):
-            import psycopg
+            try:
+                import psycopg
+            except ImportError:  # a plain `pip install .`: psycopg is the `postgres` extra
+                raise ImportError("PostgreSQL needs psycopg, not installed: pip install "
+                                  "'gateway[postgres]' ('.[postgres]' from a checkout)") from None
 
             self.conn: Any = psycopg.connect(url)
             self.p = "%s"

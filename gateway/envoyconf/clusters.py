@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any as AnyValue
 
-from gateway.addresses import is_ip, split_hostport
+from gateway.addresses import AddressError, is_ip, split_hostport
 from gateway.envoyconf.filters import AUTHZ_HTTP_CLUSTER, SIDECAR_CLUSTER
 from gateway.envoyconf.metering import RECORDS_HTTP_CLUSTER
 from gateway.envoyconf.plain import quiet_imports
@@ -119,7 +119,7 @@ def listen_address(hostport: str, what: str) -> Address:
     """A bind address: Envoy listeners need an IP literal, not a name."""
     host, port = split_hostport(hostport, what)
     if not is_ip(host):
-        raise ValueError(
+        raise AddressError(
             f"{what}: {hostport!r} must be an IP address and port, e.g. 127.0.0.1:10000"
         )
     return _socket(host, port)

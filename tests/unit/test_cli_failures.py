@@ -75,6 +75,17 @@ def test_reading_a_database_that_is_not_there_creates_none(
     assert not (tmp_path / "typo.db").exists()
 
 
+def test_a_postgresql_db_without_psycopg_names_the_extra_that_installs_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain `pip install .` has no psycopg (it is the `postgres` extra): before, the
+    operator read only `cannot open: No module named 'psycopg'`."""
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # import psycopg: ImportError
+    assert main(["usage", "report", "--db", "postgresql://u:pw@127.0.0.1:1/billing"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --db postgresql://127.0.0.1:1/billing: " in err, err
+    assert "pip install 'gateway[postgres]'" in err and "pw" not in err, err
+
+
 def test_consume_refuses_a_negative_count(capsys: pytest.CaptureFixture[str]) -> None:
     """Before: --count -1 stopped at once, exit 0, having read nothing."""
     assert main(["usage", "consume", "--kafka", CLOSED, "--count", "-1"]) == 2
@@ -217,6 +228,17 @@ def test_a_period_that_is_not_a_positive_number_is_refused(
     assert f"argument {flag}: not a positive number of seconds" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--listen", "--admin"])
+def test_a_listener_named_by_host_name_is_one_line_not_a_traceback(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `envoy-config --listen localhost:10000` was a ValueError traceback, exit 1,
+    where a bad --engine or --sidecar is one `error:` line naming the flag, exit 2."""
+    assert main(["envoy-config", flag, "localhost:10000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag.removeprefix('--')}: 'localhost:10000' must be an IP"), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("command", [["keys", "revoke"], ["keys", "enable"], ["keys", "show"],
                                      ["keys", "update", "--rps", "2"]])
 def test_a_secret_given_for_a_key_id_is_said_and_not_echoed(
@@ -241,6 +263,18 @@ def test_policy_apply_says_redis_is_what_does_not_answer(
     assert main(["policy", "apply", str(src), "--redis-url", f"redis://{CLOSED}/0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: redis: ") and "GATEWAY_REDIS_URL" in err, err
+
+
+def test_sentinels_that_do_not_answer_are_one_short_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `error: redis: No master found for 'spoke-a' : <redis.asyncio.client.Redis(
+    <...ConnectionPool(<...Connection(db=0,username=<REDACTED>,...` on for ~2,000
+    characters, the repr of every Sentinel's client."""
+    url = f"redis+sentinel://:s3cret@{CLOSED}/spoke-a/0"
+    assert main(["policy", "status", "--redis-url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: redis: No master found for 'spoke-a'"), err
+    assert len(err) < 300 and "<redis" not in err and "s3cret" not in err, err
 
 
 @pytest.mark.parametrize("command", [

@@ -79,3 +79,41 @@ def test_the_extension_policy_asks_what_the_rendered_ext_proc_does() -> None:
     assert ext_proc["metadata"]["accessibleNamespaces"] == \
         options["forwarding_namespaces"]["untyped"]
     assert ext_proc["metadata"]["writableNamespaces"] == options["receiving_namespaces"]["untyped"]
+
+
+def _render_command_in(name: str) -> list[str]:
+    """The `gateway envoy-config ...` command an example's header comment tells the reader to
+    render its bootstrap with (continued over `#` lines ending in a backslash)."""
+    words: list[str] = []
+    text = (DEPLOY / name).read_text()
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        body = line.lstrip("# ").split("(")[0].strip()  # not a trailing "(why)"
+        if words or "gateway envoy-config" in body:
+            if not words:
+                body = body[body.index("gateway envoy-config"):]
+            words += body.rstrip("\\").split()
+            if not body.endswith("\\"):
+                break
+    assert words[:2] == ["gateway", "envoy-config"], name
+    return words[2:]
+
+
+def test_the_pods_envoy_is_rendered_to_listen_where_its_service_sends(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """sidecar-with-envoy.yaml's Envoy is reached through its containerPort, from the pod's
+    network: the bootstrap its comment renders must listen there, not on loopback (the
+    renderer's default, 127.0.0.1:10000, which no Service can reach)."""
+    from gateway.cli import main
+
+    name = "sidecar-with-envoy.yaml"
+    assert main(["envoy-config", *_render_command_in(name)]) == 0
+    listener = yaml.safe_load(capsys.readouterr().out)["static_resources"]["listeners"][0]
+    address = listener["address"]["socket_address"]
+    deployment = next(d for d in yaml.safe_load_all((DEPLOY / name).read_text())
+                      if d and d["kind"] == "Deployment")
+    envoy = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "envoy")
+    assert address["port_value"] == envoy["ports"][0]["containerPort"]
+    assert not address["address"].startswith("127."), address
