@@ -143,7 +143,7 @@ async def unpublish(bootstrap: str, spokes: list[str], *,
                 removed.append(spoke)
         star, revision = await _star_above(
             bootstrap, current,
-            [0 if s in already and s in star_after else _revision(held[s]) for s in spokes],
+            [_held_revision(held[s], s in already and s in star_after) for s in spokes],
             idempotence, replication)
     except GatewayError as exc:  # Kafka away part way (or `*` not publishable again)
         raise PartlyUnpublished(removed, [s for s in spokes if s not in removed], exc
@@ -180,15 +180,19 @@ def _written_after(records: list[feed.Record], key: str) -> set[str]:
     return {k for k, i in last.items() if i < at}
 
 
-def _revision(value: bytes | None) -> int:
-    """An entry's revision; an unreadable one's, or one compacted away (None), counts as
-    above everything (its spoke may hold anything)."""
-    if value is None:
-        return feed.MAX_REVISION
-    try:
-        return feed.parse_value(value).revision
-    except feed.FeedValueError:
-        return feed.MAX_REVISION
+def _held_revision(value: bytes | None, star_after: bool) -> int:
+    """What a removed entry's spoke held: its last value's revision. Unknown (compacted
+    away, None, or no readable revision), its spoke may hold anything: above everything,
+    unless `star_after` (`*` written after its tombstone, so above what the feed and the
+    instances then said: 0). A value still known is used whatever `*`'s place: a `*` after
+    the tombstone can still be below it (numbered by a publish that read the feed before
+    that value landed, the value numbered above it from what the instances reported)."""
+    if value is not None:
+        try:
+            return feed.parse_value(value).revision
+        except feed.FeedValueError:
+            pass
+    return 0 if star_after else feed.MAX_REVISION
 
 
 async def _highest_reported(bootstrap: str) -> int:
