@@ -243,7 +243,8 @@ def key_rows(doc: PolicyDoc, now: datetime | None = None) -> list[dict[str, Any]
             "expires_at": utc_text(k.expires_at) if k.expires_at else "",
             # an old secret (`keys rotate`) still valid until then; never the secret
             "old_secret_until": utc_text(ends[-1]) if (ends := k.old_secrets_end(now)) else "",
-            # the InferenceObjective that applies and whose it is ("key", "team"); "" if none
-            "inference_objective": objective, "inference_objective_from": source,
+            # the InferenceObjective that applies and whose it is ("key", "team"); null if
+            # none, as `keys show` says it (the same fields, one spelling of "none")
+            "inference_objective": objective or None, "inference_objective_from": source or None,
         })
     return rows
