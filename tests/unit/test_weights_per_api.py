@@ -18,10 +18,15 @@ restart's re-settlement count as the sweep charged it.
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Any
 
+import orjson
 import pytest
 import test_metering_parity as parity
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.hub.quota_ledger import QuotaLedger
 from gateway.limits import memory, redis_store
@@ -156,3 +161,74 @@ def test_the_stored_checkpoint_reads_back_with_its_cache_counts() -> None:
     assert billing.progress(Usage(10, 7, 17, 2, 0, 3), W) == (10, 7, 37, 2, 3)
     assert billing.progress(Usage(10, 7, 17), W) == (10, 7, 38)  # the format of before
     assert billing.progress(Usage(10, 7, 17, 2, 0, 3), None) == (10, 7)
+
+
+# --- any counts, each API: both sources, the docs' formula in exact fractions -------------
+
+def _exact(prompt: int, cached: int, created: int, completion: int) -> int:
+    """docs/policy.md's formula in fractions (not the gateway's floats)."""
+    w = [Fraction(str(x)) for x in (W.input, W.cached_input, W.cache_creation, W.output)]
+    return math.ceil(w[0] * max(0, prompt - cached - created) + w[1] * cached
+                     + w[2] * created + w[3] * completion)
+
+
+def _api_case(api: str, inp: int, read: int, made: int, out: int) -> parity.Case:
+    """One answer of `api` reporting these counts, as that API means them: `inp` the
+    uncached input (OpenAI's prompt then counts `inp + read`; Anthropic's input_tokens is
+    `inp` and the cache counts add to it)."""
+    if api == "chat":
+        u = {"prompt_tokens": inp + read, "completion_tokens": out,
+             "total_tokens": inp + read + out, "prompt_tokens_details": {"cached_tokens": read}}
+        return parity.Case(api, parity.CHAT, [parity.chat("a", u=None), parity.usage_only(u),
+                                              parity.DONE], "completed", "reported")
+    if api == "responses":
+        done = {"type": "response.completed", "response": {"id": "r", "model": "m", "usage": {
+            "input_tokens": inp + read, "input_tokens_details": {"cached_tokens": read},
+            "output_tokens": out, "total_tokens": inp + read + out}}}
+        return parity.Case(api, parity.RESPONSES, [parity.named("response.completed", done)],
+                           "completed", "reported")
+    usage = {"input_tokens": inp, "cache_read_input_tokens": read,
+             "cache_creation_input_tokens": made}
+    if api == "messages-json":
+        return parity.Case(api, parity.MESSAGES, [orjson.dumps({
+            "id": "m", "type": "message", "model": "m", "content": [],
+            "usage": {**usage, "output_tokens": out}})], "completed", "reported",
+            content_type=parity.JSON)
+    return parity.Case(api, parity.MESSAGES, [
+        parity.named("message_start", {"type": "message_start", "message": {
+            "id": "m", "model": "m", "usage": {**usage, "output_tokens": 1}}}),
+        parity.named("message_delta", {"type": "message_delta", "delta": {}, "usage": (
+            {**usage, "output_tokens": out} if api == "messages-cumulative"
+            else {"output_tokens": out})}),
+        parity.named("message_stop", {"type": "message_stop"})], "completed", "reported")
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["chat", "responses", "messages", "messages-cumulative",
+                        "messages-json"]),
+       st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6),
+       st.integers(0, 10**5))
+def test_any_counts_weigh_alike_on_both_sources(api: str, inp: int, read: int, made: int,
+                                                out: int) -> None:
+    made = made if api.startswith("messages") else 0  # OpenAI's APIs have no cache writes
+    case = _api_case(api, inp, read, made, out)
+    chunks = parity.pieces(case, None)
+    x_req, x_resp = parity.via_ext_proc(case, chunks)  # weighted: the autouse fixture
+    e_req, e_resp = parity.via_envoy(case, chunks)
+    assert x_req.weights == e_req.weights == W
+    for req, resp in ((x_req, x_resp), (e_req, e_resp)):
+        u = billing.settle(req, parity.timeless(resp)).usage
+        assert (u.prompt_tokens, u.cached_tokens, u.cache_creation_tokens,
+                u.completion_tokens) == (inp + read + made, read, made, out)
+        assert limit_tokens(u, W) == _exact(inp + read + made, read, made, out)
+
+
+def test_an_engine_reporting_more_cached_than_prompt_tokens_weighs_alike_on_both() -> None:
+    """The uncached part is never below 0 (tests/unit/test_token_weights.py), on either
+    source: 30 cached of a 10-token prompt count 0.1 x 30, nothing negative."""
+    u = {"prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10,
+         "prompt_tokens_details": {"cached_tokens": 30}}
+    case = parity.Case("quirk", parity.CHAT, [parity.chat("a", u=None), parity.usage_only(u),
+                                              parity.DONE], "completed", "reported")
+    for req, resp in _both(case):
+        assert limit_tokens(billing.settle(req, resp).usage, W) == 3
