@@ -346,7 +346,8 @@ class MemoryLimiter(Limiter, AllowanceStore):
             # its weighted count when it has one (sweep.lua's third field), else its tokens
             charged = (ck[2] if len(ck) > 2 else ck[0] + ck[1]) if ck else 0
             self._settle(rid, charged)
-            out.append(Orphan(rid, held.meta, charged, (ck[0], ck[1]) if ck else None))
+            out.append(Orphan(rid, held.meta, charged, (ck[0], ck[1]) if ck else None,
+                              (ck[3], ck[4]) if ck and len(ck) > 4 else (0, 0)))
         return out
 
     async def ping(self) -> bool:

@@ -270,7 +270,8 @@ class RedisLimiter(Limiter):
         # A ticket nobody took (its sidecar died holding it) is freed with no event: no
         # request existed.
         return [Orphan(str(dec[i]), str(dec[i + 1]), max(0, int(dec[i + 2])),
-                       _checkpoint(dec[i + 3]), lost=int(dec[i + 2]) < 0)
+                       _checkpoint(dec[i + 3]), _cache(dec[i + 3]),
+                       lost=int(dec[i + 2]) < 0)
                 for i in range(0, len(dec), 4) if not str(dec[i]).startswith(TICKET)]
 
     async def counters(self, tier_key: str, now: float) -> Counters:
@@ -313,12 +314,20 @@ class RedisLimiter(Limiter):
 
 
 def _checkpoint(raw: object) -> tuple[int, int] | None:
-    """A checkpoint's (prompt, completion), "prompt:completion[:weighted]" as renew.lua
-    stored it (the weighted count is sweep.lua's, for `charged`)."""
-    prompt, sep, rest = str(raw or "").partition(":")
-    completion, _, weighted = rest.partition(":")
-    return (int(prompt), int(completion)) if sep and prompt.isdigit() and completion.isdigit() \
-        and (not weighted or weighted.isdigit()) else None
+    """A checkpoint's (prompt, completion), "prompt:completion[:weighted[:cached:created]]"
+    as renew.lua stored it (the weighted count is sweep.lua's, for `charged`)."""
+    parts = str(raw or "").split(":")
+    if len(parts) not in (2, 3, 5) or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def _cache(raw: object) -> tuple[int, int]:
+    """A weighted checkpoint's (cached, cache-creation) prompt tokens; (0, 0) if none."""
+    parts = str(raw or "").split(":")
+    if len(parts) == 5 and all(p.isdigit() for p in parts):
+        return int(parts[3]), int(parts[4])
+    return 0, 0
 
 
 def _held(allowance: Any) -> float | None:

@@ -3,8 +3,8 @@
 -- Returns the ids that hold nothing any more (settled, possibly by another instance that
 -- received their end): the caller stops renewing them.
 -- A request id may carry its usage so far, "rid\31prompt:completion", or, for a model with
--- token weights, "rid\31prompt:completion:weighted": the checkpoint an orphan sweep bills
--- if the sidecar following the stream dies (sweep.lua).
+-- token weights, "rid\31prompt:completion:weighted[:cached:created]": the checkpoint an
+-- orphan sweep bills if the sidecar following the stream dies (sweep.lua).
 -- ARGV[1] now_ms  ARGV[2] lease_ttl_ms  ARGV[3] record_ttl_ms  ARGV[4..] request ids
 local now, ttl, rec_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local gone = {}

@@ -8,8 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-# (prompt, completion[, weighted]) tokens so far: gateway/limits/types.py Checkpoint
-Progress = Callable[[], tuple[int, int] | tuple[int, int, int] | None]
+# (prompt, completion[, weighted[, cached, created]]) tokens so far:
+# gateway/limits/types.py Checkpoint
+Progress = Callable[[], tuple[int, int] | tuple[int, int, int]
+                    | tuple[int, int, int, int, int] | None]
 
 
 class Stage(Enum):

@@ -17,8 +17,12 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT'
       for zk in string.gmatch(rec[2] or '', '[^\n]+') do redis.call('ZREM', zk, rid) end
       local charged = 0
       -- "prompt:completion", and ":weighted" for a model with token weights: its limits
-      -- are charged the weighted count (gateway/token_weights.py)
+      -- are charged the weighted count (gateway/token_weights.py); then ":cached:created"
+      -- when its prompt has any (for the orphan's event: gateway/metering/billing.py)
       local p, c, w = string.match(rec[5] or '', '^(%d+):(%d+):?(%d*)$')
+      if not p then
+        p, c, w = string.match(rec[5] or '', '^(%d+):(%d+):(%d+):%d+:%d+$')
+      end
       if p then
         if w ~= '' then charged = tonumber(w) else charged = tonumber(p) + tonumber(c) end
       end

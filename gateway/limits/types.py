@@ -42,8 +42,10 @@ class AdmitRequest:
 
 # A request's usage so far, checkpointed with its lease (the orphan sweep bills it):
 # (prompt, completion) tokens, and, for a model with token weights only, the weighted count
-# its token limits are charged (gateway/token_weights.py); without it, prompt + completion.
-Checkpoint = tuple[int, int] | tuple[int, int, int]
+# its token limits are charged (gateway/token_weights.py), then, when it has any, the
+# prompt's cached and cache-creation tokens (so an orphan's event counts what the sweep
+# charged); without weights, prompt + completion.
+Checkpoint = tuple[int, int] | tuple[int, int, int] | tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class Orphan:
     meta: str
     charged: int
     checkpoint: tuple[int, int] | None = None  # (prompt, completion) seen at the last renewal
+    cache: tuple[int, int] = (0, 0)  # (cached, cache-creation) of that prompt (weighted only)
     lost: bool = False  # its record expired before any sweep: nothing to bill it from
 
 

@@ -77,9 +77,13 @@ def checkpoint(request: RequestFacts, response: ResponseFacts) -> Checkpoint | N
 def progress(u: Usage, weights: TokenWeights | None) -> Checkpoint:
     """A checkpoint of usage so far: (prompt, completion), and the count the token limits
     are charged (limit_tokens) only when the model has weights (the default checkpoint is
-    what it always was)."""
+    what it always was), then the prompt's cached and cache-creation tokens when it has
+    any: an orphan's event carries them, so it counts what the sweep charged."""
     if weights is None:
         return u.prompt_tokens, u.completion_tokens
+    if u.cached_tokens or u.cache_creation_tokens:
+        return (u.prompt_tokens, u.completion_tokens, limit_tokens(u, weights),
+                u.cached_tokens, u.cache_creation_tokens)
     return u.prompt_tokens, u.completion_tokens, limit_tokens(u, weights)
 
 
@@ -106,17 +110,18 @@ def settle(request: RequestFacts, response: ResponseFacts) -> Billed:
 
 
 def orphaned(request: RequestFacts, checkpoint: tuple[int, int] | None,
-             charged: int) -> Billed:
+             charged: int, cache: tuple[int, int] = (0, 0)) -> Billed:
     """A request whose sidecar died mid-request: no response facts, only what its admission
     stored. Billed what its stream had used at its last lease renewal (`checkpoint`: raw
     tokens; its limits were charged `charged`, weighted for a model with weights), else
     `charged`: what the sweep left charged to its quotas, 0 without a checkpoint (sweep.lua:
-    the platform lost track of it, so only what was seen is billed)."""
+    the platform lost track of it, so only what was seen is billed). `cache`: the
+    checkpoint's (cached, cache-creation) prompt tokens (a weighted model's)."""
     if not billed(request.endpoint):
         return Billed("upstream_error", 0, Usage(), "reported")
     if checkpoint is not None:
         prompt, completion = checkpoint
-        return Billed("upstream_error", 0, Usage(prompt, completion, prompt + completion),
-                      "checkpoint")
+        return Billed("upstream_error", 0, Usage(prompt, completion, prompt + completion,
+                                                 cache[0], 0, cache[1]), "checkpoint")
     return Billed("upstream_error", 0, Usage(prompt_tokens=charged, total_tokens=charged),
                   "estimated")

@@ -110,7 +110,7 @@ class Recorder:
         log.warning("orphaned_request", request_id=o.request_id, key_id=facts.key_id,
                     charged=o.charged, checkpoint=o.checkpoint)
         now = time.time()
-        return self.emit(facts, orphaned(facts, o.checkpoint, o.charged), now, now)
+        return self.emit(facts, orphaned(facts, o.checkpoint, o.charged, o.cache), now, now)
 
     def _settlement(self, facts: RequestFacts, tokens: int) -> Callable[[], None] | None:
         if not facts.leased:

@@ -70,15 +70,19 @@ async def test_a_weighted_orphan_is_charged_its_weighted_checkpoint(limiter: Lim
     assert isinstance(await limiter.admit(AdmitRequest("wo1", (key,), 600, T0, meta=META)),
                       Admitted)
     ck = billing.checkpoint(_facts(W), ResponseFacts(status=200, usage=USED))
-    assert ck == (100, 7, 94)
+    assert ck == (100, 7, 94, 40, 8)  # and the prompt's cache counts, for its event
     await limiter.renew(["wo1"], T0 + 10, {"wo1": ck})
     [orphan] = await limiter.sweep(T0 + 91)
     # the counters are charged 94; the event bills the raw tokens
     assert (orphan.request_id, orphan.charged, orphan.checkpoint) == ("wo1", 94, (100, 7))
+    assert orphan.cache == (40, 8)
     b = billing.orphaned(handoff.orphan_facts(orphan.request_id, orphan.meta),
-                         orphan.checkpoint, orphan.charged)
+                         orphan.checkpoint, orphan.charged, orphan.cache)
     assert (b.usage.prompt_tokens, b.usage.completion_tokens, b.usage.total_tokens) == (
         100, 7, 107)
+    # with its cache counts: the event counts (hub ledger, re-settlement) what was charged
+    assert (b.usage.cached_tokens, b.usage.cache_creation_tokens) == (40, 8)
+    assert limit_tokens(b.usage, W) == orphan.charged
     assert await _left(limiter, "wo", T0 + 92) == 1000 - 94
 
 
@@ -95,15 +99,17 @@ async def test_an_unweighted_orphan_is_charged_as_before(limiter: Limiter) -> No
 
 
 async def test_the_stored_checkpoint_is_byte_identical_without_weights(redis_url: str) -> None:
-    """What renew.lua stores: "prompt:completion" as before, a third field only weighted."""
+    """What renew.lua stores: "prompt:completion" as before, a third field only weighted,
+    and the prompt's cached and cache-creation tokens after it when it has any."""
     lim = RedisLimiter(RespClient(redis_url), lease_ttl=60, deadline=SLACK)
     r = aioredis.Redis.from_url(redis_url)
     try:
-        for rid, weights, stored in (("ck-plain", None, b"100:7"),
-                                     ("ck-weighted", W, b"100:7:94")):
+        for rid, weights, used, stored in (("ck-plain", None, USED, b"100:7"),
+                                           ("ck-weighted", W, Usage(100, 7, 107), b"100:7:128"),
+                                           ("ck-cached", W, USED, b"100:7:94:40:8")):
             assert isinstance(await lim.admit(AdmitRequest(rid, (_tier(rid),), 600, T0,
                                                            meta=META)), Admitted)
-            ck = billing.checkpoint(_facts(weights), ResponseFacts(status=200, usage=USED))
+            ck = billing.checkpoint(_facts(weights), ResponseFacts(status=200, usage=used))
             assert ck is not None
             await lim.renew([rid], T0 + 10, {rid: ck})
             assert await r.hget(f"gw:req:{rid}", "u") == stored

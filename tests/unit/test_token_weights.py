@@ -170,7 +170,7 @@ def test_the_weights_reach_metering_through_the_metadata() -> None:
 def test_checkpoints_carry_the_weighted_count_only_for_a_weighted_model() -> None:
     reported = ResponseFacts(status=200, usage=usage(100, 7, cached=40, created=8))
     assert billing.checkpoint(_facts(None), reported) == (100, 7)  # the format of before
-    assert billing.checkpoint(_facts(W), reported) == (100, 7, 94)
+    assert billing.checkpoint(_facts(W), reported) == (100, 7, 94, 40, 8)  # + its cache
     meter = Meter("/v1/chat/completions", True, prompt_estimate=100, weights=W)
     meter.response_headers(200, "text/event-stream")
     meter.chunk(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', False)
