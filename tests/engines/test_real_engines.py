@@ -335,7 +335,7 @@ def test_concurrent_streams_each_bill_their_own(rig: Rig) -> None:
     def one(n: int) -> tuple[str, Any]:
         body = {**CHAT, "max_tokens": 20 + n, "stream_options": {"include_usage": True}}
         r, seen = stream(rig, "/v1/chat/completions", body)
-        assert r.status_code == 200
+        assert r.status_code == 200, (r.headers, r.content[:400])  # a 503 says whose
         return rid(r), stream_usage(seen)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
