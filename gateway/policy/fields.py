@@ -195,12 +195,12 @@ PositiveCount = Annotated[int, Field(ge=1, le=MAX_COUNT), _COUNT, _number_schema
     {"type": "integer", "minimum": 1, "maximum": MAX_COUNT}, _POSITIVE_COUNT_TEXT)]  # a revision
 
 # An instant with its offset, as pydantic reads one: RFC 3339 (`2026-01-01T00:00:00Z`), and
-# what pydantic reads besides: a space or `t` for `T`, no seconds, `+0100`, a Unix time in
+# what pydantic reads besides: a space, `_` or `t` for `T`, no seconds, `+0100`, a Unix time in
 # seconds (a number, or its digits as text). Not in the pattern: a day past its month's end.
 _DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
 _TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:[.,][0-9]+)?)?"
 _OFFSET = "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):?[0-5][0-9])"
-TIMESTAMP_PATTERN = f"^{_DATE}[Tt ]{_TIME}{_OFFSET}$"
+TIMESTAMP_PATTERN = f"^{_DATE}[Tt _]{_TIME}{_OFFSET}$"
 Timestamp = Annotated[AwareDatetime, WithJsonSchema({
     "anyOf": [{"type": "string", "pattern": TIMESTAMP_PATTERN},
               {"type": "number"}, {"type": "string", "pattern": "^[-+]?[0-9]+(?:\\.[0-9]+)?$"}],

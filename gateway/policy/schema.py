@@ -179,8 +179,8 @@ Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 # What `_canonical` refuses that a pattern can see: not absolute, a query or fragment, a
 # %-escape, a backslash, '//', a '.' or '..' segment, a control character.
-CANONICAL_PATH_PATTERN = (r"^/(?!.*//)(?!.*/\.\.?(?:/|$))(?!.*%[0-9A-Fa-f]{2})"
-                          r"[^?#\\\x00-\x1f\x7f]*$")
+CANONICAL_PATH_PATTERN = (r"^(?!.*//)(?!.*/\.\.?(?:/|$))(?!.*%[0-9A-Fa-f]{2})"
+                          r"/[^?#\\\x00-\x1f\x7f]*$")
 
 
 def _canonical(path: str) -> str:
