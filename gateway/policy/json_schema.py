@@ -28,7 +28,8 @@ DESCRIPTION = (
     "checked for their sign and, in whole-number fields, for a fraction, not against the "
     "range; an instant's day is not checked against its month's length; YAML 1.1's own "
     "readings (`010` octal, `1:30` base 60, a key `on` or `no`) are refused by the loader "
-    "only. A document this schema refuses, the loader refuses too.")
+    "only. A document this schema refuses, the loader refuses too (but for a number spelled in "
+    "non-ASCII digits, which the loader reads).")
 
 
 class _PolicySchema(GenerateJsonSchema):
