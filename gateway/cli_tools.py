@@ -39,7 +39,12 @@ from gateway.key_commands import (
     objective_flag,
     whole_limit,
 )
-from gateway.policy_commands import cmd_policy_apply, cmd_policy_show, cmd_policy_status
+from gateway.policy_commands import (
+    cmd_policy_apply,
+    cmd_policy_schema,
+    cmd_policy_show,
+    cmd_policy_status,
+)
 
 
 def _float(text: str) -> float:
@@ -82,7 +87,7 @@ def _admin_unset() -> Any:
 
 def add_tools(sub: Any) -> None:
     """The policy, hub, keys and usage commands, on `gateway`'s subparsers."""
-    pol = sub.add_parser("policy", help="apply / show / status / sync").add_subparsers(
+    pol = sub.add_parser("policy", help="apply / show / status / sync / schema").add_subparsers(
         dest="sub", required=True)
     p = pol.add_parser("apply", help="validate and publish a new revision")
     p.add_argument("--dry-run", dest="dry_run", action="store_true",
@@ -116,6 +121,9 @@ def add_tools(sub: Any) -> None:
                         "$GATEWAY_KAFKA_BOOTSTRAP)")
     store_flags(p)
     p.set_defaults(fn=cmd_policy_sync)
+    p = pol.add_parser("schema", help="print the policy document's JSON Schema (draft "
+                                      "2020-12), for editors and CI; reads no store")
+    p.set_defaults(fn=cmd_policy_schema)
 
     hub = sub.add_parser(
         "hub", help="the hub's side: publish / unpublish / status / forget / allocate"

@@ -1,6 +1,7 @@
 """`gateway policy apply|show|status`: the operator's commands on a spoke's policy (its
-Redis, or the embedded mode's file); what `gateway keys ...` shares with them (the store
-from the settings, an async call run, the revision read: gateway/key_commands.py)."""
+Redis, or the embedded mode's file), and `policy schema`, the document's JSON Schema; what
+`gateway keys ...` shares with them (the store from the settings, an async call run, the
+revision read: gateway/key_commands.py)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,14 @@ def cmd_policy_show(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(dump_json(doc, rev) + b"\n")
     else:
         sys.stdout.write(dump_yaml(doc, rev))
+    return 0
+
+
+def cmd_policy_schema(args: argparse.Namespace) -> int:
+    """The policy document's JSON Schema, for an editor's modeline or a CI check before
+    `policy apply` / `hub publish`; reads no store (docs/policy.schema.json is its output)."""
+    from gateway.policy.json_schema import policy_json_schema_text
+    sys.stdout.write(policy_json_schema_text())
     return 0
 
 

@@ -9,7 +9,14 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated
 
-from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BeforeValidator,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+)
 
 from gateway.policy.secrets import KEY_ID_PATTERN, KEY_ID_RULE
 
@@ -23,7 +30,8 @@ def _key_id(value: str) -> str:
     return value
 
 
-KeyId = Annotated[str, AfterValidator(_key_id)]
+KeyId = Annotated[str, AfterValidator(_key_id),
+                  WithJsonSchema({"type": "string", "pattern": KEY_ID_PATTERN})]
 
 # A Kubernetes object name (DNS-1123 subdomain), as an InferenceObjective resource's is.
 _DNS1123_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
@@ -46,7 +54,8 @@ def objective_name(value: str) -> str:
 
 # The name of a Gateway API Inference Extension InferenceObjective: sent to the engine's
 # endpoint picker as x-gateway-inference-objective, which resolves it to a priority.
-ObjectiveName = Annotated[str, AfterValidator(objective_name)]
+ObjectiveName = Annotated[str, AfterValidator(objective_name), WithJsonSchema(
+    {"type": "string", "maxLength": 253, "pattern": f"^{_DNS1123_SUBDOMAIN.pattern}$"})]
 Sha256Hex = Annotated[
     str, StringConstraints(pattern=r"^[0-9a-fA-F]{64}$"), AfterValidator(str.lower)]
 Glob = Annotated[str, StringConstraints(min_length=1, max_length=256)]
@@ -139,10 +148,67 @@ def read_number(text: str) -> int | float:
     return int(number) if number == number.to_integral_value() else float(number)
 
 
+# What `gateway policy schema` says each number accepts (gateway/policy/json_schema.py): a
+# JSON/YAML number in the field's range, or text `read_number` reads (YAML 1.1 reads `1e6`
+# as text). The text's value is not compared with the range: only its sign, whether it is
+# 0, and (without an exponent) whether it has a fraction are in the pattern.
+_U = "_*"  # Decimal drops every '_' of the stripped text: `1_000`, even `_1` and `1__0`
+_DIGIT = "[0-9]_*"
+_ZERO = "0_*"
+_EXP = f"[eE]{_U}[-+]?{_U}(?:{_DIGIT})+"
+
+
+def _mantissa(digit: str) -> str:
+    return f"(?:(?:{digit})+(?:\\.{_U}(?:{digit})*)?|\\.{_U}(?:{digit})+)"
+
+
+def _text(*bodies: str, nonzero: bool = False) -> dict[str, str]:
+    ahead = "(?=[^eE]*[1-9])" if nonzero else ""  # a non-zero digit before any exponent
+    return {"type": "string", "pattern": f"^\\s*{ahead}(?:{'|'.join(bodies)})\\s*$"}
+
+
+_ANY = f"{_mantissa(_DIGIT)}(?:{_EXP})?"
+_PLUS = f"{_U}\\+?{_U}"  # no sign, or +
+_NEG_ZERO = f"{_U}-{_U}{_mantissa(_ZERO)}(?:{_EXP})?"  # -0 is 0
+_WHOLE = f"(?:(?:{_DIGIT})+(?:\\.{_U}(?:{_ZERO})*)?|\\.{_U}(?:{_ZERO})+)"  # no fraction
+_NONNEG_TEXT = _text(_PLUS + _ANY, _NEG_ZERO)
+_POSITIVE_TEXT = _text(_PLUS + _ANY, nonzero=True)
+_COUNT_TEXT = _text(f"{_PLUS}(?:{_WHOLE}|{_mantissa(_DIGIT)}{_EXP})", _NEG_ZERO)
+_POSITIVE_COUNT_TEXT = _text(f"{_PLUS}(?:{_WHOLE}|{_mantissa(_DIGIT)}{_EXP})", nonzero=True)
+
+
+def _number_schema(number: dict[str, object], text: dict[str, str]) -> WithJsonSchema:
+    return WithJsonSchema({"anyOf": [number, text]})
+
+
 _NUMBER = BeforeValidator(_a_number)
 _COUNT = BeforeValidator(_a_count)
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _COUNT]
-Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER]
-PerMillion = Annotated[float, Field(ge=0, allow_inf_nan=False), _NUMBER]
-Weight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False), _NUMBER]
-PositiveCount = Annotated[int, Field(ge=1, le=MAX_COUNT), _COUNT]  # a burst, a revision
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), _COUNT, _number_schema(
+    {"type": "integer", "minimum": 0, "maximum": MAX_COUNT}, _COUNT_TEXT)]
+Rate = Annotated[float, Field(gt=0, le=MAX_COUNT, allow_inf_nan=False), _NUMBER, _number_schema(
+    {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_COUNT}, _POSITIVE_TEXT)]
+PerMillion = Annotated[float, Field(ge=0, allow_inf_nan=False), _NUMBER, _number_schema(
+    {"type": "number", "minimum": 0}, _NONNEG_TEXT)]
+Weight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False), _NUMBER, _number_schema(
+    {"type": "number", "minimum": 0, "maximum": 1000}, _NONNEG_TEXT)]
+PositiveCount = Annotated[int, Field(ge=1, le=MAX_COUNT), _COUNT, _number_schema(  # a burst,
+    {"type": "integer", "minimum": 1, "maximum": MAX_COUNT}, _POSITIVE_COUNT_TEXT)]  # a revision
+
+# An instant with its offset, as pydantic reads one: RFC 3339 (`2026-01-01T00:00:00Z`), and
+# what pydantic reads besides: a space, `_` or `t` for `T`, no seconds, `+0100`, a Unix time in
+# seconds (a number, or its digits as text). Not in the pattern: a day past its month's end.
+_DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:[.,][0-9]+)?)?"
+_OFFSET = "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):?[0-5][0-9])"
+TIMESTAMP_PATTERN = f"^{_DATE}[Tt _]{_TIME}{_OFFSET}$"
+Timestamp = Annotated[AwareDatetime, WithJsonSchema({
+    "anyOf": [{"type": "string", "pattern": TIMESTAMP_PATTERN},
+              {"type": "number"}, {"type": "string", "pattern": "^[-+]?[0-9]+(?:\\.[0-9]+)?$"}],
+    "description": "an instant with its offset, RFC 3339: 2026-01-01T00:00:00Z"})]
+
+# pydantic's lax bool: YAML 1.2 (an editor's) reads `yes` as text, which the loader takes.
+_BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "t", "f", "y", "n", "1", "0")
+_ANY_CASE = "|".join("".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in w)
+                     for w in _BOOL_WORDS)
+Flag = Annotated[bool, WithJsonSchema({"anyOf": [
+    {"type": "boolean"}, {"enum": [0, 1]}, {"type": "string", "pattern": f"^(?:{_ANY_CASE})$"}]})]

@@ -13,11 +13,11 @@ from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
-    AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
     StringConstraints,
+    WithJsonSchema,
     model_validator,
 )
 
@@ -25,6 +25,7 @@ from gateway.errors import PathError
 from gateway.policy.billing_rules import DEFAULT_CANCEL_RULE, CancelRule
 from gateway.policy.fields import (
     Count,
+    Flag,
     Glob,
     KeyId,
     Name,
@@ -33,6 +34,7 @@ from gateway.policy.fields import (
     PositiveCount,
     Rate,
     Sha256Hex,
+    Timestamp,
     Weight,
 )
 from gateway.routes import canonical_path
@@ -87,7 +89,7 @@ class Price(_Strict):
     """A model's prices per million tokens from `effective` on (until the next entry's), in
     the price table's currency. Cached input and cache creation default to `input`."""
 
-    effective: AwareDatetime
+    effective: Timestamp
     input: PerMillion
     cached_input: PerMillion | None = None
     cache_creation: PerMillion | None = None
@@ -136,7 +138,7 @@ class PreviousSecret(_Strict):
     limits, counters and events), until `until` (and never past the key's own expiry)."""
 
     sha256: Sha256Hex
-    until: AwareDatetime
+    until: Timestamp
 
 
 class KeyPolicy(_Strict):
@@ -146,8 +148,8 @@ class KeyPolicy(_Strict):
     models: list[Glob] | None = None
     limits: Limits = Limits()
     global_limits: GlobalLimits = GlobalLimits()
-    expires_at: AwareDatetime | None = None
-    disabled: bool = False
+    expires_at: Timestamp | None = None
+    disabled: Flag = False
     inference_objective: ObjectiveName | None = None  # wins over its team's
 
     def objective(self, team: TeamPolicy | None) -> tuple[str, str]:
@@ -175,6 +177,12 @@ class KeyPolicy(_Strict):
 Method = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
+# What `_canonical` refuses that a pattern can see: not absolute, a query or fragment, a
+# %-escape, a backslash, '//', a '.' or '..' segment, a control character.
+CANONICAL_PATH_PATTERN = (r"^(?!.*//)(?!.*/\.\.?(?:/|$))(?!.*%[0-9A-Fa-f]{2})"
+                          r"/[^?#\\\x00-\x1f\x7f]*$")
+
+
 def _canonical(path: str) -> str:
     try:
         canonical = canonical_path(path)
@@ -191,7 +199,9 @@ class PassThroughPolicy(_Strict):
     """A non-inference path the engine serves and keys may reach (e.g. a tokenizer)."""
 
     path: Annotated[str, StringConstraints(min_length=1, max_length=256),
-                    AfterValidator(_canonical)]
+                    AfterValidator(_canonical), WithJsonSchema(
+                        {"type": "string", "minLength": 1, "maxLength": 256,
+                         "pattern": CANONICAL_PATH_PATTERN})]
     methods: list[Method] = Field(default_factory=lambda: list[Method](["GET"]), min_length=1)
 
 
