@@ -41,6 +41,7 @@ from gateway.key_commands import (
 )
 from gateway.policy_commands import (
     cmd_policy_apply,
+    cmd_policy_check,
     cmd_policy_schema,
     cmd_policy_show,
     cmd_policy_status,
@@ -124,6 +125,11 @@ def add_tools(sub: Any) -> None:
     p = pol.add_parser("schema", help="print the policy document's JSON Schema (draft "
                                       "2020-12), for editors and CI; reads no store")
     p.set_defaults(fn=cmd_policy_schema)
+    p = pol.add_parser("check", help="validate policy documents offline, as apply and hub "
+                                     "publish do; reads no store (exit 2 if any is invalid)")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="YAML or JSON policy document; - reads stdin")
+    p.set_defaults(fn=cmd_policy_check)
 
     hub = sub.add_parser(
         "hub", help="the hub's side: publish / unpublish / status / forget / allocate"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,35 @@ def cmd_policy_schema(args: argparse.Namespace) -> int:
     from gateway.policy.json_schema import policy_json_schema_text
     sys.stdout.write(policy_json_schema_text())
     return 0
+
+
+def cmd_policy_check(args: argparse.Namespace) -> int:
+    """Validate documents offline, as `policy apply` and `hub publish` do (each field, and
+    what spans fields), without a store: for CI and a hub's tooling. Prints one line a
+    valid file and its warnings; exit 2 if any file is invalid or unreadable."""
+    from gateway.policy.loader import load
+    bad = 0
+    for name in args.files:
+        try:
+            text = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
+        except OSError as exc:
+            print(f"{name}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+            bad += 1
+            continue
+        try:
+            policy = load(text, source=name)  # compiled too: what a sidecar would serve
+        except PolicyError as err:
+            print(f"{name}: invalid:", file=sys.stderr)
+            for p in err.problems:  # a YAML syntax error's text spans lines: keep them under it
+                print(textwrap.indent(p, "  "), file=sys.stderr)
+            bad += 1
+            continue
+        doc = policy.doc
+        warn(tuple(f"{name}: {w}" for w in doc.acl_warnings()))
+        counts = ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in (
+            (len(doc.models), "model"), (len(doc.teams), "team"), (len(doc.keys), "key")))
+        print(f"{name}: valid ({counts})")
+    return 2 if bad else 0
 
 
 def run_value(coro: Any) -> Any:

@@ -373,7 +373,7 @@ def test_a_policy_command_with_no_store_named_is_a_usage_error(command: list[str
 
 @pytest.mark.parametrize(("argv", "names"), [
     ([], "{serve,dev,policy,hub,keys,usage,envoy-config}"),
-    (["policy"], "{apply,show,status,sync,schema}"),
+    (["policy"], "{apply,show,status,sync,schema,check}"),
     (["keys"], "{create,mint,list,show,revoke,rotate,enable,update}"),
     (["usage"], "{tail,consume,report,reconcile}"),
 ])
