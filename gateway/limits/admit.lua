@@ -286,8 +286,9 @@ for r = 1, n do
     end
     if #leases > 0 or #toks > 0 then
       local rk = 'gw:req:' .. rid
+      -- a: when it was admitted (now_ms, its batch's), its orphan event's start (sweep.lua)
       redis.call('HSET', rk, 'r', reserve, 'c', table.concat(leases, '\n'),
-                 't', table.concat(toks, '\n'), 'm', meta)
+                 't', table.concat(toks, '\n'), 'm', meta, 'a', ARGV[1])
       redis.call('PEXPIRE', rk, rec_ttl)
       redis.call('ZADD', 'gw:reqs', now + lease_ttl, rid)  -- live until settled or orphaned
       leased = 1

@@ -4,6 +4,7 @@
 -- admit.lua would have written for the request itself: settle, renew and sweep know it by
 -- its request id like any other admission.
 -- ARGV[1] ticket id  ARGV[2] request id  ARGV[3] the request's reservation  ARGV[4] its meta
+-- ARGV[5] the request's admission time (epoch ms: the record's `a`, as admit.lua writes it)
 -- Returns 1 bound; 0 the ticket is gone (released or swept: nothing to bind); -1 the request
 -- id is already live (the ticket is left for its release).
 local ticket, rid, reserve, meta = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -30,5 +31,5 @@ local live = redis.call('ZSCORE', 'gw:reqs', ticket)
 redis.call('ZREM', 'gw:reqs', ticket)
 if live then redis.call('ZADD', 'gw:reqs', live, rid) end
 redis.call('RENAME', tk, rk)  -- keeps the record's TTL
-redis.call('HSET', rk, 'r', reserve, 'm', meta)
+redis.call('HSET', rk, 'r', reserve, 'm', meta, 'a', ARGV[5])
 return 1

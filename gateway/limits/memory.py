@@ -45,6 +45,7 @@ class _Held:
     meta: str = ""
     until: float = 0.0  # its lease's end: past it, unsettled, the sweep claims it
     checkpoint: Checkpoint | None = None
+    admitted_at: float | None = None  # its admission's time (admit.lua's `a`)
 
 
 @dataclass
@@ -252,7 +253,7 @@ class MemoryLimiter(Limiter, AllowanceStore):
         if leased:
             self.held[req.request_id] = _Held(
                 lease_keys, token_keys, req.reserve, req.meta,
-                req.now + first_lease(self.lease_ttl, self.start_ttl))
+                req.now + first_lease(self.lease_ttl, self.start_ttl), admitted_at=req.now)
         rate = RateInfo(rq.limit, rq.remaining, rq.reset, tk.limit, tk.remaining, tk.reset)
         return Admitted(rate, owes_settlement=leased)
 
@@ -347,7 +348,8 @@ class MemoryLimiter(Limiter, AllowanceStore):
             charged = (ck[2] if len(ck) > 2 else ck[0] + ck[1]) if ck else 0
             self._settle(rid, charged)
             out.append(Orphan(rid, held.meta, charged, (ck[0], ck[1]) if ck else None,
-                              (ck[3], ck[4]) if ck and len(ck) > 4 else (0, 0)))
+                              (ck[3], ck[4]) if ck and len(ck) > 4 else (0, 0),
+                              admitted_at=held.admitted_at))
         return out
 
     async def ping(self) -> bool:

@@ -217,7 +217,8 @@ class RedisLimiter(Limiter):
         the request id is live already. Sent on the connection the ticket's admission and
         the request's later settlement use, so Redis runs them in that order."""
         try:
-            return int(await self._bind(ticket_id, req.request_id, req.reserve, req.meta))
+            return int(await self._bind(ticket_id, req.request_id, req.reserve, req.meta,
+                                        int(req.now * 1000)))
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
 
@@ -246,9 +247,7 @@ class RedisLimiter(Limiter):
         if not request_ids:
             return []
         ck = checkpoints or {}
-        # "rid\x1fprompt:completion", and ":weighted" only for a model with token weights
-        args = [f"{rid}\x1f{':'.join(map(str, ck[rid]))}" if rid in ck else rid
-                for rid in request_ids]
+        args = [f"{rid}\x1f{_renewal(ck[rid])}" if rid in ck else rid for rid in request_ids]
         # At most MAX_BATCH ids a call (~1.5 ms of Redis), each answered before the next is
         # sent: renewing thousands of live streams in one script held Redis past the
         # admission deadline (~6 us an id: 5,000 streams, 31 ms; 50,000, a burst of 503s).
@@ -267,12 +266,12 @@ class RedisLimiter(Limiter):
         except REDIS_ERRORS as exc:
             raise StoreUnavailable(f"redis: {exc}") from exc
         dec = [v.decode() if isinstance(v, bytes) else v for v in flat]
-        # A ticket nobody took (its sidecar died holding it) is freed with no event: no
-        # request existed.
+        # Six a claim (sweep.lua). A ticket nobody took (its sidecar died holding it) is
+        # freed with no event: no request existed.
         return [Orphan(str(dec[i]), str(dec[i + 1]), max(0, int(dec[i + 2])),
-                       _checkpoint(dec[i + 3]), _cache(dec[i + 3]),
-                       lost=int(dec[i + 2]) < 0)
-                for i in range(0, len(dec), 4) if not str(dec[i]).startswith(TICKET)]
+                       _checkpoint(dec[i + 3]), _cache(dec[i + 4]),
+                       lost=int(dec[i + 2]) < 0, admitted_at=_admitted(dec[i + 5]))
+                for i in range(0, len(dec), 6) if not str(dec[i]).startswith(TICKET)]
 
     async def counters(self, tier_key: str, now: float) -> Counters:
         """One tier's counters as admission reads them (for `keys show`; not atomic across
@@ -313,21 +312,41 @@ class RedisLimiter(Limiter):
         await self.redis.close()
 
 
+def _renewal(ck: Checkpoint) -> str:
+    """A checkpoint as renew.lua takes it: "prompt:completion", stored as `u` as it always
+    was; for a model with token weights "prompt:completion:weighted", then, after \x1f, the
+    prompt's "cached:created" tokens ("0:0" for none), stored as `k`. `u` keeps the format
+    every sidecar's sweep.lua reads (an older one sweeps this one's records during an
+    upgrade): what it lacks goes in a field of its own, which an older sweep ignores."""
+    if len(ck) == 2:
+        return f"{ck[0]}:{ck[1]}"
+    cache = f"{ck[3]}:{ck[4]}" if len(ck) == 5 else "0:0"
+    return f"{ck[0]}:{ck[1]}:{ck[2]}\x1f{cache}"
+
+
 def _checkpoint(raw: object) -> tuple[int, int] | None:
-    """A checkpoint's (prompt, completion), "prompt:completion[:weighted[:cached:created]]"
-    as renew.lua stored it (the weighted count is sweep.lua's, for `charged`)."""
+    """A checkpoint's (prompt, completion), `u`: "prompt:completion[:weighted]" as
+    renew.lua stored it (the weighted count is sweep.lua's, for `charged`)."""
     parts = str(raw or "").split(":")
-    if len(parts) not in (2, 3, 5) or not all(p.isdigit() for p in parts):
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
         return None
     return int(parts[0]), int(parts[1])
 
 
 def _cache(raw: object) -> tuple[int, int]:
-    """A weighted checkpoint's (cached, cache-creation) prompt tokens; (0, 0) if none."""
+    """A weighted checkpoint's (cached, cache-creation) prompt tokens, `k`: "cached:created";
+    (0, 0) if none (a record of an older sidecar has no `k`)."""
     parts = str(raw or "").split(":")
-    if len(parts) == 5 and all(p.isdigit() for p in parts):
-        return int(parts[3]), int(parts[4])
+    if len(parts) == 2 and all(p.isdigit() for p in parts):
+        return int(parts[0]), int(parts[1])
     return 0, 0
+
+
+def _admitted(raw: object) -> float | None:
+    """The admission's time (epoch seconds) from `a`, epoch ms; None if the record has
+    none (an older sidecar's)."""
+    text = str(raw or "")
+    return int(text) / 1000 if text.isdigit() else None
 
 
 def _held(allowance: Any) -> float | None:

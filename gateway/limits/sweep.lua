@@ -4,7 +4,12 @@
 -- last checkpoint (renew.lua; its weighted count when it has one), or cancelled when it has
 -- none: the platform lost track of it, so the customer is charged only what was seen. The caller emits its one usage event.
 -- ARGV[1] now_ms  ARGV[2] limit
--- Returns a flat list: rid, meta, charged, checkpoint, rid, meta, charged, checkpoint, ...
+-- Returns a flat list: rid, meta, charged, checkpoint, cache, admitted, then the next one's.
+-- cache: the checkpoint's "cached:created" prompt tokens (`k`: a weighted model's), admitted:
+-- the admission's time, epoch ms (`a`); '' when the record has none (an older sidecar
+-- wrote it). Several sidecar versions share one Redis during an upgrade, each sweeping with
+-- its own copy of this script: a record's fields keep their formats, and new facts go in
+-- new fields, which an older sweep ignores.
 -- A claimed id whose record is gone (it outlived its TTL unswept) comes back with charged
 -- -1: nothing is left to bill it from, and the caller says so.
 local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -12,17 +17,13 @@ local out = {}
 for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT', 0, limit)) do
   if redis.call('ZREM', 'gw:reqs', rid) == 1 then
     local rk = 'gw:req:' .. rid
-    local rec = redis.call('HMGET', rk, 'r', 'c', 't', 'm', 'u')
+    local rec = redis.call('HMGET', rk, 'r', 'c', 't', 'm', 'u', 'k', 'a')
     if rec[1] then
       for zk in string.gmatch(rec[2] or '', '[^\n]+') do redis.call('ZREM', zk, rid) end
       local charged = 0
       -- "prompt:completion", and ":weighted" for a model with token weights: its limits
-      -- are charged the weighted count (gateway/token_weights.py); then ":cached:created"
-      -- when its prompt has any (for the orphan's event: gateway/metering/billing.py)
+      -- are charged the weighted count (gateway/token_weights.py)
       local p, c, w = string.match(rec[5] or '', '^(%d+):(%d+):?(%d*)$')
-      if not p then
-        p, c, w = string.match(rec[5] or '', '^(%d+):(%d+):(%d+):%d+:%d+$')
-      end
       if p then
         if w ~= '' then charged = tonumber(w) else charged = tonumber(p) + tonumber(c) end
       end
@@ -37,10 +38,14 @@ for _, rid in ipairs(redis.call('ZRANGEBYSCORE', 'gw:reqs', '-inf', now, 'LIMIT'
       out[#out + 1] = rec[4] or ''
       out[#out + 1] = charged
       out[#out + 1] = rec[5] or ''
+      out[#out + 1] = rec[6] or ''
+      out[#out + 1] = rec[7] or ''
     else
       out[#out + 1] = rid
       out[#out + 1] = ''
       out[#out + 1] = -1
+      out[#out + 1] = ''
+      out[#out + 1] = ''
       out[#out + 1] = ''
     end
   end

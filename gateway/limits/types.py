@@ -60,6 +60,9 @@ class Orphan:
     checkpoint: tuple[int, int] | None = None  # (prompt, completion) seen at the last renewal
     cache: tuple[int, int] = (0, 0)  # (cached, cache-creation) of that prompt (weighted only)
     lost: bool = False  # its record expired before any sweep: nothing to bill it from
+    # When it was admitted (epoch s): its event's start. None: its record does not say (an
+    # older sidecar wrote it), and its event starts at the sweep's time.
+    admitted_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,8 +109,14 @@ class Recorder:
         metrics.ORPHANS.inc()
         log.warning("orphaned_request", request_id=o.request_id, key_id=facts.key_id,
                     charged=o.charged, checkpoint=o.checkpoint)
+        # It started when it was admitted (priced, and counted in a quota's period, at
+        # that time, as any request), and ends now: the platform held its slot until this
+        # sweep. A record an older sidecar wrote has no admission time: the sweep's time
+        # for both. Never after its end (another instance's clock ahead of this one's).
         now = time.time()
-        return self.emit(facts, orphaned(facts, o.checkpoint, o.charged, o.cache), now, now)
+        started = now if o.admitted_at is None else min(o.admitted_at, now)
+        return self.emit(facts, orphaned(facts, o.checkpoint, o.charged, o.cache), started,
+                         now)
 
     def _settlement(self, facts: RequestFacts, tokens: int) -> Callable[[], None] | None:
         if not facts.leased:

@@ -70,7 +70,9 @@ async def test_a_taken_ticket_becomes_the_requests_admission(ahead: AheadLimiter
     assert isinstance(await ahead.admit(req("r1", ts)), Admitted)  # through Redis
     await until(lambda: bool(ahead._shelf))  # the ticket for the next one
     before = taken()
-    got = await ahead.admit(req("r2", ts, reserve=60))
+    r2 = req("r2", ts, reserve=60)
+    r2 = AdmitRequest(r2.request_id, ts, 60, r2.now + 5.5, r2.meta)  # later than its ticket
+    got = await ahead.admit(r2)
     assert isinstance(got, Admitted) and got.owes_settlement
     assert taken() == before + 1
     await until(lambda: bool(ahead._shelf))  # bound, then the next ticket admitted
@@ -85,6 +87,7 @@ async def test_a_taken_ticket_becomes_the_requests_admission(ahead: AheadLimiter
     r = redis.Redis.from_url(redis_url)
     assert r.hget("gw:req:r2", "r") == b"60"
     assert r.hget("gw:req:r2", "m") == b'["k","t","m","r2",false]'  # the orphan sweep's facts
+    assert r.hget("gw:req:r2", "a") == str(int(r2.now * 1000)).encode()  # its own start
     await ahead.settle("r2", 7)  # settled by its request id, like any admission
     await ahead.settle("r1", 5)
     await until(lambda: state(redis_url)[0] == 5 + 7 + 60)

@@ -72,6 +72,7 @@ async def test_an_admission_writes_these_keys_with_these_ttls(
     assert set(db.keys("*")) == expected
     rec = db.hgetall("gw:req:a")
     assert rec["r"] == "100"
+    assert rec["a"] == str(now_ms)  # the admission's time: its orphan event's start
     assert rec["c"] == "\n".join(f"gw:conc:{t}" for t in ("model:m", "team:t", "key:k"))
     assert rec["t"] == "\n".join(k for t in ("model:m", "team:t", "key:k") for k in windows(t, T0))
     assert near(db.pttl("gw:req:a"), lim.record_ttl_ms)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from devspoke.procs import free_port, redis_service
+from gateway import metrics
 from gateway.errors import RedisLost, StoreInDoubt
 from gateway.limits import maths
 from gateway.limits.ahead import AheadLimiter
@@ -264,6 +265,28 @@ async def test_an_orphan_is_charged_its_last_checkpoint(limiter: Limiter) -> Non
     # 1000 - 67 left for the day: 933 fit, 934 do not
     assert isinstance(await lim.admit(req("big", [key], T0 + 92, reserve=934)), Refused)
     assert isinstance(await lim.admit(req("fits", [key], T0 + 92, reserve=933)), Admitted)
+
+
+async def test_an_orphan_comes_back_with_its_admission_time(limiter: Limiter) -> None:
+    """The sweep returns when the orphan was admitted (its event's `started_at`), also
+    for an admission swept by another request's id than it was first written under (a
+    ticket bound to its request: the request's own time)."""
+    ts = (tier("key", "at", concurrency=100, tokens_per_day=100_000),)
+    meta = '["at","t","m","/v1/chat/completions",true]'
+    taken = metrics.child(metrics.TICKETS, "taken")
+    before = taken._value.get()
+    for rid, at in (("first", T0 + 0.125), ("second", T0 + 2.5)):
+        assert isinstance(await limiter.admit(AdmitRequest(rid, ts, 100, at, meta=meta)),
+                          Admitted)
+        for _ in range(1000):  # admitting ahead: the next ticket is written (after a bind)
+            if not isinstance(limiter, AheadLimiter) or limiter._shelf:
+                break
+            await asyncio.sleep(0.01)
+    if isinstance(limiter, AheadLimiter):
+        assert taken._value.get() == before + 1  # "second" took the ticket "first" asked
+    orphans = {o.request_id: o for o in await limiter.sweep(T0 + 91)}
+    assert orphans["first"].admitted_at == T0 + 0.125
+    assert orphans["second"].admitted_at == T0 + 2.5
 
 
 async def test_a_live_request_id_is_never_admitted_twice(limiter: Limiter) -> None:

@@ -99,20 +99,23 @@ async def test_an_unweighted_orphan_is_charged_as_before(limiter: Limiter) -> No
 
 
 async def test_the_stored_checkpoint_is_byte_identical_without_weights(redis_url: str) -> None:
-    """What renew.lua stores: "prompt:completion" as before, a third field only weighted,
-    and the prompt's cached and cache-creation tokens after it when it has any."""
+    """What renew.lua stores: "prompt:completion" as before, a third field only weighted
+    (the format every sidecar's sweep reads), and the prompt's cached and cache-creation
+    tokens in a field of their own, `k`, for a weighted model ("0:0" when it has none)."""
     lim = RedisLimiter(RespClient(redis_url), lease_ttl=60, deadline=SLACK)
     r = aioredis.Redis.from_url(redis_url)
     try:
-        for rid, weights, used, stored in (("ck-plain", None, USED, b"100:7"),
-                                           ("ck-weighted", W, Usage(100, 7, 107), b"100:7:128"),
-                                           ("ck-cached", W, USED, b"100:7:94:40:8")):
+        for rid, weights, used, stored, cache in (
+                ("ck-plain", None, USED, b"100:7", None),
+                ("ck-weighted", W, Usage(100, 7, 107), b"100:7:128", b"0:0"),
+                ("ck-cached", W, USED, b"100:7:94", b"40:8")):
             assert isinstance(await lim.admit(AdmitRequest(rid, (_tier(rid),), 600, T0,
                                                            meta=META)), Admitted)
             ck = billing.checkpoint(_facts(weights), ResponseFacts(status=200, usage=used))
             assert ck is not None
             await lim.renew([rid], T0 + 10, {rid: ck})
             assert await r.hget(f"gw:req:{rid}", "u") == stored
+            assert await r.hget(f"gw:req:{rid}", "k") == cache
             await lim.settle(rid, 0)
     finally:
         await r.aclose()

@@ -152,12 +152,18 @@ async def test_an_orphans_event_counts_what_the_sweep_charged() -> None:
 
 
 def test_the_stored_checkpoint_reads_back_with_its_cache_counts() -> None:
-    """renew.lua stores the checkpoint as "p:c:w[:cached:created]"; the sweep reads it."""
-    assert redis_store._checkpoint("10:7:37:2:3") == (10, 7)
-    assert redis_store._cache("10:7:37:2:3") == (2, 3)
+    """renew.lua stores the checkpoint as "p:c[:w]" (`u`, the format every sidecar's sweep
+    reads) and a weighted one's cache counts as "cached:created" (`k`); the sweep reads
+    them back."""
+    assert redis_store._renewal((10, 7, 37, 2, 3)) == "10:7:37\x1f2:3"
+    assert redis_store._renewal((10, 7, 37)) == "10:7:37\x1f0:0"
+    assert redis_store._renewal((10, 7)) == "10:7"  # no `k`: the record of before
     assert redis_store._checkpoint("10:7:37") == (10, 7)
-    assert redis_store._cache("10:7:37") == (0, 0)
-    assert redis_store._cache("10:7") == (0, 0)
+    assert redis_store._checkpoint("10:7") == (10, 7)
+    assert redis_store._checkpoint("10:7:37:2:3") is None  # never `u`'s format
+    assert redis_store._cache("2:3") == (2, 3)
+    assert redis_store._cache("0:0") == (0, 0)
+    assert redis_store._cache("") == (0, 0)  # an older sidecar's record: no `k`
     assert billing.progress(Usage(10, 7, 17, 2, 0, 3), W) == (10, 7, 37, 2, 3)
     assert billing.progress(Usage(10, 7, 17), W) == (10, 7, 38)  # the format of before
     assert billing.progress(Usage(10, 7, 17, 2, 0, 3), None) == (10, 7)
