@@ -8,6 +8,7 @@ The limiter store failing (down, or past its deadline), or the usage spool unabl
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -41,6 +42,8 @@ from gateway.token_weights import TokenWeights
 # An admission the store fails logs its error at most this often (limiter_admission_failed):
 # every Check of an outage fails the same way.
 STORE_FAILED_LOG_S = 60.0
+# No request id with one of these is admitted: admit.lua splits on \x1f, \x1e starts a ticket.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,13 @@ class Authorizer:
             return _who(answers.bad_request(
                 "The request has no x-request-id; the gateway admits none without one."), key,
                 facts=facts)
+        if tiers and _CONTROL.search(req.request_id):
+            # The admission scripts join a request's fields with \x1f and know a ticket by
+            # its leading \x1e: such an id failed admit.lua for every request batched with
+            # it. Envoy refuses such a header (400); another caller of the Check may not.
+            return _who(answers.bad_request(
+                "The request's x-request-id has a control character; the gateway admits "
+                "none with one."), key, facts=facts)
         if tiers:
             try:
                 verdict = await self._admit(AdmitRequest(

@@ -155,7 +155,9 @@ def read_number(text: str) -> int | float:
 _U = "_*"  # Decimal drops every '_' of the stripped text: `1_000`, even `_1` and `1__0`
 _DIGIT = "[0-9]_*"
 _ZERO = "0_*"
-_EXP = f"[eE]{_U}[-+]?{_U}(?:{_DIGIT})+"
+# Each '_' run has one place to go (never `_*[-+]?_*`: a long run of '_' would be split
+# every way before a mismatch fails it, seconds for 10 kB in Python's re).
+_EXP = f"[eE]{_U}(?:[-+]{_U})?(?:{_DIGIT})+"
 
 
 def _mantissa(digit: str) -> str:
@@ -163,12 +165,13 @@ def _mantissa(digit: str) -> str:
 
 
 def _text(*bodies: str, nonzero: bool = False) -> dict[str, str]:
-    ahead = "(?=[^eE]*[1-9])" if nonzero else ""  # a non-zero digit before any exponent
-    return {"type": "string", "pattern": f"^\\s*{ahead}(?:{'|'.join(bodies)})\\s*$"}
+    # a non-zero digit before any exponent; looked for once, before the leading blanks
+    ahead = "(?=[^eE]*[1-9])" if nonzero else ""
+    return {"type": "string", "pattern": f"^{ahead}\\s*(?:{'|'.join(bodies)})\\s*$"}
 
 
 _ANY = f"{_mantissa(_DIGIT)}(?:{_EXP})?"
-_PLUS = f"{_U}\\+?{_U}"  # no sign, or +
+_PLUS = f"{_U}(?:\\+{_U})?"  # no sign, or +
 _NEG_ZERO = f"{_U}-{_U}{_mantissa(_ZERO)}(?:{_EXP})?"  # -0 is 0
 _WHOLE = f"(?:(?:{_DIGIT})+(?:\\.{_U}(?:{_ZERO})*)?|\\.{_U}(?:{_ZERO})+)"  # no fraction
 _NONNEG_TEXT = _text(_PLUS + _ANY, _NEG_ZERO)

@@ -52,6 +52,9 @@ def _read(text: str | bytes, source: str) -> tuple[Any, Scalars]:
         raise PolicyError([_not_text(text, exc)], source) from exc
     except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. a timestamp of Feb 30
         raise PolicyError([f"(document): not valid YAML/JSON: {exc}"], source) from exc
+    except RecursionError as exc:  # PyYAML composes and constructs recursively (orjson
+        # refuses past 1024 levels and leaves such JSON to it): no policy nests like this
+        raise PolicyError(["(document): nested too deeply"], source) from exc
 
 
 def _not_text(text: str | bytes, exc: yaml.reader.ReaderError) -> str:

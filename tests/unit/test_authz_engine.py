@@ -840,3 +840,20 @@ async def test_count_tokens_is_still_held_to_rps_and_concurrency() -> None:
     assert isinstance(await busy.check(chat(max_tokens=10)), Allow)
     d = denied(await busy.check(chat(), path=COUNT), 429, "rate_limit_exceeded")
     assert d.reason == "concurrency"
+
+
+@pytest.mark.parametrize("rid", ["r\x1f1", "\x1eticket", "r\n1", "r\x7f"],
+                         ids=["unit-separator", "ticket-prefix", "newline", "del"])
+async def test_a_request_id_with_a_control_character_is_refused_before_the_store(
+        rid: str) -> None:
+    """The admission scripts join a request's fields with \\x1f, and an id that starts with
+    \\x1e is a ticket (gateway/limits/ahead.py): an id "r\\x1f1" failed admit.lua for its
+    whole batch (every request in it answered 503, those before it committed all the same),
+    so such an id is a bad request, as a missing one is. Envoy 1.40 refuses such a header
+    itself (400); a Check from another caller may carry one."""
+    gate = Gate(policy(key_limits="{concurrency: 4}"))
+    h = {"authorization": f"Bearer {SECRETS['alice']}"}
+    d = await gate.authz.check(AuthzRequest(rid, "POST", "/v1/chat/completions", h,
+                                            json.dumps(chat()).encode()))
+    assert "x-request-id" in denied(d, 400, "invalid_request_error").message
+    assert gate.limiter.calls == 0

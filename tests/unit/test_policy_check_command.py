@@ -66,3 +66,19 @@ def test_stdin(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"models: {m: {}}\n")))
     assert main(["policy", "check", "-"]) == 0
     assert capsys.readouterr().out == "-: valid (1 model, 0 teams, 0 keys)\n"
+
+
+@pytest.mark.parametrize("text", ["a: " + "[" * 5000 + "]" * 5000 + "\n",
+                                  '{"models": ' + "[" * 5000 + "]" * 5000 + "}"],
+                         ids=["yaml", "json"])
+def test_a_document_nested_too_deeply_is_invalid_not_a_crash(
+        text: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """PyYAML composes recursively (orjson refuses past 1024 levels and hands it over): a
+    deep file was a RecursionError traceback, exit 1, and the files after it unchecked."""
+    deep, good = tmp_path / "deep.yaml", POLICIES / "valid.yaml"
+    deep.write_text(text)
+    assert main(["policy", "check", str(deep), str(good)]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{good}: valid")
+    head, *problems = err.splitlines()
+    assert head == f"{deep}: invalid:" and problems == ["  (document): nested too deeply"]

@@ -20,6 +20,7 @@ import hashlib
 import json
 import re
 import string
+import time
 from pathlib import Path
 from typing import Any
 
@@ -410,3 +411,32 @@ def test_whole_documents_schema_agrees_with_the_loader(doc: dict[str, Any]) -> N
         if isinstance(entry.get("expires_at"), (int, float)):
             entry.pop("expires_at")  # a Unix time past 9999: pydantic's range
     assert schema_ok(doc) == loader_ok(doc), json.dumps(doc)[:400]
+
+
+def _patterns(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        return {v for k, v in node.items() if k == "pattern" and isinstance(v, str)} | {
+            p for k, v in node.items() if k != "pattern" for p in _patterns(v)}
+    if isinstance(node, list):
+        return {p for v in node for p in _patterns(v)}
+    return set()
+
+
+# Runs a pattern could split more than one way, each followed by what fails it at the end.
+_ADVERSARIAL = [pre + unit * (20_000 // len(unit)) + end
+                for unit in ("_", " ", "1_", "0_", "a-", "/a", "._")
+                for pre in ("", "1e", "-", " ")
+                for end in ("x", "")]
+
+
+@pytest.mark.parametrize("pattern", sorted(_patterns(SCHEMA)))
+def test_no_pattern_backtracks_for_long_input(pattern: str) -> None:
+    """An editor or CI validates whatever is in the file: every pattern answers a 20 kB value
+    in linear time (`_*\\+?_*`, two stars either side of an optional sign, tried every split
+    of a run of '_': ~20 s in Python's re for 20 kB, the number fields' text patterns)."""
+    rx = re.compile(pattern)
+    for text in _ADVERSARIAL:
+        started = time.perf_counter()
+        rx.search(text)
+        took = time.perf_counter() - started
+        assert took < 0.5, (pattern[:60], text[:8], len(text), f"{took:.2f} s")
