@@ -130,7 +130,10 @@ def cmd_policy_check(args: argparse.Namespace) -> int:
             bad += 1
             continue
         doc = policy.doc
-        warn(tuple(f"{name}: {w}" for w in doc.acl_warnings()))
+        empty = () if doc.models else (  # valid, but what apply and publish refuse unasked
+            "no models: every request would be refused (404); policy apply and hub publish "
+            "refuse it without --allow-empty",)
+        warn(tuple(f"{name}: {w}" for w in (*empty, *doc.acl_warnings())))
         counts = ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in (
             (len(doc.models), "model"), (len(doc.teams), "team"), (len(doc.keys), "key")))
         print(f"{name}: valid ({counts})")

@@ -16,7 +16,7 @@ for i = 4, #ARGV do
   local rk = 'gw:req:' .. rid
   local leases = redis.call('HGET', rk, 'c')
   if leases then
-    if kc ~= '' then
+    if kc ~= '' and ck ~= '' then  -- cache counts only beside a checkpoint
       redis.call('HSET', rk, 'u', ck, 'k', kc)
     elseif ck ~= '' then
       redis.call('HSET', rk, 'u', ck)

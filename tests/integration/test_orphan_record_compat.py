@@ -192,3 +192,17 @@ def test_an_orphans_event_never_starts_after_it_ends(tmp_path: Path) -> None:
                    Ledger(MemoryLimiter(), SystemClock(), 60, 60))
     event = rec.orphan(Orphan("ahead", META, 0, admitted_at=time.time() + 3600))
     assert event.started_at == event.ended_at
+
+
+async def test_cache_counts_without_a_checkpoint_leave_the_checkpoint_alone(
+        lim: RedisLimiter, db: aioredis.Redis) -> None:
+    """renew.lua given "rid\\31\\31cached:created" (no checkpoint; this version never sends
+    it) keeps the record's checkpoint: it used to overwrite `u` with '', and the sweep
+    then charged 0."""
+    assert isinstance(await lim.admit(AdmitRequest("n4", (TIER,), 600, T0, meta=META)),
+                      Admitted)
+    await lim.renew(["n4"], T0 + 10, {"n4": (100, 7, 94, 40, 8)})
+    renew = (Path(__file__).parents[2] / "gateway" / "limits" / "renew.lua").read_text()
+    await db.eval(renew, 0, int((T0 + 20) * 1000), 60_000, 86_400_000, "n4\x1f\x1f1:2")
+    assert (await db.hget("gw:req:n4", "u"), await db.hget("gw:req:n4", "k")) == (
+        b"100:7:94", b"40:8")

@@ -82,3 +82,14 @@ def test_a_document_nested_too_deeply_is_invalid_not_a_crash(
     assert out.startswith(f"{good}: valid")
     head, *problems = err.splitlines()
     assert head == f"{deep}: invalid:" and problems == ["  (document): nested too deeply"]
+
+
+def test_a_document_with_no_models_is_valid_but_said(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Valid, but `policy apply` and `hub publish` refuse it without --allow-empty."""
+    path = tmp_path / "empty.yaml"
+    path.write_text("{}\n")
+    assert main(["policy", "check", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{path}: valid (0 models, 0 teams, 0 keys)\n"
+    assert err.startswith(f"warning: {path}: no models:") and "--allow-empty" in err
