@@ -2,6 +2,11 @@
 policy changes, then the fault suite's invariants and a summary table.
 
     .venv/bin/python benchmarks/soak.py [--minutes 10] [--concurrency 8] [--out FILE]
+        [--no-policy-changes] [--sidecar-env KEY=VALUE ...]
+
+`--no-policy-changes` keeps the first policy revision (to tell revision-driven memory growth
+from traffic-driven); `--sidecar-env` adds to the sidecar's environment (e.g.
+MALLOC_ARENA_MAX=2, PYTHONMALLOC=malloc) to tell native fragmentation from a leak.
 """
 
 from __future__ import annotations
@@ -54,10 +59,19 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--interval", type=float, default=30, help="seconds per row")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/soak.json"))
+    ap.add_argument("--no-policy-changes", action="store_true",
+                    help="publish no policy revision during the run")
+    ap.add_argument("--sidecar-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra variable in the sidecar's environment (repeatable)")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
-    spoke, keys = start_spoke(workdir / "spoke", sidecar_env={"GATEWAY_LEASE_TTL_S": "10",
-                                                              "GATEWAY_LOG_LEVEL": "warning"})
+    sidecar_env = {"GATEWAY_LEASE_TTL_S": "10", "GATEWAY_LOG_LEVEL": "warning"}
+    for item in args.sidecar_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--sidecar-env wants KEY=VALUE, not {item!r}")
+        sidecar_env[key] = value
+    spoke, keys = start_spoke(workdir / "spoke", sidecar_env=sidecar_env)
     rows = []
     try:
         pid = spoke["sidecar"].pid
@@ -70,9 +84,10 @@ def main() -> int:
         revision = 0
         while time.monotonic() - start < args.minutes * 60:
             time.sleep(args.interval)
-            doc = policy_doc(keys)  # a policy change every row: a limit flips
-            doc["teams"]["t1"]["limits"] = {"rps": 100000 + revision % 2}
-            revision = publish(spoke.redis_url, doc)
+            if not args.no_policy_changes:
+                doc = policy_doc(keys)  # a policy change every row: a limit flips
+                doc["teams"]["t1"]["limits"] = {"rps": 100000 + revision % 2}
+                revision = publish(spoke.redis_url, doc)
             now = histogram(spoke.metrics_url)
             delta = {k: now[k] - prev.get(k, 0) for k in now}
             n = len(load.results)
@@ -94,7 +109,9 @@ def main() -> int:
             "engine_reported_tokens": engine["usage_reported"]["prompt_tokens"]
             + engine["usage_reported"]["completion_tokens"],
             "leaked_slots": 0, "rss_start_mib": round(rss_start, 1),
-            "rss_end_mib": round(rss_mib(pid), 1), "invariants": "hold", "rows": rows,
+            "rss_end_mib": round(rss_mib(pid), 1), "invariants": "hold",
+            "policy_changes": not args.no_policy_changes, "sidecar_env": args.sidecar_env,
+            "rows": rows,
         }
     finally:
         spoke.stop()
