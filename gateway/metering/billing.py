@@ -81,10 +81,9 @@ def progress(u: Usage, weights: TokenWeights | None) -> Checkpoint:
     any: an orphan's event carries them, so it counts what the sweep charged."""
     if weights is None:
         return u.prompt_tokens, u.completion_tokens
-    if u.cached_tokens or u.cache_creation_tokens:
-        return (u.prompt_tokens, u.completion_tokens, limit_tokens(u, weights),
-                u.cached_tokens, u.cache_creation_tokens)
-    return u.prompt_tokens, u.completion_tokens, limit_tokens(u, weights)
+    weighted = u.prompt_tokens, u.completion_tokens, limit_tokens(u, weights)
+    cache = u.cached_tokens, u.cache_creation_tokens
+    return (*weighted, *cache) if any(cache) else weighted
 
 
 def settle(request: RequestFacts, response: ResponseFacts) -> Billed:
